@@ -1,0 +1,108 @@
+"""Errors as problem details (RFC 9457): `{"type", "title", "status", "detail"}` plus `errors`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import JsonResponse
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import exception_handler
+
+TYPE_BASE = "https://docs.cronlease.dev/problems/"
+
+TITLES = {
+    400: "Bad request",
+    401: "Not authenticated",
+    403: "Forbidden",
+    404: "Not found",
+    405: "Method not allowed",
+    409: "Conflict",
+    413: "Payload too large",
+    415: "Unsupported media type",
+    429: "Too many requests",
+    500: "Internal server error",
+}
+
+
+class Conflict(exceptions.APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_detail = "The request conflicts with the current state."
+    default_code = "conflict"
+
+
+class PayloadTooLarge(exceptions.APIException):
+    status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
+    default_detail = "The payload is larger than the limit."
+    default_code = "payload_too_large"
+
+
+def problem(
+    status_code: int, detail: str, *, code: str | None = None, errors: Any = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "type": TYPE_BASE + (code or TITLES.get(status_code, "error").lower().replace(" ", "-")),
+        "title": TITLES.get(status_code, "Error"),
+        "status": status_code,
+        "detail": detail,
+    }
+    if errors:
+        body["errors"] = errors
+    return body
+
+
+def flatten_errors(detail: Any, prefix: str = "") -> dict[str, list[str]]:
+    """Turn DRF's nested error structure into {"retry.maxAttempts": ["…"]}."""
+    flat: dict[str, list[str]] = {}
+    if isinstance(detail, dict):
+        for key, value in detail.items():
+            name = key if key != "non_field_errors" else ""
+            path = f"{prefix}.{name}" if prefix and name else (prefix or name or "body")
+            for sub_path, messages in flatten_errors(value, path).items():
+                flat.setdefault(sub_path, []).extend(messages)
+    elif isinstance(detail, list):
+        if all(not isinstance(item, dict | list) for item in detail):
+            flat[prefix or "body"] = [str(item) for item in detail]
+        else:
+            for index, item in enumerate(detail):
+                for sub_path, messages in flatten_errors(item, f"{prefix}[{index}]").items():
+                    flat.setdefault(sub_path, []).extend(messages)
+    else:
+        flat[prefix or "body"] = [str(detail)]
+    return flat
+
+
+def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
+    response = exception_handler(exc, context)
+    if response is None:
+        return None
+    code = getattr(exc, "default_code", None)
+    if isinstance(exc, exceptions.ValidationError):
+        errors = flatten_errors(exc.detail)
+        fields = ", ".join(sorted(errors))
+        body = problem(400, f"Invalid input: {fields}.", code="invalid-input", errors=errors)
+    else:
+        detail = exc.detail if isinstance(exc, exceptions.APIException) else str(exc)
+        if isinstance(detail, dict | list):
+            body = problem(
+                response.status_code, "See errors.", code=code, errors=flatten_errors(detail)
+            )
+        else:
+            body = problem(response.status_code, str(detail), code=code)
+    response.data = body
+    response.content_type = "application/problem+json"
+    return response
+
+
+def json_problem(status_code: int, detail: str) -> JsonResponse:
+    return JsonResponse(
+        problem(status_code, detail), status=status_code, content_type="application/problem+json"
+    )
+
+
+def not_found(request, exception=None) -> JsonResponse:
+    return json_problem(404, "No such resource.")
+
+
+def server_error(request) -> JsonResponse:
+    return json_problem(500, "The server failed; the error has been logged.")

@@ -1,0 +1,366 @@
+"""The management API: job definitions, runs and the dead-letter queue of the token's team."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.db import IntegrityError
+from django.db.models import QuerySet
+from django.utils.dateparse import parse_datetime
+from rest_framework import status
+from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from apps.api.errors import Conflict
+from apps.api.serializers import (
+    CreateRunSerializer,
+    DefinitionSerializer,
+    PreviewSerializer,
+    RunIdsOrFilterSerializer,
+    attempt_json,
+    definition_json,
+    run_json,
+)
+from apps.audit.record import Actor
+from apps.jobs import schedule as sched
+from apps.jobs import services
+from apps.jobs.models import JobDefinition
+from apps.runs import transitions
+from apps.runs.ids import parse_run_id
+from apps.runs.models import WAITING_STATES, Run, State
+
+PAGE_DEFAULT = 50
+PAGE_MAX = 500
+
+
+class ManageView(APIView):
+    required_scope = "manage"
+
+    def actor(self, request: Request) -> Actor:
+        return Actor.for_token(request.auth)
+
+    def team(self, request: Request):
+        return request.auth.team
+
+    def definition(self, request: Request, name: str) -> JobDefinition:
+        definition = (
+            JobDefinition.objects.select_related("team")
+            .filter(name=name, team=self.team(request))
+            .first()
+        )
+        if definition is None:
+            raise NotFound(f"No job named '{name}'.")
+        return definition
+
+    def run(self, request: Request, run_id: str) -> Run:
+        pk = parse_run_id(run_id)
+        run = (
+            Run.objects.select_related("definition", "team")
+            .filter(pk=pk, team=self.team(request))
+            .first()
+            if pk is not None
+            else None
+        )
+        if run is None:
+            raise NotFound("No such run.")
+        return run
+
+
+def _validated_definition(data: Any, *, name: str | None = None) -> services.DefinitionSpec:
+    if name is not None and isinstance(data, dict):
+        if "name" in data and data["name"] != name:
+            raise ValidationError({"name": [f"Does not match the name in the path ('{name}')."]})
+        data = {**data, "name": name}
+    serializer = DefinitionSerializer(data=data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.to_spec()
+
+
+def _name_taken_elsewhere(name: str, team) -> bool:
+    return JobDefinition.objects.filter(name=name).exclude(team=team).exists()
+
+
+class JobsView(ManageView):
+    def get(self, request: Request) -> Response:
+        definitions = (
+            JobDefinition.objects.select_related("team")
+            .filter(team=self.team(request))
+            .order_by("name")
+        )
+        return Response({"results": [definition_json(d) for d in definitions]})
+
+    def post(self, request: Request) -> Response:
+        spec = _validated_definition(request.data)
+        team = self.team(request)
+        if _name_taken_elsewhere(spec.name, team):
+            raise PermissionDenied(f"The job name '{spec.name}' belongs to another team.")
+        if JobDefinition.objects.filter(name=spec.name).exists():
+            raise Conflict(f"A job named '{spec.name}' exists; use PUT to replace it.")
+        try:
+            definition = services.create_definition(team, spec, self.actor(request))
+        except IntegrityError as exc:
+            raise Conflict(f"A job named '{spec.name}' exists.") from exc
+        return Response(definition_json(definition), status=status.HTTP_201_CREATED)
+
+
+class JobDetailView(ManageView):
+    def get(self, request: Request, name: str) -> Response:
+        return Response(definition_json(self.definition(request, name)))
+
+    def put(self, request: Request, name: str) -> Response:
+        """Create or replace a definition by name: jobs as code."""
+        spec = _validated_definition(request.data, name=name)
+        team = self.team(request)
+        if _name_taken_elsewhere(name, team):
+            raise PermissionDenied(f"The job name '{name}' belongs to another team.")
+        existing = JobDefinition.objects.select_related("team").filter(name=name, team=team).first()
+        if existing is None:
+            try:
+                definition = services.create_definition(team, spec, self.actor(request))
+            except IntegrityError as exc:
+                raise Conflict(f"A job named '{name}' was created concurrently.") from exc
+            return Response(definition_json(definition), status=status.HTTP_201_CREATED)
+        definition = services.update_definition(existing, spec, self.actor(request))
+        return Response(definition_json(definition))
+
+    def patch(self, request: Request, name: str) -> Response:
+        definition = self.definition(request, name)
+        if not isinstance(request.data, dict):
+            raise ValidationError({"body": ["Expected a JSON object."]})
+        merged = services.snapshot(definition)
+        for key, value in request.data.items():
+            if key == "retry" and isinstance(value, dict):
+                merged["retry"] = {**merged["retry"], **value}
+            else:
+                merged[key] = value
+        spec = _validated_definition(merged, name=name)
+        return Response(
+            definition_json(services.update_definition(definition, spec, self.actor(request)))
+        )
+
+    def delete(self, request: Request, name: str) -> Response:
+        services.delete_definition(self.definition(request, name), self.actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class JobPauseView(ManageView):
+    paused = True
+
+    def post(self, request: Request, name: str) -> Response:
+        definition = services.set_paused(
+            self.definition(request, name), self.paused, self.actor(request)
+        )
+        return Response(definition_json(definition))
+
+
+class JobResumeView(JobPauseView):
+    paused = False
+
+
+class JobTriggerView(ManageView):
+    def post(self, request: Request, name: str) -> Response:
+        definition = self.definition(request, name)
+        created = transitions.create_run(
+            definition, self.actor(request), idempotency_key=None, trigger="api"
+        )
+        return Response(
+            run_json(created.run, services.database_now()), status=status.HTTP_201_CREATED
+        )
+
+
+class JobRunsView(ManageView):
+    def post(self, request: Request, name: str) -> Response:
+        definition = self.definition(request, name)
+        body = CreateRunSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        created = transitions.create_run(
+            definition,
+            self.actor(request),
+            idempotency_key=data["idempotencyKey"],
+            delay_seconds=data["delaySeconds"],
+            run_at=data["runAt"],
+            payload=data["payload"],
+        )
+        code = status.HTTP_201_CREATED if created.created else status.HTTP_200_OK
+        return Response(run_json(created.run, services.database_now()), status=code)
+
+
+def _parse_from(raw: str | None) -> datetime:
+    if raw is None or raw == "":
+        return services.database_now()
+    value = parse_datetime(raw.replace(" ", "+")) if isinstance(raw, str) else None
+    if value is None or value.tzinfo is None:
+        raise ValidationError({"from": ["Give an ISO 8601 time with an offset or Z."]})
+    return value
+
+
+def _parse_count(raw: Any) -> int:
+    if raw is None or raw == "":
+        return 10
+    try:
+        count = int(raw)
+    except (TypeError, ValueError):
+        raise ValidationError({"count": ["A whole number from 1 to 1000."]}) from None
+    if not 1 <= count <= 1000 or isinstance(raw, bool):
+        raise ValidationError({"count": ["A whole number from 1 to 1000."]})
+    return count
+
+
+class JobPreviewView(ManageView):
+    def get(self, request: Request, name: str) -> Response:
+        definition = self.definition(request, name)
+        count = _parse_count(request.query_params.get("count"))
+        after = _parse_from(request.query_params.get("from"))
+        schedule = sched.parse_schedule(definition.schedule)
+        times = sched.preview(
+            definition.name, schedule, after, count, created_at=definition.created_at
+        )
+        return Response({"times": times})
+
+
+class PreviewView(ManageView):
+    """Preview a schedule that is not saved (the edit form's live preview)."""
+
+    def post(self, request: Request) -> Response:
+        body = PreviewSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        after = _parse_from(request.data.get("from") if isinstance(request.data, dict) else None)
+        schedule = sched.parse_schedule(data["schedule"])
+        return Response(
+            {"times": sched.preview(data["name"], schedule, after, data["count"], created_at=after)}
+        )
+
+
+# --- runs ---------------------------------------------------------------------------------
+
+
+def filter_runs(queryset: QuerySet, params: Any, now: datetime) -> QuerySet:
+    """Apply the runs filters of the query string (`state`, `job`, `queue`, `since`)."""
+    state = params.get("state")
+    if state:
+        if state not in State.values:
+            raise ValidationError({"state": [f"One of {', '.join(State.values)}."]})
+        if state == State.READY:
+            queryset = queryset.filter(state__in=WAITING_STATES, available_at__lte=now)
+        elif state in (State.SCHEDULED, State.RETRYING):
+            queryset = queryset.filter(state=state, available_at__gt=now)
+        else:
+            queryset = queryset.filter(state=state)
+    if params.get("job"):
+        queryset = queryset.filter(definition__name=params["job"])
+    if params.get("queue"):
+        queryset = queryset.filter(queue=params["queue"])
+    if params.get("since"):
+        since = parse_datetime(str(params["since"]).replace(" ", "+"))
+        if since is None or since.tzinfo is None:
+            raise ValidationError({"since": ["Give an ISO 8601 time with an offset or Z."]})
+        queryset = queryset.filter(created_at__gte=since)
+    return queryset
+
+
+def paginate(request: Request, queryset: QuerySet, now: datetime) -> Response:
+    """Keyset pagination, newest first: `?cursor=<last runId>&limit=N`; no COUNT(*)."""
+    try:
+        limit = int(request.query_params.get("limit") or PAGE_DEFAULT)
+    except ValueError:
+        raise ValidationError({"limit": [f"A whole number from 1 to {PAGE_MAX}."]}) from None
+    if not 1 <= limit <= PAGE_MAX:
+        raise ValidationError({"limit": [f"A whole number from 1 to {PAGE_MAX}."]})
+    cursor = request.query_params.get("cursor")
+    if cursor:
+        pk = parse_run_id(cursor)
+        if pk is None:
+            raise ValidationError({"cursor": ["Not a cursor from a previous page."]})
+        queryset = queryset.filter(pk__lt=pk)
+    page = list(queryset.order_by("-pk")[: limit + 1])
+    more = len(page) > limit
+    page = page[:limit]
+    next_url = None
+    if more:
+        query = request.query_params.copy()
+        query["cursor"] = page[-1].run_id
+        next_url = request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
+    return Response({"results": [run_json(run, now) for run in page], "next": next_url})
+
+
+def team_runs(view: ManageView, request: Request) -> QuerySet:
+    return Run.objects.select_related("definition", "team").filter(team=view.team(request))
+
+
+class RunsView(ManageView):
+    def get(self, request: Request) -> Response:
+        now = services.database_now()
+        return paginate(
+            request, filter_runs(team_runs(self, request), request.query_params, now), now
+        )
+
+
+class RunDetailView(ManageView):
+    def get(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        body = run_json(run, services.database_now())
+        body["attempts"] = [attempt_json(a) for a in run.attempts.order_by("fencing_token")]
+        return Response(body)
+
+
+class RunCancelView(ManageView):
+    def post(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        try:
+            run = transitions.require_one(
+                transitions.cancel([run], self.actor(request)), run, "cancel"
+            )
+        except transitions.TransitionError as exc:
+            raise Conflict(str(exc)) from exc
+        return Response(run_json(run, services.database_now()))
+
+
+class RunRetryView(ManageView):
+    def post(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        try:
+            run = transitions.require_one(
+                transitions.retry([run], self.actor(request)), run, "retry"
+            )
+        except transitions.TransitionError as exc:
+            raise Conflict(str(exc)) from exc
+        return Response(run_json(run, services.database_now()))
+
+
+# --- dead-letter queue ---------------------------------------------------------------------
+
+
+class DlqView(ManageView):
+    def get(self, request: Request) -> Response:
+        now = services.database_now()
+        params = {key: value for key, value in request.query_params.items() if key != "state"}
+        queryset = filter_runs(team_runs(self, request).filter(state=State.DEAD), params, now)
+        return paginate(request, queryset, now)
+
+
+class DlqActionView(ManageView):
+    action_name = "requeue"
+
+    def post(self, request: Request) -> Response:
+        body = RunIdsOrFilterSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        dead = team_runs(self, request).filter(state=State.DEAD)
+        if "runIds" in data:
+            pks = [parse_run_id(run_id) for run_id in data["runIds"]]
+            dead = dead.filter(pk__in=[pk for pk in pks if pk is not None])
+        else:
+            dead = filter_runs(dead, data["filter"], services.database_now())
+        runs = list(dead.order_by("pk")[:10000])
+        action = transitions.requeue if self.action_name == "requeue" else transitions.discard
+        changed = action(runs, self.actor(request))
+        return Response({"count": len(changed), "runIds": [run.run_id for run in changed]})
+
+
+class DlqDiscardView(DlqActionView):
+    action_name = "discard"

@@ -1,0 +1,228 @@
+"""The worker lease protocol: lease, heartbeat, complete, fail, and their batch forms."""
+
+from __future__ import annotations
+
+import time
+
+from rest_framework.exceptions import NotFound
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from apps.api.errors import Conflict
+from apps.api.serializers import (
+    BatchHeartbeatSerializer,
+    BatchResultSerializer,
+    CompleteSerializer,
+    FailSerializer,
+    LeaseRequestSerializer,
+    TokenSerializer,
+    iso,
+)
+from apps.jobs.models import PRIORITY_NAMES
+from apps.jobs.services import database_now
+from apps.runs import store
+from apps.runs.ids import parse_run_id, public_run_id
+from apps.runs.waiting import listener
+
+
+class WorkerView(APIView):
+    required_scope = "worker"
+
+    def team_ids(self, request: Request) -> list[int]:
+        return [request.auth.team_id]
+
+
+def lease_json(lease: store.Lease) -> dict:
+    return {
+        "runId": public_run_id(lease.id),
+        "job": lease.job,
+        "attempt": lease.attempt,
+        "idempotencyKey": lease.idempotency_key,
+        "fencingToken": lease.fencing_token,
+        "leaseExpiresAt": iso(lease.lease_expires_at),
+        "payload": lease.payload,
+        "queue": lease.queue,
+        "priority": PRIORITY_NAMES[lease.priority],
+        "maxAttempts": lease.max_attempts,
+        "dueAt": iso(lease.due_at),
+        "dryRun": lease.dry_run,
+    }
+
+
+class LeasesView(WorkerView):
+    """Claim up to `max` runs; with `waitSeconds`, wait for work (woken by NOTIFY) before answering empty."""
+
+    def post(self, request: Request) -> Response:
+        body = LeaseRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        args = body.validated_data
+        team_ids = self.team_ids(request)
+        deadline = time.monotonic() + args["waitSeconds"]
+        if args["waitSeconds"]:
+            listener.ensure_started()
+        while True:
+            seen = listener.generation
+            leases = store.claim(
+                queues=args["queues"],
+                max_runs=args["max"],
+                worker_id=args["workerId"],
+                lease_seconds=args["leaseSeconds"],
+                team_ids=team_ids,
+            )
+            left = deadline - time.monotonic()
+            if leases or left <= 0:
+                return Response({"leases": [lease_json(lease) for lease in leases]})
+            listener.wait(seen, min(left, self._until_next_available(args["queues"], team_ids)))
+
+    @staticmethod
+    def _until_next_available(queues: list[str], team_ids: list[int]) -> float:
+        """Seconds until the earliest waiting run of these queues becomes claimable by the clock."""
+        upcoming = store.next_available_at(queues, team_ids)
+        if upcoming is None:
+            return 5.0
+        # Re-check at least every 5 s: a NOTIFY lost with a dropped connection costs no more.
+        return max(0.01, min(5.0, (upcoming - database_now()).total_seconds()))
+
+
+def _run_pk(run_id: str) -> int:
+    pk = parse_run_id(run_id)
+    if pk is None:
+        raise NotFound("No such run.")
+    return pk
+
+
+def _single(outcome: store.Outcome) -> None:
+    if outcome.status == 404:
+        raise NotFound("No such run.")
+    if outcome.status == 409:
+        raise Conflict(outcome.detail)
+
+
+class HeartbeatView(WorkerView):
+    def post(self, request: Request, run_id: str) -> Response:
+        pk = _run_pk(run_id)
+        body = TokenSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        (outcome,) = store.heartbeat(
+            [(pk, body.validated_data["fencingToken"])], team_ids=self.team_ids(request)
+        )
+        _single(outcome)
+        return Response({"runId": run_id, "leaseExpiresAt": iso(outcome.lease_expires_at)})
+
+
+class CompleteView(WorkerView):
+    def post(self, request: Request, run_id: str) -> Response:
+        pk = _run_pk(run_id)
+        body = CompleteSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        (outcome,) = store.complete(
+            [(pk, data["fencingToken"], data["result"])], team_ids=self.team_ids(request)
+        )
+        _single(outcome)
+        return Response({"runId": run_id, "state": outcome.state})
+
+
+class FailView(WorkerView):
+    def post(self, request: Request, run_id: str) -> Response:
+        pk = _run_pk(run_id)
+        body = FailSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        (outcome,) = store.fail(
+            [(pk, data["fencingToken"], dict(data["error"]), data["retryable"])],
+            team_ids=self.team_ids(request),
+        )
+        _single(outcome)
+        return Response(
+            {"runId": run_id, "state": outcome.state, "availableAt": _retry_at(outcome)}
+        )
+
+
+def _retry_at(outcome: store.Outcome) -> str | None:
+    return iso(outcome.available_at) if outcome.state == "retrying" else None
+
+
+def _item_json(run_id: str, outcome: store.Outcome, extra: dict) -> dict:
+    if outcome.status != 200:
+        return {
+            "runId": run_id,
+            "status": outcome.status,
+            "detail": outcome.detail or "No such run.",
+        }
+    return {"runId": run_id, "status": 200, **extra}
+
+
+def _known(items: list[dict]) -> list[tuple[int, dict]]:
+    """The items whose run id is well formed; the others are answered 404 without a query."""
+    parsed = ((parse_run_id(item["runId"]), item) for item in items)
+    return [(pk, item) for pk, item in parsed if pk is not None]
+
+
+class BatchHeartbeatsView(WorkerView):
+    def post(self, request: Request) -> Response:
+        body = BatchHeartbeatSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        items = body.validated_data["leases"]
+        known = _known(items)
+        outcomes = (
+            store.heartbeat(
+                [(pk, item["fencingToken"]) for pk, item in known], team_ids=self.team_ids(request)
+            )
+            if known
+            else []
+        )
+        by_pk = {outcome.id: outcome for outcome in outcomes}
+        answer = []
+        for item in items:
+            pk = parse_run_id(item["runId"])
+            outcome = by_pk.get(pk) if pk is not None else None
+            if outcome is None:
+                answer.append({"runId": item["runId"], "status": 404, "detail": "No such run."})
+            else:
+                answer.append(
+                    _item_json(
+                        item["runId"], outcome, {"leaseExpiresAt": iso(outcome.lease_expires_at)}
+                    )
+                )
+        return Response({"leases": answer})
+
+
+class BatchResultsView(WorkerView):
+    def post(self, request: Request) -> Response:
+        body = BatchResultSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        items = body.validated_data["results"]
+        known = _known(items)
+        team_ids = self.team_ids(request)
+        succeeded = [
+            (pk, item["fencingToken"], item["result"])
+            for pk, item in known
+            if item["outcome"] == "succeeded"
+        ]
+        failed = [
+            (pk, item["fencingToken"], dict(item["error"]), item["retryable"])
+            for pk, item in known
+            if item["outcome"] == "failed"
+        ]
+        by_pk: dict[int, store.Outcome] = {}
+        for outcome in (store.complete(succeeded, team_ids=team_ids) if succeeded else []) + (
+            store.fail(failed, team_ids=team_ids) if failed else []
+        ):
+            by_pk[outcome.id] = outcome
+        answer = []
+        for item in items:
+            pk = parse_run_id(item["runId"])
+            outcome = by_pk.get(pk) if pk is not None else None
+            if outcome is None:
+                answer.append({"runId": item["runId"], "status": 404, "detail": "No such run."})
+            else:
+                answer.append(
+                    _item_json(
+                        item["runId"],
+                        outcome,
+                        {"state": outcome.state, "availableAt": _retry_at(outcome)},
+                    )
+                )
+        return Response({"results": answer})

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class JobsConfig(AppConfig):
+    name = "apps.jobs"
+    label = "jobs"

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+from django.db import models
+
+# Priorities are stored as small integers so "ORDER BY priority" serves critical first.
+PRIORITIES = {"critical": 0, "default": 1, "bulk": 2}
+PRIORITY_NAMES = {value: name for name, value in PRIORITIES.items()}
+
+
+class JobDefinitionQuerySet(models.QuerySet):
+    def for_team(self, team) -> JobDefinitionQuerySet:
+        return self.filter(team=team)
+
+
+class JobDefinition(models.Model):
+    name = models.CharField(max_length=200, unique=True)
+    team = models.ForeignKey("teams.Team", on_delete=models.CASCADE, related_name="jobs")
+    schedule = models.JSONField(default=dict)
+    queue = models.CharField(max_length=100, default="default")
+    priority = models.PositiveSmallIntegerField(default=PRIORITIES["default"])
+    timeout_seconds = models.PositiveIntegerField(default=3600)
+    retry_max_attempts = models.PositiveIntegerField(default=3)
+    retry_base_seconds = models.PositiveIntegerField(default=30)
+    retry_max_seconds = models.PositiveIntegerField(default=1800)
+    concurrency = models.PositiveIntegerField(null=True, blank=True)
+    payload = models.JSONField(default=dict, blank=True)
+    paused = models.BooleanField(default=False)
+    dry_run = models.BooleanField(default=False)
+    # Owned by the scheduler: when the next cron time falls due, and which shard materialises it.
+    next_due_at = models.DateTimeField(null=True, blank=True)
+    shard = models.PositiveSmallIntegerField(default=0)
+    # Set when a run_all catch-up hit its cap, so the dashboard can say how many were dropped.
+    missed_runs_note = models.CharField(max_length=300, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = JobDefinitionQuerySet.as_manager()
+
+    class Meta:
+        indexes = [
+            # The materialiser: "definitions of shard S due before T", unpaused only.
+            models.Index(
+                fields=["shard", "next_due_at"],
+                name="job_due_by_shard",
+                condition=models.Q(paused=False, next_due_at__isnull=False),
+            ),
+            models.Index(fields=["team", "name"], name="job_team_name"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def priority_name(self) -> str:
+        return PRIORITY_NAMES[self.priority]
+
+
+class Queue(models.Model):
+    """A team's named queue; exists as a row once it has been paused or described."""
+
+    team = models.ForeignKey("teams.Team", on_delete=models.CASCADE, related_name="queues")
+    name = models.CharField(max_length=100)
+    paused = models.BooleanField(default=False)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["team", "name"], name="queue_team_name_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.team_id}:{self.name}"

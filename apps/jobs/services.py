@@ -1,0 +1,189 @@
+"""Job definitions and queues: create, replace, update, delete, pause, resume; each audited.
+
+The API and the dashboard both call these functions; none of this logic lives in a view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connection, transaction
+
+from apps.audit.record import Actor, record
+from apps.jobs import schedule as sched
+from apps.jobs.models import PRIORITY_NAMES, JobDefinition, Queue
+from apps.runs.store import notify_ready
+
+
+def database_now() -> datetime:
+    """Read the database clock, the only clock the scheduler trusts."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now()")
+        return cursor.fetchone()[0]
+
+
+def initial_next_due_at(schedule_json: dict, now: datetime) -> datetime | None:
+    """Return when the scheduler should first materialise a definition with this schedule.
+
+    Cron: the first fire time after now (a new or resumed definition is not back-filled).
+    One-off: its runAt, even if past (it then runs at once). Delayed: now + delay. None: never.
+    """
+    parsed = sched.parse_schedule(schedule_json)
+    if isinstance(parsed, sched.CronSchedule):
+        return sched.next_fire_times(parsed, now, 1)[0].utc
+    if isinstance(parsed, sched.OneOffSchedule):
+        return parsed.run_at
+    if isinstance(parsed, sched.DelayedSchedule):
+        return now + timedelta(seconds=parsed.delay_seconds)
+    return None
+
+
+@dataclass(frozen=True)
+class DefinitionSpec:
+    """A validated definition as the API and the edit form produce it (model field names)."""
+
+    name: str
+    schedule: dict
+    queue: str
+    priority: int
+    timeout_seconds: int
+    retry_max_attempts: int
+    retry_base_seconds: int
+    retry_max_seconds: int
+    concurrency: int | None
+    payload: Any
+    paused: bool
+    dry_run: bool
+
+
+def snapshot(definition: JobDefinition) -> dict[str, Any]:
+    """The audited view of a definition: what a person edits, in the API's names."""
+    return {
+        "name": definition.name,
+        "schedule": definition.schedule,
+        "queue": definition.queue,
+        "priority": PRIORITY_NAMES[definition.priority],
+        "timeoutSeconds": definition.timeout_seconds,
+        "retry": {
+            "maxAttempts": definition.retry_max_attempts,
+            "baseSeconds": definition.retry_base_seconds,
+            "maxSeconds": definition.retry_max_seconds,
+        },
+        "concurrency": definition.concurrency,
+        "payload": definition.payload,
+        "paused": definition.paused,
+        "dryRun": definition.dry_run,
+    }
+
+
+def _apply_spec(definition: JobDefinition, spec: DefinitionSpec, now: datetime) -> None:
+    schedule_changed = definition.pk is None or definition.schedule != spec.schedule
+    for field in DefinitionSpec.__dataclass_fields__:
+        setattr(definition, field, getattr(spec, field))
+    definition.shard = sched.shard_for(spec.name)
+    if schedule_changed:
+        definition.next_due_at = initial_next_due_at(spec.schedule, now)
+
+
+def create_definition(team, spec: DefinitionSpec, actor: Actor) -> JobDefinition:
+    with transaction.atomic():
+        definition = JobDefinition(team=team)
+        _apply_spec(definition, spec, database_now())
+        definition.save()
+        record(
+            actor,
+            "job.create",
+            team=team,
+            target_type="job",
+            target=spec.name,
+            after=snapshot(definition),
+        )
+    return definition
+
+
+def update_definition(
+    definition: JobDefinition, spec: DefinitionSpec, actor: Actor
+) -> JobDefinition:
+    """Replace a definition's fields; a changed schedule restarts from the next fire time."""
+    with transaction.atomic():
+        locked = JobDefinition.objects.select_for_update().get(pk=definition.pk)
+        before = snapshot(locked)
+        was_paused = locked.paused
+        _apply_spec(locked, spec, database_now())
+        after = snapshot(locked)
+        if before == after:
+            return locked
+        if was_paused and not locked.paused:
+            locked.next_due_at = initial_next_due_at(locked.schedule, database_now())
+        locked.save()
+        record(
+            actor,
+            "job.update",
+            team=locked.team,
+            target_type="job",
+            target=locked.name,
+            before=before,
+            after=after,
+        )
+        if was_paused and not locked.paused:
+            notify_ready([locked.queue])
+    return locked
+
+
+def delete_definition(definition: JobDefinition, actor: Actor) -> None:
+    with transaction.atomic():
+        before = snapshot(definition)
+        record(
+            actor,
+            "job.delete",
+            team=definition.team,
+            target_type="job",
+            target=definition.name,
+            before=before,
+        )
+        definition.delete()
+
+
+def set_paused(definition: JobDefinition, paused: bool, actor: Actor) -> JobDefinition:
+    """Pause or resume a definition. Resuming restarts from the next fire time: no back-fill."""
+    with transaction.atomic():
+        locked = JobDefinition.objects.select_for_update().get(pk=definition.pk)
+        if locked.paused == paused:
+            return locked
+        locked.paused = paused
+        if not paused:
+            locked.next_due_at = initial_next_due_at(locked.schedule, database_now())
+            notify_ready([locked.queue])
+        locked.save(update_fields=["paused", "next_due_at", "updated_at"])
+        record(
+            actor,
+            "job.pause" if paused else "job.resume",
+            team=locked.team,
+            target_type="job",
+            target=locked.name,
+            before={"paused": not paused},
+            after={"paused": paused},
+        )
+    return locked
+
+
+def set_queue_paused(team, queue_name: str, paused: bool, actor: Actor) -> Queue:
+    with transaction.atomic():
+        queue, _ = Queue.objects.select_for_update().get_or_create(team=team, name=queue_name)
+        if queue.paused != paused:
+            queue.paused = paused
+            queue.save(update_fields=["paused", "updated_at"])
+            record(
+                actor,
+                "queue.pause" if paused else "queue.resume",
+                team=team,
+                target_type="queue",
+                target=queue_name,
+                before={"paused": not paused},
+                after={"paused": paused},
+            )
+            if not paused:
+                notify_ready([queue_name])
+    return queue

@@ -1,0 +1,32 @@
+"""Public run ids: `run_` and the primary key in Crockford base 32 (short, unambiguous, URL-safe)."""
+
+from __future__ import annotations
+
+ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_INDEX = {ch: i for i, ch in enumerate(ALPHABET)}
+PREFIX = "run_"
+
+
+def public_run_id(pk: int) -> str:
+    if pk is None:
+        return ""
+    digits = []
+    value = pk
+    while True:
+        value, rem = divmod(value, 32)
+        digits.append(ALPHABET[rem])
+        if value == 0:
+            break
+    return PREFIX + "".join(reversed(digits))
+
+
+def parse_run_id(run_id: str) -> int | None:
+    """Return the primary key of a public id, or None when it is not one of ours."""
+    if not isinstance(run_id, str) or not run_id.startswith(PREFIX) or len(run_id) > 20:
+        return None
+    value = 0
+    for ch in run_id[len(PREFIX) :].upper():
+        if ch not in _INDEX:
+            return None
+        value = value * 32 + _INDEX[ch]
+    return value if run_id[len(PREFIX) :] else None

@@ -1,0 +1,47 @@
+"""Turn expired leases into failed attempts, in a loop (the scheduler also does this)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+from django.db import close_old_connections
+
+from apps.runs import store
+
+logger = logging.getLogger(__name__)
+
+
+class Command(BaseCommand):
+    help = __doc__
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument(
+            "--once", action="store_true", help="reap until nothing is expired, then exit"
+        )
+        parser.add_argument("--interval", type=float, default=1.0)
+
+    def handle(self, *args, once: bool, interval: float, **options) -> None:
+        self.shutdown = False
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        while not self.shutdown:
+            close_old_connections()
+            while self.handle_one_batch() and not self.shutdown:
+                pass
+            if once:
+                break
+            time.sleep(interval)
+
+    def on_signal(self, signum, frame) -> None:
+        self.shutdown = True
+
+    def handle_one_batch(self) -> bool:
+        """Reap one batch; return whether it found anything (call again at once if so)."""
+        reaped = store.reap(batch=settings.SCHEDULER_REAPER_BATCH)
+        for item in reaped:
+            logger.info("reaped run %s: %s → %s", item.id, item.outcome, item.state)
+        return len(reaped) == settings.SCHEDULER_REAPER_BATCH

@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+from django.db import models
+
+from apps.runs.ids import public_run_id
+
+
+class State(models.TextChoices):
+    SCHEDULED = "scheduled"
+    READY = "ready"
+    LEASED = "leased"
+    SUCCEEDED = "succeeded"
+    RETRYING = "retrying"
+    DEAD = "dead"
+    CANCELLED = "cancelled"
+
+
+# A run in one of these states waits for its availableAt; once that has passed it is claimable.
+# `ready` is also stored (requeue and retry-now write it) but is otherwise derived, see reported_state.
+WAITING_STATES = ("scheduled", "ready", "retrying")
+FINISHED_STATES = ("succeeded", "dead", "cancelled")
+
+
+class Trigger(models.TextChoices):
+    CRON = "cron"
+    CATCH_UP = "catch_up"
+    API = "api"
+    MANUAL = "manual"
+    BACKFILL = "backfill"
+
+
+class Outcome(models.TextChoices):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    LEASE_EXPIRED = "lease_expired"
+    TIMED_OUT = "timed_out"
+
+
+class Run(models.Model):
+    # Both foreign keys are covered by the composite indexes below; one less index to write per run.
+    definition = models.ForeignKey(
+        "jobs.JobDefinition", on_delete=models.CASCADE, related_name="runs", db_index=False
+    )
+    # Copied from the definition so the claim path reads one table.
+    team = models.ForeignKey(
+        "teams.Team", on_delete=models.CASCADE, related_name="+", db_index=False
+    )
+    queue = models.CharField(max_length=100)
+    priority = models.PositiveSmallIntegerField()
+    shard = models.PositiveSmallIntegerField()
+    state = models.CharField(max_length=16, choices=State.choices, default=State.SCHEDULED)
+    trigger = models.CharField(max_length=16, choices=Trigger.choices)
+    due_at = models.DateTimeField()
+    available_at = models.DateTimeField()
+    attempt = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField()
+    idempotency_key = models.CharField(max_length=300)
+    fencing_token = models.BigIntegerField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # The hard deadline of the current attempt: leased at + timeoutSeconds. Heartbeats never pass it.
+    timeout_at = models.DateTimeField(null=True, blank=True)
+    # What the worker asked for at claim time; each heartbeat extends the lease by as much.
+    lease_seconds = models.PositiveIntegerField(default=60)
+    worker_id = models.CharField(max_length=200, blank=True, default="")
+    dry_run = models.BooleanField(default=False)
+    payload = models.JSONField(default=dict, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    last_error = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            # A double insert after a scheduler failover is harmless: one run per cron time.
+            models.UniqueConstraint(
+                fields=["definition", "due_at"],
+                name="run_definition_due_unique",
+                condition=models.Q(trigger__in=["cron", "catch_up", "backfill"]),
+            ),
+            models.UniqueConstraint(
+                fields=["definition", "idempotency_key"], name="run_definition_key_unique"
+            ),
+            models.CheckConstraint(
+                condition=models.Q(state__in=[s.value for s in State]), name="run_state_valid"
+            ),
+        ]
+        indexes = [
+            # The claim: waiting runs of one team, queue and priority, oldest availableAt first.
+            # Finished and leased runs leave this index, so it stays the size of the backlog.
+            models.Index(
+                fields=["team", "queue", "priority", "available_at"],
+                name="run_claimable",
+                condition=models.Q(state__in=WAITING_STATES),
+            ),
+            # The reaper: leases that have expired, and the concurrency count of leased runs.
+            models.Index(
+                fields=["lease_expires_at"],
+                name="run_leased_expiry",
+                condition=models.Q(state="leased"),
+            ),
+            models.Index(
+                fields=["definition"], name="run_leased_by_def", condition=models.Q(state="leased")
+            ),
+            # Listings (API, dashboard): a team's runs newest first, optionally by state.
+            models.Index(fields=["team", "state", "-id"], name="run_team_state"),
+            models.Index(fields=["definition", "-id"], name="run_definition_recent"),
+        ]
+
+    def __str__(self) -> str:
+        return self.run_id
+
+    @property
+    def run_id(self) -> str:
+        return public_run_id(self.pk)
+
+
+class Attempt(models.Model):
+    """One lease of a run, identified by its fencing token."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    fencing_token = models.BigIntegerField(unique=True)
+    worker_id = models.CharField(max_length=200, blank=True, default="")
+    leased_at = models.DateTimeField()
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=16, choices=Outcome.choices, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+    error_type = models.CharField(max_length=200, blank=True, default="")
+
+    class Meta:
+        indexes = [models.Index(fields=["run", "number"], name="attempt_run_number")]
+
+    def __str__(self) -> str:
+        return f"{self.run_id}#{self.number}"

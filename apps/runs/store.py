@@ -1,0 +1,556 @@
+"""The critical path: every statement that claims, extends, finishes or reaps a run.
+
+Read top to bottom: insert, claim, heartbeat, complete, fail, reap. Each statement says which index
+serves it. Every state change is a conditional UPDATE (`WHERE state = 'leased' AND fencing_token =
+…`): when its row count is 0 another process got there first and nothing is changed. Time is the
+database's `now()`, never the caller's clock. Workers' calls are batches; a single call is a batch
+of one, so both obey the same rules.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import connection, transaction
+
+from apps.runs.fairness import interleave_teams, slot_priorities
+
+WAITING = "('scheduled', 'ready', 'retrying')"
+READY_CHANNEL = "runs_ready"
+
+
+def _rows(cursor) -> list[dict[str, Any]]:
+    names = [col.name for col in cursor.description]
+    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+def notify_ready(queues: Iterable[str]) -> None:
+    """Wake long-polling claimers of these queues when the transaction commits (one NOTIFY each)."""
+    distinct = sorted(set(queues))
+    if distinct:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_notify(%s, q) FROM unnest(%s::text[]) AS q", [READY_CHANNEL, distinct]
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Insert. Both unique constraints (definition + due time for scheduled runs, definition +
+# idempotency key for all) make a repeated insert a no-op: ON CONFLICT DO NOTHING.
+
+INSERT_RUNS = """
+INSERT INTO runs_run (
+    definition_id, team_id, queue, priority, shard, state, trigger, due_at, available_at,
+    attempt, max_attempts, idempotency_key, lease_seconds, worker_id, dry_run, payload, created_at
+)
+SELECT i.definition_id, d.team_id, d.queue, d.priority, d.shard, 'scheduled', i.trigger, i.due_at,
+       i.available_at, 0, d.retry_max_attempts, i.idempotency_key, 60, '', d.dry_run,
+       coalesce(i.payload, d.payload), now()
+FROM unnest(%(definition_ids)s::bigint[], %(triggers)s::text[], %(due_ats)s::timestamptz[],
+            %(available_ats)s::timestamptz[], %(keys)s::text[], %(payloads)s::jsonb[])
+     AS i(definition_id, trigger, due_at, available_at, idempotency_key, payload)
+JOIN jobs_jobdefinition d ON d.id = i.definition_id
+ON CONFLICT DO NOTHING
+RETURNING id, queue, available_at <= now() AS ready_now
+"""
+
+
+@dataclass(frozen=True)
+class NewRun:
+    definition_id: int
+    trigger: str
+    due_at: datetime
+    available_at: datetime
+    idempotency_key: str
+    payload: Any = None  # None: the definition's payload
+
+
+def insert_runs(runs: Sequence[NewRun]) -> list[int]:
+    """Insert runs, skipping any that already exist; return the ids of the new ones.
+
+    Runs already claimable wake the queue's waiting workers with one NOTIFY per queue.
+    """
+    if not runs:
+        return []
+    params = {
+        "definition_ids": [r.definition_id for r in runs],
+        "triggers": [r.trigger for r in runs],
+        "due_ats": [r.due_at for r in runs],
+        "available_ats": [r.available_at for r in runs],
+        "keys": [r.idempotency_key for r in runs],
+        "payloads": [None if r.payload is None else json.dumps(r.payload) for r in runs],
+    }
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(INSERT_RUNS, params)
+        inserted = cursor.fetchall()
+        notify_ready(queue for _, queue, ready_now in inserted if ready_now)
+    return [row[0] for row in inserted]
+
+
+# ---------------------------------------------------------------------------------------------
+# Claim, step 1: lock candidates. One "lane" per (team, asked queue, priority) that is not
+# paused; for each lane, the oldest claimable runs of unpaused definitions, served by the
+# partial index run_claimable (team_id, queue, priority, available_at) WHERE state is waiting.
+# SKIP LOCKED lets concurrent claimers take the next rows instead of queueing behind ours.
+# The tick (a shared sequence) places this claim in the priority pattern and the team rotation.
+
+CLAIM_CANDIDATES = f"""
+SELECT c.id, c.team_id, c.priority, c.definition_id, c.concurrency,
+       (SELECT nextval('runs_claim_tick')) AS tick
+FROM (
+    SELECT t.id AS team_id, q.name AS queue, p.priority
+    FROM teams_team t
+    CROSS JOIN unnest(%(queues)s::text[]) AS q(name)
+    CROSS JOIN (VALUES (0), (1), (2)) AS p(priority)
+    WHERE (%(team_ids)s::bigint[] IS NULL OR t.id = ANY(%(team_ids)s::bigint[]))
+      AND NOT EXISTS (
+          SELECT 1 FROM jobs_queue jq WHERE jq.team_id = t.id AND jq.name = q.name AND jq.paused
+      )
+) AS lane
+CROSS JOIN LATERAL (
+    SELECT r.id, r.team_id, r.priority, r.definition_id, d.concurrency, r.available_at
+    FROM runs_run r
+    JOIN jobs_jobdefinition d ON d.id = r.definition_id
+    WHERE r.team_id = lane.team_id AND r.queue = lane.queue AND r.priority = lane.priority
+      AND r.state IN {WAITING} AND r.available_at <= now()
+      AND NOT d.paused
+    ORDER BY r.available_at, r.id
+    LIMIT %(max)s
+    FOR UPDATE OF r SKIP LOCKED
+) AS c
+ORDER BY c.priority, c.available_at, c.id
+"""
+
+# Claim, step 2, only when a candidate's definition has a concurrency limit: lock those
+# definitions (in id order, so claimers cannot deadlock), then count their leased runs in a new
+# statement, whose snapshot sees every lease committed before the lock was granted.
+# Served by the primary key and the partial index run_leased_by_def.
+LOCK_LIMITED_DEFINITIONS = """
+SELECT id FROM jobs_jobdefinition WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE
+"""
+COUNT_LEASED = """
+SELECT definition_id, count(*) FROM runs_run
+WHERE state = 'leased' AND definition_id = ANY(%(ids)s::bigint[])
+GROUP BY definition_id
+"""
+
+# Claim, step 3: lease the chosen runs. Each gets a fencing token from one sequence; the lease is
+# bounded by the definition's timeout, which is also the attempt's hard deadline.
+LEASE_CHOSEN = f"""
+WITH leased AS (
+    UPDATE runs_run r
+    SET state = 'leased',
+        attempt = r.attempt + 1,
+        fencing_token = nextval('runs_fencing_token'),
+        worker_id = %(worker_id)s,
+        lease_seconds = %(lease_seconds)s,
+        timeout_at = now() + make_interval(secs => d.timeout_seconds),
+        lease_expires_at = least(now() + make_interval(secs => %(lease_seconds)s),
+                                 now() + make_interval(secs => d.timeout_seconds)),
+        started_at = coalesce(r.started_at, now())
+    FROM jobs_jobdefinition d
+    WHERE r.id = ANY(%(ids)s::bigint[]) AND d.id = r.definition_id AND r.state IN {WAITING}
+    RETURNING r.id, r.attempt, r.max_attempts, r.fencing_token, r.lease_expires_at,
+              r.idempotency_key, r.payload, r.due_at, r.available_at, r.dry_run, r.queue,
+              r.priority, r.team_id, d.name AS job, now() AS leased_at
+), attempts AS (
+    INSERT INTO runs_attempt (run_id, number, fencing_token, worker_id, leased_at, outcome,
+                              error_message, error_type)
+    SELECT id, attempt, fencing_token, %(worker_id)s, now(), '', '', '' FROM leased
+)
+SELECT id, attempt, max_attempts, fencing_token, lease_expires_at, idempotency_key,
+       payload::text AS payload, due_at, available_at, dry_run, queue, priority, team_id, job, leased_at
+FROM leased ORDER BY priority, available_at, id
+"""
+
+
+@dataclass(frozen=True)
+class Lease:
+    id: int
+    job: str
+    queue: str
+    priority: int
+    attempt: int
+    max_attempts: int
+    idempotency_key: str
+    fencing_token: int
+    lease_expires_at: datetime
+    due_at: datetime
+    available_at: datetime
+    leased_at: datetime
+    dry_run: bool
+    payload: Any
+
+
+def _choose(candidates: list[dict[str, Any]], capacity: dict[int, int], max_runs: int) -> list[int]:
+    """Pick up to `max_runs` candidates: weighted across priorities, round-robin across teams.
+
+    1. Order each priority's candidates round-robin across teams (rotated by the tick).
+    2. Give each slot of the claim its preferred priority from the 70/25/5 pattern; a slot whose
+       priority has nothing left goes to the most urgent priority that has.
+    3. Skip candidates whose definition has no concurrency left.
+    """
+    if not candidates:
+        return []
+    tick = candidates[0]["tick"]
+    lanes: dict[int, list[dict[str, Any]]] = {}
+    for row in candidates:
+        lanes.setdefault(row["priority"], []).append(row)
+    ordered = {
+        prio: interleave_teams(rows, lambda row: row["team_id"], tick)
+        for prio, rows in lanes.items()
+    }
+    positions = dict.fromkeys(ordered, 0)
+    capacity = dict(capacity)
+
+    def next_from(prio: int) -> int | None:
+        rows = ordered.get(prio, [])
+        while positions.get(prio, 0) < len(rows):
+            row = rows[positions[prio]]
+            positions[prio] += 1
+            left = capacity.get(row["definition_id"])
+            if left is None:
+                return row["id"]
+            if left > 0:
+                capacity[row["definition_id"]] = left - 1
+                return row["id"]
+        return None
+
+    chosen: list[int] = []
+    for preferred in slot_priorities(tick, max_runs):
+        picked = next_from(preferred)
+        for fallback in sorted(ordered):
+            if picked is not None:
+                break
+            picked = next_from(fallback)
+        if picked is None:
+            break
+        chosen.append(picked)
+    return chosen
+
+
+def claim(
+    *,
+    queues: Sequence[str],
+    max_runs: int,
+    worker_id: str,
+    lease_seconds: int,
+    team_ids: Sequence[int] | None = None,
+) -> list[Lease]:
+    """Lease up to `max_runs` claimable runs of the given queues, in one transaction."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            CLAIM_CANDIDATES,
+            {
+                "queues": list(queues),
+                "team_ids": list(team_ids) if team_ids is not None else None,
+                "max": max_runs,
+            },
+        )
+        candidates = _rows(cursor)
+        if not candidates:
+            return []
+        limited = sorted(
+            {
+                row["definition_id"]: row["concurrency"]
+                for row in candidates
+                if row["concurrency"] is not None
+            }.items()
+        )
+        capacity: dict[int, int] = {}
+        if limited:
+            ids = [definition_id for definition_id, _ in limited]
+            cursor.execute(LOCK_LIMITED_DEFINITIONS, {"ids": ids})
+            cursor.execute(COUNT_LEASED, {"ids": ids})
+            leased_now = dict(cursor.fetchall())
+            capacity = {
+                definition_id: limit - leased_now.get(definition_id, 0)
+                for definition_id, limit in limited
+            }
+        chosen = _choose(candidates, capacity, max_runs)
+        if not chosen:
+            return []
+        cursor.execute(
+            LEASE_CHOSEN, {"ids": chosen, "worker_id": worker_id, "lease_seconds": lease_seconds}
+        )
+        return [
+            Lease(
+                id=row["id"],
+                job=row["job"],
+                queue=row["queue"],
+                priority=row["priority"],
+                attempt=row["attempt"],
+                max_attempts=row["max_attempts"],
+                idempotency_key=row["idempotency_key"],
+                fencing_token=row["fencing_token"],
+                lease_expires_at=row["lease_expires_at"],
+                due_at=row["due_at"],
+                available_at=row["available_at"],
+                leased_at=row["leased_at"],
+                dry_run=row["dry_run"],
+                # Django reads jsonb as text on raw cursors; the ::text cast makes that explicit.
+                payload=json.loads(row["payload"]),
+            )
+            for row in _rows(cursor)
+        ]
+
+
+# Long-poll helper: when the next run of these queues becomes claimable (for a run waiting on its
+# availableAt, nobody sends a NOTIFY at that moment, so the waiter sets its own alarm).
+NEXT_AVAILABLE = f"""
+SELECT min(r.available_at)
+FROM runs_run r
+WHERE r.queue = ANY(%(queues)s::text[]) AND r.state IN {WAITING}
+  AND (%(team_ids)s::bigint[] IS NULL OR r.team_id = ANY(%(team_ids)s::bigint[]))
+"""
+
+
+def next_available_at(queues: Sequence[str], team_ids: Sequence[int] | None) -> datetime | None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            NEXT_AVAILABLE,
+            {"queues": list(queues), "team_ids": list(team_ids) if team_ids is not None else None},
+        )
+        return cursor.fetchone()[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Heartbeat: extend live leases held with the current token, never past the attempt's deadline.
+# A lease that has already expired is not revived: the reaper may be about to hand it on.
+# Served by the primary key; the attempt by its unique fencing token.
+
+HEARTBEAT = """
+WITH input AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS i(id, token)
+), extended AS (
+    UPDATE runs_run r
+    SET lease_expires_at = least(now() + make_interval(secs => r.lease_seconds), r.timeout_at)
+    FROM input i
+    WHERE r.id = i.id AND r.team_id = ANY(%(team_ids)s::bigint[])
+      AND r.state = 'leased' AND r.fencing_token = i.token AND r.lease_expires_at > now()
+    RETURNING r.id, r.fencing_token, r.lease_expires_at
+), beats AS (
+    UPDATE runs_attempt a SET last_heartbeat_at = now()
+    FROM extended e WHERE a.fencing_token = e.fencing_token
+)
+SELECT id, lease_expires_at FROM extended
+"""
+
+# ---------------------------------------------------------------------------------------------
+# Complete: leased with the current token → succeeded. A lease past its expiry that the reaper
+# has not yet taken still completes: no one else holds the run, and the token is still current.
+
+COMPLETE = """
+WITH input AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(results)s::jsonb[])
+        AS i(id, token, result)
+), done AS (
+    UPDATE runs_run r
+    SET state = 'succeeded', result = i.result, finished_at = now(), lease_expires_at = NULL
+    FROM input i
+    WHERE r.id = i.id AND r.team_id = ANY(%(team_ids)s::bigint[])
+      AND r.state = 'leased' AND r.fencing_token = i.token
+    RETURNING r.id, r.fencing_token
+), ended AS (
+    UPDATE runs_attempt a SET ended_at = now(), outcome = 'succeeded'
+    FROM done WHERE a.fencing_token = done.fencing_token
+)
+SELECT id, 'succeeded' AS state, NULL::timestamptz AS available_at FROM done
+"""
+
+# ---------------------------------------------------------------------------------------------
+# Fail (and reap): with attempts left and a retryable error the run waits out a full-jitter
+# backoff, a uniform random delay in [0, min(maxSeconds, baseSeconds * 2^(n-1))] before retry n;
+# otherwise it is dead (the DLQ). The exponent is capped so 2^(n-1) cannot overflow.
+
+NEXT_STATE = "CASE WHEN {retryable} AND r.attempt < r.max_attempts THEN 'retrying' ELSE 'dead' END"
+BACKOFF_UNTIL = (
+    "now() + make_interval(secs => random() * least(d.retry_max_seconds::float8,"
+    " d.retry_base_seconds * power(2::float8, least(r.attempt - 1, 40))))"
+)
+
+FAIL = f"""
+WITH input AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(errors)s::jsonb[],
+                         %(retryables)s::boolean[]) AS i(id, token, error, retryable)
+), failed AS (
+    UPDATE runs_run r
+    SET state = {NEXT_STATE.format(retryable="i.retryable")},
+        available_at = CASE WHEN i.retryable AND r.attempt < r.max_attempts
+                            THEN {BACKOFF_UNTIL} ELSE r.available_at END,
+        finished_at = CASE WHEN i.retryable AND r.attempt < r.max_attempts
+                           THEN NULL ELSE now() END,
+        last_error = i.error,
+        lease_expires_at = NULL
+    FROM input i, jobs_jobdefinition d
+    WHERE r.id = i.id AND d.id = r.definition_id AND r.team_id = ANY(%(team_ids)s::bigint[])
+      AND r.state = 'leased' AND r.fencing_token = i.token
+    RETURNING r.id, r.fencing_token, r.state, r.available_at, r.last_error
+), ended AS (
+    UPDATE runs_attempt a
+    SET ended_at = now(), outcome = 'failed',
+        error_message = left(coalesce(f.last_error->>'message', ''), 10000),
+        error_type = left(coalesce(f.last_error->>'type', ''), 200)
+    FROM failed f WHERE a.fencing_token = f.fencing_token
+)
+SELECT id, state, available_at FROM failed
+"""
+
+# Reap: leases past their expiry become failed attempts, `timed_out` when the attempt's deadline
+# has passed and `lease_expired` otherwise. Served by the partial index run_leased_expiry. The
+# UPDATE repeats the conditions, so a completion that committed after the SELECT wins.
+REAP = f"""
+WITH expired AS (
+    SELECT id FROM runs_run
+    WHERE state = 'leased' AND lease_expires_at <= now()
+      AND (%(shards)s::int[] IS NULL OR shard = ANY(%(shards)s::int[]))
+    ORDER BY lease_expires_at
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), reaped AS (
+    UPDATE runs_run r
+    SET state = {NEXT_STATE.format(retryable="true")},
+        available_at = CASE WHEN r.attempt < r.max_attempts THEN {BACKOFF_UNTIL} ELSE r.available_at END,
+        finished_at = CASE WHEN r.attempt < r.max_attempts THEN NULL ELSE now() END,
+        last_error = CASE WHEN r.timeout_at <= now()
+            THEN jsonb_build_object('type', 'timed_out', 'message',
+                 format('attempt %%s ran past timeoutSeconds (%%s s)', r.attempt, d.timeout_seconds))
+            ELSE jsonb_build_object('type', 'lease_expired', 'message',
+                 format('lease of worker %%s expired without a heartbeat', r.worker_id))
+        END,
+        lease_expires_at = NULL
+    FROM expired e, jobs_jobdefinition d
+    WHERE r.id = e.id AND d.id = r.definition_id
+      AND r.state = 'leased' AND r.lease_expires_at <= now()
+    RETURNING r.id, r.fencing_token, r.state, r.queue, r.available_at, r.last_error
+), ended AS (
+    UPDATE runs_attempt a
+    SET ended_at = now(), outcome = rp.last_error->>'type', error_message = rp.last_error->>'message',
+        error_type = rp.last_error->>'type'
+    FROM reaped rp WHERE a.fencing_token = rp.fencing_token
+)
+SELECT id, state, queue, available_at, last_error->>'type' AS outcome FROM reaped
+"""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one item of a worker's batch came to."""
+
+    id: int
+    status: int  # 200, 404 (no such run for this team) or 409 (stale token / not leased)
+    state: str | None = None
+    lease_expires_at: datetime | None = None
+    available_at: datetime | None = None
+    detail: str = ""
+
+
+# Only for the items a batch did not change: tell "not yours" (404) from "not any more" (409).
+DIAGNOSE = """
+SELECT id, team_id, state, fencing_token, lease_expires_at <= now() AS expired
+FROM runs_run WHERE id = ANY(%(ids)s::bigint[])
+"""
+
+
+def _diagnose(
+    cursor, items: Sequence[tuple[int, int]], team_ids: Sequence[int]
+) -> dict[int, Outcome]:
+    cursor.execute(DIAGNOSE, {"ids": [run_id for run_id, _ in items]})
+    found = {row[0]: row for row in cursor.fetchall()}
+    outcomes: dict[int, Outcome] = {}
+    for run_id, token in items:
+        row = found.get(run_id)
+        if row is None or row[1] not in team_ids:
+            outcomes[run_id] = Outcome(run_id, 404, detail="no such run")
+            continue
+        _, _, state, current, expired = row
+        if current is None or token < current:
+            detail = f"fencing token {token} is stale; the run's current token is {current}"
+        elif token > current:
+            detail = f"fencing token {token} was never issued for this run"
+        elif state != "leased":
+            detail = f"the run is {state}, not leased"
+        elif expired:
+            detail = "the lease has expired"
+        else:
+            detail = "the lease could not be updated"
+        outcomes[run_id] = Outcome(run_id, 409, state=state, detail=detail)
+    return outcomes
+
+
+def _apply(
+    sql: str, params: dict[str, Any], items: Sequence[tuple[int, int]], team_ids: Sequence[int]
+) -> list[Outcome]:
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(sql, {**params, "team_ids": list(team_ids)})
+        changed = {row["id"]: row for row in _rows(cursor)}
+        missing = [(run_id, token) for run_id, token in items if run_id not in changed]
+        diagnosed = _diagnose(cursor, missing, team_ids) if missing else {}
+    outcomes = []
+    for run_id, _ in items:
+        row = changed.get(run_id)
+        if row is None:
+            outcomes.append(diagnosed[run_id])
+        else:
+            outcomes.append(
+                Outcome(
+                    run_id,
+                    200,
+                    state=row.get("state", "leased"),
+                    lease_expires_at=row.get("lease_expires_at"),
+                    available_at=row.get("available_at"),
+                )
+            )
+    return outcomes
+
+
+def heartbeat(items: Sequence[tuple[int, int]], *, team_ids: Sequence[int]) -> list[Outcome]:
+    """Extend the leases of (run id, fencing token) pairs; one Outcome per item, in order."""
+    params = {"ids": [i for i, _ in items], "tokens": [t for _, t in items]}
+    return _apply(HEARTBEAT, params, items, team_ids)
+
+
+def complete(items: Sequence[tuple[int, int, Any]], *, team_ids: Sequence[int]) -> list[Outcome]:
+    """Mark (run id, fencing token, result) items succeeded; one Outcome per item, in order."""
+    params = {
+        "ids": [i for i, _, _ in items],
+        "tokens": [t for _, t, _ in items],
+        "results": [None if r is None else json.dumps(r) for _, _, r in items],
+    }
+    return _apply(COMPLETE, params, [(i, t) for i, t, _ in items], team_ids)
+
+
+def fail(
+    items: Sequence[tuple[int, int, dict[str, Any], bool]], *, team_ids: Sequence[int]
+) -> list[Outcome]:
+    """Fail (run id, fencing token, error, retryable) items: retrying with backoff, or dead."""
+    params = {
+        "ids": [i for i, _, _, _ in items],
+        "tokens": [t for _, t, _, _ in items],
+        "errors": [json.dumps(e) for _, _, e, _ in items],
+        "retryables": [bool(r) for _, _, _, r in items],
+    }
+    return _apply(FAIL, params, [(i, t) for i, t, _, _ in items], team_ids)
+
+
+@dataclass(frozen=True)
+class Reaped:
+    id: int
+    state: str
+    queue: str
+    outcome: str
+
+
+def reap(*, shards: Sequence[int] | None = None, batch: int = 500) -> list[Reaped]:
+    """Turn up to `batch` expired leases into failed attempts; return what was reaped."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            REAP, {"shards": list(shards) if shards is not None else None, "batch": batch}
+        )
+        return [
+            Reaped(row["id"], row["state"], row["queue"], row["outcome"]) for row in _rows(cursor)
+        ]

@@ -1,0 +1,85 @@
+"""Create a team (and its admin user) and print a new API token alone on the last line."""
+
+from __future__ import annotations
+
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
+from django.utils.text import slugify
+
+from apps.audit.record import Actor, record
+from apps.teams.models import ApiToken, Membership, Role, Scope, Team
+
+
+class Command(BaseCommand):
+    help = __doc__
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("slug")
+        parser.add_argument("--name", default="")
+        parser.add_argument(
+            "--admin", metavar="USERNAME", help="create (or reuse) this user as the team's admin"
+        )
+        parser.add_argument(
+            "--password", metavar="PW", help="the admin's password (new users only)"
+        )
+        parser.add_argument(
+            "--scopes", default="worker,manage", help="comma-separated: worker, manage"
+        )
+
+    def handle(
+        self,
+        *args,
+        slug: str,
+        name: str,
+        admin: str | None,
+        password: str | None,
+        scopes: str,
+        **options,
+    ) -> None:
+        if slugify(slug) != slug:
+            raise CommandError(f"'{slug}' is not a slug: use lowercase letters, digits and '-'.")
+        wanted = [scope.strip() for scope in scopes.split(",") if scope.strip()]
+        unknown = set(wanted) - set(Scope.values)
+        if unknown or not wanted:
+            raise CommandError(f"Unknown scopes {sorted(unknown)}; use worker and/or manage.")
+        actor = Actor.cli("createteam")
+        with transaction.atomic():
+            team, created = Team.objects.get_or_create(slug=slug, defaults={"name": name or slug})
+            if created:
+                record(
+                    actor,
+                    "team.create",
+                    team=team,
+                    target_type="team",
+                    target=slug,
+                    after={"name": team.name},
+                )
+                self.stderr.write(f"Created team {slug}.")
+            if admin:
+                user_model = get_user_model()
+                user = user_model.objects.filter(username=admin).first()
+                if user is None:
+                    user = user_model.objects.create_user(admin, password=password)
+                    self.stderr.write(f"Created user {admin}.")
+                Membership.objects.update_or_create(
+                    user=user, team=team, defaults={"role": Role.ADMIN}
+                )
+                record(
+                    actor,
+                    "member.set",
+                    team=team,
+                    target_type="member",
+                    target=admin,
+                    after={"role": "admin"},
+                )
+            token, raw = ApiToken.issue(team, wanted, name="createteam")
+            record(
+                actor,
+                "token.create",
+                team=team,
+                target_type="token",
+                target=token.prefix,
+                after={"scopes": token.scopes},
+            )
+        self.stdout.write(raw)

@@ -1,0 +1,141 @@
+"""Settings, read from the environment (see README, "Configuration")."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from scheduler_site import embedded_db
+from scheduler_site.database import config_from_url
+from scheduler_site.env import env_bool, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+DEBUG = env_bool("DEBUG", False)
+# A development key is fine on a laptop; `manage.py check --deploy` flags it in production.
+SECRET_KEY = env_str("SECRET_KEY") or "django-insecure-development-key-set-SECRET_KEY-in-production"
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "apps.teams",
+    "apps.audit",
+    "apps.jobs",
+    "apps.runs",
+    "apps.scheduler",
+    "apps.api",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "scheduler_site.urls"
+ASGI_APPLICATION = "scheduler_site.asgi.application"
+WSGI_APPLICATION = "scheduler_site.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+
+def _application_name() -> str:
+    """Name the connection after the process so pg_stat_activity shows who is who."""
+    explicit = env_str("SCHEDULER_APPLICATION_NAME")
+    if explicit:
+        return explicit
+    if len(sys.argv) > 1 and sys.argv[0].endswith("manage.py"):
+        return f"scheduler:{sys.argv[1]}"
+    return "scheduler:web"
+
+
+DATABASE_URL = env_str("DATABASE_URL")
+EMBEDDED_DATABASE = not DATABASE_URL
+if EMBEDDED_DATABASE:
+    DATABASE_URL = embedded_db.ensure_running(BASE_DIR)
+DATABASES = {"default": config_from_url(DATABASE_URL, application_name=_application_name())}
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = BASE_DIR / ".data" / "static"
+MEDIA_ROOT = Path(env_str("MEDIA_ROOT", str(BASE_DIR / ".data" / "media")))
+
+LOGIN_URL = "/accounts/login/"
+
+# The API answers every request under `/api/` in JSON with problem details on errors.
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["apps.api.auth.BearerTokenAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["apps.api.permissions.HasScope"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["apps.api.parsers.JSONObjectParser"],
+    "EXCEPTION_HANDLER": "apps.api.errors.problem_exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "cronlease API",
+    "DESCRIPTION": "Job definitions, runs, the dead-letter queue and the worker lease protocol.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# Request bodies up to the payload cap plus room for the envelope; anything larger is a 413.
+SCHEDULER_PAYLOAD_MAX_BYTES = env_int("SCHEDULER_PAYLOAD_MAX_BYTES", 1024 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = SCHEDULER_PAYLOAD_MAX_BYTES + 64 * 1024
+
+SCHEDULER_SHARD_COUNT = env_int("SCHEDULER_SHARD_COUNT", 16)
+SCHEDULER_SHARD_LEASE_SECONDS = env_int("SCHEDULER_SHARD_LEASE_SECONDS", 10)
+SCHEDULER_LOOKAHEAD_SECONDS = env_int("SCHEDULER_LOOKAHEAD_SECONDS", 60)
+SCHEDULER_TICK_SECONDS = float(env_str("SCHEDULER_TICK_SECONDS", "1.0"))
+SCHEDULER_MISSED_RUNS_CAP = env_int("SCHEDULER_MISSED_RUNS_CAP", 1000)
+SCHEDULER_DEFAULT_LEASE_SECONDS = env_int("SCHEDULER_DEFAULT_LEASE_SECONDS", 60)
+SCHEDULER_MAX_WAIT_SECONDS = env_int("SCHEDULER_MAX_WAIT_SECONDS", 30)
+SCHEDULER_MAX_CLAIM = env_int("SCHEDULER_MAX_CLAIM", 1000)
+SCHEDULER_REAPER_BATCH = env_int("SCHEDULER_REAPER_BATCH", 500)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}

@@ -1,0 +1,137 @@
+"""Shared actors and helpers. Every test talks to a real PostgreSQL; API tests over real HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+
+import httpx
+import pytest
+from django.db import connection
+
+from apps.jobs.models import PRIORITIES, JobDefinition
+from apps.jobs.schedule import shard_for
+from apps.runs.store import NewRun, insert_runs
+from apps.teams.models import ApiToken, Team
+
+
+@pytest.fixture
+def team_a(db) -> Team:
+    return Team.objects.create(slug="team-a", name="Team A")
+
+
+@pytest.fixture
+def team_b(db) -> Team:
+    return Team.objects.create(slug="team-b", name="Team B")
+
+
+@pytest.fixture
+def token_a(team_a) -> str:
+    """Team A's token with both scopes."""
+    return ApiToken.issue(team_a, ["worker", "manage"])[1]
+
+
+@pytest.fixture
+def worker_token_a(team_a) -> str:
+    return ApiToken.issue(team_a, ["worker"])[1]
+
+
+@pytest.fixture
+def token_b(team_b) -> str:
+    return ApiToken.issue(team_b, ["worker", "manage"])[1]
+
+
+class Api:
+    """A small HTTP client for the live server, bound to one bearer token."""
+
+    def __init__(self, base_url: str, token: str | None) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=30)
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return self.http.get(path, **kwargs)
+
+    def post(self, path: str, json=None, **kwargs) -> httpx.Response:
+        return self.http.post(path, json=json, **kwargs)
+
+    def put(self, path: str, json=None, **kwargs) -> httpx.Response:
+        return self.http.put(path, json=json, **kwargs)
+
+    def patch(self, path: str, json=None, **kwargs) -> httpx.Response:
+        return self.http.patch(path, json=json, **kwargs)
+
+    def delete(self, path: str, **kwargs) -> httpx.Response:
+        return self.http.delete(path, **kwargs)
+
+    def lease(
+        self, queues: list[str], max_runs: int = 10, worker: str = "test-worker", **extra
+    ) -> list[dict]:
+        response = self.post(
+            "/api/v1/leases", {"queues": queues, "max": max_runs, "workerId": worker, **extra}
+        )
+        assert response.status_code == 200, response.text
+        return response.json()["leases"]
+
+
+@pytest.fixture
+def api_a(live_server, token_a) -> Iterator[Api]:
+    api = Api(live_server.url, token_a)
+    yield api
+    api.http.close()
+
+
+@pytest.fixture
+def api_b(live_server, token_b) -> Iterator[Api]:
+    api = Api(live_server.url, token_b)
+    yield api
+    api.http.close()
+
+
+def make_definition(team: Team, name: str, **fields) -> JobDefinition:
+    """A definition with no schedule (runs come from the test), stored directly."""
+    priority = fields.pop("priority", "default")
+    return JobDefinition.objects.create(
+        team=team,
+        name=name,
+        schedule=fields.pop("schedule", {}),
+        queue=fields.pop("queue", "default"),
+        priority=PRIORITIES[priority],
+        shard=shard_for(name),
+        **fields,
+    )
+
+
+def db_now() -> datetime:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now()")
+        return cursor.fetchone()[0]
+
+
+def add_ready_runs(
+    definition: JobDefinition, count: int, *, prefix: str = "r", age_seconds: float = 1
+) -> list[int]:
+    """Insert `count` runs of the definition that are claimable now, oldest first."""
+    now = db_now()
+    runs = [
+        NewRun(
+            definition.pk,
+            "api",
+            now - timedelta(seconds=age_seconds) + timedelta(microseconds=i),
+            now - timedelta(seconds=age_seconds) + timedelta(microseconds=i),
+            f"{prefix}-{i}",
+        )
+        for i in range(count)
+    ]
+    ids: list[int] = []
+    for start in range(0, len(runs), 5000):
+        ids.extend(insert_runs(runs[start : start + 5000]))
+    return ids
+
+
+def expire_lease(run_pk: int) -> None:
+    """Move a lease's expiry into the past, as if its worker stopped heartbeating."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE runs_run SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
+            [run_pk],
+        )

@@ -1,0 +1,167 @@
+"""Claims from concurrent workers, each thread on its own database connection."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+from django.db import connection
+
+from apps.runs import store
+from apps.runs.models import Attempt, Run
+from tests.conftest import add_ready_runs, expire_lease, make_definition
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def run_in_threads(count: int, target) -> list:
+    """Run `target(index)` in `count` threads at once; return their results; re-raise failures."""
+    results: list = [None] * count
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(count)
+
+    def body(index: int) -> None:
+        try:
+            barrier.wait(timeout=10)
+            results[index] = target(index)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    return results
+
+
+def test_eight_workers_lease_every_run_exactly_once(team_a):
+    definition = make_definition(team_a, "load.noop", queue="load")
+    ids = add_ready_runs(definition, 2000)
+
+    def worker(index: int) -> list[store.Lease]:
+        taken = []
+        while batch := store.claim(
+            queues=["load"],
+            max_runs=25,
+            worker_id=f"w{index}",
+            lease_seconds=60,
+            team_ids=[team_a.pk],
+        ):
+            taken.extend(batch)
+        return taken
+
+    leases = [lease for taken in run_in_threads(8, worker) for lease in taken]
+    assert sorted(lease.id for lease in leases) == sorted(ids)
+    tokens = [lease.fencing_token for lease in leases]
+    assert len(set(tokens)) == len(tokens) == 2000
+    assert Run.objects.filter(state="leased").count() == 2000
+    assert Attempt.objects.count() == 2000
+    # Each worker got a share: SKIP LOCKED let them work side by side instead of in turn.
+    per_worker = Counter(Attempt.objects.values_list("worker_id", flat=True))
+    assert len(per_worker) >= 2
+
+
+def test_concurrency_one_holds_under_eight_claimers(team_a):
+    definition = make_definition(team_a, "billing.single", queue="billing", concurrency=1)
+    add_ready_runs(definition, 50)
+
+    leases = run_in_threads(
+        8,
+        lambda i: store.claim(
+            queues=["billing"],
+            max_runs=5,
+            worker_id=f"w{i}",
+            lease_seconds=60,
+            team_ids=[team_a.pk],
+        ),
+    )
+    assert sum(len(batch) for batch in leases) == 1
+    assert Run.objects.filter(definition=definition, state="leased").count() == 1
+
+
+@pytest.mark.parametrize("how", ["complete", "fail", "expire"])
+def test_concurrency_slot_frees_exactly_once(team_a, how):
+    definition = make_definition(team_a, "billing.single", queue="billing", concurrency=1)
+    add_ready_runs(definition, 10)
+    (held,) = store.claim(
+        queues=["billing"], max_runs=5, worker_id="w0", lease_seconds=60, team_ids=[team_a.pk]
+    )
+    assert (
+        store.claim(
+            queues=["billing"], max_runs=5, worker_id="w1", lease_seconds=60, team_ids=[team_a.pk]
+        )
+        == []
+    )
+
+    if how == "complete":
+        assert (
+            store.complete([(held.id, held.fencing_token, None)], team_ids=[team_a.pk])[0].status
+            == 200
+        )
+    elif how == "fail":
+        assert (
+            store.fail(
+                [(held.id, held.fencing_token, {"message": "x"}, True)], team_ids=[team_a.pk]
+            )[0].status
+            == 200
+        )
+    else:
+        expire_lease(held.id)
+        assert len(store.reap()) == 1
+    # A second finish with the same token changes nothing and frees nothing more.
+    assert (
+        store.complete([(held.id, held.fencing_token, None)], team_ids=[team_a.pk])[0].status == 409
+    )
+    assert store.reap() == []
+
+    leases = run_in_threads(
+        8,
+        lambda i: store.claim(
+            queues=["billing"],
+            max_runs=5,
+            worker_id=f"w{i}",
+            lease_seconds=60,
+            team_ids=[team_a.pk],
+        ),
+    )
+    assert sum(len(batch) for batch in leases) == 1
+    assert Run.objects.filter(definition=definition, state="leased").count() == 1
+
+
+def test_definition_at_its_limit_is_skipped_not_waited_on(team_a):
+    limited = make_definition(team_a, "etl.limited", queue="etl", concurrency=1)
+    free = make_definition(team_a, "etl.free", queue="etl")
+    add_ready_runs(limited, 5, age_seconds=10)
+    add_ready_runs(free, 5, age_seconds=5)
+    first = store.claim(
+        queues=["etl"], max_runs=10, worker_id="w", lease_seconds=60, team_ids=[team_a.pk]
+    )
+    assert Counter(lease.job for lease in first) == {"etl.limited": 1, "etl.free": 5}
+
+
+def test_paused_definition_and_paused_queue_are_not_claimed(team_a):
+    from apps.jobs.models import Queue
+
+    paused = make_definition(team_a, "ops.paused", queue="ops", paused=True)
+    other = make_definition(team_a, "ops.other", queue="ops-2")
+    add_ready_runs(paused, 3)
+    add_ready_runs(other, 3)
+    Queue.objects.create(team=team_a, name="ops-2", paused=True)
+    assert store.claim(queues=["ops", "ops-2"], max_runs=10, worker_id="w", lease_seconds=60) == []
+
+
+def test_runs_not_yet_available_are_not_claimed(team_a):
+    from datetime import timedelta
+
+    from apps.runs.store import NewRun, insert_runs
+    from tests.conftest import db_now
+
+    definition = make_definition(team_a, "later.job", queue="later")
+    later = db_now() + timedelta(hours=1)
+    insert_runs([NewRun(definition.pk, "api", later, later, "k")])
+    assert store.claim(queues=["later"], max_runs=10, worker_id="w", lease_seconds=60) == []
