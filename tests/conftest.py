@@ -15,6 +15,15 @@ from apps.runs.store import NewRun, insert_runs
 from apps.teams.models import ApiToken, Team
 
 
+@pytest.fixture(scope="session")
+def ready_listener(django_db_setup) -> Iterator[None]:
+    """The long-poll listener holds a connection to the test database; close it before teardown."""
+    yield
+    from apps.runs.waiting import listener
+
+    listener.stop()
+
+
 @pytest.fixture
 def team_a(db) -> Team:
     return Team.objects.create(slug="team-a", name="Team A")
@@ -74,14 +83,14 @@ class Api:
 
 
 @pytest.fixture
-def api_a(live_server, token_a) -> Iterator[Api]:
+def api_a(live_server, token_a, ready_listener) -> Iterator[Api]:
     api = Api(live_server.url, token_a)
     yield api
     api.http.close()
 
 
 @pytest.fixture
-def api_b(live_server, token_b) -> Iterator[Api]:
+def api_b(live_server, token_b, ready_listener) -> Iterator[Api]:
     api = Api(live_server.url, token_b)
     yield api
     api.http.close()

@@ -27,6 +27,7 @@ class ReadyListener:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self.connected = threading.Event()
+        self._stopping = threading.Event()
 
     @property
     def generation(self) -> int:
@@ -41,6 +42,15 @@ class ReadyListener:
                 self._thread.start()
         # The first claim after start-up must not miss a NOTIFY sent while we were connecting.
         self.connected.wait(timeout=5)
+
+    def stop(self, timeout: float = 5) -> None:
+        """Stop listening and close the connection (tests, and processes that exit cleanly)."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._thread = None
+        self._stopping.clear()
+        self.connected.clear()
 
     def wait(self, seen_generation: int, timeout: float) -> bool:
         """Block until a NOTIFY newer than `seen_generation` arrives or `timeout` passes."""
@@ -73,7 +83,7 @@ class ReadyListener:
 
     def _run(self) -> None:
         delay = 0.5
-        while True:
+        while not self._stopping.is_set():
             try:
                 with psycopg.connect(**self._conninfo()) as conn:
                     conn.execute(f"LISTEN {READY_CHANNEL}")
@@ -81,8 +91,8 @@ class ReadyListener:
                     delay = 0.5
                     # Anything may have happened while we were not listening.
                     self._wake()
-                    while True:
-                        for _ in conn.notifies(timeout=30):
+                    while not self._stopping.is_set():
+                        for _ in conn.notifies(timeout=1):
                             self._wake()
             except Exception:  # noqa: BLE001 - the listener must outlive any connection failure
                 self.connected.clear()

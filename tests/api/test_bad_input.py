@@ -1,0 +1,123 @@
+"""Bad input gets a problem-details answer naming every bad field, and leaves no row behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from apps.audit.models import AuditEvent
+from apps.jobs.models import JobDefinition
+from apps.runs.models import Run
+from tests.conftest import add_ready_runs, make_definition
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def assert_problem(answer, status: int, fields: set[str] = frozenset()) -> dict:
+    assert answer.status_code == status, answer.text
+    assert answer.headers["content-type"].startswith("application/problem+json")
+    body = answer.json()
+    assert {"type", "title", "status", "detail"} <= set(body)
+    assert body["status"] == status
+    assert fields <= set(body.get("errors", {})), body
+    return body
+
+
+def test_every_bad_field_is_named(api_a):
+    answer = api_a.post(
+        "/api/v1/jobs",
+        {
+            "name": "Bad Name!",
+            "priority": "urgent",
+            "timeoutSeconds": -5,
+            "retry": {"maxAttempts": "three"},
+            "concurrency": True,
+            "schedule": {"cron": "61 * * * *", "timeZone": "Mars/Base"},
+            "colour": "blue",
+        },
+    )
+    body = assert_problem(
+        answer,
+        400,
+        {
+            "name",
+            "priority",
+            "timeoutSeconds",
+            "retry.maxAttempts",
+            "concurrency",
+            "schedule.cron",
+            "schedule.timeZone",
+            "colour",
+        },
+    )
+    assert "Mars/Base" in " ".join(body["errors"]["schedule.timeZone"])
+    assert JobDefinition.objects.count() == 0 and AuditEvent.objects.count() == 0
+
+
+def test_malformed_json_is_400(api_a):
+    answer = api_a.post(
+        "/api/v1/jobs", content=b'{"name": ', headers={"content-type": "application/json"}
+    )
+    assert_problem(answer, 400)
+
+
+def test_a_non_object_body_is_400(api_a):
+    assert_problem(api_a.post("/api/v1/jobs", [1, 2]), 400)
+
+
+def test_two_megabyte_payload_is_413_and_writes_nothing(api_a):
+    api_a.post("/api/v1/jobs", {"name": "big.job"})
+    huge = {"blob": "x" * (2 * 1024 * 1024)}
+    assert_problem(api_a.post("/api/v1/jobs/big.job/runs", {"payload": huge}), 413)
+    assert_problem(api_a.post("/api/v1/jobs", {"name": "big.two", "payload": huge}), 413)
+    assert Run.objects.count() == 0
+    assert JobDefinition.objects.filter(name="big.two").count() == 0
+
+
+def test_payload_just_over_the_cap_is_413(api_a):
+    api_a.post("/api/v1/jobs", {"name": "big.job"})
+    over = {"blob": "x" * (1024 * 1024)}
+    assert_problem(api_a.post("/api/v1/jobs/big.job/runs", {"payload": over}), 413)
+
+
+def test_missing_fencing_token_is_named(api_a, team_a):
+    definition = make_definition(team_a, "jobs.x", queue="q")
+    add_ready_runs(definition, 1)
+    (lease,) = api_a.lease(["q"], 1)
+    assert_problem(api_a.post(f"/api/v1/runs/{lease['runId']}/complete", {}), 400, {"fencingToken"})
+    assert_problem(
+        api_a.post(f"/api/v1/runs/{lease['runId']}/heartbeat", {"fencingToken": "41"}),
+        400,
+        {"fencingToken"},
+    )
+    assert Run.objects.get().state == "leased"
+
+
+def test_bad_lease_requests(api_a):
+    body = assert_problem(
+        api_a.post(
+            "/api/v1/leases", {"queues": [], "max": 0, "leaseSeconds": -1, "waitSeconds": 999}
+        ),
+        400,
+        {"queues", "max", "workerId", "leaseSeconds", "waitSeconds"},
+    )
+    assert body["detail"].startswith("Invalid input")
+
+
+def test_unknown_run_id_is_404(api_a):
+    assert_problem(api_a.get("/api/v1/runs/run_ZZZZZZZ"), 404)
+    assert_problem(api_a.post("/api/v1/runs/not-a-run/complete", {"fencingToken": 1}), 404)
+
+
+def test_bad_filters_and_counts(api_a):
+    assert_problem(api_a.get("/api/v1/runs", params={"state": "sleeping"}), 400, {"state"})
+    assert_problem(api_a.get("/api/v1/runs", params={"since": "yesterday"}), 400, {"since"})
+    api_a.post("/api/v1/jobs", {"name": "p.q", "schedule": {"cron": "* * * * *"}})
+    assert_problem(api_a.get("/api/v1/jobs/p.q/preview", params={"count": 5000}), 400, {"count"})
+
+
+def test_never_firing_cron_is_400(api_a):
+    assert_problem(
+        api_a.post("/api/v1/jobs", {"name": "never.runs", "schedule": {"cron": "0 0 30 2 *"}}),
+        400,
+        {"schedule.cron"},
+    )

@@ -1,0 +1,201 @@
+"""Job definitions through the management API, and ad-hoc runs with idempotency keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from apps.audit.models import AuditEvent
+from apps.jobs.models import JobDefinition
+from apps.runs.models import Run
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+EXPORT = {
+    "name": "billing.export-invoices",
+    "schedule": {
+        "cron": "0 2 * * *",
+        "timeZone": "Europe/Berlin",
+        "jitterSeconds": 0,
+        "missedRunPolicy": "run_once",
+    },
+    "queue": "billing",
+    "priority": "critical",
+    "timeoutSeconds": 900,
+    "retry": {"maxAttempts": 5, "baseSeconds": 30, "maxSeconds": 1800},
+    "concurrency": 1,
+    "payload": {"format": "csv"},
+}
+
+
+def test_create_read_and_list(api_a):
+    created = api_a.post("/api/v1/jobs", EXPORT)
+    assert created.status_code == 201, created.text
+    body = created.json()
+    for key, value in EXPORT.items():
+        assert body[key] == value
+    assert body["nextDueAt"].endswith("Z")
+    assert api_a.get("/api/v1/jobs/billing.export-invoices").json()["name"] == EXPORT["name"]
+    assert [job["name"] for job in api_a.get("/api/v1/jobs").json()["results"]] == [EXPORT["name"]]
+    assert AuditEvent.objects.get(action="job.create").source == "api"
+
+
+def test_defaults_fill_in(api_a):
+    body = api_a.post(
+        "/api/v1/jobs", {"name": "ops.minimal", "schedule": {"cron": "*/5 * * * *"}}
+    ).json()
+    assert body["schedule"] == {
+        "cron": "*/5 * * * *",
+        "timeZone": "UTC",
+        "jitterSeconds": 60,
+        "missedRunPolicy": "run_once",
+    }
+    assert body["priority"] == "default" and body["queue"] == "default"
+
+
+def test_put_creates_then_replaces_and_audits_the_diff(api_a):
+    first = api_a.put("/api/v1/jobs/billing.export-invoices", EXPORT)
+    assert first.status_code == 201
+    changed = {**EXPORT, "schedule": {**EXPORT["schedule"], "cron": "0 3 * * *"}}
+    second = api_a.put("/api/v1/jobs/billing.export-invoices", changed)
+    assert second.status_code == 200
+    assert second.json()["schedule"]["cron"] == "0 3 * * *"
+    event = AuditEvent.objects.get(action="job.update")
+    assert (
+        event.before["schedule"]["cron"] == "0 2 * * *"
+        and event.after["schedule"]["cron"] == "0 3 * * *"
+    )
+    # The same body again changes nothing and records nothing.
+    api_a.put("/api/v1/jobs/billing.export-invoices", changed)
+    assert AuditEvent.objects.filter(action="job.update").count() == 1
+
+
+def test_patch_merges_and_delete_removes(api_a):
+    api_a.post("/api/v1/jobs", EXPORT)
+    patched = api_a.patch(
+        "/api/v1/jobs/billing.export-invoices", {"retry": {"maxAttempts": 9}, "priority": "bulk"}
+    )
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["retry"] == {"maxAttempts": 9, "baseSeconds": 30, "maxSeconds": 1800}
+    assert patched.json()["priority"] == "bulk"
+    assert api_a.delete("/api/v1/jobs/billing.export-invoices").status_code == 204
+    assert api_a.get("/api/v1/jobs/billing.export-invoices").status_code == 404
+
+
+def test_pause_resume_and_trigger(api_a):
+    api_a.post("/api/v1/jobs", {**EXPORT, "concurrency": None})
+    assert api_a.post("/api/v1/jobs/billing.export-invoices/pause").json()["paused"] is True
+    run = api_a.post("/api/v1/jobs/billing.export-invoices/trigger")
+    assert run.status_code == 201 and run.json()["trigger"] == "api"
+    assert api_a.lease(["billing"], 5) == []  # paused definitions are not leased
+    resumed = api_a.post("/api/v1/jobs/billing.export-invoices/resume").json()
+    assert resumed["paused"] is False
+    assert [lease["runId"] for lease in api_a.lease(["billing"], 5)] == [run.json()["runId"]]
+    assert list(
+        AuditEvent.objects.filter(action__in=["job.pause", "job.resume"])
+        .values_list("action", flat=True)
+        .order_by("id")
+    ) == ["job.pause", "job.resume"]
+
+
+def test_same_idempotency_key_returns_the_same_run(api_a):
+    api_a.post("/api/v1/jobs", {"name": "orders.ship", "queue": "orders"})
+    first = api_a.post(
+        "/api/v1/jobs/orders.ship/runs",
+        {"idempotencyKey": "order-991", "delaySeconds": 300, "payload": {"order": 991}},
+    )
+    assert first.status_code == 201, first.text
+    again = api_a.post(
+        "/api/v1/jobs/orders.ship/runs", {"idempotencyKey": "order-991", "delaySeconds": 300}
+    )
+    assert again.status_code == 200
+    assert again.json()["runId"] == first.json()["runId"]
+    assert Run.objects.count() == 1
+    body = first.json()
+    assert (
+        body["state"] == "scheduled"
+        and body["payload"] == {"order": 991}
+        and body["idempotencyKey"] == "order-991"
+    )
+    expected = {
+        "runId",
+        "job",
+        "queue",
+        "priority",
+        "state",
+        "attempt",
+        "maxAttempts",
+        "dueAt",
+        "availableAt",
+        "idempotencyKey",
+        "fencingToken",
+        "leaseExpiresAt",
+        "workerId",
+        "trigger",
+        "dryRun",
+        "payload",
+        "lastError",
+        "createdAt",
+        "startedAt",
+        "finishedAt",
+    }
+    assert expected <= set(body)
+
+
+def test_run_at_creates_a_one_off_run(api_a):
+    api_a.post("/api/v1/jobs", {"name": "orders.remind", "queue": "orders"})
+    body = api_a.post("/api/v1/jobs/orders.remind/runs", {"runAt": "2030-01-01T10:00:00Z"}).json()
+    assert body["dueAt"] == "2030-01-01T10:00:00Z" and body["state"] == "scheduled"
+
+
+def test_runs_list_filters_and_pages(api_a, team_a):
+    from tests.conftest import add_ready_runs, make_definition
+
+    definition = make_definition(team_a, "list.me", queue="lq")
+    add_ready_runs(definition, 7)
+    page = api_a.get("/api/v1/runs", params={"job": "list.me", "state": "ready", "limit": 5}).json()
+    assert len(page["results"]) == 5 and page["next"]
+    rest = api_a.get(page["next"]).json()
+    assert len(rest["results"]) == 2 and rest["next"] is None
+    ids = [r["runId"] for r in page["results"] + rest["results"]]
+    assert len(set(ids)) == 7
+    assert api_a.get("/api/v1/runs", params={"state": "succeeded"}).json()["results"] == []
+    detail = api_a.get(f"/api/v1/runs/{ids[0]}").json()
+    assert detail["runId"] == ids[0] and detail["attempts"] == []
+
+
+def test_preview_of_a_saved_job(api_a):
+    api_a.post(
+        "/api/v1/jobs",
+        {
+            **EXPORT,
+            "schedule": {"cron": "30 2 * * *", "timeZone": "Europe/Berlin", "jitterSeconds": 0},
+        },
+    )
+    times = api_a.get(
+        "/api/v1/jobs/billing.export-invoices/preview",
+        params={"count": 3, "from": "2026-03-27T12:00:00Z"},
+    ).json()["times"]
+    assert [t["local"] for t in times] == [
+        "2026-03-28T02:30:00+01:00",
+        "2026-03-29T03:00:00+02:00",
+        "2026-03-30T02:30:00+02:00",
+    ]
+    assert times[1]["utc"] == "2026-03-29T01:00:00Z" and times[1]["note"]
+    assert times[0]["note"] == ""
+
+
+def test_preview_of_an_unsaved_schedule(api_a):
+    answer = api_a.post(
+        "/api/v1/preview",
+        {
+            "name": "x.y",
+            "schedule": {"cron": "30 2 * * *", "timeZone": "Europe/Berlin"},
+            "from": "2026-10-24T12:00:00Z",
+            "count": 2,
+        },
+    )
+    assert answer.status_code == 200, answer.text
+    times = answer.json()["times"]
+    assert times[0]["local"] == "2026-10-25T02:30:00+02:00"
+    assert times[1]["local"] == "2026-10-26T02:30:00+01:00"
+    assert JobDefinition.objects.count() == 0

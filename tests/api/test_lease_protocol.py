@@ -1,0 +1,224 @@
+"""The worker protocol over real HTTP: lease, heartbeat, complete, fail, fencing and the reaper."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.db import connection
+
+from apps.runs import store
+from apps.runs.ids import public_run_id
+from apps.runs.models import Attempt, Run
+from tests.conftest import add_ready_runs, expire_lease, make_definition
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LEASE_FIELDS = {
+    "runId",
+    "job",
+    "attempt",
+    "idempotencyKey",
+    "fencingToken",
+    "leaseExpiresAt",
+    "payload",
+}
+
+
+def test_lease_response_carries_the_designed_fields(api_a, team_a):
+    definition = make_definition(
+        team_a, "billing.export-invoices", queue="billing", payload={"format": "csv"}
+    )
+    add_ready_runs(definition, 1, prefix="billing.export-invoices@2026-03-15T02:00:00+01:00")
+    (lease,) = api_a.lease(["billing"], 10, leaseSeconds=90)
+    assert LEASE_FIELDS <= set(lease)
+    assert lease["job"] == "billing.export-invoices"
+    assert lease["attempt"] == 1
+    assert lease["payload"] == {"format": "csv"}
+    assert lease["idempotencyKey"] == "billing.export-invoices@2026-03-15T02:00:00+01:00-0"
+    assert isinstance(lease["fencingToken"], int)
+    assert lease["runId"].startswith("run_")
+    assert lease["leaseExpiresAt"].endswith("Z")
+
+
+def test_heartbeat_extends_and_complete_finishes(api_a, team_a):
+    make = make_definition(team_a, "jobs.one", queue="q")
+    add_ready_runs(make, 1)
+    (lease,) = api_a.lease(["q"], 1, leaseSeconds=30)
+    beat = api_a.post(
+        f"/api/v1/runs/{lease['runId']}/heartbeat", {"fencingToken": lease["fencingToken"]}
+    )
+    assert beat.status_code == 200, beat.text
+    assert beat.json()["leaseExpiresAt"] >= lease["leaseExpiresAt"]
+    done = api_a.post(
+        f"/api/v1/runs/{lease['runId']}/complete",
+        {"fencingToken": lease["fencingToken"], "result": {"rows": 3}},
+    )
+    assert done.status_code == 200, done.text
+    run = Run.objects.get()
+    assert run.state == "succeeded" and run.result == {"rows": 3} and run.finished_at is not None
+    assert Attempt.objects.get().outcome == "succeeded"
+
+
+@pytest.mark.parametrize("call", ["heartbeat", "complete", "fail"])
+def test_stale_token_is_rejected_and_changes_nothing(api_a, team_a, call):
+    definition = make_definition(team_a, "jobs.stale", queue="q", retry_max_attempts=5)
+    add_ready_runs(definition, 1)
+    (first,) = api_a.lease(["q"], 1)
+    expire_lease(Run.objects.get().pk)
+    assert [r.outcome for r in store.reap()] == ["lease_expired"]
+    Run.objects.update(available_at=Run.objects.get().created_at)  # skip the backoff
+    (second,) = api_a.lease(["q"], 1)
+    assert second["runId"] == first["runId"]
+    assert second["fencingToken"] > first["fencingToken"]
+    assert second["attempt"] == 2
+    before = Run.objects.values().get()
+
+    body = {"fencingToken": first["fencingToken"]}
+    if call == "fail":
+        body["error"] = {"message": "late", "type": "RuntimeError"}
+    response = api_a.post(f"/api/v1/runs/{first['runId']}/{call}", body)
+    assert response.status_code == 409
+    problem = response.json()
+    assert problem["status"] == 409 and "stale" in problem["detail"]
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert Run.objects.values().get() == before
+    # The current holder still completes.
+    ok = api_a.post(
+        f"/api/v1/runs/{second['runId']}/complete", {"fencingToken": second["fencingToken"]}
+    )
+    assert ok.status_code == 200
+    outcomes = list(Attempt.objects.order_by("fencing_token").values_list("outcome", flat=True))
+    assert outcomes == ["lease_expired", "succeeded"]
+
+
+def test_completion_committed_while_the_reaper_runs_wins(team_a):
+    """The completion holds the row when the reaper looks: the reaper skips it, the run succeeds."""
+    definition = make_definition(team_a, "jobs.race", queue="q")
+    add_ready_runs(definition, 1)
+    (lease,) = store.claim(queues=["q"], max_runs=1, worker_id="w", lease_seconds=60)
+    expire_lease(lease.id)
+    completing = threading.Event()
+    release = threading.Event()
+
+    def complete_slowly() -> None:
+        from django.db import transaction
+
+        try:
+            with transaction.atomic():
+                store.complete(
+                    [(lease.id, lease.fencing_token, {"ok": True})], team_ids=[team_a.pk]
+                )
+                completing.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=complete_slowly)
+    thread.start()
+    assert completing.wait(10)
+    assert store.reap() == []  # the row is locked by the uncommitted completion: skipped
+    release.set()
+    thread.join(10)
+    assert store.reap() == []
+    run = Run.objects.get()
+    assert run.state == "succeeded"
+    assert Attempt.objects.get().outcome == "succeeded"
+
+
+def test_reaper_reading_before_a_completion_commits_leaves_it_succeeded(team_a):
+    """The reaper's UPDATE re-checks state, token and expiry, so a read-then-write race is harmless."""
+    definition = make_definition(team_a, "jobs.race2", queue="q")
+    add_ready_runs(definition, 1)
+    (lease,) = store.claim(queues=["q"], max_runs=1, worker_id="w", lease_seconds=60)
+    expire_lease(lease.id)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT id FROM runs_run WHERE state = 'leased' AND lease_expires_at <= now()"
+        )
+        seen = [row[0] for row in cursor.fetchall()]
+    assert seen == [lease.id]
+    store.complete([(lease.id, lease.fencing_token, None)], team_ids=[team_a.pk])
+    assert store.reap() == []
+    assert Run.objects.get().state == "succeeded"
+
+
+def test_timeout_fails_a_run_even_while_it_heartbeats(api_a, team_a):
+    definition = make_definition(
+        team_a, "jobs.slow", queue="q", timeout_seconds=1, retry_max_attempts=3
+    )
+    add_ready_runs(definition, 1)
+    (lease,) = api_a.lease(["q"], 1, leaseSeconds=60)
+    beat = api_a.post(
+        f"/api/v1/runs/{lease['runId']}/heartbeat", {"fencingToken": lease["fencingToken"]}
+    )
+    assert beat.status_code == 200
+    time.sleep(1.2)
+    late = api_a.post(
+        f"/api/v1/runs/{lease['runId']}/heartbeat", {"fencingToken": lease["fencingToken"]}
+    )
+    assert late.status_code == 409
+    (reaped,) = store.reap()
+    assert reaped.outcome == "timed_out" and reaped.state == "retrying"
+    attempt = Attempt.objects.get()
+    assert attempt.outcome == "timed_out"
+    assert Run.objects.get().last_error["type"] == "timed_out"
+
+
+def test_lease_is_bounded_by_the_timeout(api_a, team_a):
+    definition = make_definition(team_a, "jobs.bounded", queue="q", timeout_seconds=5)
+    add_ready_runs(definition, 1)
+    api_a.lease(["q"], 1, leaseSeconds=600)
+    run = Run.objects.get()
+    assert (run.lease_expires_at - run.started_at).total_seconds() <= 5.5
+
+
+def test_batch_endpoints_answer_per_item(api_a, team_a):
+    definition = make_definition(team_a, "jobs.batch", queue="q", retry_max_attempts=1)
+    add_ready_runs(definition, 3)
+    a, b, c = api_a.lease(["q"], 3)
+    beats = api_a.post(
+        "/api/v1/heartbeats",
+        {
+            "leases": [
+                {"runId": a["runId"], "fencingToken": a["fencingToken"]},
+                {"runId": b["runId"], "fencingToken": b["fencingToken"] + 1000},
+                {"runId": "run_ZZZZZZ", "fencingToken": 1},
+            ]
+        },
+    )
+    assert beats.status_code == 200
+    assert [item["status"] for item in beats.json()["leases"]] == [200, 409, 404]
+    results = api_a.post(
+        "/api/v1/results",
+        {
+            "results": [
+                {
+                    "runId": a["runId"],
+                    "fencingToken": a["fencingToken"],
+                    "outcome": "succeeded",
+                    "result": {"n": 1},
+                },
+                {
+                    "runId": b["runId"],
+                    "fencingToken": b["fencingToken"],
+                    "outcome": "failed",
+                    "error": {"message": "boom", "type": "ValueError"},
+                    "retryable": True,
+                },
+                {
+                    "runId": c["runId"],
+                    "fencingToken": c["fencingToken"] + 1,
+                    "outcome": "succeeded",
+                },
+            ]
+        },
+    )
+    assert results.status_code == 200
+    items = results.json()["results"]
+    assert [item["status"] for item in items] == [200, 200, 409]
+    assert items[1]["state"] == "dead"  # maxAttempts 1: no attempts left
+    states = dict(Run.objects.values_list("id", "state"))
+    assert sorted(states.values()) == ["dead", "leased", "succeeded"]
+    assert public_run_id(next(pk for pk, s in states.items() if s == "leased")) == c["runId"]

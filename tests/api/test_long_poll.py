@@ -1,0 +1,57 @@
+"""Long-polling claims: woken by NOTIFY, and empty when the wait runs out."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.db import connection
+
+from apps.runs.models import Run
+from apps.runs.store import NewRun, insert_runs
+from tests.conftest import db_now, make_definition
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_wait_returns_soon_after_a_run_becomes_ready(api_a, team_a):
+    definition = make_definition(team_a, "poll.job", queue="poll")
+    answer: dict = {}
+
+    def lease() -> None:
+        started = time.monotonic()
+        answer["leases"] = api_a.lease(["poll"], 5, waitSeconds=5)
+        answer["returned"] = time.monotonic()
+        answer["started"] = started
+
+    thread = threading.Thread(target=lease)
+    thread.start()
+    time.sleep(1.5)
+    inserted_at = time.monotonic()
+    now = db_now()
+    insert_runs([NewRun(definition.pk, "api", now, now, "poll-1")])
+    connection.close()
+    thread.join(10)
+    assert len(answer["leases"]) == 1
+    assert answer["returned"] - inserted_at < 1.0
+    assert Run.objects.get().state == "leased"
+
+
+def test_wait_returns_empty_after_the_wait(api_a, team_a):
+    make_definition(team_a, "poll.idle", queue="idle")
+    started = time.monotonic()
+    assert api_a.lease(["idle"], 5, waitSeconds=2) == []
+    assert 2.0 <= time.monotonic() - started < 3.5
+
+
+def test_wait_wakes_for_a_run_whose_time_comes(api_a, team_a):
+    from datetime import timedelta
+
+    definition = make_definition(team_a, "poll.later", queue="later")
+    soon = db_now() + timedelta(seconds=1)
+    insert_runs([NewRun(definition.pk, "api", soon, soon, "later-1")])
+    started = time.monotonic()
+    leases = api_a.lease(["later"], 5, waitSeconds=5)
+    assert len(leases) == 1
+    assert time.monotonic() - started < 2.5

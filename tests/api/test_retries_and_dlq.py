@@ -1,0 +1,139 @@
+"""Failures, backoff, the dead-letter queue and requeue."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+
+from apps.audit.models import AuditEvent
+from apps.runs import store
+from apps.runs.models import Run
+from tests.conftest import add_ready_runs, make_definition
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def make_available() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE runs_run SET available_at = now() WHERE state = 'retrying'")
+
+
+def fail_lease(api, lease, retryable=True, message="boom"):
+    return api.post(
+        f"/api/v1/runs/{lease['runId']}/fail",
+        {
+            "fencingToken": lease["fencingToken"],
+            "error": {"message": message, "type": "RuntimeError"},
+            "retryable": retryable,
+        },
+    )
+
+
+def test_after_max_attempts_the_run_is_dead_listed_and_requeueable(api_a, team_a):
+    definition = make_definition(
+        team_a, "jobs.flaky", queue="q", retry_max_attempts=3, retry_base_seconds=1
+    )
+    add_ready_runs(definition, 1)
+    for attempt in range(1, 4):
+        (lease,) = api_a.lease(["q"], 1)
+        assert lease["attempt"] == attempt
+        answer = fail_lease(api_a, lease, message=f"failure {attempt}")
+        assert answer.status_code == 200
+        assert answer.json()["state"] == ("retrying" if attempt < 3 else "dead")
+        make_available()
+    run = Run.objects.get()
+    assert run.state == "dead"
+    assert run.last_error == {"message": "failure 3", "type": "RuntimeError"}
+    assert api_a.lease(["q"], 1) == []
+
+    dlq = api_a.get("/api/v1/dlq").json()["results"]
+    assert [item["runId"] for item in dlq] == [run.run_id]
+    assert dlq[0]["lastError"]["message"] == "failure 3"
+
+    requeued = api_a.post("/api/v1/dlq/requeue", {"runIds": [run.run_id]})
+    assert requeued.json() == {"count": 1, "runIds": [run.run_id]}
+    assert AuditEvent.objects.filter(action="dlq.requeue", target=run.run_id).exists()
+    (lease,) = api_a.lease(["q"], 1)
+    assert lease["attempt"] == 4
+    run.refresh_from_db()
+    assert run.max_attempts == 6  # a fresh budget of maxAttempts more
+    assert api_a.get("/api/v1/dlq").json()["results"] == []
+
+
+def test_not_retryable_goes_straight_to_dead(api_a, team_a):
+    definition = make_definition(team_a, "jobs.fatal", queue="q", retry_max_attempts=5)
+    add_ready_runs(definition, 1)
+    (lease,) = api_a.lease(["q"], 1)
+    assert fail_lease(api_a, lease, retryable=False).json()["state"] == "dead"
+    assert Run.objects.get().state == "dead"
+
+
+def test_discard_by_filter_empties_the_dlq(api_a, team_a):
+    definition = make_definition(team_a, "jobs.discard", queue="q", retry_max_attempts=1)
+    add_ready_runs(definition, 3)
+    for lease in api_a.lease(["q"], 3):
+        fail_lease(api_a, lease)
+    answer = api_a.post("/api/v1/dlq/discard", {"filter": {"job": "jobs.discard"}})
+    assert answer.json()["count"] == 3
+    assert not Run.objects.filter(state="dead").exists()
+    assert AuditEvent.objects.filter(action="dlq.discard").count() == 3
+
+
+@pytest.mark.parametrize(
+    "attempt,ceiling",
+    [(1, 30), (2, 60), (3, 120), (4, 240), (5, 480), (6, 960), (7, 1800), (12, 1800)],
+)
+def test_backoff_is_full_jitter_within_the_ceiling(team_a, attempt, ceiling):
+    definition = make_definition(
+        team_a,
+        "jobs.backoff",
+        queue="q",
+        retry_max_attempts=100,
+        retry_base_seconds=30,
+        retry_max_seconds=1800,
+    )
+    add_ready_runs(definition, 40)
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE runs_run SET attempt = %s", [attempt - 1])
+    leases = store.claim(queues=["q"], max_runs=40, worker_id="w", lease_seconds=60)
+    assert {lease.attempt for lease in leases} == {attempt}
+    outcomes = store.fail(
+        [(l.id, l.fencing_token, {"message": "x"}, True) for l in leases], team_ids=[team_a.pk]
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now()")
+        now = cursor.fetchone()[0]
+    delays = [(o.available_at - now).total_seconds() for o in outcomes]
+    assert all(0 <= delay <= ceiling + 0.001 for delay in delays), delays
+    # Full jitter spreads across the whole range, not just near the ceiling.
+    assert min(delays) < ceiling / 2 < max(delays)
+
+
+def test_cancel_only_from_waiting_states(api_a, team_a):
+    definition = make_definition(team_a, "jobs.cancel", queue="q")
+    add_ready_runs(definition, 2)
+    first, second = Run.objects.order_by("pk")
+    assert api_a.post(f"/api/v1/runs/{first.run_id}/cancel").json()["state"] == "cancelled"
+    (lease,) = api_a.lease(["q"], 5)
+    assert lease["runId"] == second.run_id
+    conflict = api_a.post(f"/api/v1/runs/{second.run_id}/cancel")
+    assert conflict.status_code == 409 and "leased" in conflict.json()["detail"]
+    assert AuditEvent.objects.filter(action="run.cancel").count() == 1
+
+
+def test_retry_skips_the_backoff(api_a, team_a):
+    definition = make_definition(
+        team_a, "jobs.retry", queue="q", retry_base_seconds=3600, retry_max_seconds=3600
+    )
+    add_ready_runs(definition, 1)
+    (lease,) = api_a.lease(["q"], 1)
+    fail_lease(api_a, lease)
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE runs_run SET available_at = now() + interval '1 hour'")
+    assert api_a.lease(["q"], 1) == []
+    run = Run.objects.get()
+    assert api_a.post(f"/api/v1/runs/{run.run_id}/retry").json()["state"] == "ready"
+    assert len(api_a.lease(["q"], 1)) == 1
+    assert timedelta(0) <= Run.objects.get().available_at - run.created_at
