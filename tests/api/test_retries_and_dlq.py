@@ -100,7 +100,7 @@ def test_backoff_is_full_jitter_within_the_ceiling(team_a, attempt, ceiling):
     leases = store.claim(queues=["q"], max_runs=40, worker_id="w", lease_seconds=60)
     assert {lease.attempt for lease in leases} == {attempt}
     outcomes = store.fail(
-        [(l.id, l.fencing_token, {"message": "x"}, True) for l in leases], team_ids=[team_a.pk]
+        [(lease.id, lease.fencing_token, {"message": "x"}, True) for lease in leases], team_ids=[team_a.pk]
     )
     with connection.cursor() as cursor:
         cursor.execute("SELECT now()")
