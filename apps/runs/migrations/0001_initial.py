@@ -125,6 +125,7 @@ class Migration(migrations.Migration):
                 (
                     "run",
                     models.ForeignKey(
+                        db_index=False,
                         on_delete=django.db.models.deletion.CASCADE,
                         related_name="attempts",
                         to="runs.run",
@@ -136,7 +137,7 @@ class Migration(migrations.Migration):
             model_name="run",
             index=models.Index(
                 condition=models.Q(("state__in", ("scheduled", "ready", "retrying"))),
-                fields=["team", "queue", "priority", "available_at"],
+                fields=["team", "queue", "priority", "available_at", "id"],
                 name="run_claimable",
             ),
         ),
