@@ -14,6 +14,7 @@ from apps.api.parsers import payload_size
 from apps.jobs import schedule as sched
 from apps.jobs.models import PRIORITIES, PRIORITY_NAMES, JobDefinition
 from apps.jobs.services import DefinitionSpec
+from apps.runs import payloads
 from apps.runs.ids import public_run_id
 from apps.runs.models import WAITING_STATES
 
@@ -183,7 +184,7 @@ def definition_json(definition: JobDefinition) -> dict[str, Any]:
             "maxSeconds": definition.retry_max_seconds,
         },
         "concurrency": definition.concurrency,
-        "payload": definition.payload,
+        "payload": payloads.load(definition.payload, definition.payload_key),
         "paused": definition.paused,
         "dryRun": definition.dry_run,
         "nextDueAt": iso(definition.next_due_at),
@@ -220,7 +221,7 @@ def run_json(run, now: datetime) -> dict[str, Any]:
         "workerId": run.worker_id or None,
         "trigger": run.trigger,
         "dryRun": run.dry_run,
-        "payload": run.payload,
+        "payload": payloads.load(run.payload, run.payload_key),
         "result": run.result,
         "lastError": run.last_error,
         "createdAt": iso(run.created_at),

@@ -23,7 +23,9 @@ class JobDefinition(models.Model):
     retry_base_seconds = models.PositiveIntegerField(default=30)
     retry_max_seconds = models.PositiveIntegerField(default=1800)
     concurrency = models.PositiveIntegerField(null=True, blank=True)
-    payload = models.JSONField(default=dict, blank=True)
+    # Inline when small; otherwise NULL and the payload is in storage under payload_key.
+    payload = models.JSONField(null=True, blank=True, default=dict)
+    payload_key = models.CharField(max_length=100, blank=True, default="")
     paused = models.BooleanField(default=False)
     dry_run = models.BooleanField(default=False)
     # Owned by the scheduler: when the next cron time falls due, and which shard materialises it.

@@ -14,6 +14,7 @@ from django.db import connection, transaction
 from apps.audit.record import Actor, record
 from apps.jobs import schedule as sched
 from apps.jobs.models import PRIORITY_NAMES, JobDefinition, Queue
+from apps.runs import payloads
 from apps.runs.store import notify_ready
 
 
@@ -60,6 +61,7 @@ class DefinitionSpec:
 
 def snapshot(definition: JobDefinition) -> dict[str, Any]:
     """The audited view of a definition: what a person edits, in the API's names."""
+    payload = payloads.load(definition.payload, definition.payload_key)
     return {
         "name": definition.name,
         "schedule": definition.schedule,
@@ -72,7 +74,7 @@ def snapshot(definition: JobDefinition) -> dict[str, Any]:
             "maxSeconds": definition.retry_max_seconds,
         },
         "concurrency": definition.concurrency,
-        "payload": definition.payload,
+        "payload": payload,
         "paused": definition.paused,
         "dryRun": definition.dry_run,
     }
@@ -82,6 +84,7 @@ def _apply_spec(definition: JobDefinition, spec: DefinitionSpec, now: datetime) 
     schedule_changed = definition.pk is None or definition.schedule != spec.schedule
     for field in DefinitionSpec.__dataclass_fields__:
         setattr(definition, field, getattr(spec, field))
+    definition.payload, definition.payload_key = payloads.place(spec.payload)
     definition.shard = sched.shard_for(spec.name)
     if schedule_changed:
         definition.next_due_at = initial_next_due_at(spec.schedule, now)

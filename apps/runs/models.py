@@ -63,7 +63,9 @@ class Run(models.Model):
     lease_seconds = models.PositiveIntegerField(default=60)
     worker_id = models.CharField(max_length=200, blank=True, default="")
     dry_run = models.BooleanField(default=False)
-    payload = models.JSONField(default=dict, blank=True)
+    # Inline when small; otherwise NULL and the payload is in storage under payload_key.
+    payload = models.JSONField(null=True, blank=True)
+    payload_key = models.CharField(max_length=100, blank=True, default="")
     result = models.JSONField(null=True, blank=True)
     last_error = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -106,6 +108,10 @@ class Run(models.Model):
             # Listings (API, dashboard): a team's runs newest first, optionally by state.
             models.Index(fields=["team", "state", "-id"], name="run_team_state"),
             models.Index(fields=["definition", "-id"], name="run_definition_recent"),
+            # Blob clean-up: "is this payload key still used by a run?"
+            models.Index(
+                fields=["payload_key"], name="run_payload_key", condition=~models.Q(payload_key="")
+            ),
         ]
 
     def __str__(self) -> str:

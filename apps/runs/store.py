@@ -17,6 +17,7 @@ from typing import Any
 
 from django.db import connection, transaction
 
+from apps.runs import payloads
 from apps.runs.fairness import interleave_teams, slot_priorities
 
 WAITING = "('scheduled', 'ready', 'retrying')"
@@ -45,14 +46,17 @@ def notify_ready(queues: Iterable[str]) -> None:
 INSERT_RUNS = """
 INSERT INTO runs_run (
     definition_id, team_id, queue, priority, shard, state, trigger, due_at, available_at,
-    attempt, max_attempts, idempotency_key, lease_seconds, worker_id, dry_run, payload, created_at
+    attempt, max_attempts, idempotency_key, lease_seconds, worker_id, dry_run, payload,
+    payload_key, created_at
 )
 SELECT i.definition_id, d.team_id, d.queue, d.priority, d.shard, 'scheduled', i.trigger, i.due_at,
        i.available_at, 0, d.retry_max_attempts, i.idempotency_key, 60, '', d.dry_run,
-       coalesce(i.payload, d.payload), now()
+       CASE WHEN i.own THEN i.payload ELSE d.payload END,
+       CASE WHEN i.own THEN i.payload_key ELSE d.payload_key END, now()
 FROM unnest(%(definition_ids)s::bigint[], %(triggers)s::text[], %(due_ats)s::timestamptz[],
-            %(available_ats)s::timestamptz[], %(keys)s::text[], %(payloads)s::jsonb[])
-     AS i(definition_id, trigger, due_at, available_at, idempotency_key, payload)
+            %(available_ats)s::timestamptz[], %(keys)s::text[], %(owns)s::boolean[],
+            %(payloads)s::jsonb[], %(payload_keys)s::text[])
+     AS i(definition_id, trigger, due_at, available_at, idempotency_key, own, payload, payload_key)
 JOIN jobs_jobdefinition d ON d.id = i.definition_id
 ON CONFLICT DO NOTHING
 RETURNING id, queue, available_at <= now() AS ready_now
@@ -72,17 +76,21 @@ class NewRun:
 def insert_runs(runs: Sequence[NewRun]) -> list[int]:
     """Insert runs, skipping any that already exist; return the ids of the new ones.
 
-    Runs already claimable wake the queue's waiting workers with one NOTIFY per queue.
+    A payload over 4 KB goes to object storage first and the run keeps its key. Runs already
+    claimable wake the queue's waiting workers with one NOTIFY per queue.
     """
     if not runs:
         return []
+    placed = [payloads.place(r.payload) for r in runs]
     params = {
         "definition_ids": [r.definition_id for r in runs],
         "triggers": [r.trigger for r in runs],
         "due_ats": [r.due_at for r in runs],
         "available_ats": [r.available_at for r in runs],
         "keys": [r.idempotency_key for r in runs],
-        "payloads": [None if r.payload is None else json.dumps(r.payload) for r in runs],
+        "owns": [r.payload is not None for r in runs],
+        "payloads": [None if inline is None else json.dumps(inline) for inline, _ in placed],
+        "payload_keys": [key for _, key in placed],
     }
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(INSERT_RUNS, params)
@@ -155,7 +163,7 @@ WITH leased AS (
     FROM jobs_jobdefinition d
     WHERE r.id = ANY(%(ids)s::bigint[]) AND d.id = r.definition_id AND r.state IN {WAITING}
     RETURNING r.id, r.attempt, r.max_attempts, r.fencing_token, r.lease_expires_at,
-              r.idempotency_key, r.payload, r.due_at, r.available_at, r.dry_run, r.queue,
+              r.idempotency_key, r.payload, r.payload_key, r.due_at, r.available_at, r.dry_run, r.queue,
               r.priority, r.team_id, d.name AS job, now() AS leased_at
 ), attempts AS (
     INSERT INTO runs_attempt (run_id, number, fencing_token, worker_id, leased_at, outcome,
@@ -163,7 +171,7 @@ WITH leased AS (
     SELECT id, attempt, fencing_token, %(worker_id)s, now(), '', '', '' FROM leased
 )
 SELECT id, attempt, max_attempts, fencing_token, lease_expires_at, idempotency_key,
-       payload::text AS payload, due_at, available_at, dry_run, queue, priority, team_id, job, leased_at
+       payload::text AS payload, payload_key, due_at, available_at, dry_run, queue, priority, team_id, job, leased_at
 FROM leased ORDER BY priority, available_at, id
 """
 
@@ -277,26 +285,30 @@ def claim(
         cursor.execute(
             LEASE_CHOSEN, {"ids": chosen, "worker_id": worker_id, "lease_seconds": lease_seconds}
         )
-        return [
-            Lease(
-                id=row["id"],
-                job=row["job"],
-                queue=row["queue"],
-                priority=row["priority"],
-                attempt=row["attempt"],
-                max_attempts=row["max_attempts"],
-                idempotency_key=row["idempotency_key"],
-                fencing_token=row["fencing_token"],
-                lease_expires_at=row["lease_expires_at"],
-                due_at=row["due_at"],
-                available_at=row["available_at"],
-                leased_at=row["leased_at"],
-                dry_run=row["dry_run"],
-                # Django reads jsonb as text on raw cursors; the ::text cast makes that explicit.
-                payload=json.loads(row["payload"]),
-            )
-            for row in _rows(cursor)
-        ]
+        rows = _rows(cursor)
+    # Large payloads are read from storage after the commit, so no row lock waits on I/O.
+    return [
+        Lease(
+            id=row["id"],
+            job=row["job"],
+            queue=row["queue"],
+            priority=row["priority"],
+            attempt=row["attempt"],
+            max_attempts=row["max_attempts"],
+            idempotency_key=row["idempotency_key"],
+            fencing_token=row["fencing_token"],
+            lease_expires_at=row["lease_expires_at"],
+            due_at=row["due_at"],
+            available_at=row["available_at"],
+            leased_at=row["leased_at"],
+            dry_run=row["dry_run"],
+            # Django reads jsonb as text on raw cursors; the ::text cast makes that explicit.
+            payload=payloads.load(
+                None if row["payload"] is None else json.loads(row["payload"]), row["payload_key"]
+            ),
+        )
+        for row in rows
+    ]
 
 
 # Long-poll helper: when the next run of these queues becomes claimable (for a run waiting on its

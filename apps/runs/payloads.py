@@ -1,0 +1,73 @@
+"""Payloads: inline up to 4 KB, larger ones in object storage under a content-addressed key.
+
+Storage goes through Django's storage API (the file system by default, an S3-compatible bucket
+when django-storages is configured as the `payloads` storage). Keys are the SHA-256 of the JSON,
+so a definition's large payload is stored once however many runs it has; a blob is deleted when
+no run or definition refers to it any more (see `delete_unreferenced`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from django.conf import settings
+from django.core.files.base import ContentFile
+from django.core.files.storage import storages
+from django.db import connection
+
+INLINE_LIMIT = 4 * 1024
+PREFIX = "payloads/"
+
+
+def _storage():
+    return storages["payloads"] if "payloads" in settings.STORAGES else storages["default"]
+
+
+def encode(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+
+
+def place(value: Any) -> tuple[Any, str]:
+    """Return (inline value, "") for a small payload, (None, key) once a large one is stored."""
+    if value is None:
+        return None, ""
+    data = encode(value)
+    if len(data) <= INLINE_LIMIT:
+        return value, ""
+    key = PREFIX + hashlib.sha256(data).hexdigest() + ".json"
+    storage = _storage()
+    if not storage.exists(key):
+        storage.save(key, ContentFile(data))
+    return None, key
+
+
+def load(inline: Any, key: str) -> Any:
+    """Return a run's or definition's payload, reading it from storage when it has a key."""
+    if not key:
+        return inline
+    with _storage().open(key, "rb") as blob:
+        return json.loads(blob.read())
+
+
+def delete_unreferenced(keys: Iterable[str]) -> int:
+    """Delete the blobs among `keys` that no run or definition refers to; return how many."""
+    candidates = sorted({key for key in keys if key})
+    if not candidates:
+        return 0
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT k FROM unnest(%s::text[]) AS k
+            WHERE NOT EXISTS (SELECT 1 FROM runs_run WHERE payload_key = k)
+              AND NOT EXISTS (SELECT 1 FROM jobs_jobdefinition WHERE payload_key = k)
+            """,
+            [candidates],
+        )
+        orphans = [row[0] for row in cursor.fetchall()]
+    storage = _storage()
+    for key in orphans:
+        storage.delete(key)
+    return len(orphans)
