@@ -58,12 +58,16 @@ class JobDefinition(models.Model):
 
 
 class Queue(models.Model):
-    """A team's named queue; exists as a row once it has been paused or described."""
+    """A team's named queue; a row exists once it has been paused or leased from."""
 
     team = models.ForeignKey("teams.Team", on_delete=models.CASCADE, related_name="queues")
     name = models.CharField(max_length=100)
     paused = models.BooleanField(default=False)
     updated_at = models.DateTimeField(auto_now=True)
+    # When a worker last asked this queue for work (recorded at most every few seconds per web
+    # process), so "why is this not running?" can say that no worker is leasing the queue.
+    last_leased_at = models.DateTimeField(null=True, blank=True)
+    last_worker_id = models.CharField(max_length=200, blank=True, default="")
 
     class Meta:
         constraints = [

@@ -321,6 +321,24 @@ WHERE r.queue = ANY(%(queues)s::text[]) AND r.state IN {WAITING}
 """
 
 
+# Lease activity per (team, queue): an upsert served by the unique (team_id, name) index. The
+# caller throttles it, so it is a few writes a minute per web process, not one per claim.
+RECORD_LEASE_ACTIVITY = """
+INSERT INTO jobs_queue (team_id, name, paused, updated_at, last_leased_at, last_worker_id)
+SELECT %(team_id)s, q, false, now(), now(), %(worker_id)s FROM unnest(%(queues)s::text[]) AS q
+ON CONFLICT (team_id, name)
+DO UPDATE SET last_leased_at = now(), last_worker_id = EXCLUDED.last_worker_id
+"""
+
+
+def record_lease_activity(team_id: int, queues: Sequence[str], worker_id: str) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            RECORD_LEASE_ACTIVITY,
+            {"team_id": team_id, "queues": sorted(set(queues)), "worker_id": worker_id},
+        )
+
+
 def next_available_at(queues: Sequence[str], team_ids: Sequence[int] | None) -> datetime | None:
     with connection.cursor() as cursor:
         cursor.execute(

@@ -1,0 +1,181 @@
+"""Why is this not running? The reasons a waiting run or a definition is held, in plain words."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connection
+
+from apps.jobs.models import PRIORITY_NAMES, JobDefinition, Queue
+from apps.runs.ids import public_run_id
+from apps.runs.models import WAITING_STATES, Run
+
+# A queue that no worker asked for work within this long has "no worker".
+WORKER_SILENCE = timedelta(seconds=60)
+# Counting runs ahead stops here: "more than 10 000" is as useful as the exact number.
+COUNT_CAP = 10_000
+
+
+@dataclass(frozen=True)
+class Reason:
+    code: str
+    message: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "message": self.message,
+            **({"detail": self.detail} if self.detail else {}),
+        }
+
+
+def _iso(value: datetime) -> str:
+    return value.isoformat().replace("+00:00", "Z")
+
+
+def _queue(definition: JobDefinition) -> Queue | None:
+    return Queue.objects.filter(team_id=definition.team_id, name=definition.queue).first()
+
+
+def _holders(definition: JobDefinition) -> list[str]:
+    # Served by the partial index run_leased_by_def.
+    ids = Run.objects.filter(definition=definition, state="leased").values_list("pk", flat=True)[
+        :50
+    ]
+    return [public_run_id(pk) for pk in ids]
+
+
+def _count_ahead(run: Run, now: datetime) -> tuple[int, int]:
+    """Return (claimable runs of higher priority, older claimable runs of the same priority)."""
+    # Both counts are range scans of the partial index run_claimable, capped.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT
+              (SELECT count(*) FROM (
+                  SELECT 1 FROM runs_run
+                  WHERE team_id = %(team)s AND queue = %(queue)s AND priority < %(priority)s
+                    AND state IN ('scheduled', 'ready', 'retrying') AND available_at <= %(now)s
+                  LIMIT %(cap)s) AS higher),
+              (SELECT count(*) FROM (
+                  SELECT 1 FROM runs_run
+                  WHERE team_id = %(team)s AND queue = %(queue)s AND priority = %(priority)s
+                    AND state IN ('scheduled', 'ready', 'retrying')
+                    AND (available_at, id) < (%(available)s, %(id)s)
+                  LIMIT %(cap)s) AS older)
+            """,
+            {
+                "team": run.team_id,
+                "queue": run.queue,
+                "priority": run.priority,
+                "now": now,
+                "available": run.available_at,
+                "id": run.pk,
+                "cap": COUNT_CAP,
+            },
+        )
+        return cursor.fetchone()
+
+
+def _holds_of_definition(
+    definition: JobDefinition, queue: Queue | None, now: datetime
+) -> list[Reason]:
+    reasons = []
+    if definition.paused:
+        reasons.append(Reason("definition_paused", f"The job {definition.name} is paused."))
+    if queue is not None and queue.paused:
+        reasons.append(Reason("queue_paused", f"The queue {definition.queue} is paused."))
+    if definition.concurrency is not None:
+        holders = _holders(definition)
+        if len(holders) >= definition.concurrency:
+            reasons.append(
+                Reason(
+                    "concurrency_limit",
+                    f"The job's concurrency limit ({definition.concurrency}) is held by {', '.join(holders)}.",
+                    {"limit": definition.concurrency, "heldBy": holders},
+                )
+            )
+    if queue is None or queue.last_leased_at is None or now - queue.last_leased_at > WORKER_SILENCE:
+        last = queue.last_leased_at if queue is not None else None
+        reasons.append(
+            Reason(
+                "no_worker",
+                f"No worker has asked the queue {definition.queue} for work in the last minute"
+                + (f" (last at {_iso(last)})." if last else " (never)."),
+                {"lastLeasedAt": _iso(last) if last else None},
+            )
+        )
+    return reasons
+
+
+def why_run(run: Run, now: datetime) -> list[Reason]:
+    """Return what holds a run; an empty list means nothing does (it is about to be claimed)."""
+    if run.state == "leased":
+        return [
+            Reason(
+                "running",
+                f"Leased by {run.worker_id} until {_iso(run.lease_expires_at)} (attempt {run.attempt}).",
+                {"workerId": run.worker_id, "leaseExpiresAt": _iso(run.lease_expires_at)},
+            )
+        ]
+    if run.state not in WAITING_STATES:
+        return [
+            Reason("finished", f"The run is {run.state}; it will not run again unless retried.")
+        ]
+    definition = run.definition
+    reasons = []
+    if run.available_at > now:
+        code, what = (
+            ("backoff", "Backing off after a failure")
+            if run.state == "retrying"
+            else ("scheduled", "Scheduled")
+        )
+        reasons.append(
+            Reason(
+                code, f"{what} until {_iso(run.available_at)}.", {"until": _iso(run.available_at)}
+            )
+        )
+    reasons += _holds_of_definition(definition, _queue(definition), now)
+    if run.available_at <= now:
+        higher, older = _count_ahead(run, now)
+        if higher:
+            reasons.append(
+                Reason(
+                    "behind_higher_priority",
+                    f"{higher}{'+' if higher >= COUNT_CAP else ''} runs of higher priority than "
+                    f"{PRIORITY_NAMES[run.priority]} are ready in the queue {run.queue}.",
+                    {"count": higher},
+                )
+            )
+        if older:
+            reasons.append(
+                Reason(
+                    "queued",
+                    f"{older}{'+' if older >= COUNT_CAP else ''} older runs of the same priority are ahead of it.",
+                    {"count": older},
+                )
+            )
+    return reasons
+
+
+def why_definition(definition: JobDefinition, now: datetime) -> list[Reason]:
+    """Return what keeps a definition from producing or running runs."""
+    reasons = _holds_of_definition(definition, _queue(definition), now)
+    if not definition.schedule:
+        reasons.append(
+            Reason("no_schedule", "The job has no schedule: it runs only when triggered.")
+        )
+    elif definition.next_due_at is None and not definition.paused:
+        reasons.append(Reason("schedule_done", "The schedule has no more fire times."))
+    elif definition.next_due_at is not None and definition.next_due_at > now:
+        reasons.append(
+            Reason(
+                "next_fire",
+                f"The next fire time is {_iso(definition.next_due_at)}.",
+                {"nextDueAt": _iso(definition.next_due_at)},
+            )
+        )
+    return reasons
