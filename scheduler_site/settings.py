@@ -26,12 +26,14 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "apps.teams",
     "apps.audit",
     "apps.jobs",
     "apps.runs",
     "apps.scheduler",
     "apps.api",
+    "apps.demo",
 ]
 
 MIDDLEWARE = [
@@ -96,6 +98,20 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = BASE_DIR / ".data" / "static"
 MEDIA_ROOT = Path(env_str("MEDIA_ROOT", str(BASE_DIR / ".data" / "media")))
 
+# Payloads over 4 KB live in object storage: the file system by default, or an S3-compatible
+# bucket through django-storages when SCHEDULER_PAYLOAD_BUCKET is set (credentials and endpoint
+# from the usual AWS_* variables).
+_PAYLOAD_BUCKET = env_str("SCHEDULER_PAYLOAD_BUCKET")
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    "payloads": (
+        {"BACKEND": "storages.backends.s3.S3Storage", "OPTIONS": {"bucket_name": _PAYLOAD_BUCKET}}
+        if _PAYLOAD_BUCKET
+        else {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(MEDIA_ROOT)}}
+    ),
+}
+
 LOGIN_URL = "/accounts/login/"
 
 # The API answers every request under `/api/` in JSON with problem details on errors.
@@ -115,6 +131,10 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    # Swagger UI and ReDoc from the drf-spectacular-sidecar package's static files, not a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # Request bodies up to the payload cap plus room for the envelope; anything larger is a 413.

@@ -8,12 +8,14 @@ from typing import Any
 from django.db import IntegrityError
 from django.db.models import QuerySet
 from django.utils.dateparse import parse_datetime
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import status
 from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from apps.api import schema as doc
 from apps.api.errors import Conflict
 from apps.api.serializers import (
     CreateRunSerializer,
@@ -84,6 +86,13 @@ def _name_taken_elsewhere(name: str, team) -> bool:
 
 
 class JobsView(ManageView):
+    @extend_schema(
+        operation_id="listJobs",
+        summary="List job definitions",
+        description="Every definition of the token's team, by name. Needs the `manage` scope.",
+        tags=["jobs"],
+        responses=doc.responses({200: doc.DefinitionListSerializer}),
+    )
     def get(self, request: Request) -> Response:
         definitions = (
             JobDefinition.objects.select_related("team")
@@ -92,6 +101,24 @@ class JobsView(ManageView):
         )
         return Response({"results": [definition_json(d) for d in definitions]})
 
+    @extend_schema(
+        operation_id="createJob",
+        summary="Create a job definition",
+        description=(
+            "Create a definition; omitted fields take their defaults. An existing name is a "
+            "409 (use PUT to replace), a name of another team's job a 403. "
+            "Needs the `manage` scope."
+        ),
+        tags=["jobs"],
+        request=DefinitionSerializer,
+        responses=doc.responses(
+            {201: doc.DefinitionResponseSerializer},
+            *doc.BODY_PROBLEMS,
+            409,
+            e403="The token lacks the `manage` scope, or the name belongs to another team.",
+            e409="A job with this name exists.",
+        ),
+    )
     def post(self, request: Request) -> Response:
         spec = _validated_definition(request.data)
         team = self.team(request)
@@ -107,9 +134,35 @@ class JobsView(ManageView):
 
 
 class JobDetailView(ManageView):
+    @extend_schema(
+        operation_id="getJob",
+        summary="Get a job definition",
+        description="Needs the `manage` scope.",
+        tags=["jobs"],
+        parameters=[doc.JOB_NAME],
+        responses=doc.responses({200: doc.DefinitionResponseSerializer}, 404),
+    )
     def get(self, request: Request, name: str) -> Response:
         return Response(definition_json(self.definition(request, name)))
 
+    @extend_schema(
+        operation_id="replaceJob",
+        summary="Create or replace a job definition",
+        description=(
+            "Jobs as code: create the definition named in the path (201) or replace it (200); "
+            "omitted fields take their defaults. Needs the `manage` scope."
+        ),
+        tags=["jobs"],
+        parameters=[doc.JOB_NAME],
+        request=doc.DefinitionPutSerializer,
+        responses=doc.responses(
+            {200: doc.DefinitionResponseSerializer, 201: doc.DefinitionResponseSerializer},
+            *doc.BODY_PROBLEMS,
+            409,
+            e403="The token lacks the `manage` scope, or the name belongs to another team.",
+            e409="A job with this name was created concurrently.",
+        ),
+    )
     def put(self, request: Request, name: str) -> Response:
         """Create or replace a definition by name: jobs as code."""
         spec = _validated_definition(request.data, name=name)
@@ -126,6 +179,18 @@ class JobDetailView(ManageView):
         definition = services.update_definition(existing, spec, self.actor(request))
         return Response(definition_json(definition))
 
+    @extend_schema(
+        operation_id="updateJob",
+        summary="Change some fields of a job definition",
+        description=(
+            "Merge the given fields into the definition (`retry` is merged field by field). "
+            "Needs the `manage` scope."
+        ),
+        tags=["jobs"],
+        parameters=[doc.JOB_NAME],
+        request=DefinitionSerializer(partial=True),
+        responses=doc.responses({200: doc.DefinitionResponseSerializer}, *doc.BODY_PROBLEMS, 404),
+    )
     def patch(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
         if not isinstance(request.data, dict):
@@ -141,6 +206,15 @@ class JobDetailView(ManageView):
             definition_json(services.update_definition(definition, spec, self.actor(request)))
         )
 
+    @extend_schema(
+        operation_id="deleteJob",
+        summary="Delete a job definition",
+        description="Needs the `manage` scope.",
+        tags=["jobs"],
+        parameters=[doc.JOB_NAME],
+        request=None,
+        responses=doc.responses({204: None}, 404),
+    )
     def delete(self, request: Request, name: str) -> Response:
         services.delete_definition(self.definition(request, name), self.actor(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -149,6 +223,18 @@ class JobDetailView(ManageView):
 class JobPauseView(ManageView):
     paused = True
 
+    @extend_schema(
+        operation_id="pauseJob",
+        summary="Pause a job",
+        description=(
+            "Stop new runs and stop the job's ready runs from being claimed. "
+            "Needs the `manage` scope."
+        ),
+        tags=["jobs"],
+        parameters=[doc.JOB_NAME],
+        request=None,
+        responses=doc.responses({200: doc.DefinitionResponseSerializer}, 404),
+    )
     def post(self, request: Request, name: str) -> Response:
         definition = services.set_paused(
             self.definition(request, name), self.paused, self.actor(request)
@@ -156,11 +242,34 @@ class JobPauseView(ManageView):
         return Response(definition_json(definition))
 
 
+@extend_schema_view(
+    post=extend_schema(
+        operation_id="resumeJob",
+        summary="Resume a job",
+        description=(
+            "Resume a paused job; its next due time is recomputed from now (a pause is not "
+            "back-filled). Needs the `manage` scope."
+        ),
+        tags=["jobs"],
+        parameters=[doc.JOB_NAME],
+        request=None,
+        responses=doc.responses({200: doc.DefinitionResponseSerializer}, 404),
+    )
+)
 class JobResumeView(JobPauseView):
     paused = False
 
 
 class JobTriggerView(ManageView):
+    @extend_schema(
+        operation_id="triggerJob",
+        summary="Run a job now",
+        description="Create a run due now. Needs the `manage` scope.",
+        tags=["jobs"],
+        parameters=[doc.JOB_NAME],
+        request=None,
+        responses=doc.responses({201: doc.RunResponseSerializer}, 404),
+    )
     def post(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
         created = transitions.create_run(
@@ -172,6 +281,28 @@ class JobTriggerView(ManageView):
 
 
 class JobRunsView(ManageView):
+    @extend_schema(
+        operation_id="createJobRun",
+        summary="Create a delayed or one-off run",
+        description=(
+            "Create a run after `delaySeconds` or at `runAt` (now if neither). The same "
+            "`idempotencyKey` again answers the existing run (200); a new run is a 201. "
+            "Needs the `manage` scope."
+        ),
+        tags=["jobs"],
+        parameters=[doc.JOB_NAME],
+        request=CreateRunSerializer,
+        responses=doc.responses(
+            {
+                200: OpenApiResponse(
+                    doc.RunResponseSerializer, description="The run with this idempotency key."
+                ),
+                201: OpenApiResponse(doc.RunResponseSerializer, description="A new run."),
+            },
+            *doc.BODY_PROBLEMS,
+            404,
+        ),
+    )
     def post(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
         body = CreateRunSerializer(data=request.data)
@@ -211,6 +342,18 @@ def _parse_count(raw: Any) -> int:
 
 
 class JobPreviewView(ManageView):
+    @extend_schema(
+        operation_id="previewJob",
+        summary="Preview a job's next fire times",
+        description=(
+            "The next `count` fire times after `from`, in local time and UTC, with the start "
+            "after jitter and a note when a DST change moved or repeated one. "
+            "Needs the `manage` scope."
+        ),
+        tags=["jobs"],
+        parameters=[doc.JOB_NAME, *doc.PREVIEW_QUERY],
+        responses=doc.responses({200: doc.PreviewAnswerSerializer}, 400, 404),
+    )
     def get(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
         count = _parse_count(request.query_params.get("count"))
@@ -225,6 +368,17 @@ class JobPreviewView(ManageView):
 class PreviewView(ManageView):
     """Preview a schedule that is not saved (the edit form's live preview)."""
 
+    @extend_schema(
+        operation_id="previewSchedule",
+        summary="Preview a schedule that is not saved",
+        description=(
+            "The next `count` fire times of `schedule` after `from`, as for a saved job; "
+            "`name` sets the jitter. Needs the `manage` scope."
+        ),
+        tags=["jobs"],
+        request=PreviewSerializer,
+        responses=doc.responses({200: doc.PreviewAnswerSerializer}, *doc.BODY_PROBLEMS),
+    )
     def post(self, request: Request) -> Response:
         body = PreviewSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -293,6 +447,17 @@ def team_runs(view: ManageView, request: Request) -> QuerySet:
 
 
 class RunsView(ManageView):
+    @extend_schema(
+        operation_id="listRuns",
+        summary="List runs",
+        description=(
+            "The team's runs, newest first, filtered by the query; follow `next` for the "
+            "next page. Needs the `manage` scope."
+        ),
+        tags=["runs"],
+        parameters=[doc.RUN_STATE, *doc.RUN_FILTERS],
+        responses=doc.responses({200: doc.RunPageSerializer}, 400),
+    )
     def get(self, request: Request) -> Response:
         now = services.database_now()
         return paginate(
@@ -301,6 +466,14 @@ class RunsView(ManageView):
 
 
 class RunDetailView(ManageView):
+    @extend_schema(
+        operation_id="getRun",
+        summary="Get a run with its attempts",
+        description="Needs the `manage` scope.",
+        tags=["runs"],
+        parameters=[doc.RUN_ID],
+        responses=doc.responses({200: doc.RunDetailResponseSerializer}, 404),
+    )
     def get(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
         body = run_json(run, services.database_now())
@@ -309,6 +482,23 @@ class RunDetailView(ManageView):
 
 
 class RunCancelView(ManageView):
+    @extend_schema(
+        operation_id="cancelRun",
+        summary="Cancel a run",
+        description=(
+            "Cancel a `scheduled`, `ready` or `retrying` run; any other state is a 409. "
+            "Needs the `manage` scope."
+        ),
+        tags=["runs"],
+        parameters=[doc.RUN_ID],
+        request=None,
+        responses=doc.responses(
+            {200: doc.RunResponseSerializer},
+            404,
+            409,
+            e409="The run is in a state that cannot be cancelled.",
+        ),
+    )
     def post(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
         try:
@@ -321,6 +511,23 @@ class RunCancelView(ManageView):
 
 
 class RunRetryView(ManageView):
+    @extend_schema(
+        operation_id="retryRun",
+        summary="Retry a run now",
+        description=(
+            "Make a `retrying` run ready now, skipping the rest of its backoff; any other "
+            "state is a 409. Needs the `manage` scope."
+        ),
+        tags=["runs"],
+        parameters=[doc.RUN_ID],
+        request=None,
+        responses=doc.responses(
+            {200: doc.RunResponseSerializer},
+            404,
+            409,
+            e409="The run is in a state that cannot be retried.",
+        ),
+    )
     def post(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
         try:
@@ -336,6 +543,17 @@ class RunRetryView(ManageView):
 
 
 class DlqView(ManageView):
+    @extend_schema(
+        operation_id="listDeadRuns",
+        summary="List the dead-letter queue",
+        description=(
+            "The team's `dead` runs, newest first, filtered like the runs list; follow `next` "
+            "for the next page. Needs the `manage` scope."
+        ),
+        tags=["dlq"],
+        parameters=doc.RUN_FILTERS,
+        responses=doc.responses({200: doc.RunPageSerializer}, 400),
+    )
     def get(self, request: Request) -> Response:
         now = services.database_now()
         params = {key: value for key, value in request.query_params.items() if key != "state"}
@@ -346,6 +564,17 @@ class DlqView(ManageView):
 class DlqActionView(ManageView):
     action_name = "requeue"
 
+    @extend_schema(
+        operation_id="requeueDeadRuns",
+        summary="Requeue dead runs",
+        description=(
+            "Make the selected dead runs ready again, each with a fresh attempt budget; runs "
+            "that are not dead or not the team's are left out. Needs the `manage` scope."
+        ),
+        tags=["dlq"],
+        request=RunIdsOrFilterSerializer,
+        responses=doc.responses({200: doc.DlqActionAnswerSerializer}, *doc.BODY_PROBLEMS),
+    )
     def post(self, request: Request) -> Response:
         body = RunIdsOrFilterSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -362,5 +591,19 @@ class DlqActionView(ManageView):
         return Response({"count": len(changed), "runIds": [run.run_id for run in changed]})
 
 
+@extend_schema_view(
+    post=extend_schema(
+        operation_id="discardDeadRuns",
+        summary="Discard dead runs",
+        description=(
+            "Take the selected dead runs out of the DLQ (they become `cancelled`, their history "
+            "kept); runs that are not dead or not the team's are left out. "
+            "Needs the `manage` scope."
+        ),
+        tags=["dlq"],
+        request=RunIdsOrFilterSerializer,
+        responses=doc.responses({200: doc.DlqActionAnswerSerializer}, *doc.BODY_PROBLEMS),
+    )
+)
 class DlqDiscardView(DlqActionView):
     action_name = "discard"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 
+from drf_spectacular.utils import extend_schema
 from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from apps.api import schema as doc
 from apps.api.errors import Conflict
 from apps.api.serializers import (
     BatchHeartbeatSerializer,
@@ -53,6 +55,19 @@ def lease_json(lease: store.Lease) -> dict:
 class LeasesView(WorkerView):
     """Claim up to `max` runs; with `waitSeconds`, wait for work (woken by NOTIFY) before answering empty."""
 
+    @extend_schema(
+        operation_id="leaseRuns",
+        summary="Lease ready runs",
+        description=(
+            "Claim up to `max` ready runs of the given queues for this worker, ordered by "
+            "priority then `availableAt`. With `waitSeconds` > 0 the call long-polls until work "
+            "is ready or the wait is over, then answers (possibly an empty list). "
+            "Needs the `worker` scope."
+        ),
+        tags=["worker"],
+        request=LeaseRequestSerializer,
+        responses=doc.responses({200: doc.LeaseListSerializer}, *doc.BODY_PROBLEMS),
+    )
     def post(self, request: Request) -> Response:
         body = LeaseRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -100,6 +115,21 @@ def _single(outcome: store.Outcome) -> None:
 
 
 class HeartbeatView(WorkerView):
+    @extend_schema(
+        operation_id="heartbeatRun",
+        summary="Extend a lease",
+        description="Extend the run's lease by its `leaseSeconds`. Needs the `worker` scope.",
+        tags=["worker"],
+        parameters=[doc.RUN_ID],
+        request=TokenSerializer,
+        responses=doc.responses(
+            {200: doc.HeartbeatAnswerSerializer},
+            *doc.BODY_PROBLEMS,
+            404,
+            409,
+            e409="The fencing token is stale or the run is no longer leased; nothing changed.",
+        ),
+    )
     def post(self, request: Request, run_id: str) -> Response:
         pk = _run_pk(run_id)
         body = TokenSerializer(data=request.data)
@@ -112,6 +142,22 @@ class HeartbeatView(WorkerView):
 
 
 class CompleteView(WorkerView):
+    @extend_schema(
+        operation_id="completeRun",
+        summary="Report success",
+        description="Mark the leased run `succeeded`, with an optional result. "
+        "Needs the `worker` scope.",
+        tags=["worker"],
+        parameters=[doc.RUN_ID],
+        request=CompleteSerializer,
+        responses=doc.responses(
+            {200: doc.CompleteAnswerSerializer},
+            *doc.BODY_PROBLEMS,
+            404,
+            409,
+            e409="The fencing token is stale or the run is no longer leased; nothing changed.",
+        ),
+    )
     def post(self, request: Request, run_id: str) -> Response:
         pk = _run_pk(run_id)
         body = CompleteSerializer(data=request.data)
@@ -125,6 +171,25 @@ class CompleteView(WorkerView):
 
 
 class FailView(WorkerView):
+    @extend_schema(
+        operation_id="failRun",
+        summary="Report failure",
+        description=(
+            "Fail the leased run's attempt: it goes to `retrying` (after a backoff) when "
+            "attempts are left and `retryable` is true, else to `dead` (the DLQ). "
+            "Needs the `worker` scope."
+        ),
+        tags=["worker"],
+        parameters=[doc.RUN_ID],
+        request=FailSerializer,
+        responses=doc.responses(
+            {200: doc.FailAnswerSerializer},
+            *doc.BODY_PROBLEMS,
+            404,
+            409,
+            e409="The fencing token is stale or the run is no longer leased; nothing changed.",
+        ),
+    )
     def post(self, request: Request, run_id: str) -> Response:
         pk = _run_pk(run_id)
         body = FailSerializer(data=request.data)
@@ -161,6 +226,17 @@ def _known(items: list[dict]) -> list[tuple[int, dict]]:
 
 
 class BatchHeartbeatsView(WorkerView):
+    @extend_schema(
+        operation_id="heartbeatRuns",
+        summary="Extend many leases",
+        description=(
+            "Heartbeat many leases in one request, with the rules of the single call; each "
+            "item is answered with its own `status` (200, 404 or 409). Needs the `worker` scope."
+        ),
+        tags=["worker"],
+        request=BatchHeartbeatSerializer,
+        responses=doc.responses({200: doc.HeartbeatBatchAnswerSerializer}, *doc.BODY_PROBLEMS),
+    )
     def post(self, request: Request) -> Response:
         body = BatchHeartbeatSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -190,6 +266,18 @@ class BatchHeartbeatsView(WorkerView):
 
 
 class BatchResultsView(WorkerView):
+    @extend_schema(
+        operation_id="reportResults",
+        summary="Report many results",
+        description=(
+            "Complete or fail many leased runs in one request, with the rules of the single "
+            "calls; each item is answered with its own `status` (200, 404 or 409). "
+            "Needs the `worker` scope."
+        ),
+        tags=["worker"],
+        request=BatchResultSerializer,
+        responses=doc.responses({200: doc.ResultBatchAnswerSerializer}, *doc.BODY_PROBLEMS),
+    )
     def post(self, request: Request) -> Response:
         body = BatchResultSerializer(data=request.data)
         body.is_valid(raise_exception=True)

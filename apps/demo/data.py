@@ -1,0 +1,91 @@
+"""The demo team, its sign-in and the handful of jobs a new user sees running."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.contrib.auth import get_user_model
+from django.db import transaction
+
+from apps.audit.record import Actor
+from apps.jobs import services
+from apps.jobs.models import PRIORITIES, JobDefinition
+from apps.teams.models import ApiToken, Membership, Role, Team
+
+TEAM_SLUG = "demo"
+USERNAME = "demo"
+PASSWORD = "demo-password"
+QUEUE = "demo"
+WORKER_TOKEN_NAME = "demo worker"
+
+
+def _spec(name: str, schedule: dict, **fields) -> services.DefinitionSpec:
+    return services.DefinitionSpec(
+        name=name,
+        schedule=schedule,
+        queue=QUEUE,
+        priority=PRIORITIES[fields.pop("priority", "default")],
+        timeout_seconds=fields.pop("timeout_seconds", 300),
+        retry_max_attempts=fields.pop("retry_max_attempts", 3),
+        retry_base_seconds=fields.pop("retry_base_seconds", 5),
+        retry_max_seconds=fields.pop("retry_max_seconds", 60),
+        concurrency=fields.pop("concurrency", None),
+        payload=fields.pop("payload", {}),
+        paused=False,
+        dry_run=False,
+    )
+
+
+DEMO_JOBS = [
+    _spec(
+        "demo.nightly-report",
+        {"cron": "0 2 * * *", "timeZone": "Europe/Berlin", "jitterSeconds": 0},
+        priority="critical",
+        concurrency=1,
+        payload={"format": "csv"},
+    ),
+    _spec("demo.every-minute", {"cron": "* * * * *", "jitterSeconds": 0}, payload={"greeting": "hello"}),
+    _spec(
+        "demo.flaky",
+        {"cron": "* * * * *", "jitterSeconds": 0},
+        priority="bulk",
+        retry_max_attempts=2,
+        retry_base_seconds=1,
+        retry_max_seconds=2,
+        payload={"failureRate": 0.7},
+    ),
+    _spec("demo.delayed-email", {"delaySeconds": 20}, payload={"to": "ops@example.com"}),
+]
+
+
+@dataclass(frozen=True)
+class Demo:
+    team: Team
+    token: str
+
+
+@transaction.atomic
+def load_demo() -> Demo:
+    """Create or refresh the demo team, user, jobs and a new worker token (the old one is revoked)."""
+    actor = Actor.cli("demo")
+    team, _ = Team.objects.get_or_create(slug=TEAM_SLUG, defaults={"name": "Demo team"})
+    user_model = get_user_model()
+    user = user_model.objects.filter(username=USERNAME).first()
+    if user is None:
+        user = user_model.objects.create_user(USERNAME, password=PASSWORD)
+    Membership.objects.update_or_create(user=user, team=team, defaults={"role": Role.ADMIN})
+    for spec in DEMO_JOBS:
+        existing = JobDefinition.objects.filter(name=spec.name).first()
+        if existing is None:
+            services.create_definition(team, spec, actor)
+        elif existing.schedule.get("delaySeconds") is not None:
+            # A delayed job runs once after creation: recreate it so every start shows one.
+            services.delete_definition(existing, actor)
+            services.create_definition(team, spec, actor)
+        else:
+            services.update_definition(existing, spec, actor)
+    from django.utils import timezone
+
+    ApiToken.objects.filter(team=team, name=WORKER_TOKEN_NAME, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    _, raw = ApiToken.issue(team, ["worker", "manage"], name=WORKER_TOKEN_NAME)
+    return Demo(team, raw)
