@@ -5,52 +5,84 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('teams', '0001_initial'),
+        ("teams", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='JobDefinition',
+            name="JobDefinition",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=200, unique=True)),
-                ('schedule', models.JSONField(default=dict)),
-                ('queue', models.CharField(default='default', max_length=100)),
-                ('priority', models.PositiveSmallIntegerField(default=1)),
-                ('timeout_seconds', models.PositiveIntegerField(default=3600)),
-                ('retry_max_attempts', models.PositiveIntegerField(default=3)),
-                ('retry_base_seconds', models.PositiveIntegerField(default=30)),
-                ('retry_max_seconds', models.PositiveIntegerField(default=1800)),
-                ('concurrency', models.PositiveIntegerField(blank=True, null=True)),
-                ('payload', models.JSONField(blank=True, default=dict)),
-                ('paused', models.BooleanField(default=False)),
-                ('dry_run', models.BooleanField(default=False)),
-                ('next_due_at', models.DateTimeField(blank=True, null=True)),
-                ('shard', models.PositiveSmallIntegerField(default=0)),
-                ('missed_runs_note', models.CharField(blank=True, default='', max_length=300)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('team', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='jobs', to='teams.team')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=200, unique=True)),
+                ("schedule", models.JSONField(default=dict)),
+                ("queue", models.CharField(default="default", max_length=100)),
+                ("priority", models.PositiveSmallIntegerField(default=1)),
+                ("timeout_seconds", models.PositiveIntegerField(default=3600)),
+                ("retry_max_attempts", models.PositiveIntegerField(default=3)),
+                ("retry_base_seconds", models.PositiveIntegerField(default=30)),
+                ("retry_max_seconds", models.PositiveIntegerField(default=1800)),
+                ("concurrency", models.PositiveIntegerField(blank=True, null=True)),
+                ("payload", models.JSONField(blank=True, default=dict)),
+                ("paused", models.BooleanField(default=False)),
+                ("dry_run", models.BooleanField(default=False)),
+                ("next_due_at", models.DateTimeField(blank=True, null=True)),
+                ("shard", models.PositiveSmallIntegerField(default=0)),
+                ("missed_runs_note", models.CharField(blank=True, default="", max_length=300)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "team",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="jobs",
+                        to="teams.team",
+                    ),
+                ),
             ],
             options={
-                'indexes': [models.Index(condition=models.Q(('next_due_at__isnull', False), ('paused', False)), fields=['shard', 'next_due_at'], name='job_due_by_shard'), models.Index(fields=['team', 'name'], name='job_team_name')],
+                "indexes": [
+                    models.Index(
+                        condition=models.Q(("next_due_at__isnull", False), ("paused", False)),
+                        fields=["shard", "next_due_at"],
+                        name="job_due_by_shard",
+                    ),
+                    models.Index(fields=["team", "name"], name="job_team_name"),
+                ],
             },
         ),
         migrations.CreateModel(
-            name='Queue',
+            name="Queue",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100)),
-                ('paused', models.BooleanField(default=False)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('team', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='queues', to='teams.team')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=100)),
+                ("paused", models.BooleanField(default=False)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "team",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="queues",
+                        to="teams.team",
+                    ),
+                ),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('team', 'name'), name='queue_team_name_unique')],
+                "constraints": [
+                    models.UniqueConstraint(fields=("team", "name"), name="queue_team_name_unique")
+                ],
             },
         ),
     ]
