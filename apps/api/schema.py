@@ -644,3 +644,58 @@ class ScheduleFieldExtension(OpenApiSerializerFieldExtension):
 
     def map_serializer_field(self, auto_schema, direction):
         return _schedule_schema()
+
+
+# --- operations: why not running, queues ----------------------------------------------------
+
+
+class ReasonSerializer(serializers.Serializer):
+    code = serializers.ChoiceField(
+        choices=[
+            "running",
+            "finished",
+            "backoff",
+            "scheduled",
+            "definition_paused",
+            "queue_paused",
+            "concurrency_limit",
+            "no_worker",
+            "behind_higher_priority",
+            "queued",
+            "no_schedule",
+            "schedule_done",
+            "next_fire",
+        ]
+    )
+    message = serializers.CharField()
+    detail = serializers.DictField(required=False)
+
+
+class WhyAnswerSerializer(serializers.Serializer):
+    subject = serializers.CharField(help_text="The run id or the job name.")
+    state = serializers.CharField(required=False)
+    reasons = ReasonSerializer(many=True, help_text="Empty when nothing holds it.")
+
+
+class QueueSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    paused = serializers.BooleanField()
+    depth = serializers.DictField(
+        child=serializers.IntegerField(), help_text="Ready runs by priority."
+    )
+    oldestReadyAt = serializers.DateTimeField(allow_null=True)
+    lastLeasedAt = serializers.DateTimeField(allow_null=True)
+    lastWorkerId = serializers.CharField(allow_blank=True)
+
+
+class QueueListSerializer(serializers.Serializer):
+    results = QueueSerializer(many=True)
+
+
+QUEUE_NAME = OpenApiParameter(
+    "name",
+    {"type": "string", "minLength": 1, "maxLength": 100},
+    OpenApiParameter.PATH,
+    required=True,
+    description="The queue's name.",
+)

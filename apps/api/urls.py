@@ -3,6 +3,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.api import views_health as health
 from apps.api import views_manage as manage
+from apps.api import views_ops as ops
 from apps.api import views_worker as worker
 
 urlpatterns = [
@@ -35,6 +36,12 @@ urlpatterns = [
     path("api/v1/dlq", manage.DlqView.as_view(), name="api-dlq"),
     path("api/v1/dlq/requeue", manage.DlqActionView.as_view(), name="api-dlq-requeue"),
     path("api/v1/dlq/discard", manage.DlqDiscardView.as_view(), name="api-dlq-discard"),
+    # Operations
+    path("api/v1/runs/<str:run_id>/why", ops.RunWhyView.as_view(), name="api-run-why"),
+    path("api/v1/jobs/<str:name>/why", ops.JobWhyView.as_view(), name="api-job-why"),
+    path("api/v1/queues", ops.QueuesView.as_view(), name="api-queues"),
+    path("api/v1/queues/<str:name>/pause", ops.QueuePauseView.as_view(), name="api-queue-pause"),
+    path("api/v1/queues/<str:name>/resume", ops.QueueResumeView.as_view(), name="api-queue-resume"),
     # Schema and health
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),

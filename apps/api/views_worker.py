@@ -24,6 +24,7 @@ from apps.api.serializers import (
 from apps.jobs.models import PRIORITY_NAMES
 from apps.jobs.services import database_now
 from apps.runs import store
+from apps.runs.activity import note_lease_activity
 from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.waiting import listener
 
@@ -73,6 +74,7 @@ class LeasesView(WorkerView):
         body.is_valid(raise_exception=True)
         args = body.validated_data
         team_ids = self.team_ids(request)
+        note_lease_activity(request.auth.team_id, args["queues"], args["workerId"])
         deadline = time.monotonic() + args["waitSeconds"]
         if args["waitSeconds"]:
             listener.ensure_started()

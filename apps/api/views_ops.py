@@ -1,0 +1,89 @@
+"""Operations: why a run or a job is not running, and the team's queues (depth, pause, resume)."""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework.exceptions import ValidationError
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from apps.api import schema as doc
+from apps.api.serializers import QUEUE_RE
+from apps.api.views_manage import ManageView
+from apps.jobs import services
+from apps.runs import diagnosis, queues
+
+
+class RunWhyView(ManageView):
+    @extend_schema(
+        operation_id="whyRun",
+        summary="Why is this run not running?",
+        tags=["operations"],
+        parameters=[doc.RUN_ID],
+        responses=doc.responses({200: doc.WhyAnswerSerializer}, 404),
+    )
+    def get(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        reasons = diagnosis.why_run(run, services.database_now())
+        return Response(
+            {"subject": run_id, "state": run.state, "reasons": [r.as_json() for r in reasons]}
+        )
+
+
+class JobWhyView(ManageView):
+    @extend_schema(
+        operation_id="whyJob",
+        summary="Why is this job not running?",
+        tags=["operations"],
+        parameters=[doc.JOB_NAME],
+        responses=doc.responses({200: doc.WhyAnswerSerializer}, 404),
+    )
+    def get(self, request: Request, name: str) -> Response:
+        definition = self.definition(request, name)
+        reasons = diagnosis.why_definition(definition, services.database_now())
+        return Response({"subject": name, "reasons": [r.as_json() for r in reasons]})
+
+
+class QueuesView(ManageView):
+    @extend_schema(
+        operation_id="listQueues",
+        summary="The team's queues with depth and activity",
+        tags=["operations"],
+        responses=doc.responses({200: doc.QueueListSerializer}),
+    )
+    def get(self, request: Request) -> Response:
+        return Response({"results": [q.as_json() for q in queues.overview(self.team(request))]})
+
+
+class QueuePauseView(ManageView):
+    paused = True
+
+    @extend_schema(
+        operation_id="pauseQueue",
+        summary="Pause a queue: nothing new is leased from it",
+        tags=["operations"],
+        parameters=[doc.QUEUE_NAME],
+        request=None,
+        responses=doc.responses({200: doc.QueueSerializer}, 400),
+    )
+    def post(self, request: Request, name: str) -> Response:
+        if not QUEUE_RE.match(name) or len(name) > 100:
+            raise ValidationError({"name": ["Use letters, digits, '.', ':', '-' and '_'."]})
+        services.set_queue_paused(self.team(request), name, self.paused, self.actor(request))
+        (answer,) = [q for q in queues.overview(self.team(request)) if q.name == name]
+        return Response(answer.as_json())
+
+
+class QueueResumeView(QueuePauseView):
+    paused = False
+
+    @extend_schema(
+        operation_id="resumeQueue",
+        summary="Resume a paused queue",
+        tags=["operations"],
+        parameters=[doc.QUEUE_NAME],
+        request=None,
+        responses=doc.responses({200: doc.QueueSerializer}, 400),
+    )
+    def post(self, request: Request, name: str) -> Response:
+        return super().post(request, name)

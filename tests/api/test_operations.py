@@ -1,0 +1,47 @@
+"""Why-not-running and queues over the API."""
+
+from __future__ import annotations
+
+import pytest
+
+from apps.audit.models import AuditEvent
+from tests.conftest import add_ready_runs, make_definition
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_why_names_the_paused_queue_and_the_silent_workers(api_a, team_a):
+    definition = make_definition(team_a, "ops.report", queue="reports")
+    add_ready_runs(definition, 1)
+    run_id = api_a.get("/api/v1/runs").json()["results"][0]["runId"]
+    assert [r["code"] for r in api_a.get(f"/api/v1/runs/{run_id}/why").json()["reasons"]] == ["no_worker"]
+    paused = api_a.post("/api/v1/queues/reports/pause")
+    assert paused.status_code == 200 and paused.json()["paused"] is True
+    assert api_a.lease(["reports"], 5) == []
+    codes = [r["code"] for r in api_a.get(f"/api/v1/runs/{run_id}/why").json()["reasons"]]
+    assert codes == ["queue_paused"]  # the lease call above counts as a worker asking
+    assert api_a.post("/api/v1/queues/reports/resume").json()["paused"] is False
+    assert len(api_a.lease(["reports"], 5)) == 1
+    actions = list(AuditEvent.objects.filter(target_type="queue").values_list("action", flat=True).order_by("id"))
+    assert actions == ["queue.pause", "queue.resume"]
+
+
+def test_queue_list_shows_depth_by_priority(api_a, team_a):
+    add_ready_runs(make_definition(team_a, "d.crit", queue="mix", priority="critical"), 3)
+    add_ready_runs(make_definition(team_a, "d.bulk", queue="mix", priority="bulk"), 2)
+    (queue,) = api_a.get("/api/v1/queues").json()["results"]
+    assert queue["name"] == "mix"
+    assert queue["depth"] == {"critical": 3, "default": 0, "bulk": 2}
+    assert queue["oldestReadyAt"].endswith("Z")
+
+
+def test_why_job_says_paused(api_a, team_a):
+    make_definition(team_a, "ops.paused", queue="q", paused=True)
+    reasons = api_a.get("/api/v1/jobs/ops.paused/why").json()["reasons"]
+    assert reasons[0]["code"] == "definition_paused"
+
+
+def test_other_teams_queue_pause_does_not_touch_ours(api_a, api_b, team_a):
+    add_ready_runs(make_definition(team_a, "mine.job", queue="shared-name"), 1)
+    api_b.post("/api/v1/queues/shared-name/pause")
+    assert len(api_a.lease(["shared-name"], 5)) == 1
