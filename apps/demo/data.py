@@ -44,7 +44,11 @@ DEMO_JOBS = [
         concurrency=1,
         payload={"format": "csv"},
     ),
-    _spec("demo.every-minute", {"cron": "* * * * *", "jitterSeconds": 0}, payload={"greeting": "hello"}),
+    _spec(
+        "demo.every-minute",
+        {"cron": "* * * * *", "jitterSeconds": 0},
+        payload={"greeting": "hello"},
+    ),
     _spec(
         "demo.flaky",
         {"cron": "* * * * *", "jitterSeconds": 0},
@@ -86,6 +90,8 @@ def load_demo() -> Demo:
             services.update_definition(existing, spec, actor)
     from django.utils import timezone
 
-    ApiToken.objects.filter(team=team, name=WORKER_TOKEN_NAME, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    ApiToken.objects.filter(team=team, name=WORKER_TOKEN_NAME, revoked_at__isnull=True).update(
+        revoked_at=timezone.now()
+    )
     _, raw = ApiToken.issue(team, ["worker", "manage"], name=WORKER_TOKEN_NAME)
     return Demo(team, raw)

@@ -12,7 +12,9 @@ logger = logging.getLogger("demo.worker")
 
 @handler("demo.nightly-report")
 def nightly_report(ctx) -> dict:
-    logger.info("nightly report %s (key %s, token %s)", ctx.run_id, ctx.idempotency_key, ctx.fencing_token)
+    logger.info(
+        "nightly report %s (key %s, token %s)", ctx.run_id, ctx.idempotency_key, ctx.fencing_token
+    )
     return {"rows": 42, "format": ctx.payload.get("format")}
 
 

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from django.conf import settings
@@ -36,7 +35,9 @@ class Command(BaseCommand):
         call_command("migrate", interactive=False, verbosity=0)
         demo = load_demo()
         url = f"http://{host}:{port}"
-        database = "embedded PostgreSQL in .data/pg" if settings.EMBEDDED_DATABASE else "DATABASE_URL"
+        database = (
+            "embedded PostgreSQL in .data/pg" if settings.EMBEDDED_DATABASE else "DATABASE_URL"
+        )
         self.stdout.write(
             f"\nDatabase:  {database}\nAPI:       {url}/api/v1/  (docs: {url}/api/docs/)\n"
             f"Sign in:   {url}/accounts/login/  as {USERNAME} / {PASSWORD}\n"
@@ -46,23 +47,49 @@ class Command(BaseCommand):
         if settings.EMBEDDED_DATABASE:
             env["DATABASE_URL"] = settings.DATABASE_URL
         root = Path(settings.BASE_DIR)
-        env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "client"), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(root), str(root / "client"), env.get("PYTHONPATH", "")]
+        )
         commands = {
-            "web": [sys.executable, "-m", "uvicorn", "scheduler_site.asgi:application", "--host", host, "--port", str(port)],
+            "web": [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "scheduler_site.asgi:application",
+                "--host",
+                host,
+                "--port",
+                str(port),
+            ],
             "scheduler": [sys.executable, "manage.py", "scheduler"],
         }
         if not no_worker:
             commands["worker"] = [
-                sys.executable, "-m", "cronlease_client", "run", "apps.demo.handlers",
-                "--queue", QUEUE, "--url", url, "--token", demo.token, "--concurrency", "4",
+                sys.executable,
+                "-m",
+                "cronlease_client",
+                "run",
+                "apps.demo.handlers",
+                "--queue",
+                QUEUE,
+                "--url",
+                url,
+                "--token",
+                demo.token,
+                "--concurrency",
+                "4",
             ]
-        processes = {name: self._spawn(name, command, env, root) for name, command in commands.items()}
+        processes = {
+            name: self._spawn(name, command, env, root) for name, command in commands.items()
+        }
         signal.signal(signal.SIGINT, lambda *_: self.shutdown.set())
         signal.signal(signal.SIGTERM, lambda *_: self.shutdown.set())
         while not self.shutdown.is_set():
             for name, process in processes.items():
                 if process.poll() is not None:
-                    self.stderr.write(f"{name} exited with {process.returncode}; stopping the rest.")
+                    self.stderr.write(
+                        f"{name} exited with {process.returncode}; stopping the rest."
+                    )
                     self.shutdown.set()
             self.shutdown.wait(0.5)
         self._stop(processes)
@@ -71,8 +98,14 @@ class Command(BaseCommand):
         # Each child gets its own process group, so a terminal's Ctrl-C reaches only this
         # command, which then stops the children in order.
         process = subprocess.Popen(
-            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, bufsize=1, start_new_session=True,
+            command,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
         )
         threading.Thread(target=self._relay, args=(name, process), daemon=True).start()
         return process
