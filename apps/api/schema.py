@@ -699,3 +699,30 @@ QUEUE_NAME = OpenApiParameter(
     required=True,
     description="The queue's name.",
 )
+
+
+class BackfillRequestSerializer(serializers.Serializer):
+    # "from" is a Python keyword: declared through the fields mapping below.
+    to = serializers.DateTimeField(
+        help_text="End of the range (inclusive), ISO 8601 with an offset."
+    )
+    confirm = serializers.BooleanField(
+        default=False, help_text="false: preview only; true: create."
+    )
+
+
+BackfillRequestSerializer._declared_fields["from"] = serializers.DateTimeField(
+    help_text="Start of the range (inclusive), ISO 8601 with an offset."
+)
+
+
+class BackfillAnswerSerializer(serializers.Serializer):
+    count = serializers.IntegerField(help_text="Cron times in the range (up to the cap).")
+    existing = serializers.IntegerField(help_text="Of those, times that already have a run.")
+    new = serializers.IntegerField(help_text="Runs a confirmed backfill creates.")
+    created = serializers.IntegerField(help_text="Runs created (0 for a preview).")
+    capped = serializers.BooleanField()
+    confirmed = serializers.BooleanField()
+    sample = serializers.ListField(
+        child=serializers.CharField(), help_text="The first local times."
+    )

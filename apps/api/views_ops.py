@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import extend_schema
 from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
@@ -10,7 +11,7 @@ from rest_framework.response import Response
 from apps.api import schema as doc
 from apps.api.serializers import QUEUE_RE
 from apps.api.views_manage import ManageView
-from apps.jobs import services
+from apps.jobs import backfill, services
 from apps.runs import diagnosis, queues
 
 
@@ -87,3 +88,53 @@ class QueueResumeView(QueuePauseView):
     )
     def post(self, request: Request, name: str) -> Response:
         return super().post(request, name)
+
+
+class JobBackfillView(ManageView):
+    @extend_schema(
+        operation_id="backfillJob",
+        summary="Run a cron job for every fire time of a past range (preview unless confirmed)",
+        tags=["operations"],
+        parameters=[doc.JOB_NAME],
+        request=doc.BackfillRequestSerializer,
+        responses=doc.responses({200: doc.BackfillAnswerSerializer}, 400, 404, 413, 415),
+    )
+    def post(self, request: Request, name: str) -> Response:
+        definition = self.definition(request, name)
+        data = request.data if isinstance(request.data, dict) else {}
+        errors: dict[str, list[str]] = {}
+        bounds = {}
+        for key in ("from", "to"):
+            value = (
+                parse_datetime(str(data.get(key, "")).replace(" ", "+")) if data.get(key) else None
+            )
+            if value is None or value.tzinfo is None:
+                errors[key] = ["Give an ISO 8601 time with an offset or Z."]
+            bounds[key] = value
+        confirm = data.get("confirm", False)
+        if not isinstance(confirm, bool):
+            errors["confirm"] = ["Must be true or false."]
+        unknown = set(data) - {"from", "to", "confirm"}
+        errors.update({key: ["Unknown field."] for key in sorted(unknown)})
+        if errors or not isinstance(request.data, dict):
+            raise ValidationError(errors or {"body": ["Expected a JSON object."]})
+        try:
+            if confirm:
+                plan, created = backfill.run_backfill(
+                    definition, bounds["from"], bounds["to"], self.actor(request)
+                )
+            else:
+                plan, created = backfill.plan(definition, bounds["from"], bounds["to"]), 0
+        except backfill.BackfillError as exc:
+            raise ValidationError({key: [reason] for key, reason in exc.errors.items()}) from exc
+        return Response(
+            {
+                "count": len(plan.times),
+                "existing": plan.existing,
+                "new": plan.new,
+                "created": created,
+                "capped": plan.capped,
+                "confirmed": confirm,
+                "sample": [t.local.isoformat() for t in plan.times[:20]],
+            }
+        )

@@ -4,20 +4,18 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='ShardLease',
+            name="ShardLease",
             fields=[
-                ('shard', models.PositiveSmallIntegerField(primary_key=True, serialize=False)),
-                ('owner', models.CharField(blank=True, default='', max_length=200)),
-                ('epoch', models.BigIntegerField(default=0)),
-                ('expires_at', models.DateTimeField(blank=True, null=True)),
+                ("shard", models.PositiveSmallIntegerField(primary_key=True, serialize=False)),
+                ("owner", models.CharField(blank=True, default="", max_length=200)),
+                ("epoch", models.BigIntegerField(default=0)),
+                ("expires_at", models.DateTimeField(blank=True, null=True)),
             ],
         ),
     ]

@@ -1,0 +1,291 @@
+"""The scheduler loop: hold shard leases, reap expired run leases, materialise due runs.
+
+Shaped like healthchecks' sendalerts: every step is a `handle_one_…() -> bool` method ("did
+work, call me again") that tests call directly; `run()` strings them together, once per tick.
+Signals only set `shutdown`; the loop finishes the step in progress, releases this node's shards
+and returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import close_old_connections, connection
+
+from apps.runs import store
+from apps.scheduler import leases
+from apps.scheduler.materialiser import grace_for, materialise_batch
+
+log = logging.getLogger(__name__)
+
+MATERIALISE_BATCH = 5000
+
+
+def default_node_id() -> str:
+    """Return `hostname/pid/random`: unique per process, readable in the lease table."""
+    return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
+
+
+@dataclass
+class TickReport:
+    """What one tick did, for logs and tests."""
+
+    acquired: list[int] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+    reaped: int = 0
+    materialised: int = 0
+    inserted: int = 0
+
+
+class Scheduler:
+    """One scheduler node. `held` maps each shard this node believes it owns to its epoch."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str | None = None,
+        tick_seconds: float | None = None,
+        lease_seconds: int | None = None,
+        lookahead_seconds: int | None = None,
+        shard_count: int | None = None,
+        missed_cap: int | None = None,
+        reaper_batch: int | None = None,
+        batch: int = MATERIALISE_BATCH,
+    ) -> None:
+        self.node_id = node_id or default_node_id()
+        self.tick_seconds = (
+            tick_seconds if tick_seconds is not None else settings.SCHEDULER_TICK_SECONDS
+        )
+        self.lease_seconds = lease_seconds or settings.SCHEDULER_SHARD_LEASE_SECONDS
+        self.lookahead = timedelta(
+            seconds=lookahead_seconds
+            if lookahead_seconds is not None
+            else settings.SCHEDULER_LOOKAHEAD_SECONDS
+        )
+        self.shard_count = shard_count or settings.SCHEDULER_SHARD_COUNT
+        self.missed_cap = missed_cap or settings.SCHEDULER_MISSED_RUNS_CAP
+        self.reaper_batch = reaper_batch or settings.SCHEDULER_REAPER_BATCH
+        self.batch = batch
+        self.grace = grace_for(self.tick_seconds, self.lease_seconds)
+        self.held: dict[int, int] = {}
+        # Shards taken this tick and not yet reaped and materialised: they go first.
+        self.fresh: set[int] = set()
+        self.shutdown = False
+        self.now: datetime | None = None
+        self._renewed_at = 0.0  # time.monotonic(): only paces renewals, never judges expiry
+        self._wake = threading.Event()
+        self._shards_ensured = False
+        self.report = TickReport()
+
+    # --- signals -------------------------------------------------------------------------------
+
+    def stop(self, *_: object) -> None:
+        """Finish the current step, then release the shards and leave (signal handler)."""
+        self.shutdown = True
+        self._wake.set()
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def read_clock(self) -> datetime:
+        """Read the database clock once for the tick: all fire-time decisions use it."""
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT now()")
+            self.now = cursor.fetchone()[0]
+        return self.now
+
+    def handle_one_lease_round(self) -> bool:
+        """Announce this node, renew its leases, then give up extras or take free shards.
+
+        The fair share is ceil(shards / live nodes): a node over it (another node joined)
+        releases its highest shards; a node under it takes free or expired shards, which the
+        tick then reaps and materialises before the others. Return True when the set of shards
+        changed.
+        """
+        if not self._shards_ensured:
+            leases.ensure_shards(self.shard_count)
+            self._shards_ensured = True
+        live, renewed = leases.announce_and_renew(self.node_id, self.held, self.lease_seconds)
+        self._renewed_at = time.monotonic()
+        lost = sorted(set(self.held) - set(renewed))
+        if lost:
+            log.warning("%s lost shards %s (expired or taken over)", self.node_id, lost)
+            self.report.lost.extend(lost)
+        self.held = renewed
+        self.fresh &= set(renewed)
+        share = leases.fair_share(self.shard_count, live)
+        released: list[int] = []
+        acquired: dict[int, int] = {}
+        if len(self.held) > share:
+            extras = {s: self.held[s] for s in sorted(self.held)[share:]}
+            released = leases.release(self.node_id, extras)
+            for shard in extras:
+                self.held.pop(shard, None)
+                self.fresh.discard(shard)
+            log.info(
+                "%s released shards %s (fair share %d of %d nodes)",
+                self.node_id,
+                released,
+                share,
+                live,
+            )
+            self.report.released.extend(released)
+        elif len(self.held) < share:
+            acquired = leases.acquire(
+                self.node_id, share - len(self.held), self.shard_count, self.lease_seconds
+            )
+            if acquired:
+                self.held.update(acquired)
+                self.fresh.update(acquired)
+                log.info("%s took shards %s", self.node_id, sorted(acquired))
+                self.report.acquired.extend(sorted(acquired))
+        return bool(lost or released or acquired)
+
+    def handle_one_renewal(self) -> bool:
+        """Renew the leases if a third of the TTL has passed since the last renewal.
+
+        Called between batches, so a long materialisation never outlives its leases.
+        Return True when a lease was lost.
+        """
+        if time.monotonic() - self._renewed_at < self.lease_seconds / 3:
+            return False
+        renewed = leases.renew(self.node_id, self.held, self.lease_seconds)
+        self._renewed_at = time.monotonic()
+        lost = sorted(set(self.held) - set(renewed))
+        if lost:
+            log.warning("%s lost shards %s (expired or taken over)", self.node_id, lost)
+            self.report.lost.extend(lost)
+        self.held = renewed
+        self.fresh &= set(renewed)
+        return bool(lost)
+
+    def handle_one_reap(self, shards: list[int] | None = None) -> bool:
+        """Reap one batch of expired run leases in these shards (default: all held).
+
+        Return True when the batch was full (call again).
+        """
+        shards = sorted(self.held) if shards is None else shards
+        if not shards:
+            return False
+        reaped = store.reap(shards=shards, batch=self.reaper_batch)
+        self.report.reaped += len(reaped)
+        return len(reaped) == self.reaper_batch
+
+    def handle_one_materialise(self, shard: int) -> bool:
+        """Materialise one batch of due definitions of this shard, if it is still held.
+
+        The lease and epoch are checked inside the writing transaction, so a node that lost the
+        shard while asleep writes nothing; it then forgets the shard. Return True when the batch
+        was full (call again).
+        """
+        epoch = self.held.get(shard)
+        if epoch is None:
+            return False
+        now = self.now or self.read_clock()
+        result = materialise_batch(
+            shard=shard,
+            node=self.node_id,
+            epoch=epoch,
+            now=now,
+            lookahead=self.lookahead,
+            grace=self.grace,
+            missed_cap=self.missed_cap,
+            batch=self.batch,
+        )
+        if not result.lease_held:
+            log.warning(
+                "%s no longer holds shard %d (epoch %d); skipping it", self.node_id, shard, epoch
+            )
+            self.held.pop(shard, None)
+            self.fresh.discard(shard)
+            self.report.lost.append(shard)
+            return False
+        self.report.materialised += result.definitions
+        self.report.inserted += result.inserted
+        return result.full
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def _drain_shard(self, shard: int) -> None:
+        # Renewal is checked before every batch: a long backlog spans many shards and batches.
+        while not self.shutdown:
+            self.handle_one_renewal()
+            if not self.handle_one_materialise(shard):
+                break
+
+    def tick(self) -> TickReport:
+        """Run one tick: clock, leases, then reap and materialise (new shards first)."""
+        self.report = TickReport()
+        self.read_clock()
+        self.handle_one_lease_round()
+        if self.fresh:
+            fresh = sorted(self.fresh)
+            while self.handle_one_reap(fresh) and not self.shutdown:
+                pass
+            for shard in fresh:
+                self._drain_shard(shard)
+                self.fresh.discard(shard)
+        while self.handle_one_reap() and not self.shutdown:
+            self.handle_one_renewal()
+        for shard in sorted(self.held):
+            if self.shutdown:
+                break
+            self._drain_shard(shard)
+        return self.report
+
+    def leave(self) -> None:
+        """Release every shard of this node and remove it from the live nodes."""
+        leases.leave(self.node_id)
+        self.held.clear()
+        self.fresh.clear()
+        log.info("%s released its shards and left", self.node_id)
+
+    def run(self, *, once: bool = False) -> None:
+        """Tick until `shutdown` (or once), then release the shards."""
+        log.info(
+            "scheduler %s starting (tick %.2fs, lease TTL %ds)",
+            self.node_id,
+            self.tick_seconds,
+            self.lease_seconds,
+        )
+        try:
+            while not self.shutdown:
+                started = time.monotonic()
+                try:
+                    report = self.tick()
+                    if report.inserted or report.reaped:
+                        log.info(
+                            "%s: %d definitions, %d runs inserted, %d leases reaped, shards %s",
+                            self.node_id,
+                            report.materialised,
+                            report.inserted,
+                            report.reaped,
+                            sorted(self.held),
+                        )
+                except Exception:
+                    # A lost database or a bug in one tick must not end the process: the next
+                    # tick starts on a fresh connection. Bad rows are dealt with in the materialiser.
+                    log.exception("%s: tick failed; retrying next tick", self.node_id)
+                    connection.close()
+                if self.shutdown or once:
+                    break
+                close_old_connections()
+                self._wake.wait(max(0.0, self.tick_seconds - (time.monotonic() - started)))
+        finally:
+            try:
+                self.leave()
+            except Exception:
+                log.exception(
+                    "%s: could not release its shards; they expire in %ds",
+                    self.node_id,
+                    self.lease_seconds,
+                )
+            connection.close()

@@ -1,0 +1,34 @@
+"""`python manage.py scheduler`: one scheduler node (see apps.scheduler.daemon)."""
+
+from __future__ import annotations
+
+import signal
+
+from django.core.management.base import BaseCommand, CommandParser
+
+from apps.scheduler.daemon import Scheduler
+
+
+class Command(BaseCommand):
+    help = "Hold shard leases, reap expired run leases and materialise due runs until SIGTERM."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--once", action="store_true", help="Run one tick, release the shards, exit."
+        )
+        parser.add_argument(
+            "--node-id", default=None, help="Node id (default: hostname/pid/random)."
+        )
+        parser.add_argument(
+            "--tick",
+            type=float,
+            default=None,
+            help="Seconds between ticks (default: SCHEDULER_TICK_SECONDS).",
+        )
+
+    def handle(self, *args: object, **options: object) -> None:
+        scheduler = Scheduler(node_id=options["node_id"], tick_seconds=options["tick"])
+        # Handlers only flag the shutdown: the loop finishes its step and releases the shards.
+        signal.signal(signal.SIGTERM, scheduler.stop)
+        signal.signal(signal.SIGINT, scheduler.stop)
+        scheduler.run(once=bool(options["once"]))

@@ -1,0 +1,199 @@
+"""Materialisation benchmark: N hourly definitions all due in the same minute, one scheduler node.
+
+    python bench/materialise.py [--definitions 100000] [--database-url URL] [--uncached] [--profile]
+
+Uses its own database (default `bench_materialise` on the local server, dropped, created and
+migrated on every run), so it never touches the development or test databases.
+The definitions are inserted with one set-based INSERT; the timed part is the scheduler's own
+step methods (one lease round that takes all 16 shards, then `handle_one_materialise` per shard
+until no batch is full), exactly what `manage.py scheduler` runs each tick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse, urlunparse
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/bench_materialise"
+
+
+def recreate_database(url: str) -> None:
+    """Drop and create the benchmark database (connecting to `postgres` to do so).
+
+    A fresh database each run: the schema follows the current migrations even while they change.
+    """
+    import psycopg
+    from psycopg import sql
+
+    parsed = urlparse(url)
+    name = sql.Identifier(parsed.path.lstrip("/"))
+    admin = urlunparse(parsed._replace(path="/postgres"))
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(name))
+
+
+def setup_django(url: str) -> None:
+    os.environ["DATABASE_URL"] = url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "scheduler_site.settings")
+    os.environ.setdefault("SCHEDULER_APPLICATION_NAME", "scheduler:bench-materialise")
+    os.environ.setdefault("LOG_LEVEL", "WARNING")
+    sys.path.insert(0, str(REPO))
+    import django
+
+    django.setup()
+
+
+def load_definitions(count: int) -> tuple[object, str]:
+    """Empty the tables and insert `count` hourly definitions due at the same minute.
+
+    The minute is two minutes ahead (so loading a million rows cannot make it late) and the
+    scheduler runs with a lookahead that covers it. Return (due time, cron).
+    """
+    from django.db import connection
+
+    from apps.jobs.models import JobDefinition
+    from apps.jobs.schedule import shard_for
+    from apps.teams.models import Team
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "TRUNCATE runs_attempt, runs_run, jobs_jobdefinition, scheduler_shardlease,"
+            " scheduler_schedulernode CASCADE"
+        )
+        cursor.execute("SELECT date_trunc('minute', now()) + interval '2 minutes'")
+        due = cursor.fetchone()[0]
+    team = Team.objects.get_or_create(slug="bench", defaults={"name": "Bench"})[0]
+    cron = f"{due.minute} * * * *"
+    # One row made by the ORM (so every column has its model default), copied N times by one
+    # INSERT … SELECT with only the name and shard changed.
+    template = JobDefinition.objects.create(
+        name="bench.template",
+        team=team,
+        schedule={"cron": cron, "timeZone": "UTC", "jitterSeconds": 60},
+        queue="bench",
+        next_due_at=due,
+    )
+    names = [f"bench.hourly-{i:07d}" for i in range(count)]
+    shards = [shard_for(name) for name in names]
+    quote = connection.ops.quote_name
+    columns = [f.column for f in JobDefinition._meta.concrete_fields if not f.primary_key]
+    picked = {"name": "u.name", "shard": "u.shard"}
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            INSERT INTO jobs_jobdefinition ({", ".join(quote(c) for c in columns)})
+            SELECT {", ".join(picked.get(c, "t." + quote(c)) for c in columns)}
+            FROM jobs_jobdefinition t
+            CROSS JOIN unnest(%(names)s::text[], %(shards)s::int[]) AS u(name, shard)
+            WHERE t.id = %(template)s
+            """,
+            {"names": names, "shards": shards, "template": template.pk},
+        )
+        cursor.execute("DELETE FROM jobs_jobdefinition WHERE id = %s", [template.pk])
+        cursor.execute("VACUUM ANALYZE jobs_jobdefinition")
+    return due, cron
+
+
+def disable_plan_cache() -> None:
+    """Plan every definition on its own, as if no two shared a schedule and a due time."""
+    from apps.scheduler import materialiser
+
+    class NoSharing(materialiser._PlanCache):
+        def plan(self, name, raw, due_at):  # type: ignore[no-untyped-def]
+            self._plans.clear()
+            return super().plan(name, raw, due_at)
+
+    materialiser._PlanCache = NoSharing  # type: ignore[misc]
+
+
+def materialise_all(batch: int) -> tuple[float, int]:
+    """Run the scheduler's steps over all 16 shards; return (seconds, definitions handled)."""
+    from apps.scheduler.daemon import Scheduler
+
+    scheduler = Scheduler(node_id="bench", lookahead_seconds=300, batch=batch)
+    scheduler.read_clock()
+    scheduler.handle_one_lease_round()
+    assert len(scheduler.held) == scheduler.shard_count, scheduler.held
+    started = time.perf_counter()
+    for shard in sorted(scheduler.held):
+        while True:
+            scheduler.handle_one_renewal()
+            if not scheduler.handle_one_materialise(shard):
+                break
+    elapsed = time.perf_counter() - started
+    handled = scheduler.report.materialised
+    scheduler.leave()
+    return elapsed, handled
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--definitions", type=int, default=100_000)
+    parser.add_argument("--batch", type=int, default=5000)
+    parser.add_argument("--database-url", default=os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL))
+    parser.add_argument(
+        "--uncached",
+        action="store_true",
+        help="plan every definition separately (no sharing of identical schedules)",
+    )
+    parser.add_argument("--profile", action="store_true", help="print the top of a cProfile")
+    args = parser.parse_args()
+
+    recreate_database(args.database_url)
+    setup_django(args.database_url)
+    from django.core.management import call_command
+    from django.db import connection
+
+    call_command("migrate", verbosity=0)
+    if args.uncached:
+        disable_plan_cache()
+
+    load_started = time.perf_counter()
+    due, cron = load_definitions(args.definitions)
+    print(
+        f"loaded {args.definitions} definitions ({cron!r}, all due {due.isoformat()}) "
+        f"in {time.perf_counter() - load_started:.1f}s"
+    )
+
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
+    elapsed, handled = materialise_all(args.batch)
+    if profiler:
+        profiler.disable()
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*), count(DISTINCT definition_id) FROM runs_run")
+        runs, definitions = cursor.fetchone()
+        cursor.execute(
+            "SELECT count(*) FROM jobs_jobdefinition WHERE next_due_at = %s + interval '1 hour'",
+            [due],
+        )
+        advanced = cursor.fetchone()[0]
+    assert runs == definitions == advanced == handled == args.definitions, (
+        runs,
+        definitions,
+        advanced,
+        handled,
+    )
+    mode = "uncached plans" if args.uncached else "shared plans"
+    print(
+        f"materialised {runs} runs for {handled} definitions in {elapsed:.2f}s "
+        f"({runs / elapsed:,.0f} runs/s, batch {args.batch}, {mode})"
+    )
+    if profiler:
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()

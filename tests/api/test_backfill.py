@@ -1,0 +1,51 @@
+"""Backfill over the API: preview, then create each cron time of the range once."""
+
+from __future__ import annotations
+
+import pytest
+
+from apps.audit.models import AuditEvent
+from apps.runs.models import Run
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+HOURLY_BERLIN = {"cron": "30 * * * *", "timeZone": "Europe/Berlin", "jitterSeconds": 0}
+
+
+def test_backfill_across_a_dst_change_creates_each_time_once(api_a):
+    api_a.post("/api/v1/jobs", {"name": "etl.hourly", "queue": "etl", "schedule": HOURLY_BERLIN})
+    window = {"from": "2026-10-24T22:00:00Z", "to": "2026-10-25T04:00:00Z"}
+    preview = api_a.post("/api/v1/jobs/etl.hourly/backfill", window)
+    assert preview.status_code == 200, preview.text
+    # 22:30Z … 03:30Z: six instants, 02:30 local twice (fall back), so six runs.
+    assert preview.json()["count"] == 6 and preview.json()["new"] == 6 and preview.json()["created"] == 0
+    assert Run.objects.count() == 0
+    done = api_a.post("/api/v1/jobs/etl.hourly/backfill", {**window, "confirm": True}).json()
+    assert done["created"] == 6
+    keys = sorted(Run.objects.values_list("idempotency_key", flat=True))
+    assert "etl.hourly@2026-10-25T02:30:00+02:00" in keys and "etl.hourly@2026-10-25T02:30:00+01:00" in keys
+    assert set(Run.objects.values_list("trigger", flat=True)) == {"backfill"}
+    again = api_a.post("/api/v1/jobs/etl.hourly/backfill", {**window, "confirm": True}).json()
+    assert again["created"] == 0 and again["existing"] == 6
+    assert Run.objects.count() == 6
+    assert AuditEvent.objects.filter(action="job.backfill").count() == 2
+
+
+def test_spring_forward_range(api_a):
+    api_a.post("/api/v1/jobs", {"name": "etl.nightly", "queue": "etl", "schedule": {"cron": "30 2 * * *", "timeZone": "Europe/Berlin", "jitterSeconds": 0}})
+    done = api_a.post(
+        "/api/v1/jobs/etl.nightly/backfill", {"from": "2026-03-28T00:00:00Z", "to": "2026-03-30T23:00:00Z", "confirm": True}
+    ).json()
+    assert done["created"] == 3
+    assert done["sample"] == ["2026-03-28T02:30:00+01:00", "2026-03-29T03:00:00+02:00", "2026-03-30T02:30:00+02:00"]
+
+
+def test_backfill_refuses_bad_ranges_and_non_cron_jobs(api_a):
+    api_a.post("/api/v1/jobs", {"name": "etl.manual", "queue": "etl"})
+    answer = api_a.post("/api/v1/jobs/etl.manual/backfill", {"from": "2026-01-01T00:00:00Z", "to": "2026-01-02T00:00:00Z"})
+    assert answer.status_code == 400 and "schedule" in answer.json()["errors"]
+    api_a.post("/api/v1/jobs", {"name": "etl.cron", "queue": "etl", "schedule": HOURLY_BERLIN})
+    bad = api_a.post("/api/v1/jobs/etl.cron/backfill", {"from": "nope", "to": "2026-01-02T00:00:00Z", "extra": 1})
+    assert bad.status_code == 400 and {"from", "extra"} <= set(bad.json()["errors"])
+    reversed_range = api_a.post("/api/v1/jobs/etl.cron/backfill", {"from": "2026-01-02T00:00:00Z", "to": "2026-01-01T00:00:00Z"})
+    assert reversed_range.status_code == 400 and "to" in reversed_range.json()["errors"]

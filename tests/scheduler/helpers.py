@@ -1,0 +1,144 @@
+"""Builders and process helpers shared by the scheduler tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from django.conf import settings
+from django.db import connection
+
+from apps.jobs import schedule as sched
+from apps.jobs.models import JobDefinition
+from apps.teams.models import Team
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def db_now() -> datetime:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now()")
+        return cursor.fetchone()[0]
+
+
+def floor_minute(moment: datetime) -> datetime:
+    return moment.replace(second=0, microsecond=0)
+
+
+def a_team(slug: str = "sched") -> Team:
+    return Team.objects.get_or_create(slug=slug, defaults={"name": slug.title()})[0]
+
+
+def names_in_shard(shard: int, count: int, prefix: str = "test.job") -> list[str]:
+    """Return `count` job names that hash to `shard`."""
+    names: list[str] = []
+    i = 0
+    while len(names) < count:
+        name = f"{prefix}-{i}"
+        if sched.shard_for(name, settings.SCHEDULER_SHARD_COUNT) == shard:
+            names.append(name)
+        i += 1
+    return names
+
+
+def a_definition(
+    name: str, schedule: dict[str, Any], next_due_at: datetime | None, **fields: Any
+) -> JobDefinition:
+    return JobDefinition.objects.create(
+        name=name,
+        team=fields.pop("team", None) or a_team(),
+        schedule=schedule,
+        next_due_at=next_due_at,
+        shard=sched.shard_for(name, settings.SCHEDULER_SHARD_COUNT),
+        **fields,
+    )
+
+
+def leases_by_owner() -> dict[str, list[int]]:
+    """Return the live shard leases (expires_at > now()) grouped by owner."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT owner, shard FROM scheduler_shardlease WHERE owner <> '' AND expires_at > now()"
+            " ORDER BY shard"
+        )
+        owners: dict[str, list[int]] = {}
+        for owner, shard in cursor.fetchall():
+            owners.setdefault(owner, []).append(shard)
+        return owners
+
+
+def database_url() -> str:
+    """Return a URL of the database this test uses (the test database, not the configured one)."""
+    db = connection.settings_dict
+    auth = quote(db["USER"], safe="")
+    if db["PASSWORD"]:
+        auth += ":" + quote(db["PASSWORD"], safe="")
+    host = db["HOST"] or "localhost"
+    port = f":{db['PORT']}" if db["PORT"] else ""
+    if host.startswith("/"):
+        return f"postgresql://{auth}@/{quote(db['NAME'])}?host={quote(host)}"
+    return f"postgresql://{auth}@{host}{port}/{quote(db['NAME'])}"
+
+
+class SchedulerProcess:
+    """A `manage.py scheduler` subprocess on the test database, logging to a file."""
+
+    def __init__(self, node_id: str, log_dir: Path, *args: str, **env: str) -> None:
+        self.node_id = node_id
+        self.log_path = log_dir / f"{node_id}.log"
+        full_env = {
+            **os.environ,
+            "DATABASE_URL": database_url(),
+            "PYTHONUNBUFFERED": "1",
+            "SCHEDULER_APPLICATION_NAME": f"scheduler:test:{node_id}",
+            **env,
+        }
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "manage.py", "scheduler", "--node-id", node_id, *args],
+            cwd=REPO,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        """Make sure the process is gone (SIGKILL if it does not go on SIGTERM)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self._log.close()
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
+    """Poll until `predicate()` is truthy; return its value, or raise AssertionError on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)

@@ -1,0 +1,293 @@
+"""The materialiser: fire times become runs, missed runs follow the policy, bad rows are isolated.
+
+These tests run inside a test transaction, so the database clock (`now()`) stands still: every
+time below is relative to it.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, timedelta
+from zoneinfo import ZoneInfo
+
+import pytest
+from django.db import DatabaseError
+
+from apps.jobs import schedule as sched
+from apps.jobs.models import JobDefinition
+from apps.runs import store
+from apps.runs.models import Run
+from apps.scheduler import materialiser
+from apps.scheduler.daemon import Scheduler
+from tests.scheduler.helpers import a_definition, db_now, floor_minute, names_in_shard
+
+pytestmark = pytest.mark.django_db
+
+BERLIN = ZoneInfo("Europe/Berlin")
+
+
+def a_scheduler(**options) -> Scheduler:
+    return Scheduler(node_id="test-node", **options)
+
+
+def hourly_stopped_three_hours(policy: str) -> tuple[JobDefinition, list]:
+    """An hourly Berlin job whose scheduler was stopped for 3 hours; return it and its 3 missed times.
+
+    The cron minute sits 30 minutes away from now, so no fire time is near the grace boundary or
+    inside the lookahead.
+    """
+    now = db_now()
+    schedule = {
+        "cron": f"{(now.minute + 30) % 60} * * * *",
+        "timeZone": "Europe/Berlin",
+        "jitterSeconds": 60,
+        "missedRunPolicy": policy,
+    }
+    parsed = sched.parse_schedule(schedule)
+    missed = sched.fire_times_between(parsed, now - timedelta(hours=3), now, 10)
+    assert len(missed) == 3
+    definition = a_definition(f"reports.hourly-{policy}", schedule, missed[0].utc)
+    return definition, missed
+
+
+def expected_key(name: str, due) -> str:
+    return f"{name}@{due.astimezone(BERLIN).isoformat()}"
+
+
+def test_run_once_inserts_one_catch_up_run_for_the_latest_missed_time():
+    definition, missed = hourly_stopped_three_hours("run_once")
+
+    a_scheduler().tick()
+
+    runs = list(Run.objects.filter(definition=definition))
+    assert [(r.trigger, r.due_at) for r in runs] == [("catch_up", missed[-1].utc)]
+    run = runs[0]
+    assert run.idempotency_key == expected_key(definition.name, missed[-1].utc)
+    assert run.idempotency_key.endswith(missed[-1].local.isoformat())
+    jitter = sched.jitter_offset(definition.name, 60)
+    assert run.available_at == run.due_at + timedelta(seconds=jitter)
+    definition.refresh_from_db()
+    assert definition.next_due_at == missed[-1].utc + timedelta(hours=1)
+    assert definition.next_due_at > db_now()
+
+
+def test_run_all_inserts_a_catch_up_run_for_every_missed_time():
+    definition, missed = hourly_stopped_three_hours("run_all")
+
+    a_scheduler().tick()
+
+    runs = Run.objects.filter(definition=definition).order_by("due_at")
+    assert [r.due_at for r in runs] == [m.utc for m in missed]
+    assert {r.trigger for r in runs} == {"catch_up"}
+    assert [r.idempotency_key for r in runs] == [
+        expected_key(definition.name, m.utc) for m in missed
+    ]
+    definition.refresh_from_db()
+    assert definition.next_due_at > db_now()
+    assert definition.missed_runs_note == ""
+
+
+def test_skip_inserts_no_missed_run_and_moves_on():
+    definition, missed = hourly_stopped_three_hours("skip")
+
+    a_scheduler().tick()
+
+    assert not Run.objects.filter(definition=definition).exists()
+    definition.refresh_from_db()
+    assert definition.next_due_at == missed[-1].utc + timedelta(hours=1)
+
+
+def test_run_all_keeps_only_the_latest_runs_up_to_the_cap_and_notes_it():
+    now = db_now()
+    stopped_at = floor_minute(now) - timedelta(minutes=150)
+    schedule = {"cron": "* * * * *", "jitterSeconds": 0, "missedRunPolicy": "run_all"}
+    definition = a_definition("metrics.minutely", schedule, stopped_at)
+    scheduler = a_scheduler(missed_cap=100)
+
+    scheduler.tick()
+
+    catch_up = list(
+        Run.objects.filter(definition=definition, trigger="catch_up").order_by("due_at")
+    )
+    assert len(catch_up) == 100
+    # The latest 100 missed minutes, back to back, ending just before the grace window.
+    cutoff = now - scheduler.grace
+    assert catch_up[-1].due_at < cutoff <= catch_up[-1].due_at + timedelta(minutes=1)
+    gaps = {(b.due_at - a.due_at) for a, b in zip(catch_up, catch_up[1:], strict=False)}
+    assert gaps == {timedelta(minutes=1)}
+    # Times inside the grace window and the lookahead are ordinary cron runs.
+    cron = list(Run.objects.filter(definition=definition, trigger="cron").order_by("due_at"))
+    assert cron and cron[0].due_at == catch_up[-1].due_at + timedelta(minutes=1)
+    assert cron[-1].due_at <= now + scheduler.lookahead
+    definition.refresh_from_db()
+    assert "cap of 100" in definition.missed_runs_note
+    assert definition.next_due_at == cron[-1].due_at + timedelta(minutes=1)
+
+
+def test_paused_definitions_are_not_materialised():
+    now = db_now()
+    due = floor_minute(now) + timedelta(minutes=1)
+    definition = a_definition("paused.job", {"cron": "* * * * *"}, due, paused=True)
+
+    a_scheduler().tick()
+
+    assert not Run.objects.filter(definition=definition).exists()
+    definition.refresh_from_db()
+    assert definition.next_due_at == due
+
+
+def test_cron_run_due_within_the_lookahead_gets_its_jitter_and_key():
+    now = db_now()
+    due = floor_minute(now) + timedelta(minutes=1)
+    schedule = {"cron": "* * * * *", "timeZone": "Europe/Berlin", "jitterSeconds": 45}
+    definition = a_definition("billing.export-invoices", schedule, due)
+
+    a_scheduler().tick()
+
+    run = Run.objects.get(definition=definition)
+    assert (run.trigger, run.due_at, run.state) == ("cron", due, "scheduled")
+    assert run.available_at == due + timedelta(seconds=sched.jitter_offset(definition.name, 45))
+    assert run.idempotency_key == expected_key(definition.name, due)
+    assert (run.queue, run.priority, run.shard) == (
+        definition.queue,
+        definition.priority,
+        definition.shard,
+    )
+    definition.refresh_from_db()
+    assert definition.next_due_at == due + timedelta(minutes=1)
+
+
+def test_one_off_and_delayed_definitions_run_once_then_have_nothing_due():
+    now = db_now()
+    run_at = (now - timedelta(minutes=5)).replace(microsecond=0)
+    one_off = a_definition("ops.migrate-once", {"runAt": run_at.isoformat()}, run_at)
+    delayed_due = now + timedelta(seconds=30)
+    delayed = a_definition("ops.delayed", {"delaySeconds": 300}, delayed_due)
+
+    a_scheduler().tick()
+
+    run = Run.objects.get(definition=one_off)
+    # A past runAt runs at once, as a scheduled (cron) run without jitter.
+    assert (run.trigger, run.due_at, run.available_at) == ("cron", run_at, run_at)
+    assert run.idempotency_key == f"ops.migrate-once@{run_at.astimezone(UTC).isoformat()}"
+    run = Run.objects.get(definition=delayed)
+    assert (run.trigger, run.due_at, run.available_at) == ("cron", delayed_due, delayed_due)
+    for definition in (one_off, delayed):
+        definition.refresh_from_db()
+        assert definition.next_due_at is None
+
+
+def test_materialising_again_after_a_failover_inserts_nothing_twice():
+    now = db_now()
+    start = floor_minute(now) - timedelta(minutes=5)
+    definition = a_definition(
+        "etl.load", {"cron": "* * * * *", "jitterSeconds": 0, "missedRunPolicy": "run_all"}, start
+    )
+    old_owner = a_scheduler()
+    old_owner.tick()
+    first = sorted(Run.objects.filter(definition=definition).values_list("due_at", flat=True))
+    advanced = JobDefinition.objects.get(pk=definition.pk).next_due_at
+
+    # A new owner that read the definition before the old one's commit does the same work again.
+    old_owner.leave()
+    JobDefinition.objects.filter(pk=definition.pk).update(next_due_at=start)
+    new_owner = Scheduler(node_id="other-node")
+    assert new_owner.tick().acquired == list(range(16))
+
+    again = sorted(Run.objects.filter(definition=definition).values_list("due_at", flat=True))
+    assert again == first
+    assert len(set(first)) == len(first) >= 6
+    assert JobDefinition.objects.get(pk=definition.pk).next_due_at == advanced
+
+
+def test_a_bad_schedule_is_pushed_forward_and_the_rest_of_the_shard_still_runs():
+    now = db_now()
+    due = floor_minute(now) + timedelta(minutes=1)
+    bad_name, good_name = names_in_shard(3, 2, prefix="mixed")
+    # Stored behind the API's back: validation would have refused it.
+    bad = a_definition(bad_name, {"cron": "every tuesday"}, now - timedelta(minutes=1))
+    good = a_definition(good_name, {"cron": "* * * * *"}, due)
+    scheduler = a_scheduler()
+
+    scheduler.tick()
+    scheduler.tick()
+
+    assert Run.objects.filter(definition=good).count() == 1
+    assert not Run.objects.filter(definition=bad).exists()
+    bad.refresh_from_db()
+    assert bad.next_due_at > now + scheduler.lookahead
+    assert not bad.paused
+
+
+def test_a_shard_is_materialised_in_batches_until_none_is_due():
+    now = db_now()
+    due = floor_minute(now) + timedelta(minutes=1)
+    names = names_in_shard(5, 5, prefix="batch")
+    for name in names:
+        a_definition(name, {"cron": "* * * * *"}, due)
+    scheduler = a_scheduler(batch=2)
+    scheduler.read_clock()
+    scheduler.handle_one_lease_round()
+
+    steps = [scheduler.handle_one_materialise(5) for _ in range(4)]
+
+    assert steps == [True, True, False, False]
+    assert Run.objects.filter(definition__name__in=names).count() == 5
+
+
+def test_a_cron_runs_idempotency_key_is_stable_across_retries():
+    now = db_now()
+    due = floor_minute(now)
+    definition = a_definition(
+        "billing.retry-me",
+        {"cron": "* * * * *", "timeZone": "Europe/Berlin", "jitterSeconds": 0},
+        due,
+        retry_base_seconds=0,
+        retry_max_attempts=3,
+    )
+    # A long lease TTL makes the grace cover the whole current minute: the run is a plain cron run.
+    a_scheduler(lease_seconds=60).tick()
+    run = Run.objects.get(definition=definition, due_at=due)
+    assert run.trigger == "cron"
+    key = expected_key(definition.name, due)
+
+    first = store.claim(queues=["default"], max_runs=1, worker_id="w-1", lease_seconds=30)
+    assert [lease.idempotency_key for lease in first] == [key]
+    [outcome] = store.fail(
+        [(run.pk, first[0].fencing_token, {"message": "boom"}, True)],
+        team_ids=[definition.team_id],
+    )
+    assert outcome.status == 200 and outcome.state == "retrying"
+    second = store.claim(queues=["default"], max_runs=1, worker_id="w-2", lease_seconds=30)
+
+    assert [(lease.id, lease.attempt) for lease in second] == [(run.pk, 2)]
+    assert second[0].idempotency_key == key
+    assert second[0].fencing_token > first[0].fencing_token
+    run.refresh_from_db()
+    assert run.idempotency_key == key
+
+
+def test_a_definition_whose_runs_cannot_be_inserted_does_not_block_the_others(monkeypatch):
+    now = db_now()
+    due = floor_minute(now) + timedelta(minutes=1)
+    poisoned_name, *healthy_names = names_in_shard(9, 3, prefix="poison")
+    poisoned = a_definition(poisoned_name, {"cron": "* * * * *"}, due)
+    healthy = [a_definition(name, {"cron": "* * * * *"}, due) for name in healthy_names]
+    real_insert = materialiser.insert_runs
+
+    def insert_refusing_poison(runs):
+        if any(run.definition_id == poisoned.pk for run in runs):
+            raise DatabaseError("value too long for type character varying(300)")
+        return real_insert(runs)
+
+    monkeypatch.setattr(materialiser, "insert_runs", insert_refusing_poison)
+    scheduler = a_scheduler()
+
+    scheduler.tick()
+
+    assert Run.objects.filter(definition__in=healthy).count() == 2
+    assert not Run.objects.filter(definition=poisoned).exists()
+    poisoned.refresh_from_db()
+    assert poisoned.next_due_at == now + materialiser.BAD_DEFINITION_RETRY
+    for definition in healthy:
+        definition.refresh_from_db()
+        assert definition.next_due_at == due + timedelta(minutes=1)
