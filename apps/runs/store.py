@@ -53,11 +53,13 @@ SELECT i.definition_id, d.team_id, d.queue, d.priority, d.shard, 'scheduled', i.
        i.available_at, 0, d.retry_max_attempts, i.idempotency_key, 60, '', d.dry_run,
        CASE WHEN i.own THEN i.payload ELSE d.payload END,
        CASE WHEN i.own THEN i.payload_key ELSE d.payload_key END, now()
-FROM unnest(%(definition_ids)s::bigint[], %(triggers)s::text[], %(due_ats)s::timestamptz[],
-            %(available_ats)s::timestamptz[], %(keys)s::text[], %(owns)s::boolean[],
-            %(payloads)s::jsonb[], %(payload_keys)s::text[])
-     AS i(definition_id, trigger, due_at, available_at, idempotency_key, own, payload, payload_key)
+FROM json_to_recordset(%(rows)s::json)
+     AS i(definition_id bigint, trigger text, due_at timestamptz, available_at timestamptz,
+          idempotency_key text, own boolean, payload jsonb, payload_key text)
 JOIN jobs_jobdefinition d ON d.id = i.definition_id
+-- Repeating the ids as a filter lets the planner probe the definitions' primary key instead of
+-- walking the whole index.
+WHERE d.id = ANY(%(definition_ids)s::bigint[])
 ON CONFLICT DO NOTHING
 RETURNING id, queue, available_at <= now() AS ready_now
 """
@@ -81,16 +83,26 @@ def insert_runs(runs: Sequence[NewRun]) -> list[int]:
     """
     if not runs:
         return []
-    placed = [payloads.place(r.payload) for r in runs]
+    # One JSON document instead of eight arrays: json.dumps runs in C, while adapting arrays
+    # element by element in Python took longer than the insert itself.
+    rows = []
+    for run in runs:
+        inline, key = payloads.place(run.payload)
+        rows.append(
+            {
+                "definition_id": run.definition_id,
+                "trigger": run.trigger,
+                "due_at": run.due_at.isoformat(),
+                "available_at": run.available_at.isoformat(),
+                "idempotency_key": run.idempotency_key,
+                "own": run.payload is not None,
+                "payload": inline,
+                "payload_key": key,
+            }
+        )
     params = {
-        "definition_ids": [r.definition_id for r in runs],
-        "triggers": [r.trigger for r in runs],
-        "due_ats": [r.due_at for r in runs],
-        "available_ats": [r.available_at for r in runs],
-        "keys": [r.idempotency_key for r in runs],
-        "owns": [r.payload is not None for r in runs],
-        "payloads": [None if inline is None else json.dumps(inline) for inline, _ in placed],
-        "payload_keys": [key for _, key in placed],
+        "rows": json.dumps(rows, separators=(",", ":")),
+        "definition_ids": sorted({run.definition_id for run in runs}),
     }
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(INSERT_RUNS, params)
