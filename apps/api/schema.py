@@ -726,3 +726,25 @@ class BackfillAnswerSerializer(serializers.Serializer):
     sample = serializers.ListField(
         child=serializers.CharField(), help_text="The first local times."
     )
+
+
+class SyncRequestSerializer(serializers.Serializer):
+    jobs = api.DefinitionSerializer(many=True)
+    prune = serializers.BooleanField(
+        default=False, help_text="Delete the team's definitions not listed."
+    )
+    dryRun = serializers.BooleanField(default=False, help_text="Answer the diff; change nothing.")
+
+
+class SyncChangeSerializer(serializers.Serializer):
+    action = serializers.ChoiceField(choices=["create", "update", "delete"])
+    name = serializers.CharField()
+    fields = serializers.DictField(
+        required=False, help_text="For updates: field → {before, after}."
+    )
+
+
+class SyncAnswerSerializer(serializers.Serializer):
+    changes = SyncChangeSerializer(many=True)
+    summary = serializers.DictField(child=serializers.IntegerField())
+    applied = serializers.BooleanField()

@@ -9,11 +9,12 @@ from typing import Any
 from django.conf import settings
 from rest_framework import serializers
 
-from apps.api.errors import PayloadTooLarge
+from apps.api.errors import PayloadTooLarge, flatten_errors
 from apps.api.parsers import payload_size
 from apps.jobs import schedule as sched
 from apps.jobs.models import PRIORITIES, PRIORITY_NAMES, JobDefinition
-from apps.jobs.services import DefinitionSpec
+from apps.jobs.services import DefinitionSpec, snapshot
+from apps.jobs.sync import InvalidEntry
 from apps.runs import payloads
 from apps.runs.ids import public_run_id
 from apps.runs.models import WAITING_STATES
@@ -170,23 +171,18 @@ class DefinitionSerializer(StrictSerializer):
         )
 
 
+def parse_definition(entry: Any) -> DefinitionSpec:
+    """Validate one definition (jobs as code); raise InvalidEntry naming every bad field."""
+    serializer = DefinitionSerializer(data=entry)
+    if not serializer.is_valid():
+        raise InvalidEntry(flatten_errors(serializer.errors))
+    return serializer.to_spec()
+
+
 def definition_json(definition: JobDefinition) -> dict[str, Any]:
     return {
-        "name": definition.name,
+        **snapshot(definition),
         "team": definition.team.slug,
-        "schedule": definition.schedule,
-        "queue": definition.queue,
-        "priority": PRIORITY_NAMES[definition.priority],
-        "timeoutSeconds": definition.timeout_seconds,
-        "retry": {
-            "maxAttempts": definition.retry_max_attempts,
-            "baseSeconds": definition.retry_base_seconds,
-            "maxSeconds": definition.retry_max_seconds,
-        },
-        "concurrency": definition.concurrency,
-        "payload": payloads.load(definition.payload, definition.payload_key),
-        "paused": definition.paused,
-        "dryRun": definition.dry_run,
         "nextDueAt": iso(definition.next_due_at),
         "shard": definition.shard,
         "missedRunsNote": definition.missed_runs_note,

@@ -24,11 +24,12 @@ from apps.api.serializers import (
     RunIdsOrFilterSerializer,
     attempt_json,
     definition_json,
+    parse_definition,
     run_json,
 )
 from apps.audit.record import Actor
 from apps.jobs import schedule as sched
-from apps.jobs import services
+from apps.jobs import services, sync
 from apps.jobs.models import JobDefinition
 from apps.runs import transitions
 from apps.runs.ids import parse_run_id
@@ -131,6 +132,49 @@ class JobsView(ManageView):
         except IntegrityError as exc:
             raise Conflict(f"A job named '{spec.name}' exists.") from exc
         return Response(definition_json(definition), status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        operation_id="syncJobs",
+        summary="Sync the team's definitions to a list (jobs as code)",
+        description=(
+            "Create and update the listed definitions, and with `prune` delete the team's others. "
+            "Every entry is validated first: one bad entry changes nothing. With `dryRun` only the "
+            "diff is answered. Each change is audited. Needs the `manage` scope."
+        ),
+        tags=["jobs"],
+        request=doc.SyncRequestSerializer,
+        responses=doc.responses({200: doc.SyncAnswerSerializer}, *doc.BODY_PROBLEMS),
+    )
+    def put(self, request: Request) -> Response:
+        data = request.data if isinstance(request.data, dict) else None
+        if data is None:
+            raise ValidationError({"body": ["Expected a JSON object with a `jobs` list."]})
+        unknown = set(data) - {"jobs", "prune", "dryRun"}
+        flags = {key: data.get(key, False) for key in ("prune", "dryRun")}
+        errors = {key: ["Unknown field."] for key in sorted(unknown)}
+        errors.update(
+            {
+                key: ["Must be true or false."]
+                for key, value in flags.items()
+                if not isinstance(value, bool)
+            }
+        )
+        if errors:
+            raise ValidationError(errors)
+        try:
+            specs = sync.validate(data.get("jobs"), parse_definition)
+            plan = sync.plan_sync(self.team(request), specs, prune=flags["prune"])
+        except sync.SyncError as exc:
+            raise ValidationError(exc.errors) from exc
+        if not flags["dryRun"]:
+            sync.apply_sync(plan, self.actor(request))
+        return Response(
+            {
+                "changes": [change.as_json() for change in plan.changes],
+                "summary": plan.summary(),
+                "applied": not flags["dryRun"],
+            }
+        )
 
 
 class JobDetailView(ManageView):

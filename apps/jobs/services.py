@@ -59,24 +59,46 @@ class DefinitionSpec:
     dry_run: bool
 
 
+def spec_of(definition: JobDefinition) -> DefinitionSpec:
+    """The editable fields of a saved definition."""
+    return DefinitionSpec(
+        name=definition.name,
+        schedule=definition.schedule,
+        queue=definition.queue,
+        priority=definition.priority,
+        timeout_seconds=definition.timeout_seconds,
+        retry_max_attempts=definition.retry_max_attempts,
+        retry_base_seconds=definition.retry_base_seconds,
+        retry_max_seconds=definition.retry_max_seconds,
+        concurrency=definition.concurrency,
+        payload=payloads.load(definition.payload, definition.payload_key),
+        paused=definition.paused,
+        dry_run=definition.dry_run,
+    )
+
+
 def snapshot(definition: JobDefinition) -> dict[str, Any]:
     """The audited view of a definition: what a person edits, in the API's names."""
-    payload = payloads.load(definition.payload, definition.payload_key)
+    return spec_snapshot(spec_of(definition))
+
+
+def spec_snapshot(spec: DefinitionSpec) -> dict[str, Any]:
+    """A definition's fields in the API's names (the audit trail's before and after)."""
     return {
-        "name": definition.name,
-        "schedule": definition.schedule,
-        "queue": definition.queue,
-        "priority": PRIORITY_NAMES[definition.priority],
-        "timeoutSeconds": definition.timeout_seconds,
+        "name": spec.name,
+        "schedule": spec.schedule,
+        "queue": spec.queue,
+        "priority": PRIORITY_NAMES[spec.priority],
+        "timeoutSeconds": spec.timeout_seconds,
         "retry": {
-            "maxAttempts": definition.retry_max_attempts,
-            "baseSeconds": definition.retry_base_seconds,
-            "maxSeconds": definition.retry_max_seconds,
+            "maxAttempts": spec.retry_max_attempts,
+            "baseSeconds": spec.retry_base_seconds,
+            "maxSeconds": spec.retry_max_seconds,
         },
-        "concurrency": definition.concurrency,
-        "payload": payload,
-        "paused": definition.paused,
-        "dryRun": definition.dry_run,
+        "concurrency": spec.concurrency,
+        "payload": spec.payload,
+        "paused": spec.paused,
+        "dryRun": spec.dry_run,
     }
 
 

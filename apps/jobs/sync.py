@@ -1,0 +1,134 @@
+"""Jobs as code: bring a team's definitions in line with a list kept in its repository.
+
+The same plan serves `manage.py apply jobs.yaml` and `PUT /api/v1/jobs`: validate every entry
+first (all or nothing), show the diff, then apply it in one transaction, each change audited.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import transaction
+
+from apps.audit.record import Actor
+from apps.jobs import services
+from apps.jobs.models import JobDefinition
+
+
+class SyncError(ValueError):
+    """Some entries are invalid: `errors` maps "jobs[3].schedule.cron" to reasons."""
+
+    def __init__(self, errors: dict[str, list[str]]) -> None:
+        super().__init__(f"{len(errors)} invalid fields")
+        self.errors = errors
+
+
+@dataclass
+class Change:
+    action: str  # create | update | delete
+    name: str
+    before: dict[str, Any] | None = None
+    after: dict[str, Any] | None = None
+
+    def changed_fields(self) -> list[str]:
+        if self.before is None or self.after is None:
+            return []
+        return sorted(key for key in self.after if self.before.get(key) != self.after.get(key))
+
+    def as_json(self) -> dict[str, Any]:
+        answer: dict[str, Any] = {"action": self.action, "name": self.name}
+        if self.action == "update":
+            answer["fields"] = {
+                key: {"before": self.before[key], "after": self.after[key]}
+                for key in self.changed_fields()
+            }
+        return answer
+
+
+@dataclass
+class SyncPlan:
+    team: Any
+    changes: list[Change] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    specs: dict[str, services.DefinitionSpec] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, int]:
+        counts = {"create": 0, "update": 0, "delete": 0}
+        for change in self.changes:
+            counts[change.action] += 1
+        return {**counts, "unchanged": len(self.unchanged)}
+
+
+class InvalidEntry(ValueError):
+    """Raised by a parser for one entry: `errors` maps a field path to reasons."""
+
+    def __init__(self, errors: dict[str, list[str]]) -> None:
+        super().__init__("invalid entry")
+        self.errors = errors
+
+
+def validate(entries: Any, parse) -> dict[str, services.DefinitionSpec]:
+    """Validate every entry with `parse(entry) -> DefinitionSpec` (raising InvalidEntry) and
+    collect every error, so one run shows all the problems of the file."""
+    if not isinstance(entries, list):
+        raise SyncError({"jobs": ["Expected a list of job definitions."]})
+    specs: dict[str, services.DefinitionSpec] = {}
+    errors: dict[str, list[str]] = {}
+    for index, entry in enumerate(entries):
+        try:
+            spec = parse(entry)
+        except InvalidEntry as exc:
+            for path, reasons in exc.errors.items():
+                errors[f"jobs[{index}].{path}"] = reasons
+            continue
+        if spec.name in specs:
+            errors[f"jobs[{index}].name"] = [f"'{spec.name}' appears twice."]
+        specs[spec.name] = spec
+    if errors:
+        raise SyncError(errors)
+    return specs
+
+
+def plan_sync(team, specs: dict[str, services.DefinitionSpec], *, prune: bool) -> SyncPlan:
+    plan = SyncPlan(team=team, specs=specs)
+    elsewhere = (
+        JobDefinition.objects.filter(name__in=list(specs))
+        .exclude(team=team)
+        .values_list("name", flat=True)
+    )
+    if elsewhere:
+        raise SyncError(
+            {"jobs": [f"'{name}' belongs to another team." for name in sorted(elsewhere)]}
+        )
+    existing = {d.name: d for d in JobDefinition.objects.filter(team=team)}
+    for name, spec in sorted(specs.items()):
+        wanted = services.spec_snapshot(spec)
+        current = existing.get(name)
+        if current is None:
+            plan.changes.append(Change("create", name, after=wanted))
+            continue
+        before = services.snapshot(current)
+        if before == wanted:
+            plan.unchanged.append(name)
+        else:
+            plan.changes.append(Change("update", name, before=before, after=wanted))
+    if prune:
+        for name in sorted(set(existing) - set(specs)):
+            plan.changes.append(Change("delete", name, before=services.snapshot(existing[name])))
+    return plan
+
+
+def apply_sync(plan: SyncPlan, actor: Actor) -> None:
+    """Apply a plan in one transaction; each change writes its own audit event."""
+    with transaction.atomic():
+        for change in plan.changes:
+            if change.action == "create":
+                services.create_definition(plan.team, plan.specs[change.name], actor)
+            elif change.action == "update":
+                definition = JobDefinition.objects.get(team=plan.team, name=change.name)
+                services.update_definition(definition, plan.specs[change.name], actor)
+            else:
+                services.delete_definition(
+                    JobDefinition.objects.get(team=plan.team, name=change.name), actor
+                )

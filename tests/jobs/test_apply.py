@@ -1,0 +1,84 @@
+"""Jobs as code: `manage.py apply` and `PUT /api/v1/jobs` show the diff and apply it, audited."""
+
+from __future__ import annotations
+
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from apps.audit.models import AuditEvent
+from apps.jobs.models import JobDefinition
+from tests.conftest import make_definition
+
+pytestmark = pytest.mark.django_db
+
+FILE = """
+team: team-a
+jobs:
+  - name: billing.export-invoices
+    schedule: {cron: "0 2 * * *", timeZone: Europe/Berlin}
+    queue: billing
+    priority: critical
+  - name: billing.reminders
+    schedule: {cron: "0 9 * * 1-5"}
+    queue: billing
+"""
+
+
+def apply(tmp_path, text: str, *args: str) -> str:
+    path = tmp_path / "jobs.yaml"
+    path.write_text(text)
+    out = StringIO()
+    call_command("apply", str(path), *args, stdout=out, stderr=StringIO())
+    return out.getvalue()
+
+
+def test_dry_run_prints_the_diff_and_changes_nothing(tmp_path, team_a):
+    make_definition(team_a, "billing.old", queue="billing")
+    out = apply(tmp_path, FILE, "--dry-run", "--prune")
+    assert "+ billing.export-invoices" in out and "+ billing.reminders" in out and "- billing.old" in out
+    assert "Dry run" in out
+    assert sorted(JobDefinition.objects.values_list("name", flat=True)) == ["billing.old"]
+    assert AuditEvent.objects.count() == 0
+
+
+def test_apply_creates_updates_and_prunes_each_audited(tmp_path, team_a):
+    make_definition(team_a, "billing.old", queue="billing")
+    apply(tmp_path, FILE)
+    assert JobDefinition.objects.count() == 3
+    changed = FILE.replace('"0 9 * * 1-5"', '"0 10 * * 1-5"')
+    out = apply(tmp_path, changed, "--prune")
+    assert "~ billing.reminders" in out and '"0 9 * * 1-5"' in out and "- billing.old" in out
+    assert sorted(JobDefinition.objects.values_list("name", flat=True)) == ["billing.export-invoices", "billing.reminders"]
+    actions = list(AuditEvent.objects.order_by("id").values_list("action", "source"))
+    assert actions == [("job.create", "cli"), ("job.create", "cli"), ("job.update", "cli"), ("job.delete", "cli")]
+    assert "0 create, 0 update, 0 delete, 2 unchanged" in apply(tmp_path, changed, "--prune")
+
+
+def test_an_invalid_entry_changes_nothing(tmp_path, team_a):
+    bad = FILE + "  - name: billing.broken\n    schedule: {cron: '99 * * * *'}\n    priority: urgent\n"
+    err = StringIO()
+    path = tmp_path / "jobs.yaml"
+    path.write_text(bad)
+    with pytest.raises(CommandError):
+        call_command("apply", str(path), stdout=StringIO(), stderr=err)
+    assert "jobs[2].schedule.cron" in err.getvalue() and "jobs[2].priority" in err.getvalue()
+    assert JobDefinition.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_put_jobs_syncs_the_same_way(api_a, team_a):
+    make_definition(team_a, "billing.old", queue="billing")
+    body = {"jobs": [{"name": "billing.new", "queue": "billing"}], "prune": True, "dryRun": True}
+    preview = api_a.put("/api/v1/jobs", body)
+    assert preview.status_code == 200, preview.text
+    assert preview.json()["summary"] == {"create": 1, "update": 0, "delete": 1, "unchanged": 0}
+    assert preview.json()["applied"] is False
+    assert JobDefinition.objects.count() == 1
+    done = api_a.put("/api/v1/jobs", {**body, "dryRun": False}).json()
+    assert done["applied"] is True
+    assert list(JobDefinition.objects.values_list("name", flat=True)) == ["billing.new"]
+    assert set(AuditEvent.objects.values_list("source", flat=True)) == {"api"}
+    bad = api_a.put("/api/v1/jobs", {"jobs": [{"name": "Bad!"}]})
+    assert bad.status_code == 400 and "jobs[0].name" in bad.json()["errors"]
