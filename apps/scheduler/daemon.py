@@ -20,11 +20,14 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db import close_old_connections, connection
 
-from apps.runs import store
+from apps.runs import retention, store
 from apps.scheduler import leases
 from apps.scheduler.materialiser import grace_for, materialise_batch
 
 log = logging.getLogger(__name__)
+
+# The owner of this shard also runs retention: exactly one node at a time.
+RETENTION_SHARD = 0
 
 MATERIALISE_BATCH = 5000
 
@@ -84,6 +87,7 @@ class Scheduler:
         self._renewed_at = 0.0  # time.monotonic(): only paces renewals, never judges expiry
         self._wake = threading.Event()
         self._shards_ensured = False
+        self._retention_at = float("-inf")
         self.report = TickReport()
 
     # --- signals -------------------------------------------------------------------------------
@@ -221,6 +225,24 @@ class Scheduler:
             if not self.handle_one_materialise(shard):
                 break
 
+    def handle_one_retention(self) -> bool:
+        """Delete one round of old finished runs and audit events, on the owner of shard 0 only.
+
+        One node is enough, and the owner of shard 0 is exactly one node at a time. Return True
+        when the round was full (more is waiting).
+        """
+        if RETENTION_SHARD not in self.held:
+            return False
+        batch = settings.SCHEDULER_RETENTION_BATCH
+        return retention.handle_one_round(batch=batch) >= batch
+
+    def _retention_due(self) -> bool:
+        now = time.monotonic()
+        if now - self._retention_at < settings.SCHEDULER_RETENTION_INTERVAL_SECONDS:
+            return False
+        self._retention_at = now
+        return True
+
     def tick(self) -> TickReport:
         """Run one tick: clock, leases, then reap and materialise (new shards first)."""
         self.report = TickReport()
@@ -239,6 +261,11 @@ class Scheduler:
             if self.shutdown:
                 break
             self._drain_shard(shard)
+        if self._retention_due():
+            # A few rounds per tick at most: the backlog of a first run must not stall the tick.
+            for _ in range(10):
+                if self.shutdown or not self.handle_one_retention():
+                    break
         return self.report
 
     def leave(self) -> None:

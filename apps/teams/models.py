@@ -11,6 +11,8 @@ from django.db import models
 class Team(models.Model):
     slug = models.SlugField(max_length=64, unique=True)
     name = models.CharField(max_length=200)
+    # Finished runs older than this are deleted by the scheduler; None: the site's default.
+    retention_days = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:

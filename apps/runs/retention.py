@@ -1,0 +1,80 @@
+"""Retention: finished runs (and their attempts and payload blobs) leave after their team's
+retention, the audit trail after its own, in small batches that hold no lock for long.
+
+Dead runs stay until someone handles them (requeue or discard), whatever their age.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.conf import settings
+from django.db import connection, transaction
+
+from apps.runs import payloads
+
+log = logging.getLogger(__name__)
+
+# One batch of one team: its oldest finished runs past the cutoff. The run_team_state index
+# (team_id, state, id DESC) is read backwards from the oldest id, so the scan stops after
+# `batch` matches. SKIP LOCKED: a run a worker or person is touching right now waits for the
+# next batch. Attempts go in the same statement; the foreign key is checked at commit.
+DELETE_FINISHED = """
+WITH doomed AS (
+    SELECT id FROM runs_run
+    WHERE team_id = %(team)s AND state = ANY(%(states)s::text[])
+      AND finished_at < now() - make_interval(days => %(days)s)
+    ORDER BY id
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), attempts AS (
+    DELETE FROM runs_attempt WHERE run_id IN (SELECT id FROM doomed)
+)
+DELETE FROM runs_run WHERE id IN (SELECT id FROM doomed)
+RETURNING payload_key
+"""
+
+DELETE_AUDIT = """
+DELETE FROM audit_auditevent
+WHERE id IN (
+    SELECT id FROM audit_auditevent
+    WHERE created_at < now() - make_interval(days => %(days)s)
+    ORDER BY created_at LIMIT %(batch)s
+)
+"""
+
+RETAINED_STATES = ["succeeded", "cancelled"]
+
+
+def delete_one_batch(team_id: int, days: int, batch: int) -> int:
+    """Delete up to `batch` of the team's finished runs older than `days`; return how many."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            DELETE_FINISHED,
+            {"team": team_id, "states": RETAINED_STATES, "days": days, "batch": batch},
+        )
+        keys = [row[0] for row in cursor.fetchall()]
+    payloads.delete_unreferenced(keys)
+    return len(keys)
+
+
+def delete_old_audit(batch: int) -> int:
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            DELETE_AUDIT, {"days": settings.SCHEDULER_AUDIT_RETENTION_DAYS, "batch": batch}
+        )
+        return cursor.rowcount
+
+
+def handle_one_round(*, batch: int | None = None) -> int:
+    """Delete one batch per team and one of the audit trail; return the rows deleted."""
+    from apps.teams.models import Team
+
+    batch = batch or settings.SCHEDULER_RETENTION_BATCH
+    deleted = 0
+    for team_id, days in Team.objects.values_list("pk", "retention_days"):
+        deleted += delete_one_batch(team_id, days or settings.SCHEDULER_RETENTION_DAYS, batch)
+    deleted += delete_old_audit(batch)
+    if deleted:
+        log.info("retention deleted %d rows", deleted)
+    return deleted

@@ -1,0 +1,118 @@
+"""Retention deletes old finished runs in batches, keeps the DLQ, and never blocks claims."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import connection
+
+from apps.audit.models import AuditEvent
+from apps.runs import retention, store
+from apps.runs.models import Attempt, Run
+from tests.conftest import add_ready_runs, make_definition
+from tests.runs.test_claim_concurrency import run_in_threads
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def age_finished(days: int) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE runs_run SET finished_at = now() - make_interval(days => %s) WHERE finished_at IS NOT NULL",
+            [days],
+        )
+
+
+def finish_all(team, queue: str, *, fail: bool = False) -> None:
+    while leases := store.claim(queues=[queue], max_runs=100, worker_id="w", lease_seconds=60):
+        if fail:
+            store.fail(
+                [(lease.id, lease.fencing_token, {"message": "x"}, False) for lease in leases],
+                team_ids=[team.pk],
+            )
+        else:
+            store.complete(
+                [(lease.id, lease.fencing_token, None) for lease in leases], team_ids=[team.pk]
+            )
+
+
+def test_removes_only_old_finished_runs_in_batches(team_a, settings):
+    old = make_definition(team_a, "ret.old", queue="old")
+    dlq = make_definition(team_a, "ret.dead", queue="dead", retry_max_attempts=1)
+    add_ready_runs(old, 25)
+    add_ready_runs(dlq, 5)
+    finish_all(team_a, "old")
+    finish_all(team_a, "dead", fail=True)
+    age_finished(40)
+    fresh = make_definition(team_a, "ret.fresh", queue="fresh")
+    add_ready_runs(fresh, 5)
+    finish_all(team_a, "fresh")
+    waiting = make_definition(team_a, "ret.waiting", queue="waiting")
+    add_ready_runs(waiting, 3)
+
+    assert retention.delete_one_batch(team_a.pk, 30, 10) == 10  # one small batch at a time
+    while retention.delete_one_batch(team_a.pk, 30, 10):
+        pass
+    remaining = Run.objects.values_list("definition__name", "state")
+    assert sorted({name for name, _ in remaining}) == ["ret.dead", "ret.fresh", "ret.waiting"]
+    assert Run.objects.filter(state="dead").count() == 5
+    assert not Attempt.objects.filter(run__definition=old).exists()
+
+
+def test_team_retention_overrides_the_default(team_a, team_b):
+    team_b.retention_days = 100
+    team_b.save()
+    for team, name in ((team_a, "a.job"), (team_b, "b.job")):
+        add_ready_runs(make_definition(team, name, queue=name), 3)
+        finish_all(team, name)
+    age_finished(40)
+    while retention.handle_one_round(batch=2):
+        pass
+    assert list(Run.objects.values_list("definition__name", flat=True).distinct()) == ["b.job"]
+
+
+def test_old_audit_events_go(team_a, settings):
+    settings.SCHEDULER_AUDIT_RETENTION_DAYS = 365
+    AuditEvent.objects.create(actor="x", source="system", action="a", target_type="t", target="1")
+    AuditEvent.objects.create(actor="x", source="system", action="b", target_type="t", target="2")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE audit_auditevent SET created_at = now() - interval '400 days' WHERE action = 'a'"
+        )
+    retention.handle_one_round()
+    assert list(AuditEvent.objects.values_list("action", flat=True)) == ["b"]
+
+
+def test_workers_keep_claiming_while_retention_runs(team_a):
+    old = make_definition(team_a, "ret.bulk", queue="old")
+    add_ready_runs(old, 2000)
+    finish_all(team_a, "old")
+    age_finished(40)
+    live = make_definition(team_a, "ret.live", queue="live")
+    ids = add_ready_runs(live, 600)
+    stop = threading.Event()
+
+    def retain() -> int:
+        deleted = 0
+        while batch := retention.delete_one_batch(team_a.pk, 30, 50):
+            deleted += batch
+        stop.set()
+        return deleted
+
+    def claim(index: int) -> list[int]:
+        taken = []
+        while batch := store.claim(
+            queues=["live"], max_runs=10, worker_id=f"w{index}", lease_seconds=60
+        ):
+            store.complete(
+                [(lease.id, lease.fencing_token, None) for lease in batch], team_ids=[team_a.pk]
+            )
+            taken += [lease.id for lease in batch]
+        return taken
+
+    results = run_in_threads(4, lambda i: retain() if i == 0 else claim(i))
+    assert results[0] == 2000
+    claimed = [run_id for taken in results[1:] for run_id in taken]
+    assert sorted(claimed) == sorted(ids)
+    assert Run.objects.filter(definition=live, state="succeeded").count() == 600
