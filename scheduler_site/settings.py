@@ -34,6 +34,7 @@ INSTALLED_APPS = [
     "apps.scheduler",
     "apps.api",
     "apps.demo",
+    "apps.ops",
 ]
 
 MIDDLEWARE = [

@@ -5,6 +5,7 @@ from apps.api import views_health as health
 from apps.api import views_manage as manage
 from apps.api import views_ops as ops
 from apps.api import views_worker as worker
+from apps.ops import views as ops_views
 
 urlpatterns = [
     # Worker protocol
@@ -48,4 +49,5 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
+    path("metrics", ops_views.metrics, name="metrics"),
 ]

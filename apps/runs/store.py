@@ -17,6 +17,7 @@ from typing import Any
 
 from django.db import connection, transaction
 
+from apps.ops import metrics
 from apps.runs import payloads
 from apps.runs.fairness import interleave_teams, slot_priorities
 
@@ -299,7 +300,7 @@ def claim(
         )
         rows = _rows(cursor)
     # Large payloads are read from storage after the commit, so no row lock waits on I/O.
-    return [
+    leases = [
         Lease(
             id=row["id"],
             job=row["job"],
@@ -321,6 +322,8 @@ def claim(
         )
         for row in rows
     ]
+    metrics.observe_claim(leases)
+    return leases
 
 
 # Long-poll helper: when the next run of these queues becomes claimable (for a run waiting on its
@@ -396,12 +399,12 @@ WITH input AS (
     FROM input i
     WHERE r.id = i.id AND r.team_id = ANY(%(team_ids)s::bigint[])
       AND r.state = 'leased' AND r.fencing_token = i.token
-    RETURNING r.id, r.fencing_token
+    RETURNING r.id, r.fencing_token, r.queue
 ), ended AS (
     UPDATE runs_attempt a SET ended_at = now(), outcome = 'succeeded'
     FROM done WHERE a.fencing_token = done.fencing_token
 )
-SELECT id, 'succeeded' AS state, NULL::timestamptz AS available_at FROM done
+SELECT id, 'succeeded' AS state, NULL::timestamptz AS available_at, queue FROM done
 """
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +434,7 @@ WITH input AS (
     FROM input i, jobs_jobdefinition d
     WHERE r.id = i.id AND d.id = r.definition_id AND r.team_id = ANY(%(team_ids)s::bigint[])
       AND r.state = 'leased' AND r.fencing_token = i.token
-    RETURNING r.id, r.fencing_token, r.state, r.available_at, r.last_error
+    RETURNING r.id, r.fencing_token, r.state, r.available_at, r.last_error, r.queue
 ), ended AS (
     UPDATE runs_attempt a
     SET ended_at = now(), outcome = 'failed',
@@ -439,7 +442,7 @@ WITH input AS (
         error_type = left(coalesce(f.last_error->>'type', ''), 200)
     FROM failed f WHERE a.fencing_token = f.fencing_token
 )
-SELECT id, state, available_at FROM failed
+SELECT id, state, available_at, queue FROM failed
 """
 
 # Reap: leases past their expiry become failed attempts, `timed_out` when the attempt's deadline
@@ -488,6 +491,7 @@ class Outcome:
     state: str | None = None
     lease_expires_at: datetime | None = None
     available_at: datetime | None = None
+    queue: str = ""
     detail: str = ""
 
 
@@ -545,6 +549,7 @@ def _apply(
                     state=row.get("state", "leased"),
                     lease_expires_at=row.get("lease_expires_at"),
                     available_at=row.get("available_at"),
+                    queue=row.get("queue", ""),
                 )
             )
     return outcomes
@@ -553,7 +558,9 @@ def _apply(
 def heartbeat(items: Sequence[tuple[int, int]], *, team_ids: Sequence[int]) -> list[Outcome]:
     """Extend the leases of (run id, fencing token) pairs; one Outcome per item, in order."""
     params = {"ids": [i for i, _ in items], "tokens": [t for _, t in items]}
-    return _apply(HEARTBEAT, params, items, team_ids)
+    outcomes = _apply(HEARTBEAT, params, items, team_ids)
+    metrics.observe_results(outcomes, "heartbeat")
+    return outcomes
 
 
 def complete(items: Sequence[tuple[int, int, Any]], *, team_ids: Sequence[int]) -> list[Outcome]:
@@ -563,7 +570,9 @@ def complete(items: Sequence[tuple[int, int, Any]], *, team_ids: Sequence[int]) 
         "tokens": [t for _, t, _ in items],
         "results": [None if r is None else json.dumps(r) for _, _, r in items],
     }
-    return _apply(COMPLETE, params, [(i, t) for i, t, _ in items], team_ids)
+    outcomes = _apply(COMPLETE, params, [(i, t) for i, t, _ in items], team_ids)
+    metrics.observe_results(outcomes, "complete")
+    return outcomes
 
 
 def fail(
@@ -576,7 +585,9 @@ def fail(
         "errors": [json.dumps(e) for _, _, e, _ in items],
         "retryables": [bool(r) for _, _, _, r in items],
     }
-    return _apply(FAIL, params, [(i, t) for i, t, _, _ in items], team_ids)
+    outcomes = _apply(FAIL, params, [(i, t) for i, t, _, _ in items], team_ids)
+    metrics.observe_results(outcomes, "fail")
+    return outcomes
 
 
 @dataclass(frozen=True)
@@ -593,6 +604,8 @@ def reap(*, shards: Sequence[int] | None = None, batch: int = 500) -> list[Reape
         cursor.execute(
             REAP, {"shards": list(shards) if shards is not None else None, "batch": batch}
         )
-        return [
+        reaped = [
             Reaped(row["id"], row["state"], row["queue"], row["outcome"]) for row in _rows(cursor)
         ]
+    metrics.observe_reaped(reaped)
+    return reaped

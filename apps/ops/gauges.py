@@ -1,0 +1,69 @@
+"""The database facts behind the gauges of /metrics, one cheap query each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from django.db import connection
+
+
+@dataclass
+class QueueRow:
+    team: str
+    queue: str
+    priority: int
+    depth: int
+    oldest_age: float
+
+
+@dataclass
+class Snapshot:
+    queues: list[QueueRow] = field(default_factory=list)
+    dlq: dict[str, int] = field(default_factory=dict)
+    lag: dict[int, float] = field(default_factory=dict)
+    owners: dict[int, str] = field(default_factory=dict)
+    nodes: dict[str, float] = field(default_factory=dict)
+
+
+# Claimable runs: a scan of the partial index run_claimable, which holds only the backlog.
+QUEUES = """
+SELECT t.slug, r.queue, r.priority, count(*), extract(epoch FROM now() - min(r.available_at))
+FROM runs_run r JOIN teams_team t ON t.id = r.team_id
+WHERE r.state IN ('scheduled', 'ready', 'retrying') AND r.available_at <= now()
+GROUP BY t.slug, r.queue, r.priority
+"""
+# Dead runs per team: served by run_team_state (team_id, state, id).
+DLQ = """
+SELECT t.slug, (SELECT count(*) FROM runs_run r WHERE r.team_id = t.id AND r.state = 'dead')
+FROM teams_team t
+"""
+# Overdue definitions per shard: the partial index job_due_by_shard.
+LAG = """
+SELECT s.shard, coalesce(extract(epoch FROM now() - (
+    SELECT min(next_due_at) FROM jobs_jobdefinition d
+    WHERE d.shard = s.shard AND NOT d.paused AND d.next_due_at IS NOT NULL)), 0)
+FROM scheduler_shardlease s
+"""
+OWNERS = (
+    "SELECT shard, CASE WHEN expires_at > now() THEN owner ELSE '' END FROM scheduler_shardlease"
+)
+NODES = "SELECT node_id, extract(epoch FROM now() - last_seen_at) FROM scheduler_schedulernode"
+
+
+def read() -> Snapshot:
+    snapshot = Snapshot()
+    with connection.cursor() as cursor:
+        cursor.execute(QUEUES)
+        snapshot.queues = [
+            QueueRow(team, queue, prio, count, float(age))
+            for team, queue, prio, count, age in cursor.fetchall()
+        ]
+        cursor.execute(DLQ)
+        snapshot.dlq = dict(cursor.fetchall())
+        cursor.execute(LAG)
+        snapshot.lag = {shard: max(0.0, float(lag)) for shard, lag in cursor.fetchall()}
+        cursor.execute(OWNERS)
+        snapshot.owners = dict(cursor.fetchall())
+        cursor.execute(NODES)
+        snapshot.nodes = {node: float(age) for node, age in cursor.fetchall()}
+    return snapshot

@@ -1,0 +1,143 @@
+"""Prometheus metrics: counters the processes count as they work, gauges read at scrape time.
+
+With PROMETHEUS_MULTIPROC_DIR set (the dev command sets it; production sets it per host), every
+process (web workers, scheduler) writes its counters there and /metrics adds them up; without
+it, each process reports its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
+from prometheus_client.core import GaugeMetricFamily
+
+from apps.jobs.models import PRIORITY_NAMES
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+RUNS_STARTED = Counter(
+    "scheduler_runs_started_total", "Runs leased to a worker.", ["queue", "priority"]
+)
+RUNS_SUCCEEDED = Counter("scheduler_runs_succeeded_total", "Runs completed.", ["queue"])
+RUNS_FAILED = Counter(
+    "scheduler_runs_failed_total", "Failed attempts (fail calls and reaped leases).", ["queue"]
+)
+RUNS_DEAD = Counter(
+    "scheduler_runs_dead_total", "Runs that reached the dead-letter queue.", ["queue"]
+)
+LEASE_EXPIRATIONS = Counter(
+    "scheduler_lease_expirations_total",
+    "Leases reaped: lease_expired or timed_out.",
+    ["queue", "outcome"],
+)
+STALE_TOKENS = Counter(
+    "scheduler_stale_token_rejections_total",
+    "Heartbeats, completions and failures refused with 409.",
+    ["call"],
+)
+DUE_TO_START = Histogram(
+    "scheduler_due_to_start_seconds",
+    "From a run's availableAt (due time plus jitter, or end of backoff) to its lease.",
+    ["queue", "priority"],
+    buckets=LATENCY_BUCKETS,
+)
+CLAIM_BATCH = Histogram(
+    "scheduler_claim_batch_size", "Runs handed out per lease call.", buckets=BATCH_BUCKETS
+)
+
+
+def observe_claim(leases: Sequence) -> None:
+    CLAIM_BATCH.observe(len(leases))
+    for lease in leases:
+        priority = PRIORITY_NAMES[lease.priority]
+        RUNS_STARTED.labels(lease.queue, priority).inc()
+        DUE_TO_START.labels(lease.queue, priority).observe(
+            max(0.0, (lease.leased_at - lease.available_at).total_seconds())
+        )
+
+
+def observe_results(outcomes: Iterable, call: str) -> None:
+    """Count the outcomes of heartbeat, complete or fail items."""
+    for outcome in outcomes:
+        if outcome.status == 409:
+            STALE_TOKENS.labels(call).inc()
+        elif outcome.status == 200 and call != "heartbeat":
+            queue = outcome.queue
+            if outcome.state == "succeeded":
+                RUNS_SUCCEEDED.labels(queue).inc()
+            else:
+                RUNS_FAILED.labels(queue).inc()
+                if outcome.state == "dead":
+                    RUNS_DEAD.labels(queue).inc()
+
+
+def observe_reaped(reaped: Iterable) -> None:
+    for item in reaped:
+        LEASE_EXPIRATIONS.labels(item.queue, item.outcome).inc()
+        RUNS_FAILED.labels(item.queue).inc()
+        if item.state == "dead":
+            RUNS_DEAD.labels(item.queue).inc()
+
+
+class DatabaseCollector:
+    """Gauges that are facts of the database, read when Prometheus scrapes."""
+
+    def collect(self):
+        from apps.ops import gauges
+
+        snapshot = gauges.read()
+        depth = GaugeMetricFamily(
+            "scheduler_queue_depth", "Claimable runs.", labels=["team", "queue", "priority"]
+        )
+        oldest = GaugeMetricFamily(
+            "scheduler_oldest_ready_age_seconds",
+            "Age of the oldest claimable run.",
+            labels=["team", "queue", "priority"],
+        )
+        for row in snapshot.queues:
+            labels = [row.team, row.queue, PRIORITY_NAMES[row.priority]]
+            depth.add_metric(labels, row.depth)
+            oldest.add_metric(labels, row.oldest_age)
+        dlq = GaugeMetricFamily(
+            "scheduler_dlq_size", "Dead runs waiting to be handled.", labels=["team"]
+        )
+        for team, count in snapshot.dlq.items():
+            dlq.add_metric([team], count)
+        lag = GaugeMetricFamily(
+            "scheduler_materialiser_lag_seconds",
+            "How far the most overdue definition of a shard is behind (0 when none is overdue).",
+            labels=["shard"],
+        )
+        for shard, seconds in snapshot.lag.items():
+            lag.add_metric([str(shard)], seconds)
+        owner = GaugeMetricFamily(
+            "scheduler_shard_owned",
+            "1 when the shard has a live owner, by owner node.",
+            labels=["shard", "node"],
+        )
+        for shard, node in snapshot.owners.items():
+            owner.add_metric([str(shard), node or ""], 1 if node else 0)
+        heartbeat = GaugeMetricFamily(
+            "scheduler_node_heartbeat_age_seconds",
+            "Seconds since a scheduler node was last seen.",
+            labels=["node"],
+        )
+        for node, age in snapshot.nodes.items():
+            heartbeat.add_metric([node], age)
+        return [depth, oldest, dlq, lag, owner, heartbeat]
+
+
+def render() -> bytes:
+    registry = CollectorRegistry()
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        from prometheus_client import REGISTRY
+
+        for collector in list(REGISTRY._collector_to_names):
+            registry.register(collector)
+    registry.register(DatabaseCollector())
+    return generate_latest(registry)

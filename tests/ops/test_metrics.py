@@ -1,0 +1,67 @@
+"""/metrics after a scripted workload: counters and histograms equal what was done."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from apps.runs import store
+from tests.conftest import add_ready_runs, expire_lease, make_definition
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def scrape(api) -> dict[tuple[str, tuple], float]:
+    answer = api.get("/metrics")
+    assert answer.status_code == 200
+    samples = {}
+    for family in text_string_to_metric_families(answer.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_counters_follow_the_workload(api_a, team_a):
+    definition = make_definition(team_a, "m.job", queue="mq", priority="critical", retry_max_attempts=1)
+    add_ready_runs(definition, 6)
+    before = scrape(api_a)
+    leases = api_a.lease(["mq"], 6)
+    assert len(leases) == 6
+    a, b, c, d, e, f = leases
+    api_a.post(f"/api/v1/runs/{a['runId']}/complete", {"fencingToken": a["fencingToken"]})
+    api_a.post(f"/api/v1/runs/{b['runId']}/complete", {"fencingToken": b["fencingToken"]})
+    api_a.post(f"/api/v1/runs/{c['runId']}/fail", {"fencingToken": c["fencingToken"], "retryable": False})
+    api_a.post(f"/api/v1/runs/{d['runId']}/heartbeat", {"fencingToken": d["fencingToken"] + 10_000})
+    api_a.post(f"/api/v1/runs/{a['runId']}/complete", {"fencingToken": a["fencingToken"]})
+    from apps.runs.ids import parse_run_id
+
+    expire_lease(parse_run_id(e["runId"]))
+    store.reap()
+    after = scrape(api_a)
+
+    def delta(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("scheduler_runs_started_total", queue="mq", priority="critical") == 6
+    assert delta("scheduler_due_to_start_seconds_count", queue="mq", priority="critical") == 6
+    assert delta("scheduler_runs_succeeded_total", queue="mq") == 2
+    assert delta("scheduler_runs_failed_total", queue="mq") == 2  # one fail, one reaped
+    assert delta("scheduler_runs_dead_total", queue="mq") == 2  # maxAttempts 1
+    assert delta("scheduler_lease_expirations_total", queue="mq", outcome="lease_expired") == 1
+    assert delta("scheduler_stale_token_rejections_total", call="heartbeat") == 1
+    assert delta("scheduler_stale_token_rejections_total", call="complete") == 1
+    assert delta("scheduler_claim_batch_size_count") >= 1
+    assert value(after, "scheduler_dlq_size", team="team-a") == 2
+
+
+def test_queue_depth_matches_the_database(api_a, team_a):
+    add_ready_runs(make_definition(team_a, "m.crit", queue="depth", priority="critical"), 4)
+    add_ready_runs(make_definition(team_a, "m.bulk", queue="depth", priority="bulk"), 7)
+    samples = scrape(api_a)
+    assert value(samples, "scheduler_queue_depth", team="team-a", queue="depth", priority="critical") == 4
+    assert value(samples, "scheduler_queue_depth", team="team-a", queue="depth", priority="bulk") == 7
+    assert value(samples, "scheduler_oldest_ready_age_seconds", team="team-a", queue="depth", priority="bulk") > 0
