@@ -18,8 +18,10 @@ from typing import Any
 from django.db import connection, transaction
 
 from apps.ops import metrics
+from apps.ops.logs import run_event
 from apps.runs import payloads
 from apps.runs.fairness import interleave_teams, slot_priorities
+from apps.runs.ids import public_run_id
 
 WAITING = "('scheduled', 'ready', 'retrying')"
 READY_CHANNEL = "runs_ready"
@@ -323,6 +325,16 @@ def claim(
         for row in rows
     ]
     metrics.observe_claim(leases)
+    for lease in leases:
+        run_event(
+            "run leased",
+            run_id=public_run_id(lease.id),
+            job=lease.job,
+            attempt=lease.attempt,
+            fencing_token=lease.fencing_token,
+            queue=lease.queue,
+            worker_id=worker_id,
+        )
     return leases
 
 
@@ -555,6 +567,23 @@ def _apply(
     return outcomes
 
 
+def _log_outcomes(outcomes: Sequence[Outcome], items: Sequence[tuple]) -> None:
+    tokens = {item[0]: item[1] for item in items}
+    for outcome in outcomes:
+        verb = (
+            f"run {outcome.state}"
+            if outcome.status == 200
+            else f"refused ({outcome.status}): {outcome.detail}"
+        )
+        run_event(
+            verb,
+            run_id=public_run_id(outcome.id),
+            fencing_token=tokens.get(outcome.id),
+            state=outcome.state,
+            queue=outcome.queue or None,
+        )
+
+
 def heartbeat(items: Sequence[tuple[int, int]], *, team_ids: Sequence[int]) -> list[Outcome]:
     """Extend the leases of (run id, fencing token) pairs; one Outcome per item, in order."""
     params = {"ids": [i for i, _ in items], "tokens": [t for _, t in items]}
@@ -572,6 +601,7 @@ def complete(items: Sequence[tuple[int, int, Any]], *, team_ids: Sequence[int]) 
     }
     outcomes = _apply(COMPLETE, params, [(i, t) for i, t, _ in items], team_ids)
     metrics.observe_results(outcomes, "complete")
+    _log_outcomes(outcomes, items)
     return outcomes
 
 
@@ -587,6 +617,7 @@ def fail(
     }
     outcomes = _apply(FAIL, params, [(i, t) for i, t, _, _ in items], team_ids)
     metrics.observe_results(outcomes, "fail")
+    _log_outcomes(outcomes, items)
     return outcomes
 
 
@@ -608,4 +639,12 @@ def reap(*, shards: Sequence[int] | None = None, batch: int = 500) -> list[Reape
             Reaped(row["id"], row["state"], row["queue"], row["outcome"]) for row in _rows(cursor)
         ]
     metrics.observe_reaped(reaped)
+    for item in reaped:
+        run_event(
+            f"run reaped: {item.outcome}",
+            run_id=public_run_id(item.id),
+            outcome=item.outcome,
+            state=item.state,
+            queue=item.queue,
+        )
     return reaped

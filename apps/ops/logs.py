@@ -1,0 +1,57 @@
+"""JSON lines for logs, with the fields that let one follow a run across processes.
+
+Every record becomes one JSON object: time, level, logger, message, and whichever of the
+context fields (`run_id`, `job`, `attempt`, `fencing_token`, `shard`, `node`, …) the call passed
+in `extra`. `grep run_8K2` over the web, scheduler and worker logs then tells one run's story.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+
+CONTEXT_FIELDS = (
+    "run_id",
+    "job",
+    "attempt",
+    "fencing_token",
+    "queue",
+    "worker_id",
+    "state",
+    "outcome",
+    "shard",
+    "epoch",
+    "node",
+    "team",
+    "count",
+)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "ts": datetime.fromtimestamp(record.created, UTC)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for name in CONTEXT_FIELDS:
+            value = record.__dict__.get(name)
+            if value is not None:
+                line[name] = value
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+# Events of single runs, one line each: leased, succeeded, failed, reaped. At tens of thousands
+# of runs a second, set this logger to WARNING and rely on the metrics.
+run_log = logging.getLogger("scheduler.runs")
+
+
+def run_event(message: str, *, run_id: str, **fields) -> None:
+    if run_log.isEnabledFor(logging.INFO):
+        run_log.info(message, extra={"run_id": run_id, **fields})
