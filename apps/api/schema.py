@@ -232,6 +232,9 @@ class DefinitionResponseSerializer(serializers.Serializer):
     payload = AnyJSONField()
     paused = serializers.BooleanField()
     dryRun = serializers.BooleanField()
+    latenessSloSeconds = serializers.IntegerField(allow_null=True, min_value=1)
+    owner = serializers.CharField(allow_blank=True, help_text="Who to contact when it fails.")
+    runbookUrl = serializers.CharField(allow_blank=True)
     nextDueAt = serializers.DateTimeField(allow_null=True)
     shard = serializers.IntegerField(min_value=0)
     missedRunsNote = serializers.CharField(
@@ -748,3 +751,19 @@ class SyncAnswerSerializer(serializers.Serializer):
     changes = SyncChangeSerializer(many=True)
     summary = serializers.DictField(child=serializers.IntegerField())
     applied = serializers.BooleanField()
+
+
+class AlertSerializer(serializers.Serializer):
+    kind = serializers.ChoiceField(choices=["late", "missed"])
+    job = serializers.CharField()
+    runId = serializers.CharField(allow_null=True)
+    dueAt = serializers.DateTimeField()
+    lateBySeconds = serializers.FloatField(allow_null=True)
+    sloSeconds = serializers.IntegerField()
+    owner = serializers.CharField(allow_blank=True)
+    runbookUrl = serializers.CharField(allow_blank=True)
+    message = serializers.CharField()
+
+
+class AlertListSerializer(serializers.Serializer):
+    results = AlertSerializer(many=True)

@@ -139,6 +139,11 @@ class DefinitionSerializer(StrictSerializer):
     payload = JSONValueField(default=dict)
     paused = StrictBooleanField(default=False)
     dryRun = StrictBooleanField(default=False)
+    latenessSloSeconds = StrictIntegerField(
+        min_value=1, max_value=7 * 86400, allow_null=True, default=None
+    )
+    owner = StrictCharField(max_length=200, allow_blank=True, default="")
+    runbookUrl = serializers.URLField(max_length=500, allow_blank=True, default="")
 
     def validate_name(self, value: str) -> str:
         if not NAME_RE.match(value):
@@ -168,6 +173,9 @@ class DefinitionSerializer(StrictSerializer):
             payload=data["payload"],
             paused=data["paused"],
             dry_run=data["dryRun"],
+            lateness_slo_seconds=data["latenessSloSeconds"],
+            owner=data["owner"],
+            runbook_url=data["runbookUrl"],
         )
 
 

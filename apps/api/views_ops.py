@@ -12,7 +12,7 @@ from apps.api import schema as doc
 from apps.api.serializers import QUEUE_RE
 from apps.api.views_manage import ManageView
 from apps.jobs import backfill, services
-from apps.runs import diagnosis, queues
+from apps.runs import alerts, diagnosis, queues
 
 
 class RunWhyView(ManageView):
@@ -138,3 +138,15 @@ class JobBackfillView(ManageView):
                 "sample": [t.local.isoformat() for t in plan.times[:20]],
             }
         )
+
+
+class AlertsView(ManageView):
+    @extend_schema(
+        operation_id="listAlerts",
+        summary="Late and missed runs of the last 24 h (definitions with a lateness SLO)",
+        tags=["operations"],
+        responses=doc.responses({200: doc.AlertListSerializer}),
+    )
+    def get(self, request: Request) -> Response:
+        found = alerts.alerts_for(self.team(request), services.database_now())
+        return Response({"results": [alert.as_json() for alert in found]})

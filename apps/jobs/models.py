@@ -28,6 +28,12 @@ class JobDefinition(models.Model):
     payload_key = models.CharField(max_length=100, blank=True, default="")
     paused = models.BooleanField(default=False)
     dry_run = models.BooleanField(default=False)
+    # A run that starts later than this after its availableAt is flagged, and a cron time with no
+    # successful run this long after it (plus the timeout) counts as missed. None: not watched.
+    lateness_slo_seconds = models.PositiveIntegerField(null=True, blank=True)
+    # Who to call and what to read when it fails; shown wherever a failure of it is shown.
+    owner = models.CharField(max_length=200, blank=True, default="")
+    runbook_url = models.URLField(max_length=500, blank=True, default="")
     # Owned by the scheduler: when the next cron time falls due, and which shard materialises it.
     next_due_at = models.DateTimeField(null=True, blank=True)
     shard = models.PositiveSmallIntegerField(default=0)

@@ -57,6 +57,9 @@ class DefinitionSpec:
     payload: Any
     paused: bool
     dry_run: bool
+    lateness_slo_seconds: int | None = None
+    owner: str = ""
+    runbook_url: str = ""
 
 
 def spec_of(definition: JobDefinition) -> DefinitionSpec:
@@ -74,6 +77,9 @@ def spec_of(definition: JobDefinition) -> DefinitionSpec:
         payload=payloads.load(definition.payload, definition.payload_key),
         paused=definition.paused,
         dry_run=definition.dry_run,
+        lateness_slo_seconds=definition.lateness_slo_seconds,
+        owner=definition.owner,
+        runbook_url=definition.runbook_url,
     )
 
 
@@ -99,6 +105,9 @@ def spec_snapshot(spec: DefinitionSpec) -> dict[str, Any]:
         "payload": spec.payload,
         "paused": spec.paused,
         "dryRun": spec.dry_run,
+        "latenessSloSeconds": spec.lateness_slo_seconds,
+        "owner": spec.owner,
+        "runbookUrl": spec.runbook_url,
     }
 
 

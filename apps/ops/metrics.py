@@ -44,6 +44,11 @@ DUE_TO_START = Histogram(
     ["queue", "priority"],
     buckets=LATENCY_BUCKETS,
 )
+LATE_RUNS = Counter(
+    "scheduler_late_runs_total",
+    "Runs that started later than their definition's lateness SLO.",
+    ["queue"],
+)
 CLAIM_BATCH = Histogram(
     "scheduler_claim_batch_size", "Runs handed out per lease call.", buckets=BATCH_BUCKETS
 )
@@ -57,6 +62,8 @@ def observe_claim(leases: Sequence) -> None:
         DUE_TO_START.labels(lease.queue, priority).observe(
             max(0.0, (lease.leased_at - lease.available_at).total_seconds())
         )
+        if lease.late:
+            LATE_RUNS.labels(lease.queue).inc()
 
 
 def observe_results(outcomes: Iterable, call: str) -> None:

@@ -70,6 +70,8 @@ class Run(models.Model):
     last_error = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
+    # Seconds from availableAt to the first lease, set once by the claim (lateness alerts).
+    late_seconds = models.FloatField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

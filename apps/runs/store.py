@@ -174,19 +174,22 @@ WITH leased AS (
         timeout_at = now() + make_interval(secs => d.timeout_seconds),
         lease_expires_at = least(now() + make_interval(secs => %(lease_seconds)s),
                                  now() + make_interval(secs => d.timeout_seconds)),
-        started_at = coalesce(r.started_at, now())
+        started_at = coalesce(r.started_at, now()),
+        late_seconds = coalesce(r.late_seconds, extract(epoch FROM now() - r.available_at))
     FROM jobs_jobdefinition d
     WHERE r.id = ANY(%(ids)s::bigint[]) AND d.id = r.definition_id AND r.state IN {WAITING}
     RETURNING r.id, r.attempt, r.max_attempts, r.fencing_token, r.lease_expires_at,
               r.idempotency_key, r.payload, r.payload_key, r.due_at, r.available_at, r.dry_run, r.queue,
-              r.priority, r.team_id, d.name AS job, now() AS leased_at
+              r.priority, r.team_id, d.name AS job, now() AS leased_at,
+              r.late_seconds, d.lateness_slo_seconds
 ), attempts AS (
     INSERT INTO runs_attempt (run_id, number, fencing_token, worker_id, leased_at, outcome,
                               error_message, error_type)
     SELECT id, attempt, fencing_token, %(worker_id)s, now(), '', '', '' FROM leased
 )
 SELECT id, attempt, max_attempts, fencing_token, lease_expires_at, idempotency_key,
-       payload::text AS payload, payload_key, due_at, available_at, dry_run, queue, priority, team_id, job, leased_at
+       payload::text AS payload, payload_key, due_at, available_at, dry_run, queue, priority, team_id, job, leased_at,
+       attempt = 1 AND late_seconds > lateness_slo_seconds AS late
 FROM leased ORDER BY priority, available_at, id
 """
 
@@ -207,6 +210,7 @@ class Lease:
     leased_at: datetime
     dry_run: bool
     payload: Any
+    late: bool = False  # started later than its definition's lateness SLO
 
 
 def _choose(candidates: list[dict[str, Any]], capacity: dict[int, int], max_runs: int) -> list[int]:
@@ -318,6 +322,7 @@ def claim(
             leased_at=row["leased_at"],
             dry_run=row["dry_run"],
             # Django reads jsonb as text on raw cursors; the ::text cast makes that explicit.
+            late=bool(row["late"]),
             payload=payloads.load(
                 None if row["payload"] is None else json.loads(row["payload"]), row["payload_key"]
             ),

@@ -1,0 +1,85 @@
+"""Lateness and missed runs, for definitions that set a lateness SLO.
+
+- late: a run whose first lease came more than `latenessSloSeconds` after its availableAt;
+- missed: a cron time of the window with no successful run by `due + SLO + timeoutSeconds`
+  (no run at all, because the scheduler was down, or runs that failed or are still waiting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from apps.jobs import schedule as sched
+from apps.jobs.models import JobDefinition
+from apps.runs.ids import public_run_id
+from apps.runs.models import Run
+
+WINDOW = timedelta(hours=24)
+MAX_TIMES_PER_DEFINITION = 1440
+
+
+@dataclass(frozen=True)
+class Alert:
+    kind: str
+    definition: JobDefinition
+    due_at: datetime
+    run_id: str | None = None
+    late_by: float | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        slo = self.definition.lateness_slo_seconds
+        if self.kind == "late":
+            message = f"{self.run_id} started {self.late_by:.1f} s after it was due (SLO {slo} s)."
+        else:
+            message = f"No successful run for the cron time {self.due_at.isoformat()}."
+        return {
+            "kind": self.kind,
+            "job": self.definition.name,
+            "runId": self.run_id,
+            "dueAt": self.due_at.isoformat().replace("+00:00", "Z"),
+            "lateBySeconds": self.late_by,
+            "sloSeconds": slo,
+            "owner": self.definition.owner,
+            "runbookUrl": self.definition.runbook_url,
+            "message": message,
+        }
+
+
+def alerts_for(team, now: datetime, window: timedelta = WINDOW) -> list[Alert]:
+    """Return the late and missed runs of the team's watched definitions within the window."""
+    watched = list(JobDefinition.objects.filter(team=team, lateness_slo_seconds__isnull=False))
+    found: list[Alert] = []
+    since = now - window
+    for definition in watched:
+        slo = definition.lateness_slo_seconds
+        late = Run.objects.filter(
+            definition=definition, started_at__gte=since, late_seconds__gt=slo
+        ).values_list("pk", "due_at", "late_seconds")
+        found += [
+            Alert("late", definition, due, public_run_id(pk), late_by) for pk, due, late_by in late
+        ]
+        found += _missed(definition, since, now)
+    return sorted(found, key=lambda alert: alert.due_at, reverse=True)
+
+
+def _missed(definition: JobDefinition, since: datetime, now: datetime) -> list[Alert]:
+    schedule = sched.parse_schedule(definition.schedule)
+    if not isinstance(schedule, sched.CronSchedule) or definition.paused:
+        return []
+    grace = timedelta(seconds=definition.lateness_slo_seconds + definition.timeout_seconds)
+    # Only times whose grace has passed can be judged, and none before the definition existed.
+    start = max(since, definition.created_at)
+    times = sched.fire_times_between(schedule, start, now - grace, MAX_TIMES_PER_DEFINITION)
+    if not times:
+        return []
+    succeeded = set(
+        Run.objects.filter(
+            definition=definition,
+            trigger__in=("cron", "catch_up", "backfill"),
+            due_at__in=[t.utc for t in times],
+            state="succeeded",
+        ).values_list("due_at", flat=True)
+    )
+    return [Alert("missed", definition, t.utc) for t in times if t.utc not in succeeded]

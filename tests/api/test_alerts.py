@@ -1,0 +1,71 @@
+"""Lateness and missed-run alerts for definitions with a lateness SLO."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+
+from apps.jobs.models import JobDefinition
+from apps.runs.models import Run
+from tests.conftest import add_ready_runs, db_now, make_definition
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_a_run_started_ten_seconds_late_with_a_five_second_slo_is_flagged(api_a, team_a):
+    definition = make_definition(
+        team_a, "slo.report", queue="slo", lateness_slo_seconds=5, owner="#billing-oncall",
+        runbook_url="https://runbooks.example.com/report",
+    )
+    add_ready_runs(definition, 1, age_seconds=10)
+    on_time = make_definition(team_a, "slo.fast", queue="slo", lateness_slo_seconds=60)
+    add_ready_runs(on_time, 1, age_seconds=1)
+    before = api_a.get("/metrics").text
+    api_a.lease(["slo"], 5)
+    (alert,) = [a for a in api_a.get("/api/v1/alerts").json()["results"] if a["kind"] == "late"]
+    assert alert["job"] == "slo.report" and alert["lateBySeconds"] >= 10 and alert["sloSeconds"] == 5
+    assert alert["owner"] == "#billing-oncall" and alert["runbookUrl"].endswith("/report")
+    assert alert["runId"] == Run.objects.get(definition=definition).run_id
+    after = api_a.get("/metrics").text
+
+    def late_count(text: str) -> float:
+        lines = [line for line in text.splitlines() if line.startswith('scheduler_late_runs_total{queue="slo"}')]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    assert late_count(after) - late_count(before) == 1
+
+
+def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
+    api_a.post(
+        "/api/v1/jobs",
+        {"name": "slo.hourly", "queue": "slo", "schedule": {"cron": "0 * * * *", "jitterSeconds": 0},
+         "latenessSloSeconds": 60, "timeoutSeconds": 60},
+    )
+    # The definition has existed for three hours and no scheduler ran: nothing was inserted.
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE jobs_jobdefinition SET created_at = now() - interval '3 hours'")
+    missed = [a for a in api_a.get("/api/v1/alerts").json()["results"] if a["kind"] == "missed"]
+    assert 2 <= len(missed) <= 3
+    assert all(a["dueAt"].endswith(":00:00Z") for a in missed)
+    # A successful run for one of those times clears it.
+    definition = JobDefinition.objects.get()
+    latest = max(a["dueAt"] for a in missed)
+    from django.utils.dateparse import parse_datetime
+
+    due = parse_datetime(latest)
+    Run.objects.create(
+        definition=definition, team=team_a, queue="slo", priority=1, shard=definition.shard, state="succeeded",
+        trigger="cron", due_at=due, available_at=due, max_attempts=3, idempotency_key=f"k@{latest}",
+        finished_at=db_now() - timedelta(minutes=1),
+    )
+    again = [a["dueAt"] for a in api_a.get("/api/v1/alerts").json()["results"] if a["kind"] == "missed"]
+    assert latest not in again and len(again) == len(missed) - 1
+
+
+def test_definitions_without_an_slo_are_not_watched(api_a, team_a):
+    definition = make_definition(team_a, "slo.none", queue="slo")
+    add_ready_runs(definition, 1, age_seconds=100)
+    api_a.lease(["slo"], 5)
+    assert api_a.get("/api/v1/alerts").json()["results"] == []
