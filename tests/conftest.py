@@ -24,6 +24,13 @@ def ready_listener(django_db_setup) -> Iterator[None]:
     listener.stop()
 
 
+@pytest.fixture(autouse=True)
+def _close_listener_with_live_server(request) -> None:
+    """Any test with a live server may long-poll: make sure the listener closes before teardown."""
+    if "live_server" in request.fixturenames:
+        request.getfixturevalue("ready_listener")
+
+
 @pytest.fixture
 def team_a(db) -> Team:
     return Team.objects.create(slug="team-a", name="Team A")

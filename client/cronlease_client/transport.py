@@ -1,0 +1,124 @@
+"""JSON over HTTP to the scheduler, with bounded retries for failures that may pass."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from typing import Any
+
+import httpx
+
+from cronlease_client._version import __version__
+from cronlease_client.errors import ApiError
+
+logger = logging.getLogger("cronlease_client")
+
+
+def backoff_delay(failures: int, *, base: float, cap: float) -> float:
+    """Return the wait before retry `failures` (1-based): exponential, capped, half jittered.
+
+    Half of the delay is random so a fleet of workers that lost the server together does not
+    come back in lockstep; the other half keeps a floor so retries do not bunch up at zero.
+    """
+    ceiling = min(cap, base * 2.0 ** min(failures - 1, 30))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("Retry-After", "")
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def _problem(response: httpx.Response) -> tuple[str, dict[str, Any]]:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500] or response.reason_phrase, {}
+    if isinstance(body, dict):
+        return str(body.get("detail") or body.get("title") or response.reason_phrase), body
+    return response.reason_phrase, {}
+
+
+class Transport:
+    """One HTTP connection pool to the scheduler, used by one thread of the worker."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        timeout: float = 10.0,
+        attempts: int = 5,
+        backoff_base: float = 0.2,
+        backoff_cap: float = 5.0,
+        cancel: threading.Event | None = None,
+        http_transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.attempts = attempts
+        self.backoff_base = backoff_base
+        self.backoff_cap = backoff_cap
+        # Set when waiting out a backoff is no longer worth it (the worker is going away).
+        self.cancel = cancel or threading.Event()
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            headers={
+                "Authorization": f"Bearer {token}",
+                "User-Agent": f"cronlease-client/{__version__}",
+            },
+            timeout=timeout,
+            transport=http_transport,
+        )
+
+    def post(
+        self, path: str, body: dict[str, Any], *, timeout: float | None = None, attempts: int = 0
+    ) -> Any:
+        """POST `body` as JSON and return the decoded answer.
+
+        Network errors, 429 and 5xx are retried up to `attempts` times in all (the transport's
+        default when 0) with exponential backoff; any other error status raises ApiError at once,
+        as does the last failure.
+        """
+        tries = attempts or self.attempts
+        for attempt in range(1, tries + 1):
+            wait: float | None = None
+            try:
+                response = self._http.post(
+                    path,
+                    json=body,
+                    timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
+                )
+            except httpx.TransportError as exc:
+                error = ApiError(None, f"{type(exc).__name__}: {exc}")
+            else:
+                if response.status_code < 400:
+                    try:
+                        return response.json()
+                    except ValueError as exc:
+                        raise ApiError(response.status_code, "the answer is not JSON") from exc
+                detail, problem = _problem(response)
+                error = ApiError(response.status_code, detail, problem=problem)
+                if not error.transient:
+                    raise error
+                wait = _retry_after(response)
+            if attempt == tries or self.cancel.is_set():
+                raise error
+            if wait is None:
+                wait = backoff_delay(attempt, base=self.backoff_base, cap=self.backoff_cap)
+            logger.debug(
+                "retrying path=%s attempt=%d in %.2fs: %s",
+                path,
+                attempt,
+                wait,
+                error,
+                extra={"path": path, "attempt": attempt},
+            )
+            if self.cancel.wait(wait):
+                raise error
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self._http.close()

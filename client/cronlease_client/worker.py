@@ -1,0 +1,795 @@
+"""The worker: lease runs in batches, run their handlers in a pool, heartbeat, report, stop cleanly.
+
+Threads, each with its own HTTP connection:
+- lease loop: long-polls `POST /api/v1/leases` for as many runs as there are free slots;
+- slots (`concurrency` of them): run one handler at a time (in the thread, or in a pool process);
+- heartbeat: every `heartbeat_interval` extends every held lease in one `POST /api/v1/heartbeats`;
+  an item answered 409 or 404 means the run is someone else's now: its context's `lease_lost` is
+  set and whatever its handler returns is dropped;
+- reporter: sends outcomes in `POST /api/v1/results` batches (a batch closes when full, after a
+  50 ms window, or at once when no other handler is running);
+- supervisor: on stop, waits for in-flight handlers up to `grace_seconds`, fails the rest as
+  retryable `WorkerShutdown`, flushes the reporter and closes everything.
+
+A run stays in `_inflight` (and keeps being heartbeated) from its lease until the scheduler has
+answered its result, so a slow report cannot let the lease expire under it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.managers import SyncManager
+from typing import Any, Literal, Protocol
+
+from cronlease_client.context import Context, LeaseFlag
+from cronlease_client.errors import ApiError, HandlerError
+from cronlease_client.registry import HandlerFunc, HandlerSpec, spec_for
+from cronlease_client.transport import Transport, backoff_delay
+
+logger = logging.getLogger("cronlease_client")
+
+MAX_BATCH = 1000  # the server's limit on items in one batch request
+MAX_ERROR_MESSAGE = 10000
+MAX_ERROR_TYPE = 200
+RESULTS_WINDOW_SECONDS = 0.05
+SHUTDOWN_ERROR = "WorkerShutdown"
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one attempt came to, ready for `POST /api/v1/results`."""
+
+    outcome: Literal["succeeded", "failed"]
+    result: Any = None
+    error_type: str = ""
+    message: str = ""
+    retryable: bool = True
+    traceback: str = ""
+
+    def item(self, run_id: str, fencing_token: int) -> dict[str, Any]:
+        if self.outcome == "succeeded":
+            return {
+                "runId": run_id,
+                "fencingToken": fencing_token,
+                "outcome": "succeeded",
+                "result": self.result,
+            }
+        return {
+            "runId": run_id,
+            "fencingToken": fencing_token,
+            "outcome": "failed",
+            # Truncated here: one oversized message must not get the whole batch refused.
+            "error": {
+                "type": self.error_type[:MAX_ERROR_TYPE],
+                "message": self.message[:MAX_ERROR_MESSAGE],
+            },
+            "retryable": self.retryable,
+        }
+
+
+SKIPPED_DRY_RUN = Report("succeeded", {"dryRun": True, "skipped": True})
+
+
+def describe_failure(exc: BaseException, ctx_retryable: bool | None = None) -> Report:
+    """Turn a handler's exception into a failed Report.
+
+    Retryable/NonRetryable decide for themselves; any other exception is retried unless the
+    handler set `ctx.retryable = False`.
+    """
+    if isinstance(exc, HandlerError):
+        cause = exc.__cause__
+        error_type = exc.error_type or type(cause if cause is not None else exc).__name__
+        message = exc.message or (str(cause) if cause is not None else "")
+        retryable = exc.retryable
+        # A deliberate Retryable/NonRetryable is an answer, not a bug: no traceback in the log.
+        trace = ""
+    else:
+        error_type = type(exc).__name__
+        message = str(exc)
+        retryable = ctx_retryable is not False
+        trace = "".join(traceback.format_exception(exc))
+    return Report(
+        "failed",
+        error_type=error_type,
+        message=message or error_type,
+        retryable=retryable,
+        traceback=trace,
+    )
+
+
+def invoke(
+    func: HandlerFunc, lease: Mapping[str, Any], lease_lost: LeaseFlag, worker_id: str
+) -> Report:
+    """Call a handler on one lease and return its Report; never raise.
+
+    Module-level so the process pool can pickle it.
+    """
+    ctx = Context.from_lease(lease, lease_lost=lease_lost, worker_id=worker_id)
+    try:
+        value = func(ctx)
+    except BaseException as exc:  # a handler's sys.exit() must not take a slot thread down
+        return describe_failure(exc, ctx.retryable)
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        # The handler's work is done; failing now would only run it again for nothing.
+        ctx.logger.warning("handler result is not JSON; storing its repr")
+        value = {"unserializable": repr(value)[:1000]}
+    return Report("succeeded", value)
+
+
+def _init_child(parent_pid: int) -> None:
+    """Set up a pool or manager process: deaf to stop signals, gone with its worker."""
+    # The worker decides when handlers stop: Ctrl-C or a service manager's SIGTERM sent to the
+    # whole process group must not kill these processes before the grace period is over.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    # Deaf to signals, a child would outlive a worker killed with SIGKILL (or by the OOM
+    # killer) forever; its handler's result could not be reported anyway.
+    def exit_with_parent() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=exit_with_parent, name="cronlease-parent-watch", daemon=True).start()
+
+
+def _init_pool_process(parent_pid: int, log_level: int) -> None:
+    _init_child(parent_pid)
+    if log_level:
+        logging.basicConfig(
+            level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        )
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}/{os.getpid()}"
+
+
+class _Flag(LeaseFlag, Protocol):
+    def set(self) -> None: ...
+
+
+class _Run:
+    """The worker's record of one lease, from the claim until the scheduler answers its result."""
+
+    def __init__(self, lease: Mapping[str, Any], flag: _Flag) -> None:
+        self.lease = lease
+        self.run_id: str = lease["runId"]
+        self.job: str = lease["job"]
+        self.attempt: int = lease["attempt"]
+        self.token: int = lease["fencingToken"]
+        self.flag = flag  # the handler's ctx.lease_lost
+        self.lost = False  # the scheduler answered 409/404 to a heartbeat
+        self.finished = False  # the handler returned; its report is queued
+        self.abandoned = False  # failed by the shutdown; the handler's own outcome is dropped
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "job": self.job,
+            "attempt": self.attempt,
+            "fencing_token": self.token,
+        }
+
+    def set_flag(self) -> None:
+        try:
+            self.flag.set()
+        except Exception:  # a manager proxy whose manager has already gone
+            logger.debug("could not set lease_lost run_id=%s", self.run_id, exc_info=True)
+
+
+class Worker:
+    """Lease runs of `queues` and run them with handlers registered by job name.
+
+    `run()` blocks (SIGTERM or Ctrl-C stop it gracefully, a second Ctrl-C at once); `start()`
+    runs in background threads and `stop()` ends it.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        queues: Iterable[str] | str,
+        *,
+        handlers: Mapping[str, HandlerFunc | HandlerSpec] | None = None,
+        concurrency: int = 4,
+        pool: Literal["thread", "process"] = "thread",
+        batch_size: int | None = None,
+        lease_seconds: int = 60,
+        wait_seconds: int = 20,
+        worker_id: str | None = None,
+        grace_seconds: float = 30,
+        heartbeat_interval: float | None = None,
+        http_timeout: float = 10.0,
+    ) -> None:
+        self.queues = [queues] if isinstance(queues, str) else list(queues)
+        if not self.queues:
+            raise ValueError("give at least one queue")
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if pool not in ("thread", "process"):
+            raise ValueError("pool must be 'thread' or 'process'")
+        if lease_seconds < 1 or wait_seconds < 0 or grace_seconds < 0:
+            raise ValueError("lease_seconds must be >= 1, wait_seconds and grace_seconds >= 0")
+        self.base_url = base_url
+        self.token = token
+        self.concurrency = concurrency
+        self.pool = pool
+        self.batch_size = max(1, min(batch_size or concurrency, MAX_BATCH))
+        self.lease_seconds = lease_seconds
+        self.wait_seconds = wait_seconds
+        self.worker_id = worker_id or default_worker_id()
+        self.grace_seconds = grace_seconds
+        # A third of the lease leaves two more chances before it runs out.
+        self.heartbeat_interval = heartbeat_interval or max(0.2, lease_seconds / 3)
+        self.http_timeout = http_timeout
+        self.handlers: dict[str, HandlerSpec] = {}
+        for job, func in (handlers or {}).items():
+            self.add_handler(job, func)
+
+        # Set by a fatal answer (401, 403, 400) to a lease request; run() raises it.
+        self.error: ApiError | None = None
+        self._lock = threading.Condition()
+        self._inflight: dict[str, _Run] = {}
+        self._busy = 0  # leases handed to the slots whose handler has not returned
+        self._abandoning = False
+        self._tasks: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
+        self._results: queue.Queue[tuple[_Run, Report] | None] = queue.Queue()
+        self._stopping = threading.Event()
+        self._forced = threading.Event()
+        self._stopped = threading.Event()
+        self._heartbeats_stop = threading.Event()
+        self._lease_done = threading.Event()
+        self._threads: dict[str, threading.Thread] = {}
+        self._started = False
+        self._executor: ProcessPoolExecutor | None = None
+        self._manager: SyncManager | None = None
+
+    # -- handlers ---------------------------------------------------------------------------
+
+    def add_handler(
+        self, job: str, func: HandlerFunc | HandlerSpec, *, dry_run: bool | None = None
+    ) -> None:
+        """Register `func` for `job`. `dry_run=True`: call it for dry-run runs too."""
+        self.handlers[job] = spec_for(job, func, dry_run=dry_run)
+
+    def handler(self, job: str, *, dry_run: bool = False) -> Callable[[HandlerFunc], HandlerFunc]:
+        """Decorator form of add_handler: `@worker.handler("billing.export-invoices")`."""
+
+        def register(func: HandlerFunc) -> HandlerFunc:
+            self.add_handler(job, func, dry_run=dry_run)
+            return func
+
+        return register
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
+    def forced(self) -> bool:
+        """Whether the worker was told to exit at once (a second Ctrl-C, or stop(force=True))."""
+        return self._forced.is_set()
+
+    def start(self) -> Worker:
+        """Start leasing in background threads and return at once."""
+        if self._started:
+            raise RuntimeError("this worker has already been started")
+        if not self.handlers:
+            raise ValueError("register at least one handler before starting the worker")
+        if self.pool == "process":
+            self._check_picklable()
+            self._start_process_pool()
+        self._started = True
+        self._lease_http = self._transport(cancel=self._stopping)
+        self._heartbeat_http = self._transport(cancel=self._forced, attempts=3)
+        self._results_http = self._transport(cancel=self._forced, attempts=10)
+        self._spawn("cronlease-lease", self._lease_loop)
+        self._spawn("cronlease-heartbeat", self._heartbeat_loop)
+        self._spawn("cronlease-results", self._report_loop)
+        for index in range(self.concurrency):
+            self._spawn(f"cronlease-slot-{index}", self._slot_loop)
+        self._spawn("cronlease-supervisor", self._supervise)
+        logger.info(
+            "worker started worker_id=%s queues=%s concurrency=%d pool=%s jobs=%s",
+            self.worker_id,
+            ",".join(self.queues),
+            self.concurrency,
+            self.pool,
+            ",".join(sorted(self.handlers)),
+            extra={"worker_id": self.worker_id, "queues": self.queues},
+        )
+        return self
+
+    def run(self) -> None:
+        """Start and block until stopped; raise ApiError when the scheduler refused the worker.
+
+        In the main thread, SIGTERM and SIGINT stop the worker gracefully and a second SIGINT
+        makes it exit at once.
+        """
+        previous: dict[signal.Signals, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                previous[signum] = signal.signal(signum, self._on_signal)
+        try:
+            self.start()
+            # Short waits so the main thread gets back to the interpreter to run signal handlers.
+            while not self._stopped.wait(0.2):
+                pass
+        finally:
+            for signum, handler in previous.items():
+                # None: a handler installed outside Python, which cannot be put back.
+                if handler is not None:
+                    signal.signal(signum, handler)
+        if self.error is not None:
+            raise self.error
+
+    def stop(self, *, force: bool = False, timeout: float | None = None) -> bool:
+        """Stop leasing, let in-flight handlers finish (up to grace_seconds) and wait for the end.
+
+        `force=True` abandons in-flight runs at once (their leases expire on the server). Return
+        whether the worker has stopped within `timeout` (default: the grace period plus 30 s).
+        """
+        if force:
+            self._forced.set()
+        self._stopping.set()
+        if not self._started:
+            self._stopped.set()
+            return True
+        return self.join(self.grace_seconds + 30 if timeout is None else timeout)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the worker has stopped; return whether it has."""
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> Worker:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and self._stopping.is_set():
+            self._forced.set()
+        self._stopping.set()
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        # Daemon threads: a handler stuck past the grace period must not keep the process alive.
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads[name] = thread
+        thread.start()
+
+    def _transport(self, *, cancel: threading.Event, attempts: int = 5) -> Transport:
+        return Transport(
+            self.base_url, self.token, timeout=self.http_timeout, attempts=attempts, cancel=cancel
+        )
+
+    def _check_picklable(self) -> None:
+        for job, spec in self.handlers.items():
+            try:
+                pickle.dumps(spec.func)
+            except Exception as exc:
+                raise ValueError(
+                    f"the handler of {job!r} cannot be sent to a pool process ({exc}); "
+                    "define it at module level or use pool='thread'"
+                ) from exc
+
+    def _start_process_pool(self) -> None:
+        # spawn, not fork: forking a process that runs HTTP threads can copy held locks.
+        mp_context = multiprocessing.get_context("spawn")
+        self._manager = SyncManager(ctx=mp_context)
+        self._manager.start(_init_child, (os.getpid(),))
+        package_logger = logging.getLogger("cronlease_client")
+        level = package_logger.getEffectiveLevel() if logging.getLogger().handlers else 0
+        self._executor = ProcessPoolExecutor(
+            max_workers=self.concurrency,
+            mp_context=mp_context,
+            initializer=_init_pool_process,
+            initargs=(os.getpid(), level),
+        )
+
+    def _new_flag(self) -> _Flag:
+        if self._manager is not None:
+            return self._manager.Event()
+        return threading.Event()
+
+    # -- leasing ----------------------------------------------------------------------------
+
+    def _free_slots(self) -> int:
+        """Block until a slot is free (or the worker stops); return how many are free."""
+        with self._lock:
+            while self._busy >= self.concurrency and not self._stopping.is_set():
+                self._lock.wait(0.5)
+            return 0 if self._stopping.is_set() else self.concurrency - self._busy
+
+    def _lease_loop(self) -> None:
+        failures = 0
+        try:
+            while not self._stopping.is_set():
+                free = self._free_slots()
+                if not free:
+                    continue
+                body = {
+                    "queues": self.queues,
+                    "max": min(free, self.batch_size),
+                    "workerId": self.worker_id,
+                    "leaseSeconds": self.lease_seconds,
+                    "waitSeconds": self.wait_seconds,
+                }
+                try:
+                    answer = self._lease_http.post(
+                        "/api/v1/leases", body, timeout=self.wait_seconds + self.http_timeout
+                    )
+                except ApiError as exc:
+                    if not exc.transient:
+                        self._fail_fatally(exc)
+                        return
+                    failures += 1
+                    delay = backoff_delay(failures, base=0.5, cap=30.0)
+                    logger.warning("leasing failed; retrying in %.1fs: %s", delay, exc)
+                    self._stopping.wait(delay)
+                    continue
+                failures = 0
+                leases = answer.get("leases", [])
+                if not leases and not self.wait_seconds:
+                    # Without a long poll an empty answer comes back at once: do not spin.
+                    self._stopping.wait(1.0)
+                # Leases that arrive after stop() are still ours: run them within the grace.
+                refused = [lease for lease in leases if not self._dispatch(lease)]
+                if refused:
+                    self._refuse(refused)
+        except Exception:
+            logger.exception("lease loop crashed; stopping the worker")
+            self._stopping.set()
+        finally:
+            self._lease_done.set()
+            with self._lock:
+                self._lock.notify_all()
+            self._lease_http.close()
+
+    def _fail_fatally(self, exc: ApiError) -> None:
+        # 401/403/400 will not get better by asking again: stop, and let run() raise it.
+        self.error = exc
+        logger.error("the scheduler refused this worker (%s); stopping", exc)
+        self._stopping.set()
+
+    def _dispatch(self, lease: Mapping[str, Any]) -> bool:
+        run = _Run(lease, self._new_flag())
+        with self._lock:
+            if self._abandoning:
+                return False
+            self._inflight[run.run_id] = run
+            self._busy += 1
+        logger.debug(
+            "leased run_id=%s job=%s attempt=%s fencing_token=%s",
+            run.run_id,
+            run.job,
+            run.attempt,
+            run.token,
+            extra=run.fields(),
+        )
+        self._tasks.put(run)
+        return True
+
+    def _refuse(self, leases: list[Mapping[str, Any]]) -> None:
+        """Give back leases that arrived after the grace period: fail them as retryable."""
+        if self._forced.is_set():
+            return
+        report = Report(
+            "failed",
+            error_type=SHUTDOWN_ERROR,
+            message="the worker was shutting down when this lease arrived",
+        )
+        items = [report.item(lease["runId"], lease["fencingToken"]) for lease in leases]
+        try:
+            self._lease_http.post("/api/v1/results", {"results": items}, attempts=2)
+        except ApiError as exc:
+            logger.warning("could not give back %d late leases: %s", len(items), exc)
+
+    # -- running handlers -------------------------------------------------------------------
+
+    def _slot_loop(self) -> None:
+        while (run := self._tasks.get()) is not None:
+            try:
+                report = self._execute(run)
+            except BaseException as exc:  # the slot must survive whatever happens
+                report = describe_failure(exc)
+            self._finish(run, report)
+
+    def _execute(self, run: _Run) -> Report:
+        spec = self.handlers.get(run.job)
+        if spec is None:
+            # Retryable: during a rolling deploy another worker may know this job.
+            return Report(
+                "failed",
+                error_type="UnknownJob",
+                message=f"worker {self.worker_id} has no handler for job {run.job!r}",
+            )
+        if run.lease.get("dryRun") and not spec.dry_run:
+            return SKIPPED_DRY_RUN
+        if self._executor is None:
+            return invoke(spec.func, run.lease, run.flag, self.worker_id)
+        future = self._executor.submit(invoke, spec.func, run.lease, run.flag, self.worker_id)
+        return future.result()
+
+    def _finish(self, run: _Run, report: Report) -> None:
+        # One locked step, so the supervisor never sees a returned handler as still running.
+        with self._lock:
+            self._busy -= 1
+            if run.abandoned:
+                dropped = "the worker already failed it at shutdown"
+            elif run.lost:
+                dropped = "its lease was lost"
+            else:
+                dropped = ""
+                run.finished = True
+                self._results.put((run, report))
+            if dropped:
+                self._inflight.pop(run.run_id, None)
+            self._lock.notify_all()
+        if dropped:
+            logger.warning(
+                "result not sent run_id=%s job=%s attempt=%s outcome=%s: %s",
+                run.run_id,
+                run.job,
+                run.attempt,
+                report.outcome,
+                dropped,
+                extra=run.fields(),
+            )
+        elif report.outcome == "failed":
+            logger.warning(
+                "run failed run_id=%s job=%s attempt=%s error_type=%s retryable=%s: %s%s",
+                run.run_id,
+                run.job,
+                run.attempt,
+                report.error_type,
+                report.retryable,
+                report.message,
+                "\n" + report.traceback.rstrip() if report.traceback else "",
+                extra={**run.fields(), "error_type": report.error_type},
+            )
+
+    # -- heartbeats -------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        while not self._heartbeats_stop.wait(self.heartbeat_interval):
+            try:
+                self._heartbeat_once()
+            except Exception:
+                logger.exception("heartbeat round failed")
+        self._heartbeat_http.close()
+
+    def _heartbeat_once(self) -> None:
+        """Extend every held lease in one request; mark the ones the scheduler says are gone."""
+        with self._lock:
+            runs = [r for r in self._inflight.values() if not r.lost and not r.abandoned]
+        for start in range(0, len(runs), MAX_BATCH):
+            chunk = runs[start : start + MAX_BATCH]
+            body = {"leases": [{"runId": r.run_id, "fencingToken": r.token} for r in chunk]}
+            try:
+                answer = self._heartbeat_http.post(
+                    "/api/v1/heartbeats",
+                    body,
+                    timeout=max(1.0, min(self.http_timeout, self.heartbeat_interval)),
+                )
+            except ApiError as exc:
+                # The next round tries again; the lease has two more rounds before it expires.
+                logger.warning("heartbeat of %d leases failed: %s", len(chunk), exc)
+                continue
+            statuses = {item["runId"]: item for item in answer.get("leases", [])}
+            for run in chunk:
+                item = statuses.get(run.run_id)
+                if item is not None and item.get("status") in (404, 409):
+                    self._mark_lost(run, item.get("detail", ""))
+
+    def _mark_lost(self, run: _Run, detail: str) -> None:
+        with self._lock:
+            run.lost = True
+            already_reported = run.finished
+        run.set_flag()
+        if already_reported:
+            # The result is queued or on its way; the heartbeat raced it. The server has the
+            # final word on that result (it answers 409 if the lease really was gone).
+            logger.debug("heartbeat refused after the handler returned run_id=%s", run.run_id)
+            return
+        logger.warning(
+            "lease lost run_id=%s job=%s attempt=%s fencing_token=%s: %s",
+            run.run_id,
+            run.job,
+            run.attempt,
+            run.token,
+            detail,
+            extra=run.fields(),
+        )
+
+    # -- reporting --------------------------------------------------------------------------
+
+    def _report_loop(self) -> None:
+        size = max(self.batch_size, self.concurrency)
+        done = False
+        while not done:
+            first = self._results.get()
+            if first is None:
+                break
+            batch = [first]
+            deadline = time.monotonic() + RESULTS_WINDOW_SECONDS
+            while len(batch) < min(size, MAX_BATCH):
+                # No handler running: nothing else is coming soon, so do not wait the window out.
+                left = 0.0 if self._busy == 0 else deadline - time.monotonic()
+                try:
+                    item = (
+                        self._results.get(timeout=left) if left > 0 else self._results.get_nowait()
+                    )
+                except queue.Empty:
+                    break
+                if item is None:
+                    done = True
+                    break
+                batch.append(item)
+            try:
+                self._send_results(batch)
+            except Exception:
+                logger.exception("reporting %d results failed", len(batch))
+                self._forget(batch)
+        self._results_http.close()
+
+    def _send_results(self, batch: list[tuple[_Run, Report]]) -> None:
+        items = [report.item(run.run_id, run.token) for run, report in batch]
+        try:
+            answer = self._results_http.post("/api/v1/results", {"results": items})
+        except ApiError as exc:
+            if exc.status in (400, 413) and len(batch) > 1:
+                # One bad item (say, a result over the size limit) must not sink its neighbours.
+                for one in batch:
+                    self._send_results([one])
+                return
+            if exc.status == 413 and batch[0][1].outcome == "succeeded":
+                run, _ = batch[0]
+                logger.warning("result too large run_id=%s; completing without it", run.run_id)
+                self._send_results([(run, Report("succeeded", {"resultTooLarge": True}))])
+                return
+            logger.error(
+                "could not report %d results (%s); their leases will expire and the runs be "
+                "retried",
+                len(batch),
+                exc,
+            )
+            self._forget(batch)
+            return
+        statuses = {item["runId"]: item for item in answer.get("results", [])}
+        for run, report in batch:
+            item = statuses.get(run.run_id, {})
+            if item.get("status") == 200:
+                logger.debug(
+                    "reported run_id=%s outcome=%s state=%s",
+                    run.run_id,
+                    report.outcome,
+                    item.get("state"),
+                    extra=run.fields(),
+                )
+            else:
+                logger.warning(
+                    "result refused run_id=%s job=%s attempt=%s status=%s: %s",
+                    run.run_id,
+                    run.job,
+                    run.attempt,
+                    item.get("status"),
+                    item.get("detail", "no answer for this run"),
+                    extra=run.fields(),
+                )
+        self._forget(batch)
+
+    def _forget(self, batch: list[tuple[_Run, Report]]) -> None:
+        with self._lock:
+            for run, _ in batch:
+                self._inflight.pop(run.run_id, None)
+            self._lock.notify_all()
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        self._stopping.wait()
+        try:
+            self._shut_down()
+        except Exception:
+            logger.exception("shutdown failed")
+        finally:
+            self._stopped.set()
+
+    def _shut_down(self) -> None:
+        """Wait out the grace period, fail what is left, flush the results, close.
+
+        1. No new lease requests (the lease loop has seen `_stopping`); one already waiting on
+           the server may still bring runs, which run like the others.
+        2. Wait until every handler has returned and the lease loop has ended, at most
+           `grace_seconds` (not at all when forced).
+        3. Mark the runs still running abandoned and set their `lease_lost`; unless forced, fail
+           them as retryable WorkerShutdown so they are retried without waiting for the reaper.
+        4. Let the reporter send what it holds, then stop heartbeats and the pool.
+        """
+        with self._lock:
+            running = self._busy
+        logger.info(
+            "stopping worker_id=%s: no new leases; %d handlers running, grace %ss",
+            self.worker_id,
+            running,
+            self.grace_seconds,
+        )
+        deadline = time.monotonic() + self.grace_seconds
+        with self._lock:
+            while not self._forced.is_set() and (self._busy or not self._lease_done.is_set()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(min(left, 0.1))
+            self._abandoning = True
+            abandoned = [
+                run
+                for run in self._inflight.values()
+                if not run.finished and not run.abandoned and not run.lost
+            ]
+            for run in abandoned:
+                run.abandoned = True
+        shutdown = Report(
+            "failed",
+            error_type=SHUTDOWN_ERROR,
+            message=f"worker {self.worker_id} stopped after a grace period of "
+            f"{self.grace_seconds}s with the handler still running",
+        )
+        for run in abandoned:
+            run.set_flag()
+            logger.warning(
+                "abandoning run_id=%s job=%s attempt=%s: still running after the grace period",
+                run.run_id,
+                run.job,
+                run.attempt,
+                extra=run.fields(),
+            )
+            if not self._forced.is_set():
+                self._results.put((run, shutdown))
+        self._results.put(None)
+        for _ in range(self.concurrency):
+            self._tasks.put(None)
+        if not self._forced.is_set():
+            self._threads["cronlease-results"].join(timeout=max(5.0, self.http_timeout * 3))
+        self._heartbeats_stop.set()
+        self._stop_pool(kill=bool(abandoned) or self._forced.is_set())
+        logger.info(
+            "worker stopped worker_id=%s abandoned=%d forced=%s",
+            self.worker_id,
+            len(abandoned),
+            self._forced.is_set(),
+        )
+
+    def _stop_pool(self, *, kill: bool) -> None:
+        if self._executor is not None:
+            processes = list((getattr(self._executor, "_processes", None) or {}).values())
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            if kill:
+                # A handler past the grace period is not coming back: end its process.
+                for process in processes:
+                    if process.is_alive():
+                        process.kill()
+        if self._manager is not None:
+            try:
+                self._manager.shutdown()
+            except Exception:
+                logger.debug("manager shutdown failed", exc_info=True)

@@ -1,0 +1,82 @@
+"""Helpers for the worker SDK tests: workers against the live server, waits with deadlines."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from cronlease_client import Worker
+
+from apps.runs.models import Run
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], *, timeout: float = 20, what: str = "") -> T:
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(0.05)
+
+
+def runs_when(ids: Iterable[int], *states: str) -> Callable[[], list[Run] | None]:
+    """A predicate: the runs (in id order) once every one of them is in one of `states`."""
+    ids = list(ids)
+
+    def check() -> list[Run] | None:
+        runs = list(Run.objects.filter(pk__in=ids).order_by("pk"))
+        ok = len(runs) == len(ids) and all(run.state in states for run in runs)
+        return runs if ok else None
+
+    return check
+
+
+def read_ledger(path: Path) -> dict[str, dict[str, Any]]:
+    """The example handlers' effects, by idempotency key."""
+    if not path.exists():
+        return {}
+    with closing(sqlite3.connect(path)) as db:
+        db.row_factory = sqlite3.Row
+        try:
+            rows = db.execute("SELECT * FROM effects").fetchall()
+        except sqlite3.OperationalError:
+            return {}
+    return {row["idempotency_key"]: dict(row) for row in rows}
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where the example handlers write, for this test only."""
+    path = tmp_path / "ledger.sqlite3"
+    monkeypatch.setenv("PLAIN_WORKER_DB", str(path))
+    return path
+
+
+@pytest.fixture
+def make_worker(live_server, worker_token_a) -> Iterator[Callable[..., Worker]]:
+    """Build (not start) workers against the live server; every one is stopped at teardown."""
+    workers: list[Worker] = []
+
+    def make(queues: list[str], **options: Any) -> Worker:
+        # Short long-polls and grace so a test never waits on a quiet worker for long.
+        options.setdefault("wait_seconds", 1)
+        options.setdefault("grace_seconds", 5)
+        token = options.pop("token", worker_token_a)
+        worker = Worker(live_server.url, token, queues, **options)
+        workers.append(worker)
+        return worker
+
+    yield make
+    for worker in workers:
+        if not worker.stop(timeout=15):
+            worker.stop(force=True, timeout=5)

@@ -1,0 +1,275 @@
+"""The Worker in this process against the real API over HTTP (pytest-django's live server)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from cronlease_client import ApiError, Context, NonRetryable, Worker, load_handlers
+from cronlease_client.transport import Transport
+
+from apps.runs import store
+from apps.runs.ids import public_run_id
+from apps.runs.models import Attempt, Run
+from tests.client.conftest import read_ledger, runs_when, wait_for
+from tests.conftest import Api, add_ready_runs, expire_lease, make_definition
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+EXAMPLES = "examples.plain_worker.handlers"
+
+
+def test_ready_runs_succeed_and_handlers_see_their_key_and_token(team_a, make_worker, ledger):
+    definition = make_definition(
+        team_a,
+        "billing.record-charge",
+        queue="billing",
+        payload={"customer": "acme", "amountCents": 1200},
+    )
+    ids = add_ready_runs(definition, 6)
+    make_worker(["billing"], handlers=load_handlers(EXAMPLES), concurrency=3).start()
+
+    runs = wait_for(runs_when(ids, "succeeded"), what="all runs succeeded")
+
+    effects = read_ledger(ledger)
+    assert len(effects) == 6
+    for run in runs:
+        assert run.attempt == 1
+        assert run.result == {"charged": True, "customer": "acme", "amountCents": 1200}
+        # The handler wrote under the run's own key and the token of its (only) lease.
+        effect = effects[run.idempotency_key]
+        assert effect["run_id"] == public_run_id(run.pk)
+        assert effect["fencing_token"] == run.fencing_token
+        assert effect["attempt"] == 1
+    assert set(Attempt.objects.filter(run_id__in=ids).values_list("outcome", flat=True)) == {
+        "succeeded"
+    }
+
+
+def test_a_raising_handler_fails_the_run_with_its_error_and_it_is_retried(team_a, make_worker):
+    definition = make_definition(
+        team_a, "etl.broken", queue="etl", retry_max_attempts=2, retry_base_seconds=0
+    )
+    (pk,) = add_ready_runs(definition, 1)
+
+    def broken(ctx: Context) -> None:
+        raise ValueError(f"bad row on attempt {ctx.attempt}")
+
+    make_worker(["etl"], handlers={"etl.broken": broken}).start()
+
+    (run,) = wait_for(runs_when([pk], "dead"), what="the run dead after its two attempts")
+    assert run.attempt == 2
+    assert run.last_error == {"type": "ValueError", "message": "bad row on attempt 2"}
+    attempts = list(Attempt.objects.filter(run_id=pk).order_by("number"))
+    assert [(a.number, a.outcome, a.error_type) for a in attempts] == [
+        (1, "failed", "ValueError"),
+        (2, "failed", "ValueError"),
+    ]
+    assert attempts[0].error_message == "bad row on attempt 1"
+
+
+def test_a_retryable_failure_can_succeed_on_the_next_attempt(team_a, make_worker):
+    definition = make_definition(
+        team_a, "demo.flaky", queue="flaky", payload={"failAttempts": 1}, retry_base_seconds=0
+    )
+    (pk,) = add_ready_runs(definition, 1)
+    make_worker(["flaky"], handlers=load_handlers(EXAMPLES)).start()
+
+    (run,) = wait_for(runs_when([pk], "succeeded"), what="success on attempt 2")
+    assert run.attempt == 2
+    assert run.result == {"attempt": 2}
+    first = Attempt.objects.get(run_id=pk, number=1)
+    assert (first.outcome, first.error_type) == ("failed", "ConnectionError")
+
+
+def raise_non_retryable(ctx: Context) -> None:
+    try:
+        int("twelve")
+    except ValueError as exc:
+        raise NonRetryable("amount is not a number") from exc
+
+
+def refuse_retries(ctx: Context) -> None:
+    ctx.retryable = False
+    raise KeyError("customer")
+
+
+@pytest.mark.parametrize(
+    ("handler", "error"),
+    [
+        (raise_non_retryable, {"type": "ValueError", "message": "amount is not a number"}),
+        (refuse_retries, {"type": "KeyError", "message": "'customer'"}),
+    ],
+)
+def test_a_non_retryable_failure_goes_straight_to_dead(team_a, make_worker, handler, error):
+    definition = make_definition(
+        team_a, "billing.strict", queue="strict", retry_max_attempts=5, retry_base_seconds=0
+    )
+    (pk,) = add_ready_runs(definition, 1)
+    make_worker(["strict"], handlers={"billing.strict": handler}).start()
+
+    (run,) = wait_for(runs_when([pk], "dead"), what="the run dead")
+    assert run.attempt == 1
+    assert run.last_error == error
+
+
+def test_a_lost_lease_is_signalled_and_the_late_result_not_sent(
+    live_server, team_a, worker_token_a, make_worker
+):
+    definition = make_definition(team_a, "demo.hold", queue="lost", retry_base_seconds=0)
+    (pk,) = add_ready_runs(definition, 1)
+    seen: dict[str, Any] = {}
+    returned = threading.Event()
+
+    def hold(ctx: Context) -> dict[str, bool]:
+        seen["token"] = ctx.fencing_token
+        seen["lost"] = ctx.lease_lost.wait(20)
+        returned.set()
+        return {"done": True}
+
+    # One slot, held by the handler: the worker cannot re-claim the run itself once it is reaped.
+    worker = make_worker(
+        ["lost"],
+        handlers={"demo.hold": hold},
+        concurrency=1,
+        lease_seconds=2,
+        heartbeat_interval=0.2,
+    )
+    # Heartbeats are held back (a stalled worker) until another claimer has the run.
+    heartbeats_on = threading.Event()
+    real_heartbeat = worker._heartbeat_once
+    worker._heartbeat_once = lambda: real_heartbeat() if heartbeats_on.is_set() else None
+    sent: list[str] = []
+    real_send = worker._send_results
+    worker._send_results = lambda batch: (sent.extend(r.run_id for r, _ in batch), real_send(batch))
+    worker.start()
+
+    wait_for(lambda: "token" in seen, what="the handler to start")
+    expire_lease(pk)
+    assert [reaped.id for reaped in store.reap()] == [pk]
+    (other,) = Api(live_server.url, worker_token_a).lease(["lost"], max_runs=1, worker="other")
+    assert other["fencingToken"] > seen["token"]
+
+    heartbeats_on.set()
+    assert returned.wait(10), "the handler never saw lease_lost"
+    assert seen["lost"] is True
+    assert worker.stop(timeout=15)
+
+    assert sent == []
+    run = Run.objects.get(pk=pk)
+    # Still the other claimer's: the first handler's completion changed nothing.
+    assert (run.state, run.attempt, run.fencing_token, run.worker_id) == (
+        "leased",
+        2,
+        other["fencingToken"],
+        "other",
+    )
+    outcomes = dict(Attempt.objects.filter(run_id=pk).values_list("number", "outcome"))
+    assert outcomes == {1: "lease_expired", 2: ""}
+
+
+def test_dry_runs_skip_handlers_that_did_not_opt_in(team_a, make_worker, ledger):
+    sleeper = make_definition(team_a, "demo.sleep", queue="dry", dry_run=True)
+    charge = make_definition(
+        team_a,
+        "billing.record-charge",
+        queue="dry",
+        dry_run=True,
+        payload={"customer": "acme", "amountCents": 5},
+    )
+    skipped = add_ready_runs(sleeper, 2)
+    opted_in = add_ready_runs(charge, 1)
+    called: list[str] = []
+    handlers = load_handlers(EXAMPLES)
+    handlers["demo.sleep"] = lambda ctx: called.append(ctx.run_id)
+    make_worker(["dry"], handlers=handlers).start()
+
+    runs = wait_for(runs_when(skipped + opted_in, "succeeded"), what="dry runs done")
+    assert called == []
+    assert [run.result for run in runs[:2]] == [{"dryRun": True, "skipped": True}] * 2
+    assert runs[2].result == {"wouldCharge": {"customer": "acme", "amountCents": 5}}
+    assert read_ledger(ledger) == {}
+
+
+def test_a_job_without_a_handler_fails_retryable(team_a, make_worker):
+    definition = make_definition(
+        team_a, "reports.unknown", queue="mixed", retry_max_attempts=2, retry_base_seconds=60
+    )
+    (pk,) = add_ready_runs(definition, 1)
+    make_worker(["mixed"], handlers={"reports.known": lambda ctx: None}).start()
+
+    (run,) = wait_for(runs_when([pk], "retrying"), what="the run failed once")
+    assert run.attempt == 1
+    assert run.last_error["type"] == "UnknownJob"
+
+
+def test_process_pool_runs_handlers_and_reports_their_errors(team_a, make_worker, ledger):
+    charge = make_definition(
+        team_a,
+        "billing.record-charge",
+        queue="proc",
+        payload={"customer": "acme", "amountCents": 7},
+    )
+    flaky = make_definition(
+        team_a,
+        "demo.flaky",
+        queue="proc",
+        payload={"failAttempts": 5},
+        retry_max_attempts=1,
+    )
+    charges = add_ready_runs(charge, 3)
+    (failing,) = add_ready_runs(flaky, 1, prefix="f")
+    make_worker(["proc"], handlers=load_handlers(EXAMPLES), pool="process", concurrency=2).start()
+
+    runs = wait_for(runs_when(charges, "succeeded"), timeout=60, what="charges done")
+    (dead,) = wait_for(runs_when([failing], "dead"), timeout=30, what="flaky run dead")
+    assert dead.last_error == {
+        "type": "ConnectionError",
+        "message": "upstream unavailable on attempt 1",
+    }
+    effects = read_ledger(ledger)
+    assert {run.idempotency_key: run.fencing_token for run in runs} == {
+        key: effect["fencing_token"] for key, effect in effects.items()
+    }
+
+
+def test_results_and_heartbeats_travel_in_batches(team_a, make_worker, monkeypatch):
+    definition = make_definition(team_a, "demo.together", queue="batch")
+    ids = add_ready_runs(definition, 8)
+    calls: list[tuple[str, int]] = []
+    real_post = Transport.post
+
+    def spy(self: Transport, path: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        items = body.get("results") or (body.get("leases") if "heartbeats" in path else None)
+        if items is not None:
+            calls.append((path, len(items)))
+        return real_post(self, path, body, **kwargs)
+
+    monkeypatch.setattr(Transport, "post", spy)
+    barrier = threading.Barrier(8, timeout=20)
+
+    def together(ctx: Context) -> None:
+        barrier.wait()
+        time.sleep(0.8)  # long enough for heartbeat rounds with all eight leases
+
+    make_worker(
+        ["batch"], handlers={"demo.together": together}, concurrency=8, heartbeat_interval=0.2
+    ).start()
+
+    wait_for(runs_when(ids, "succeeded"), what="all eight runs succeeded")
+    results = [size for path, size in calls if path == "/api/v1/results"]
+    heartbeats = [size for path, size in calls if path == "/api/v1/heartbeats"]
+    assert sum(results) == 8
+    assert len(results) < 8, results
+    assert 8 in heartbeats, heartbeats
+
+
+def test_a_refused_token_stops_run_with_the_error(live_server):
+    worker = Worker(live_server.url, "jst_not-a-token", ["any"], handlers={"x": lambda ctx: None})
+    started = time.monotonic()
+    with pytest.raises(ApiError) as caught:
+        worker.run()
+    assert caught.value.status == 401
+    assert time.monotonic() - started < 10
