@@ -10,6 +10,8 @@ from scheduler_site.database import config_from_url
 from scheduler_site.env import env_bool, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+# Local state: the embedded database, payload blobs, metrics files. Tests point it elsewhere.
+DATA_DIR = Path(env_str("SCHEDULER_DATA_DIR", str(BASE_DIR / ".data")))
 
 DEBUG = env_bool("DEBUG", False)
 # A development key is fine on a laptop; `manage.py check --deploy` flags it in production.
@@ -80,7 +82,7 @@ def _application_name() -> str:
 DATABASE_URL = env_str("DATABASE_URL")
 EMBEDDED_DATABASE = not DATABASE_URL
 if EMBEDDED_DATABASE:
-    DATABASE_URL = embedded_db.ensure_running(BASE_DIR)
+    DATABASE_URL = embedded_db.ensure_running(DATA_DIR)
 DATABASES = {"default": config_from_url(DATABASE_URL, application_name=_application_name())}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -96,8 +98,8 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
-STATIC_ROOT = BASE_DIR / ".data" / "static"
-MEDIA_ROOT = Path(env_str("MEDIA_ROOT", str(BASE_DIR / ".data" / "media")))
+STATIC_ROOT = DATA_DIR / "static"
+MEDIA_ROOT = Path(env_str("MEDIA_ROOT", str(DATA_DIR / "media")))
 
 # Payloads over 4 KB live in object storage: the file system by default, or an S3-compatible
 # bucket through django-storages when SCHEDULER_PAYLOAD_BUCKET is set (credentials and endpoint

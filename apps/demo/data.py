@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from django.contrib.auth import get_user_model
 from django.db import transaction
+from django.utils import timezone
 
 from apps.audit.record import Actor
 from apps.jobs import services
@@ -56,10 +57,30 @@ DEMO_JOBS = [
         retry_max_attempts=2,
         retry_base_seconds=1,
         retry_max_seconds=2,
-        payload={"failureRate": 0.7},
+        payload={"failureRate": 0.5},
     ),
     _spec("demo.delayed-email", {"delaySeconds": 20}, payload={"to": "ops@example.com"}),
 ]
+
+
+def seed_runs(team: Team) -> None:
+    """Runs to watch at once, rather than at the next minute: one that succeeds, one for the DLQ."""
+    from apps.runs.transitions import create_run
+
+    actor = Actor.cli("demo")
+    create_run(
+        JobDefinition.objects.get(name="demo.every-minute"),
+        actor,
+        idempotency_key=None,
+        trigger="manual",
+    )
+    create_run(
+        JobDefinition.objects.get(name="demo.flaky"),
+        actor,
+        idempotency_key=None,
+        trigger="manual",
+        payload={"alwaysFail": True},
+    )
 
 
 @dataclass(frozen=True)
@@ -88,10 +109,9 @@ def load_demo() -> Demo:
             services.create_definition(team, spec, actor)
         else:
             services.update_definition(existing, spec, actor)
-    from django.utils import timezone
-
     ApiToken.objects.filter(team=team, name=WORKER_TOKEN_NAME, revoked_at__isnull=True).update(
         revoked_at=timezone.now()
     )
     _, raw = ApiToken.issue(team, ["worker", "manage"], name=WORKER_TOKEN_NAME)
+    seed_runs(team)
     return Demo(team, raw)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import random
 
 from cronlease_client import Retryable, handler
 
@@ -26,9 +26,18 @@ def every_minute(ctx) -> dict:
 
 @handler("demo.flaky")
 def flaky(ctx) -> dict:
-    if random.random() < float(ctx.payload.get("failureRate", 0.5)):
+    # Whether a run is doomed is decided by its idempotency key, so a doomed run fails every
+    # attempt and reaches the dead-letter queue, while the others fail once and then succeed.
+    doomed = ctx.payload.get("alwaysFail") or _fraction(ctx.idempotency_key) < float(
+        ctx.payload.get("failureRate", 0.5)
+    )
+    if doomed or ctx.attempt == 1:
         raise Retryable("the flaky upstream timed out")
-    return {"ok": True}
+    return {"ok": True, "attempt": ctx.attempt}
+
+
+def _fraction(key: str) -> float:
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
 
 
 @handler("demo.delayed-email")

@@ -6,6 +6,7 @@ Ctrl-C (SIGINT) or SIGTERM stops every process it started, then exits.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,14 +37,25 @@ class Command(BaseCommand):
         demo = load_demo()
         url = f"http://{host}:{port}"
         database = (
-            "embedded PostgreSQL in .data/pg" if settings.EMBEDDED_DATABASE else "DATABASE_URL"
+            f"embedded PostgreSQL in {settings.DATA_DIR}/pg"
+            if settings.EMBEDDED_DATABASE
+            else "DATABASE_URL"
         )
         self.stdout.write(
             f"\nDatabase:  {database}\nAPI:       {url}/api/v1/  (docs: {url}/api/docs/)\n"
             f"Sign in:   {url}/accounts/login/  as {USERNAME} / {PASSWORD}\n"
             f"Token:     {demo.token}\n\nCtrl-C stops everything.\n\n"
         )
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "LOG_FORMAT": os.environ.get("LOG_FORMAT", "plain"),
+        }
+        # Web and scheduler count into one folder, so /metrics adds up both processes.
+        metrics_dir = Path(settings.DATA_DIR) / "prometheus"
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir(parents=True)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         if settings.EMBEDDED_DATABASE:
             env["DATABASE_URL"] = settings.DATABASE_URL
         root = Path(settings.BASE_DIR)

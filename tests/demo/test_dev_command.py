@@ -1,0 +1,130 @@
+"""The README's run command, as a new user runs it: no database installed, one command.
+
+The test starts `manage.py dev` with no DATABASE_URL (so it starts its own PostgreSQL in a
+fresh data folder), waits for the API, watches a demo run succeed and the flaky job reach the
+dead-letter queue, then sends SIGINT and checks that every process it started has exited.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def children_of(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_run_command_brings_the_demo_up_and_stops_cleanly(tmp_path):
+    port = free_port()
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"DATABASE_URL", "TEST_DATABASE_NAME"}
+    }
+    env.update({"SCHEDULER_DATA_DIR": str(tmp_path / "data"), "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "dev", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output: list[str] = []
+    threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
+    try:
+        token = wait_for(
+            lambda: next(
+                (m.group(1) for line in output if (m := re.search(r"Token:\s+(\S+)", line))), None
+            ),
+            120,
+            "the token line",
+        )
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _get(f"{base}/healthz") == 200, 60, "the web process")
+        api = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        wait_for(
+            lambda: api.get("/api/v1/runs", params={"state": "succeeded"}).json()["results"],
+            90,
+            "a succeeded run",
+        )
+        dead = wait_for(
+            lambda: api.get("/api/v1/dlq").json()["results"], 90, "the flaky job in the DLQ"
+        )
+        assert dead[0]["job"] == "demo.flaky" and dead[0]["attempt"] == 2
+        assert {job["name"] for job in api.get("/api/v1/jobs").json()["results"]} >= {
+            "demo.nightly-report",
+            "demo.every-minute",
+            "demo.flaky",
+            "demo.delayed-email",
+        }
+        started = children_of(process.pid)
+        assert len(started) >= 3, started  # web, scheduler, worker
+
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0, "".join(output[-40:])
+        wait_for(lambda: not any(alive(pid) for pid in started), 10, "the children to exit")
+    finally:
+        if process.poll() is None:
+            process.kill()
+        for pid in children_of(process.pid):
+            os.kill(pid, signal.SIGKILL)
+        from scheduler_site import embedded_db
+
+        embedded_db.stop(tmp_path / "data")
+
+
+def _get(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
