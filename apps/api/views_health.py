@@ -4,6 +4,16 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 from django.http import HttpRequest, JsonResponse
 
+# A scheduler node renews its row every tick; one silent this long is reported as stale.
+STALE_SCHEDULER_SECONDS = 30
+
+SCHEDULERS = """
+SELECT n.node_id, n.last_seen_at, extract(epoch FROM now() - n.last_seen_at),
+       (SELECT count(*) FROM scheduler_shardlease s WHERE s.owner = n.node_id AND s.expires_at > now())
+FROM scheduler_schedulernode n ORDER BY n.node_id
+"""
+UNOWNED = "SELECT count(*) FROM scheduler_shardlease WHERE owner = '' OR expires_at <= now()"
+
 
 def healthz(request: HttpRequest) -> JsonResponse:
     """The process is up."""
@@ -11,15 +21,33 @@ def healthz(request: HttpRequest) -> JsonResponse:
 
 
 def readyz(request: HttpRequest) -> JsonResponse:
-    """The database answers and every migration is applied."""
+    """The database answers and every migration is applied; also who is scheduling.
+
+    Scheduler heartbeats are reported but do not make the web process unready: the API keeps
+    serving workers while schedulers restart.
+    """
     try:
         connection = connections[DEFAULT_DB_ALIAS]
         executor = MigrationExecutor(connection)
         pending = executor.migration_plan(executor.loader.graph.leaf_nodes())
+        with connection.cursor() as cursor:
+            cursor.execute(SCHEDULERS)
+            nodes = cursor.fetchall()
+            cursor.execute(UNOWNED)
+            unowned = cursor.fetchone()[0]
     except Exception as exc:  # noqa: BLE001 - any failure means "not ready"
         return JsonResponse({"status": "unavailable", "detail": str(exc)}, status=503)
     if pending:
         return JsonResponse(
             {"status": "unavailable", "detail": f"{len(pending)} migrations pending"}, status=503
         )
-    return JsonResponse({"status": "ok"})
+    schedulers = [
+        {
+            "node": node,
+            "lastSeenAt": seen.isoformat().replace("+00:00", "Z"),
+            "stale": age > STALE_SCHEDULER_SECONDS,
+            "shards": shards,
+        }
+        for node, seen, age, shards in nodes
+    ]
+    return JsonResponse({"status": "ok", "schedulers": schedulers, "unownedShards": unowned})

@@ -1,0 +1,25 @@
+"""/healthz and /readyz, with the scheduler heartbeat."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from apps.scheduler import leases
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_health_and_readiness_show_the_schedulers(live_server):
+    assert httpx.get(f"{live_server.url}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{live_server.url}/readyz").json()
+    assert ready["status"] == "ok" and ready["schedulers"] == []
+    from apps.scheduler.daemon import Scheduler
+
+    node = Scheduler(node_id="node-a")
+    node.handle_one_lease_round()
+    ready = httpx.get(f"{live_server.url}/readyz").json()
+    assert [s["node"] for s in ready["schedulers"]] == ["node-a"]
+    assert ready["schedulers"][0]["shards"] == 16 and ready["unownedShards"] == 0
+    leases.leave("node-a")
+    assert httpx.get(f"{live_server.url}/readyz").json()["unownedShards"] == 16
