@@ -4,12 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench
+.PHONY: run test lint stop-db
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]" -e ./client
+	$(BIN)/pip install --quiet -e ".[test]" -e "./client[celery]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -22,3 +22,6 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+stop-db: $(STAMP)
+	$(BIN)/python -c "from pathlib import Path; from scheduler_site import embedded_db; print('stopped' if embedded_db.stop(Path('.data')) else 'not running')"
