@@ -11,6 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.api import schema as doc
+from apps.api import worker_input
 from apps.api.errors import Conflict
 from apps.api.serializers import (
     BatchHeartbeatSerializer,
@@ -70,9 +71,7 @@ class LeasesView(WorkerView):
         responses=doc.responses({200: doc.LeaseListSerializer}, *doc.BODY_PROBLEMS),
     )
     def post(self, request: Request) -> Response:
-        body = LeaseRequestSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        args = body.validated_data
+        args = worker_input.lease_request(request.data)
         team_ids = self.team_ids(request)
         note_lease_activity(request.auth.team_id, args["queues"], args["workerId"])
         deadline = time.monotonic() + args["waitSeconds"]
@@ -134,11 +133,8 @@ class HeartbeatView(WorkerView):
     )
     def post(self, request: Request, run_id: str) -> Response:
         pk = _run_pk(run_id)
-        body = TokenSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        (outcome,) = store.heartbeat(
-            [(pk, body.validated_data["fencingToken"])], team_ids=self.team_ids(request)
-        )
+        body = worker_input.token_body(request.data)
+        (outcome,) = store.heartbeat([(pk, body["fencingToken"])], team_ids=self.team_ids(request))
         _single(outcome)
         return Response({"runId": run_id, "leaseExpiresAt": iso(outcome.lease_expires_at)})
 
@@ -162,9 +158,7 @@ class CompleteView(WorkerView):
     )
     def post(self, request: Request, run_id: str) -> Response:
         pk = _run_pk(run_id)
-        body = CompleteSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
+        data = worker_input.complete_body(request.data)
         (outcome,) = store.complete(
             [(pk, data["fencingToken"], data["result"])], team_ids=self.team_ids(request)
         )
@@ -194,9 +188,7 @@ class FailView(WorkerView):
     )
     def post(self, request: Request, run_id: str) -> Response:
         pk = _run_pk(run_id)
-        body = FailSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
+        data = worker_input.fail_body(request.data)
         (outcome,) = store.fail(
             [(pk, data["fencingToken"], dict(data["error"]), data["retryable"])],
             team_ids=self.team_ids(request),
@@ -240,9 +232,7 @@ class BatchHeartbeatsView(WorkerView):
         responses=doc.responses({200: doc.HeartbeatBatchAnswerSerializer}, *doc.BODY_PROBLEMS),
     )
     def post(self, request: Request) -> Response:
-        body = BatchHeartbeatSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        items = body.validated_data["leases"]
+        items = worker_input.batch_heartbeats(request.data)
         known = _known(items)
         outcomes = (
             store.heartbeat(
@@ -281,9 +271,7 @@ class BatchResultsView(WorkerView):
         responses=doc.responses({200: doc.ResultBatchAnswerSerializer}, *doc.BODY_PROBLEMS),
     )
     def post(self, request: Request) -> Response:
-        body = BatchResultSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        items = body.validated_data["results"]
+        items = worker_input.batch_results(request.data)
         known = _known(items)
         team_ids = self.team_ids(request)
         succeeded = [
