@@ -31,6 +31,16 @@ def _close_listener_with_live_server(request) -> None:
         request.getfixturevalue("ready_listener")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_token_cache() -> Iterator[None]:
+    """Tokens are cached per process for a few seconds; each test starts without that memory."""
+    from apps.api.auth import forget_cached_tokens
+
+    forget_cached_tokens()
+    yield
+    forget_cached_tokens()
+
+
 @pytest.fixture
 def team_a(db) -> Team:
     return Team.objects.create(slug="team-a", name="Team A")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 from django.utils import timezone
@@ -12,6 +14,33 @@ from apps.teams.models import ApiToken, hash_token
 # Recording every use would add a write to every heartbeat; once a minute is enough to answer
 # "is this token still used?".
 LAST_USED_RESOLUTION = timedelta(seconds=60)
+# Workers call many times a second with the same token: a looked-up token is trusted for this
+# long before it is read again, so a revocation reaches every web process within it.
+CACHE_SECONDS = 5.0
+
+_cache: dict[str, tuple[float, ApiToken]] = {}
+_cache_lock = threading.Lock()
+
+
+def forget_cached_tokens() -> None:
+    """Drop this process's cached tokens (after a revocation, and between tests)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def _lookup(digest: str) -> ApiToken | None:
+    now = time.monotonic()
+    with _cache_lock:
+        hit = _cache.get(digest)
+    if hit is not None and hit[0] > now:
+        return hit[1]
+    token = ApiToken.objects.active().select_related("team").filter(token_hash=digest).first()
+    if token is not None:
+        with _cache_lock:
+            if len(_cache) > 10_000:
+                _cache.clear()
+            _cache[digest] = (now + CACHE_SECONDS, token)
+    return token
 
 
 class TokenUser:
@@ -39,17 +68,13 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
         if keyword.lower() != self.keyword.lower() or not raw.strip():
             raise exceptions.AuthenticationFailed("Use 'Authorization: Bearer <token>'.")
         raw = raw.strip()
-        token = (
-            ApiToken.objects.active()
-            .select_related("team")
-            .filter(token_hash=hash_token(raw))
-            .first()
-        )
+        token = _lookup(hash_token(raw))
         if token is None or not token.matches(raw):
             raise exceptions.AuthenticationFailed("The token is unknown or revoked.")
         now = timezone.now()
         if token.last_used_at is None or now - token.last_used_at > LAST_USED_RESOLUTION:
             ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+            token.last_used_at = now
         return TokenUser(token), token
 
     def authenticate_header(self, request) -> str:

@@ -62,3 +62,20 @@ def test_other_teams_jobs_and_runs_are_not_found(api_a, api_b, team_a):
     assert Run.objects.get().state == "leased"
     # Another team cannot take the name either.
     assert api_b.put("/api/v1/jobs/secret.job", {"name": "secret.job"}).status_code == 403
+
+
+def test_a_revoked_token_stops_working_within_the_cache_time(
+    live_server, team_a, token_a, monkeypatch
+):
+    import time
+
+    from django.utils import timezone
+
+    from apps.api import auth
+
+    monkeypatch.setattr(auth, "CACHE_SECONDS", 0.5)
+    api = Api(live_server.url, token_a)
+    assert api.get("/api/v1/jobs").status_code == 200
+    ApiToken.objects.update(revoked_at=timezone.now())
+    time.sleep(0.6)
+    assert api.get("/api/v1/jobs").status_code == 401
