@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 from scheduler_site import embedded_db
@@ -37,16 +38,25 @@ INSTALLED_APPS = [
     "apps.api",
     "apps.demo",
     "apps.ops",
+    # The dashboard: server-rendered pages with HTMX partials, live updates over Channels.
+    "channels",
+    "django_htmx",
+    "template_partials",
+    "apps.dashboard",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Static files from the web process itself (no CDN, no separate server needed).
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+    "apps.dashboard.middleware.ContentSecurityPolicyMiddleware",
 ]
 
 ROOT_URLCONF = "scheduler_site.urls"
@@ -116,6 +126,38 @@ STORAGES = {
 }
 
 LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
+
+# --- dashboard -------------------------------------------------------------------------------
+# whitenoise serves static files from the finders too, so the dashboard works under uvicorn
+# without a collectstatic step; `manage.py collectstatic` still fills STATIC_ROOT for production.
+WHITENOISE_USE_FINDERS = True
+# …so STATIC_ROOT may be empty, but whitenoise warns unless it exists.
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
+# whitenoise streams files through a sync iterator; under ASGI Django says so once per file.
+warnings.filterwarnings("ignore", message="StreamingHttpResponse must consume synchronous")
+# Live updates: Redis carries channel-layer messages between web processes when REDIS_URL is
+# set; one process (development, tests) needs nothing but memory.
+REDIS_URL = env_str("REDIS_URL")
+CHANNEL_LAYERS = {
+    "default": (
+        {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+        if REDIS_URL
+        else {"BACKEND": "channels.layers.InMemoryChannelLayer"}
+    )
+}
+# How often each web process with open dashboard sockets looks for changed runs (seconds).
+DASHBOARD_LIVE_INTERVAL = float(env_str("DASHBOARD_LIVE_INTERVAL", "1.0"))
+# Every dashboard page: scripts and styles from this origin only, never inline.
+DASHBOARD_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; font-src 'self'; object-src 'none'; base-uri 'self'; "
+    "form-action 'self'; frame-ancestors 'none'"
+)
 
 # The API answers every request under `/api/` in JSON with problem details on errors.
 REST_FRAMEWORK = {
@@ -124,6 +166,7 @@ REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["apps.api.parsers.JSONObjectParser"],
     "EXCEPTION_HANDLER": "apps.api.errors.problem_exception_handler",
+    "DEFAULT_THROTTLE_CLASSES": ["apps.api.throttling.TokenRateThrottle"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
 }
@@ -144,6 +187,12 @@ SPECTACULAR_SETTINGS = {
 SCHEDULER_PAYLOAD_MAX_BYTES = env_int("SCHEDULER_PAYLOAD_MAX_BYTES", 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = SCHEDULER_PAYLOAD_MAX_BYTES + 64 * 1024
 
+# Requests per token and scope ("N/s", "N/min", "N/hour"); an empty value turns a limit off.
+SCHEDULER_API_RATES = {
+    "worker": env_str("SCHEDULER_API_RATE_WORKER", "3000/s"),
+    "manage": env_str("SCHEDULER_API_RATE_MANAGE", "20/s"),
+}
+
 SCHEDULER_SHARD_COUNT = env_int("SCHEDULER_SHARD_COUNT", 16)
 SCHEDULER_SHARD_LEASE_SECONDS = env_int("SCHEDULER_SHARD_LEASE_SECONDS", 10)
 SCHEDULER_LOOKAHEAD_SECONDS = env_int("SCHEDULER_LOOKAHEAD_SECONDS", 60)
@@ -159,11 +208,21 @@ SCHEDULER_MAX_WAIT_SECONDS = env_int("SCHEDULER_MAX_WAIT_SECONDS", 30)
 SCHEDULER_MAX_CLAIM = env_int("SCHEDULER_MAX_CLAIM", 1000)
 SCHEDULER_REAPER_BATCH = env_int("SCHEDULER_REAPER_BATCH", 500)
 
+# JSON lines by default (one run can be followed across processes by its run_id); LOG_FORMAT=plain
+# for a terminal.
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {
+        "json": {"()": "apps.ops.logs.JsonFormatter"},
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": env_str("LOG_FORMAT", "json")}
+    },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        "scheduler.runs": {"level": env_str("LOG_RUNS_LEVEL", "INFO")},
+    },
 }

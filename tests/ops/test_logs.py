@@ -22,7 +22,11 @@ def test_a_run_can_be_followed_by_its_id(team_a, caplog):
         (lease,) = store.claim(queues=["lq"], max_runs=1, worker_id="host/1", lease_seconds=60)
         store.complete([(lease.id, lease.fencing_token, None)], team_ids=[team_a.pk])
         store.complete([(lease.id, lease.fencing_token, None)], team_ids=[team_a.pk])
-    lines = [json.loads(JsonFormatter().format(record)) for record in caplog.records if record.name == "scheduler.runs"]
+    lines = [
+        json.loads(JsonFormatter().format(record))
+        for record in caplog.records
+        if record.name == "scheduler.runs"
+    ]
     run_id = public_run_id(lease.id)
     assert [line["msg"] for line in lines][:2] == ["run leased", "run succeeded"]
     assert all(line["run_id"] == run_id for line in lines)

@@ -26,7 +26,9 @@ def value(samples, name: str, **labels) -> float:
 
 
 def test_counters_follow_the_workload(api_a, team_a):
-    definition = make_definition(team_a, "m.job", queue="mq", priority="critical", retry_max_attempts=1)
+    definition = make_definition(
+        team_a, "m.job", queue="mq", priority="critical", retry_max_attempts=1
+    )
     add_ready_runs(definition, 6)
     before = scrape(api_a)
     leases = api_a.lease(["mq"], 6)
@@ -34,7 +36,9 @@ def test_counters_follow_the_workload(api_a, team_a):
     a, b, c, d, e, f = leases
     api_a.post(f"/api/v1/runs/{a['runId']}/complete", {"fencingToken": a["fencingToken"]})
     api_a.post(f"/api/v1/runs/{b['runId']}/complete", {"fencingToken": b["fencingToken"]})
-    api_a.post(f"/api/v1/runs/{c['runId']}/fail", {"fencingToken": c["fencingToken"], "retryable": False})
+    api_a.post(
+        f"/api/v1/runs/{c['runId']}/fail", {"fencingToken": c["fencingToken"], "retryable": False}
+    )
     api_a.post(f"/api/v1/runs/{d['runId']}/heartbeat", {"fencingToken": d["fencingToken"] + 10_000})
     api_a.post(f"/api/v1/runs/{a['runId']}/complete", {"fencingToken": a["fencingToken"]})
     from apps.runs.ids import parse_run_id
@@ -62,6 +66,20 @@ def test_queue_depth_matches_the_database(api_a, team_a):
     add_ready_runs(make_definition(team_a, "m.crit", queue="depth", priority="critical"), 4)
     add_ready_runs(make_definition(team_a, "m.bulk", queue="depth", priority="bulk"), 7)
     samples = scrape(api_a)
-    assert value(samples, "scheduler_queue_depth", team="team-a", queue="depth", priority="critical") == 4
-    assert value(samples, "scheduler_queue_depth", team="team-a", queue="depth", priority="bulk") == 7
-    assert value(samples, "scheduler_oldest_ready_age_seconds", team="team-a", queue="depth", priority="bulk") > 0
+    assert (
+        value(samples, "scheduler_queue_depth", team="team-a", queue="depth", priority="critical")
+        == 4
+    )
+    assert (
+        value(samples, "scheduler_queue_depth", team="team-a", queue="depth", priority="bulk") == 7
+    )
+    assert (
+        value(
+            samples,
+            "scheduler_oldest_ready_age_seconds",
+            team="team-a",
+            queue="depth",
+            priority="bulk",
+        )
+        > 0
+    )

@@ -1,0 +1,76 @@
+"""The live-update socket: one per open dashboard page (htmx's ws extension connects it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from urllib.parse import parse_qs, urlsplit
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+
+from apps.dashboard import live
+
+CLOSE_UNAUTHORISED = 4401
+CLOSE_BAD_PAGE = 4400
+# The overview aggregates the most; on a busy system it need not redraw every second.
+MIN_SECONDS_BETWEEN_RENDERS = {"/": 10.0, "/queues": 3.0}
+
+
+class LiveConsumer(AsyncWebsocketConsumer):
+    """Sends the page's live regions, re-rendered for this user, whenever the runs change."""
+
+    subscribed = False
+    last_render = 0.0
+    pending: asyncio.Task | None = None
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=CLOSE_UNAUTHORISED)
+            return
+        query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
+        self.page = live.live_path((query.get("path") or [""])[0])
+        if self.page is None:
+            await self.close(code=CLOSE_BAD_PAGE)
+            return
+        await self.channel_layer.group_add(live.GROUP, self.channel_name)
+        await self.accept()
+        self.seen = live.broadcaster.last
+        self.subscribed = True
+        live.broadcaster.subscribe()
+
+    async def disconnect(self, code: int) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+        if self.subscribed:
+            self.subscribed = False
+            live.broadcaster.unsubscribe()
+            await self.channel_layer.group_discard(live.GROUP, self.channel_name)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        """The page sends nothing; ignore whatever arrives."""
+
+    async def live_changed(self, event: dict) -> None:
+        if event["fingerprint"] == self.seen:
+            return
+        self.seen = event["fingerprint"]
+        if self.pending is not None and not self.pending.done():
+            return  # a render is already due; it will show this change too
+        gap = MIN_SECONDS_BETWEEN_RENDERS.get(urlsplit(self.page).path, 0.0)
+        wait = self.last_render + gap - time.monotonic()
+        if wait > 0:
+            self.pending = asyncio.get_running_loop().create_task(self._render_after(wait))
+        else:
+            await self._render()
+
+    async def _render_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self.subscribed:
+            await self._render()
+
+    async def _render(self) -> None:
+        self.last_render = time.monotonic()
+        html = await database_sync_to_async(live.render)(self.scope, self.page)
+        if html.strip():
+            await self.send(text_data=html)

@@ -1,0 +1,341 @@
+"""Forms: list filters, the definition form (validated by the API's own serializer), team admin."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from zoneinfo import available_timezones
+
+from django import forms
+
+from apps.api.errors import PayloadTooLarge, flatten_errors
+from apps.api.serializers import DefinitionSerializer
+from apps.audit.models import Source
+from apps.jobs import schedule as sched
+from apps.jobs import services
+from apps.jobs.models import PRIORITIES, JobDefinition
+from apps.jobs.services import DefinitionSpec
+from apps.runs.ids import parse_run_id
+from apps.teams.models import Role, Scope
+
+RANGES = {
+    "1h": timedelta(hours=1),
+    "6h": timedelta(hours=6),
+    "24h": timedelta(hours=24),
+    "7d": timedelta(days=7),
+    "30d": timedelta(days=30),
+}
+RANGE_CHOICES = [("", "any time"), *((key, f"last {key}") for key in RANGES)]
+
+
+def _utc_input(value: datetime | None) -> datetime | None:
+    """A datetime-local input carries no zone: the dashboard means UTC everywhere."""
+    if value is None:
+        return None
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class RunFilterForm(forms.Form):
+    team = forms.ChoiceField(required=False)
+    queue = forms.CharField(required=False, max_length=100)
+    job = forms.CharField(required=False, max_length=200)
+    state = forms.ChoiceField(required=False)
+    range = forms.ChoiceField(required=False, choices=RANGE_CHOICES)
+    due_from = forms.DateTimeField(
+        required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
+    )
+    due_to = forms.DateTimeField(
+        required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
+    )
+    error = forms.CharField(required=False, max_length=200)
+    cursor = forms.CharField(required=False, max_length=40, widget=forms.HiddenInput)
+
+    def __init__(self, data: Any, *, teams: list[Any], states: list[str]) -> None:
+        super().__init__(data)
+        self.fields["team"].choices = [("", "all teams")] + [(t.slug, t.slug) for t in teams]
+        self.fields["state"].choices = [("", "any state")] + [(s, s) for s in states]
+
+    def clean_cursor(self) -> int | None:
+        raw = self.cleaned_data.get("cursor") or ""
+        return parse_run_id(raw) if raw else None
+
+    def window(self, now: datetime) -> tuple[datetime | None, datetime | None]:
+        data = self.cleaned_data
+        start = _utc_input(data.get("due_from"))
+        if data.get("range"):
+            start = now - RANGES[data["range"]]
+        return start, _utc_input(data.get("due_to"))
+
+
+class AuditFilterForm(forms.Form):
+    team = forms.ChoiceField(required=False)
+    actor = forms.CharField(required=False, max_length=200)
+    action = forms.ChoiceField(required=False)
+    target = forms.CharField(required=False, max_length=300)
+    source = forms.ChoiceField(required=False, choices=[("", "any source")] + list(Source.choices))
+    range = forms.ChoiceField(required=False, choices=RANGE_CHOICES)
+    cursor = forms.IntegerField(required=False, widget=forms.HiddenInput)
+
+    ACTIONS = [
+        "job.create", "job.update", "job.delete", "job.pause", "job.resume", "job.trigger",
+        "queue.pause", "queue.resume", "run.create", "run.cancel", "run.retry",
+        "dlq.requeue", "dlq.discard", "token.create", "token.revoke", "member.set",
+        "member.remove", "team.create",
+    ]  # fmt: skip
+
+    def __init__(self, data: Any, *, teams: list[Any]) -> None:
+        super().__init__(data)
+        self.fields["team"].choices = [("", "all teams")] + [(t.slug, t.slug) for t in teams]
+        self.fields["action"].choices = [("", "any action")] + [(a, a) for a in self.ACTIONS]
+
+
+# --- definitions ----------------------------------------------------------------------------
+
+SCHEDULE_KINDS = [
+    ("cron", "cron"),
+    ("once", "once, at a time"),
+    ("delay", "once, after a delay"),
+    ("none", "none (trigger only)"),
+]
+TIME_ZONES = sorted(available_timezones())
+
+# Serializer error paths → the form field that shows them.
+FIELD_FOR_PATH = {
+    "name": "name",
+    "schedule": "kind",
+    "schedule.cron": "cron",
+    "schedule.timeZone": "time_zone",
+    "schedule.jitterSeconds": "jitter_seconds",
+    "schedule.missedRunPolicy": "missed_run_policy",
+    "schedule.runAt": "run_at",
+    "schedule.delaySeconds": "delay_seconds",
+    "queue": "queue",
+    "priority": "priority",
+    "timeoutSeconds": "timeout_seconds",
+    "retry": "retry_max_attempts",
+    "retry.maxAttempts": "retry_max_attempts",
+    "retry.baseSeconds": "retry_base_seconds",
+    "retry.maxSeconds": "retry_max_seconds",
+    "concurrency": "concurrency",
+    "payload": "payload",
+    "latenessSloSeconds": "lateness_slo_seconds",
+    "owner": "owner",
+    "runbookUrl": "runbook_url",
+}
+SCHEDULE_FIELDS = (
+    "cron",
+    "time_zone",
+    "jitter_seconds",
+    "missed_run_policy",
+    "run_at",
+    "delay_seconds",
+)
+
+
+def schedule_from(data: Any) -> dict[str, Any]:
+    """The schedule JSON the form's fields describe (unvalidated; parse_schedule judges it)."""
+    kind = data.get("kind") or "cron"
+    if kind == "cron":
+        schedule: dict[str, Any] = {
+            "cron": (data.get("cron") or "").strip(),
+            "timeZone": (data.get("time_zone") or "").strip() or sched.DEFAULT_TIME_ZONE,
+            "missedRunPolicy": data.get("missed_run_policy") or sched.DEFAULT_MISSED_RUN_POLICY,
+        }
+        jitter = _int_or_text(data.get("jitter_seconds"))
+        schedule["jitterSeconds"] = sched.DEFAULT_JITTER_SECONDS if jitter == "" else jitter
+        return schedule
+    if kind == "once":
+        return {"runAt": (data.get("run_at") or "").strip()}
+    if kind == "delay":
+        return {"delaySeconds": _int_or_text(data.get("delay_seconds"))}
+    return {}
+
+
+def _int_or_text(value: Any) -> Any:
+    if isinstance(value, int):
+        return value
+    text = (value or "").strip() if isinstance(value, str) else ""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def schedule_errors(schedule: dict[str, Any]) -> dict[str, str]:
+    """{form field: reason} for a schedule, from the one module that owns schedule rules."""
+    try:
+        sched.parse_schedule(schedule)
+    except sched.ScheduleError as exc:
+        return {FIELD_FOR_PATH.get(path, "kind"): reason for path, reason in exc.errors.items()}
+    return {}
+
+
+class DefinitionForm(forms.Form):
+    """The edit form. Its fields are the API's definition JSON spread out for people; `clean`
+    hands that JSON to the API's DefinitionSerializer, so both validate by the same rules."""
+
+    team = forms.ChoiceField()
+    name = forms.CharField(
+        max_length=200, help_text="Lowercase dotted words, e.g. billing.export-invoices"
+    )
+    kind = forms.ChoiceField(choices=SCHEDULE_KINDS, initial="cron", label="Schedule")
+    cron = forms.CharField(
+        required=False,
+        max_length=200,
+        help_text="minute hour day-of-month month day-of-week, or @daily",
+        widget=forms.TextInput(
+            attrs={"class": "mono", "autocomplete": "off", "spellcheck": "false"}
+        ),
+    )
+    time_zone = forms.CharField(
+        required=False,
+        max_length=64,
+        initial="UTC",
+        label="Time zone",
+        help_text="IANA name, e.g. Europe/Berlin",
+        widget=forms.TextInput(attrs={"list": "time-zones", "autocomplete": "off"}),
+    )
+    jitter_seconds = forms.CharField(required=False, initial="60", label="Jitter (s)")
+    missed_run_policy = forms.ChoiceField(
+        choices=[(p, p) for p in sched.MISSED_RUN_POLICIES], initial="run_once", label="Missed runs"
+    )
+    run_at = forms.CharField(required=False, max_length=40, label="Run at (ISO, with offset)")
+    delay_seconds = forms.CharField(required=False, label="Delay (s)")
+    queue = forms.CharField(max_length=100, initial="default")
+    priority = forms.ChoiceField(choices=[(p, p) for p in PRIORITIES], initial="default")
+    timeout_seconds = forms.IntegerField(initial=3600, label="Timeout (s)")
+    retry_max_attempts = forms.IntegerField(initial=3, label="Max attempts")
+    retry_base_seconds = forms.IntegerField(initial=30, label="Backoff base (s)")
+    retry_max_seconds = forms.IntegerField(initial=1800, label="Backoff max (s)")
+    concurrency = forms.IntegerField(
+        required=False,
+        label="Concurrency",
+        help_text="Most leased runs at once; empty is unlimited",
+    )
+    payload = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 6, "spellcheck": "false"}),
+        initial="{}",
+        required=False,
+    )
+    paused = forms.BooleanField(required=False)
+    dry_run = forms.BooleanField(required=False, label="Dry run")
+    owner = forms.CharField(required=False, max_length=200, help_text="Who is called when it fails")
+    runbook_url = forms.CharField(required=False, max_length=500, label="Runbook URL")
+    lateness_slo_seconds = forms.IntegerField(
+        required=False,
+        label="Lateness SLO (s)",
+        help_text="Flag starts later than this; empty: not watched",
+    )
+
+    def __init__(
+        self, data: Any = None, *, teams: list[Any], instance: JobDefinition | None = None
+    ):
+        initial = self.initial_for(instance) if instance is not None else None
+        super().__init__(data, initial=initial)
+        self.instance = instance
+        self.fields["team"].choices = [(t.slug, t.slug) for t in teams]
+        if instance is not None:
+            # A definition keeps its name and team: both decide its shard and its runs' keys.
+            self.fields["name"].disabled = True
+            self.fields["team"].disabled = True
+            self.fields["team"].choices = [(instance.team.slug, instance.team.slug)]
+        self.spec: DefinitionSpec | None = None
+
+    @staticmethod
+    def initial_for(definition: JobDefinition) -> dict[str, Any]:
+        snap = services.snapshot(definition)
+        schedule = snap["schedule"] or {}
+        kind = (
+            "cron" if "cron" in schedule
+            else "once" if "runAt" in schedule
+            else "delay" if "delaySeconds" in schedule
+            else "none"
+        )  # fmt: skip
+        return {
+            "team": definition.team.slug,
+            "name": definition.name,
+            "kind": kind,
+            "cron": schedule.get("cron", ""),
+            "time_zone": schedule.get("timeZone", "UTC"),
+            "jitter_seconds": schedule.get("jitterSeconds", sched.DEFAULT_JITTER_SECONDS),
+            "missed_run_policy": schedule.get("missedRunPolicy", sched.DEFAULT_MISSED_RUN_POLICY),
+            "run_at": schedule.get("runAt", ""),
+            "delay_seconds": schedule.get("delaySeconds", ""),
+            "queue": definition.queue,
+            "priority": definition.priority_name,
+            "timeout_seconds": definition.timeout_seconds,
+            "retry_max_attempts": definition.retry_max_attempts,
+            "retry_base_seconds": definition.retry_base_seconds,
+            "retry_max_seconds": definition.retry_max_seconds,
+            "concurrency": definition.concurrency,
+            "payload": json.dumps(snap["payload"], indent=2, sort_keys=True),
+            "paused": definition.paused,
+            "dry_run": definition.dry_run,
+            "owner": snap.get("owner", ""),
+            "runbook_url": snap.get("runbookUrl", ""),
+            "lateness_slo_seconds": snap.get("latenessSloSeconds"),
+        }
+
+    def clean_payload(self) -> Any:
+        raw = (self.cleaned_data.get("payload") or "").strip() or "{}"
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise forms.ValidationError(f"Not valid JSON: {exc.msg} (line {exc.lineno}).") from exc
+
+    def clean(self) -> dict[str, Any]:
+        """Hand the fields, as the API's JSON, to DefinitionSerializer; put each reason beside
+        its field. A field that failed its own parsing is sent as its default, so the other
+        fields still get their reasons in the same answer."""
+        data = super().clean()
+        # Editing starts from the stored definition, so a field this form does not show keeps
+        # its value instead of falling back to the default.
+        body: dict[str, Any] = services.snapshot(self.instance) if self.instance is not None else {}
+        body |= {
+            "name": data.get("name", "x"),
+            "schedule": schedule_from(self.data),
+            "queue": data.get("queue", "default"),
+            "priority": data.get("priority", "default"),
+            "timeoutSeconds": data.get("timeout_seconds", 3600),
+            "retry": {
+                "maxAttempts": data.get("retry_max_attempts", 3),
+                "baseSeconds": data.get("retry_base_seconds", 30),
+                "maxSeconds": data.get("retry_max_seconds", 1800),
+            },
+            "concurrency": data.get("concurrency"),
+            "payload": data.get("payload", {}),
+            "paused": data.get("paused", False),
+            "dryRun": data.get("dry_run", False),
+            "owner": data.get("owner", ""),
+            "runbookUrl": data.get("runbook_url", ""),
+            "latenessSloSeconds": data.get("lateness_slo_seconds"),
+        }
+        serializer = DefinitionSerializer(data=body)
+        try:
+            valid = serializer.is_valid()
+        except PayloadTooLarge as exc:
+            self.add_error("payload", str(exc.detail))
+            return data
+        if not valid:
+            for path, reasons in flatten_errors(serializer.errors).items():
+                name = FIELD_FOR_PATH.get(path)
+                if name in self.errors:
+                    continue
+                for reason in reasons:
+                    self.add_error(name, reason if name else f"{path}: {reason}")
+        elif not self.errors:
+            self.spec = serializer.to_spec()
+        return data
+
+
+class MemberForm(forms.Form):
+    username = forms.CharField(max_length=150)
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.VIEWER)
+
+
+class TokenForm(forms.Form):
+    name = forms.CharField(max_length=100, required=False)
+    scopes = forms.MultipleChoiceField(
+        choices=Scope.choices, widget=forms.CheckboxSelectMultiple, initial=[Scope.WORKER]
+    )

@@ -1,0 +1,159 @@
+"""Live updates without touching the hot path.
+
+Nothing on the claim, heartbeat, complete or fail path sends anything for the dashboard. Instead,
+each web process that has dashboard sockets open reads a *fingerprint* of the runs once a second
+(`settings.DASHBOARD_LIVE_INTERVAL`): five numbers, each from an index, that change whenever a run
+is inserted, leased, finished (completed, failed, reaped) or changed by a person (every such
+change writes an audit event). When it changes, the process tells the channel-layer group; each
+socket then re-renders its page's live regions for its own user, through the page's own view,
+and sends them as HTMX out-of-band swaps.
+
+With REDIS_URL set the group spans every web process; each socket ignores a fingerprint it has
+already rendered, so several processes announcing the same change cost one render per socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from http.cookies import SimpleCookie
+from typing import Any
+from urllib.parse import urlsplit
+
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.exceptions import PermissionDenied
+from django.db import close_old_connections, connection
+from django.http import Http404, HttpRequest, QueryDict
+from django.middleware.csrf import CsrfViewMiddleware
+from django.urls import Resolver404, resolve
+from django_htmx.middleware import HtmxDetails
+
+from apps.dashboard.http import LIVE_HEADER
+
+logger = logging.getLogger(__name__)
+
+GROUP = "dashboard.live"
+
+# The pages whose `live` partial a socket may ask for.
+LIVE_PAGES = frozenset({"overview", "failures", "runs", "dlq", "run", "jobs", "job", "queues"})
+
+# Each sub-select is served by one index and reads a row or a handful:
+#   max(id) of runs      primary key: a run was inserted (materialiser, trigger, API)
+#   max fencing token    attempt_fencing_token unique index: a lease was taken
+#   leased count         partial index run_leased_expiry (leased rows only): a lease ended —
+#                        completed, failed or reaped. Together with the token: any lease event.
+#   max(id) of audit     primary key: a person or token changed something (retry, cancel,
+#                        requeue, discard, pause, edit)
+#   15-second bucket     time alone turns waiting runs `ready` and ages grow
+FINGERPRINT = """
+SELECT (SELECT max(id) FROM runs_run),
+       (SELECT max(fencing_token) FROM runs_attempt),
+       (SELECT count(*) FROM runs_run WHERE state = 'leased'),
+       (SELECT max(id) FROM audit_auditevent),
+       floor(extract(epoch FROM now()) / 15)::bigint
+"""
+
+
+def fingerprint() -> str:
+    close_old_connections()
+    with connection.cursor() as cursor:
+        cursor.execute(FINGERPRINT)
+        return ":".join(str(value) for value in cursor.fetchone())
+
+
+class Broadcaster:
+    """One per process: polls the fingerprint while at least one local socket listens."""
+
+    def __init__(self) -> None:
+        self.listeners = 0
+        self.last: str | None = None
+        self._task: asyncio.Task | None = None
+
+    def subscribe(self) -> None:
+        self.listeners += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def unsubscribe(self) -> None:
+        self.listeners = max(0, self.listeners - 1)
+
+    async def _run(self) -> None:
+        layer = get_channel_layer()
+        while self.listeners > 0:
+            try:
+                current = await database_sync_to_async(fingerprint)()
+                if current != self.last:
+                    self.last = current
+                    await layer.group_send(GROUP, {"type": "live.changed", "fingerprint": current})
+            except Exception:  # a database blip must not end live updates for good
+                logger.exception("live-update poll failed")
+            await asyncio.sleep(settings.DASHBOARD_LIVE_INTERVAL)
+
+
+broadcaster = Broadcaster()
+
+
+def live_path(raw: str) -> str | None:
+    """Accept a page path for a socket only if it is one of the live dashboard pages."""
+    parts = urlsplit(raw or "")
+    if parts.scheme or parts.netloc or not parts.path.startswith("/"):
+        return None
+    try:
+        match = resolve(parts.path)
+    except Resolver404:
+        return None
+    if match.namespace != "dashboard" or match.url_name not in LIVE_PAGES:
+        return None
+    return raw
+
+
+def _cookies(scope: dict[str, Any]) -> dict[str, str]:
+    if "cookies" in scope:
+        return dict(scope["cookies"])
+    jar = SimpleCookie()
+    for name, value in scope.get("headers", []):
+        if name == b"cookie":
+            jar.load(value.decode("latin-1"))
+    return {key: morsel.value for key, morsel in jar.items()}
+
+
+def render(scope: dict[str, Any], path: str) -> str:
+    """Render a page's `live` partial as its user would GET it now; "" if there is nothing.
+
+    The request goes through the page's own view, so the same access checks apply on every
+    update (a removed member stops receiving data at the next change). Forms in the partial carry
+    a CSRF token valid for the socket's own cookie.
+    """
+    close_old_connections()
+    user_id = getattr(scope.get("user"), "pk", None)
+    user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
+    if user is None:
+        return ""
+    parts = urlsplit(path)
+    match = resolve(parts.path)
+    request = HttpRequest()
+    request.method = "GET"
+    request.path = request.path_info = parts.path
+    request.GET = QueryDict(parts.query)
+    request.COOKIES = _cookies(scope)
+    host = dict(scope.get("headers", [])).get(b"host", b"localhost").decode("latin-1")
+    request.META = {
+        "HTTP_HOST": host,
+        "SERVER_NAME": host.split(":")[0],
+        "SERVER_PORT": "80",
+        "HTTP_HX_REQUEST": "true",
+        LIVE_HEADER: "1",
+    }
+    request.user = user
+    request.htmx = HtmxDetails(request)
+    CsrfViewMiddleware(lambda r: None).process_request(request)
+    try:
+        response = match.func(request, *match.args, **match.kwargs)
+    except (Http404, PermissionDenied):  # gone, or no longer the user's to see
+        return ""
+    if response.status_code != 200:
+        return ""
+    return response.content.decode()

@@ -1,0 +1,451 @@
+"""The dashboard's reads. No page counts the whole runs table per request: lists page by keyset
+on indexes, and each statement says which index serves it.
+
+Every function takes the team ids the user may see (from `apps.teams.access`) and reads only those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connection
+from django.db.models import Q, QuerySet
+
+from apps.api.serializers import reported_state
+from apps.audit.models import AuditEvent
+from apps.jobs.models import PRIORITY_NAMES, JobDefinition, Queue
+from apps.runs.models import FINISHED_STATES, WAITING_STATES, Run, State
+
+PAGE_SIZE = 50
+
+
+def _rows(cursor) -> list[dict[str, Any]]:
+    names = [col.name for col in cursor.description]
+    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+def _fetch(sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return _rows(cursor)
+
+
+# --- runs lists -----------------------------------------------------------------------------
+
+# A reported state is one or more stored states, the waiting ones split by the clock.
+# Each entry: (stored state, "due" | "future" | None) where "due" means available_at <= now.
+REPORTED_TO_STORED: dict[str, list[tuple[str, str | None]]] = {
+    State.READY: [(State.SCHEDULED, "due"), (State.READY, None), (State.RETRYING, "due")],
+    State.SCHEDULED: [(State.SCHEDULED, "future")],
+    State.RETRYING: [(State.RETRYING, "future")],
+    State.LEASED: [(State.LEASED, None)],
+    State.SUCCEEDED: [(State.SUCCEEDED, None)],
+    State.DEAD: [(State.DEAD, None)],
+    State.CANCELLED: [(State.CANCELLED, None)],
+}
+ALL_STORED = [(state.value, None) for state in State]
+# The failures page: runs that failed and have not (yet) succeeded, whatever their backoff says.
+FAILED_STORED = [(State.RETRYING.value, None), (State.DEAD.value, None)]
+
+
+@dataclass
+class RunFilter:
+    team_ids: list[int]
+    branches: list[tuple[str, str | None]] = field(default_factory=lambda: list(ALL_STORED))
+    queue: str = ""
+    definition_id: int | None = None
+    due_from: datetime | None = None
+    due_to: datetime | None = None
+    error: str = ""
+
+
+@dataclass
+class RunPage:
+    runs: list[Run]
+    next_cursor: int | None
+
+
+def _branch(flt: RunFilter, team_id: int, state: str, clock: str | None, now: datetime):
+    queryset = Run.objects.filter(team_id=team_id, state=state)
+    if clock == "due":
+        queryset = queryset.filter(available_at__lte=now)
+    elif clock == "future":
+        queryset = queryset.filter(available_at__gt=now)
+    if flt.queue:
+        queryset = queryset.filter(queue=flt.queue)
+    if flt.definition_id is not None:
+        queryset = queryset.filter(definition_id=flt.definition_id)
+    if flt.due_from is not None:
+        queryset = queryset.filter(due_at__gte=flt.due_from)
+    if flt.due_to is not None:
+        queryset = queryset.filter(due_at__lt=flt.due_to)
+    if flt.error:
+        queryset = queryset.filter(
+            Q(last_error__message__icontains=flt.error) | Q(last_error__type__icontains=flt.error)
+        )
+    return queryset
+
+
+def run_page(
+    flt: RunFilter, now: datetime, *, before: int | None, limit: int = PAGE_SIZE
+) -> RunPage:
+    """One page of runs, newest first, older than the cursor `before` (a run pk).
+
+    One branch per (team, stored state), each an index scan on run_team_state
+    (team_id, state, -id) that stops after `limit + 1` rows, merged by id: the cost follows the
+    page size, not the table size. A job filter lets the planner take run_definition_recent.
+    """
+    if not flt.team_ids or not flt.branches:
+        return RunPage([], None)
+    branches = []
+    for team_id in flt.team_ids:
+        for state, clock in flt.branches:
+            queryset = _branch(flt, team_id, state, clock, now)
+            if before is not None:
+                queryset = queryset.filter(pk__lt=before)
+            branches.append(queryset.order_by("-pk").values_list("pk", flat=True)[: limit + 1])
+    ids_query = branches[0] if len(branches) == 1 else branches[0].union(*branches[1:], all=True)
+    ids = sorted(ids_query, reverse=True)[: limit + 1]
+    more = len(ids) > limit
+    ids = ids[:limit]
+    runs = list(Run.objects.filter(pk__in=ids).select_related("definition", "team").order_by("-pk"))
+    for run in runs:
+        run.shown_state = reported_state(run.state, run.available_at, now)
+    return RunPage(runs, ids[-1] if more and ids else None)
+
+
+def visible_run(team_ids: list[int], pk: int | None) -> Run | None:
+    if pk is None:
+        return None
+    return (
+        Run.objects.select_related("definition", "team").filter(pk=pk, team_id__in=team_ids).first()
+    )
+
+
+def runs_by_ids(team_ids: list[int], pks: list[int]) -> list[Run]:
+    return list(
+        Run.objects.select_related("definition", "team")
+        .filter(pk__in=pks, team_id__in=team_ids)
+        .order_by("pk")
+    )
+
+
+# --- overview -------------------------------------------------------------------------------
+# The overview never reads the whole runs heap: finished and leased runs are counted from the
+# index run_team_state, waiting runs from the partial index run_claimable, and everything with a
+# time window (failures, throughput, latency) from one pass over the attempts.
+
+# Index-only scan of run_team_state (team_id, state, -id).
+SETTLED_COUNTS = """
+SELECT state, count(*) AS n
+FROM runs_run
+WHERE team_id = ANY(%(teams)s::bigint[]) AND state IN ('leased', 'succeeded', 'dead', 'cancelled')
+GROUP BY state
+"""
+
+# The backlog: an index-only scan of the partial index run_claimable
+# (team_id, queue, priority, available_at) WHERE state is waiting.
+QUEUE_DEPTH = f"""
+SELECT team_id, queue, priority, '' AS state,
+       count(*) FILTER (WHERE available_at <= now()) AS ready,
+       count(*) FILTER (WHERE available_at > now()) AS waiting,
+       min(available_at) FILTER (WHERE available_at <= now()) AS oldest_ready
+FROM runs_run
+WHERE state IN {tuple(WAITING_STATES)} AND team_id = ANY(%(teams)s::bigint[])
+GROUP BY team_id, queue, priority
+"""
+# The same for the overview, which also splits "later" into scheduled and retrying: the stored
+# state is not in the index, so this one reads the backlog's rows too.
+QUEUE_DEPTH_BY_STATE = f"""
+SELECT team_id, queue, priority, state,
+       count(*) FILTER (WHERE available_at <= now()) AS ready,
+       count(*) FILTER (WHERE available_at > now()) AS waiting,
+       min(available_at) FILTER (WHERE available_at <= now()) AS oldest_ready
+FROM runs_run
+WHERE state IN {tuple(WAITING_STATES)} AND team_id = ANY(%(teams)s::bigint[])
+GROUP BY team_id, queue, priority, state
+"""
+
+# Leased runs: the partial index run_leased_expiry holds only leased rows.
+LEASED_BY_QUEUE = """
+SELECT team_id, queue, priority, count(*) AS leased
+FROM runs_run
+WHERE state = 'leased' AND team_id = ANY(%(teams)s::bigint[])
+GROUP BY team_id, queue, priority
+"""
+
+# One pass over the attempts (narrow rows, no time index) for the three windows, aggregated in
+# the database so that only a hundred-odd rows come back: failed attempts per hour over 24 hours,
+# attempts ended per minute over the last hour, and the due→start latency of first leases of the
+# last hour (their run's late_seconds: availableAt, the due time plus jitter, to the lease, set by
+# the claim).
+RECENT_ATTEMPTS = """
+WITH recent AS MATERIALIZED (
+    SELECT a.run_id, a.ended_at, a.outcome, a.number, a.leased_at
+    FROM runs_attempt a
+    -- the team filter, hashed from an index-only scan of run_team_state
+    WHERE a.run_id IN (SELECT id FROM runs_run WHERE team_id = ANY(%(teams)s::bigint[]))
+      AND ((a.ended_at >= %(day)s AND a.outcome NOT IN ('', 'succeeded'))
+           OR a.ended_at >= %(minute0)s
+           OR (a.number = 1 AND a.leased_at >= %(hour)s))
+)
+SELECT 'hour' AS kind, date_trunc('hour', ended_at) AS at, '' AS queue, 0 AS priority,
+       0 AS ok, count(*) AS failed, NULL::float8[] AS pct
+FROM recent WHERE ended_at >= %(day)s AND outcome NOT IN ('', 'succeeded')
+GROUP BY 2
+UNION ALL
+SELECT 'minute', date_trunc('minute', ended_at), '', 0,
+       count(*) FILTER (WHERE outcome = 'succeeded'),
+       count(*) FILTER (WHERE outcome NOT IN ('', 'succeeded')), NULL
+FROM recent WHERE ended_at >= %(minute0)s
+GROUP BY 2
+UNION ALL
+-- first leases of the last hour only: a primary-key lookup each for their run's lateness
+SELECT 'latency', NULL, r.queue, r.priority, count(*), 0,
+       percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (ORDER BY r.late_seconds)
+FROM recent JOIN runs_run r ON r.id = recent.run_id
+WHERE recent.number = 1 AND recent.leased_at >= %(hour)s AND r.late_seconds IS NOT NULL
+GROUP BY r.queue, r.priority
+"""
+
+
+@dataclass
+class Overview:
+    counts: dict[str, int]
+    dlq: int
+    failures_24h: int
+    failures_by_hour: list[tuple[datetime, int]]
+    per_minute: list[tuple[datetime, int, int]]
+    queues: list[dict[str, Any]]
+    latency: list[dict[str, Any]]
+
+
+def overview(team_ids: list[int], now: datetime) -> Overview:
+    params: dict[str, Any] = {"teams": team_ids}
+    counts = {state.value: 0 for state in State}
+    for row in _fetch(SETTLED_COUNTS, params):
+        counts[row["state"]] = row["n"]
+    lanes, waiting = _queue_lanes(team_ids, now, by_state=True)
+    for state, due, later in waiting:
+        counts[State.READY] += due
+        counts[state] += later if state != State.READY else 0
+
+    day, hour = now - timedelta(hours=24), now - timedelta(hours=1)
+    hour0 = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=23)
+    minute0 = now.replace(second=0, microsecond=0) - timedelta(minutes=59)
+    by_hour: dict[datetime, int] = {}
+    by_minute: dict[datetime, tuple[int, int]] = {}
+    latency = []
+    window = {**params, "day": day, "hour": hour, "minute0": minute0}
+    for row in _fetch(RECENT_ATTEMPTS, window):
+        if row["kind"] == "hour":
+            by_hour[row["at"]] = row["failed"]
+        elif row["kind"] == "minute":
+            by_minute[row["at"]] = (row["ok"], row["failed"])
+        else:
+            p50, p95, p99 = row["pct"]
+            latency.append(
+                {
+                    "queue": row["queue"],
+                    "priority": row["priority"],
+                    "priority_name": PRIORITY_NAMES[row["priority"]],
+                    "n": row["ok"],
+                    "p50": p50,
+                    "p95": p95,
+                    "p99": p99,
+                }
+            )
+    latency.sort(key=lambda r: (r["queue"], r["priority"]))
+    hours = [hour0 + timedelta(hours=i) for i in range(24)]
+    minutes = [minute0 + timedelta(minutes=i) for i in range(60)]
+    return Overview(
+        counts=counts,
+        dlq=counts[State.DEAD],
+        failures_24h=sum(by_hour.values()),
+        failures_by_hour=[(h, by_hour.get(h, 0)) for h in hours],
+        per_minute=[(m, *by_minute.get(m, (0, 0))) for m in minutes],
+        queues=lanes,
+        latency=latency,
+    )
+
+
+def _queue_lanes(
+    team_ids: list[int], now: datetime, *, by_state: bool = False
+) -> tuple[list[dict[str, Any]], list[tuple[str, int, int]]]:
+    """Per (team, queue, priority): ready, waiting, leased, oldest ready age; busiest first.
+    Also (stored state, due, later) per group, for the overview's state counts."""
+    params = {"teams": team_ids}
+    lanes: dict[tuple[int, str, int], dict[str, Any]] = {}
+
+    def lane(team_id: int, queue: str, priority: int) -> dict[str, Any]:
+        return lanes.setdefault(
+            (team_id, queue, priority),
+            {
+                "team_id": team_id,
+                "queue": queue,
+                "priority": priority,
+                "priority_name": PRIORITY_NAMES[priority],
+                "ready": 0,
+                "waiting": 0,
+                "leased": 0,
+                "oldest_ready": None,
+                "oldest_age": None,
+            },
+        )
+
+    waiting = []
+    for row in _fetch(QUEUE_DEPTH_BY_STATE if by_state else QUEUE_DEPTH, params):
+        item = lane(row["team_id"], row["queue"], row["priority"])
+        item["ready"] += row["ready"]
+        item["waiting"] += row["waiting"]
+        oldest = row["oldest_ready"]
+        if oldest is not None and (item["oldest_ready"] is None or oldest < item["oldest_ready"]):
+            item["oldest_ready"] = oldest
+            item["oldest_age"] = (now - oldest).total_seconds()
+        waiting.append((row["state"], row["ready"], row["waiting"]))
+    for row in _fetch(LEASED_BY_QUEUE, params):
+        lane(row["team_id"], row["queue"], row["priority"])["leased"] = row["leased"]
+    ordered = sorted(lanes.values(), key=lambda r: (-r["ready"], r["queue"], r["priority"]))
+    return ordered, waiting
+
+
+def queue_depth(team_ids: list[int], now: datetime) -> list[dict[str, Any]]:
+    return _queue_lanes(team_ids, now)[0]
+
+
+@dataclass
+class QueueRow:
+    team: Any
+    name: str
+    paused: bool
+    lanes: dict[str, dict[str, Any]]
+
+    @property
+    def ready(self) -> int:
+        return sum(lane["ready"] for lane in self.lanes.values())
+
+    @property
+    def leased(self) -> int:
+        return sum(lane["leased"] for lane in self.lanes.values())
+
+    @property
+    def oldest_age(self) -> float | None:
+        ages = [lane["oldest_age"] for lane in self.lanes.values() if lane["oldest_age"]]
+        return max(ages) if ages else None
+
+
+def queues(teams: list[Any], now: datetime) -> list[QueueRow]:
+    """Every queue of the teams: those with runs, those definitions name, and paused ones."""
+    by_id = {team.pk: team for team in teams}
+    team_ids = list(by_id)
+    rows: dict[tuple[int, str], QueueRow] = {}
+
+    def row(team_id: int, name: str) -> QueueRow:
+        return rows.setdefault((team_id, name), QueueRow(by_id[team_id], name, False, {}))
+
+    for team_id, name in (
+        JobDefinition.objects.filter(team_id__in=team_ids)
+        .values_list("team_id", "queue")
+        .distinct()
+    ):
+        row(team_id, name)
+    for queue in Queue.objects.filter(team_id__in=team_ids):
+        row(queue.team_id, queue.name).paused = queue.paused
+    for lane in queue_depth(team_ids, now):
+        row(lane["team_id"], lane["queue"]).lanes[lane["priority_name"]] = lane
+    return sorted(rows.values(), key=lambda r: (r.team.slug, r.name))
+
+
+# --- definitions ----------------------------------------------------------------------------
+
+# For each definition on the page: its newest finished run, from run_definition_recent
+# (definition_id, -id), stopping at the first finished row.
+LAST_OUTCOMES = f"""
+SELECT d.id AS definition_id, r.id, r.state, r.finished_at
+FROM unnest(%(ids)s::bigint[]) AS d(id)
+CROSS JOIN LATERAL (
+    SELECT id, state, finished_at FROM runs_run
+    WHERE definition_id = d.id AND state IN {tuple(FINISHED_STATES)}
+    ORDER BY id DESC LIMIT 1
+) AS r
+"""
+
+
+def definitions_page(
+    team_ids: list[int], *, search: str, after: str, limit: int = PAGE_SIZE
+) -> tuple[list[JobDefinition], str | None]:
+    """Definitions by name, keyset on the unique name index, with their last outcome."""
+    queryset: QuerySet = JobDefinition.objects.filter(team_id__in=team_ids).select_related("team")
+    if search:
+        queryset = queryset.filter(name__icontains=search)
+    if after:
+        queryset = queryset.filter(name__gt=after)
+    page = list(queryset.order_by("name")[: limit + 1])
+    more = len(page) > limit
+    page = page[:limit]
+    outcomes = {
+        row["definition_id"]: row for row in _fetch(LAST_OUTCOMES, {"ids": [d.pk for d in page]})
+    }
+    for definition in page:
+        definition.last_outcome = outcomes.get(definition.pk)
+    return page, (page[-1].name if more and page else None)
+
+
+def recent_runs(definition: JobDefinition, now: datetime, limit: int = 20) -> list[Run]:
+    """The definition's newest runs, from run_definition_recent (definition_id, -id)."""
+    runs = list(Run.objects.filter(definition=definition).order_by("-pk")[:limit])
+    for run in runs:
+        run.definition = definition
+        run.shown_state = reported_state(run.state, run.available_at, now)
+    return runs
+
+
+# --- audit ----------------------------------------------------------------------------------
+
+
+@dataclass
+class AuditFilter:
+    team_ids: list[int]
+    include_teamless: bool = False
+    actor: str = ""
+    action: str = ""
+    target: str = ""
+    source: str = ""
+    since: datetime | None = None
+
+
+def audit_page(
+    flt: AuditFilter, *, before: int | None, limit: int = PAGE_SIZE
+) -> tuple[list[AuditEvent], int | None]:
+    """Audit events newest first, keyset on the primary key (ids grow with time)."""
+    scope = Q(team_id__in=flt.team_ids)
+    if flt.include_teamless:
+        scope |= Q(team__isnull=True)
+    queryset = AuditEvent.objects.filter(scope).select_related("team")
+    if flt.actor:
+        queryset = queryset.filter(actor__icontains=flt.actor)
+    if flt.action:
+        queryset = queryset.filter(action=flt.action)
+    if flt.target:
+        queryset = queryset.filter(target__icontains=flt.target)
+    if flt.source:
+        queryset = queryset.filter(source=flt.source)
+    if flt.since is not None:
+        queryset = queryset.filter(created_at__gte=flt.since)
+    if before is not None:
+        queryset = queryset.filter(pk__lt=before)
+    page = list(queryset.order_by("-pk")[: limit + 1])
+    more = len(page) > limit
+    page = page[:limit]
+    return page, (page[-1].pk if more and page else None)
+
+
+def audit_for_target(team_id: int, target_type: str, target: str, limit: int = 10):
+    """Served by audit_target (target_type, target)."""
+    return list(
+        AuditEvent.objects.filter(team_id=team_id, target_type=target_type, target=target).order_by(
+            "-pk"
+        )[:limit]
+    )

@@ -1,0 +1,65 @@
+"""Bookmarkable addresses (DESIGN.md, "Dashboard"): filters travel in the query string."""
+
+from __future__ import annotations
+
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from apps.dashboard.views import audit, jobs, overview, queues, runs, teams
+
+app_name = "dashboard"
+
+urlpatterns = [
+    path(
+        "accounts/login/",
+        auth_views.LoginView.as_view(redirect_authenticated_user=True),
+        name="login",
+    ),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("", overview.overview, name="overview"),
+    path("failures", runs.failures, name="failures"),
+    path("runs", runs.runs, name="runs"),
+    path("runs/bulk", runs.bulk, name="bulk"),
+    path("runs/<str:run_id>", runs.run_detail, name="run"),
+    path("runs/<str:run_id>/<str:action>", runs.run_action, name="run-action"),
+    path("dlq", runs.dlq, name="dlq"),
+    path("jobs", jobs.jobs, name="jobs"),
+    path("jobs/new", jobs.job_new, name="job-new"),
+    # Job names start with a letter or digit, so "-" cannot collide with one.
+    path("jobs/-/preview", jobs.job_preview, name="job-preview"),
+    path("jobs/<str:name>", jobs.job_detail, name="job"),
+    path("jobs/<str:name>/edit", jobs.job_edit, name="job-edit"),
+    path("jobs/<str:name>/pause", jobs.job_pause, {"paused": True}, name="job-pause"),
+    path("jobs/<str:name>/resume", jobs.job_pause, {"paused": False}, name="job-resume"),
+    path("jobs/<str:name>/trigger", jobs.job_trigger, name="job-trigger"),
+    path("jobs/<str:name>/dry-run", jobs.job_dry_run, name="job-dry-run"),
+    path("jobs/<str:name>/delete", jobs.job_delete, name="job-delete"),
+    path("queues", queues.queues, name="queues"),
+    path(
+        "queues/<slug:team>/<str:queue>/pause",
+        queues.queue_pause,
+        {"paused": True},
+        name="queue-pause",
+    ),
+    path(
+        "queues/<slug:team>/<str:queue>/resume",
+        queues.queue_pause,
+        {"paused": False},
+        name="queue-resume",
+    ),
+    path("audit", audit.audit, name="audit"),
+    path("teams", teams.teams, name="teams"),
+    path("teams/<slug:slug>", teams.team_detail, name="team"),
+    path("teams/<slug:slug>/members", teams.member_set, name="member-set"),
+    path(
+        "teams/<slug:slug>/members/<int:member_id>/remove",
+        teams.member_remove,
+        name="member-remove",
+    ),
+    path("teams/<slug:slug>/tokens", teams.token_create, name="token-create"),
+    path(
+        "teams/<slug:slug>/tokens/<int:token_id>/revoke",
+        teams.token_revoke,
+        name="token-revoke",
+    ),
+]

@@ -1,0 +1,237 @@
+"""Job definitions: list, detail, the create/edit form with its live schedule preview, pause and
+resume, trigger now, dry-run, delete. Every change goes through apps.jobs.services."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.core.exceptions import PermissionDenied
+from django.db import IntegrityError
+from django.http import Http404, HttpResponse
+from django.shortcuts import redirect
+from django.urls import reverse
+from django.views.decorators.http import require_POST
+
+from apps.api.serializers import DefinitionSerializer
+from apps.dashboard import queries
+from apps.dashboard.forms import (
+    SCHEDULE_FIELDS,
+    TIME_ZONES,
+    DefinitionForm,
+    schedule_errors,
+    schedule_from,
+)
+from apps.dashboard.http import HtmxHttpRequest, actor, done, render_page, signed_in
+from apps.jobs import schedule as sched
+from apps.jobs import services
+from apps.jobs.models import JobDefinition
+from apps.runs import transitions
+from apps.runs.models import Trigger
+from apps.teams import access
+from apps.teams.models import Role
+
+PREVIEW_COUNT = 10
+
+
+def _definition(request: HtmxHttpRequest, name: str) -> JobDefinition:
+    definition = (
+        JobDefinition.objects.select_related("team")
+        .filter(name=name, team_id__in=access.visible_team_ids(request.user))
+        .first()
+    )
+    if definition is None:
+        raise Http404("No such job.")
+    return definition
+
+
+@signed_in
+def jobs(request: HtmxHttpRequest) -> HttpResponse:
+    now = services.database_now()
+    teams = list(access.visible_teams(request.user))
+    chosen = request.GET.get("team", "")
+    team_ids = [t.pk for t in teams if not chosen or t.slug == chosen]
+    search = request.GET.get("q", "").strip()[:200]
+    after = request.GET.get("after", "")[:200]
+    page, next_after = queries.definitions_page(team_ids, search=search, after=after)
+    context = {
+        "now": now,
+        "teams": teams,
+        "chosen_team": chosen,
+        "search": search,
+        "after": after,
+        "definitions": page,
+        "next_after": next_after,
+        "can_create": bool(access.teams_with_role(request.user, Role.EDITOR)),
+        "live": True,
+    }
+    return render_page(request, "dashboard/jobs.html", context, regions=("page", "results"))
+
+
+def _preview(definition: JobDefinition, after) -> tuple[list[dict], str]:
+    try:
+        parsed = sched.parse_schedule(definition.schedule)
+    except sched.ScheduleError as exc:
+        return [], str(exc)
+    return (
+        sched.preview(
+            definition.name, parsed, after, PREVIEW_COUNT, created_at=definition.created_at
+        ),
+        "",
+    )
+
+
+@signed_in
+def job_detail(request: HtmxHttpRequest, name: str) -> HttpResponse:
+    now = services.database_now()
+    definition = _definition(request, name)
+    times, problem = _preview(definition, now)
+    context = {
+        "now": now,
+        "job": definition,
+        "snapshot": services.snapshot(definition),
+        "times": times,
+        "schedule_problem": problem,
+        "recent": queries.recent_runs(definition, now),
+        "history": queries.audit_for_target(definition.team_id, "job", definition.name),
+        "live": True,
+    }
+    return render_page(request, "dashboard/job_detail.html", context)
+
+
+def _form_page(request: HtmxHttpRequest, form: DefinitionForm, definition=None) -> HttpResponse:
+    now = services.database_now()
+    times: list[dict] = []
+    errors: dict[str, str] = {}
+    if form.is_bound or definition is not None:
+        times, errors = _schedule_preview(form.data if form.is_bound else form.initial, now)
+    context = {
+        "now": now,
+        "form": form,
+        "job": definition,
+        "time_zones": TIME_ZONES,
+        "times": times,
+        "schedule_errors": errors,
+        "schedule_field_names": ("kind", *SCHEDULE_FIELDS),
+    }
+    return render_page(request, "dashboard/job_form.html", context)
+
+
+def _schedule_preview(data, now) -> tuple[list[dict], dict[str, str]]:
+    schedule = schedule_from(data)
+    errors = schedule_errors(schedule)
+    if errors:
+        return [], errors
+    name = data.get("name") or "preview"
+    return sched.preview(name, sched.parse_schedule(schedule), now, PREVIEW_COUNT), {}
+
+
+@signed_in
+def job_new(request: HtmxHttpRequest) -> HttpResponse:
+    teams = access.teams_with_role(request.user, Role.EDITOR)
+    if not teams:
+        raise PermissionDenied("Creating a job needs the editor role in a team.")
+    if request.method != "POST":
+        return _form_page(request, DefinitionForm(teams=teams))
+    form = DefinitionForm(request.POST, teams=teams)
+    if not form.is_valid():
+        return _form_page(request, form)
+    team = next(t for t in teams if t.slug == form.cleaned_data["team"])
+    access.require_role(request.user, team, Role.EDITOR)
+    if JobDefinition.objects.filter(name=form.spec.name).exists():
+        form.add_error("name", "A job with this name exists.")
+        return _form_page(request, form)
+    try:
+        definition = services.create_definition(team, form.spec, actor(request))
+    except IntegrityError:
+        form.add_error("name", "A job with this name was just created.")
+        return _form_page(request, form)
+    return done(
+        request, reverse("dashboard:job", args=[definition.name]), f"Created {definition.name}."
+    )
+
+
+@signed_in
+def job_edit(request: HtmxHttpRequest, name: str) -> HttpResponse:
+    definition = _definition(request, name)
+    access.require_role(request.user, definition.team_id, Role.EDITOR)
+    teams = [definition.team]
+    if request.method != "POST":
+        return _form_page(request, DefinitionForm(teams=teams, instance=definition), definition)
+    form = DefinitionForm(request.POST, teams=teams, instance=definition)
+    if not form.is_valid():
+        return _form_page(request, form, definition)
+    services.update_definition(definition, form.spec, actor(request))
+    return done(request, reverse("dashboard:job", args=[name]), f"Saved {name}.")
+
+
+@signed_in
+def job_preview(request: HtmxHttpRequest) -> HttpResponse:
+    """The form's live preview: schedule errors beside their fields, or the next fire times."""
+    now = services.database_now()
+    times, errors = _schedule_preview(request.GET, now)
+    context = {
+        "now": now,
+        "times": times,
+        "schedule_errors": errors,
+        "schedule_field_names": ("kind", *SCHEDULE_FIELDS),
+        "oob": True,
+    }
+    return render_page(request, "dashboard/job_form.html#preview", context)
+
+
+def _changeable(request: HtmxHttpRequest, name: str, role: str) -> JobDefinition:
+    definition = _definition(request, name)
+    access.require_role(request.user, definition.team_id, role)
+    return definition
+
+
+@require_POST
+@signed_in
+def job_pause(request: HtmxHttpRequest, name: str, paused: bool) -> HttpResponse:
+    definition = _changeable(request, name, Role.OPERATOR)
+    services.set_paused(definition, paused, actor(request))
+    verb = "Paused" if paused else "Resumed"
+    return done(request, reverse("dashboard:job", args=[name]), f"{verb} {name}.")
+
+
+@require_POST
+@signed_in
+def job_trigger(request: HtmxHttpRequest, name: str) -> HttpResponse:
+    definition = _changeable(request, name, Role.OPERATOR)
+    created = transitions.create_run(
+        definition, actor(request), idempotency_key=None, trigger=Trigger.MANUAL
+    )
+    return done(
+        request,
+        reverse("dashboard:run", args=[created.run.run_id]),
+        f"Triggered {name}: {created.run.run_id}.",
+    )
+
+
+@require_POST
+@signed_in
+def job_dry_run(request: HtmxHttpRequest, name: str) -> HttpResponse:
+    definition = _changeable(request, name, Role.EDITOR)
+    body = {**services.snapshot(definition), "dryRun": not definition.dry_run}
+    serializer = DefinitionSerializer(data=body)
+    if not serializer.is_valid():
+        return done(
+            request,
+            reverse("dashboard:job", args=[name]),
+            "The stored definition no longer validates; edit it first.",
+            messages.ERROR,
+        )
+    updated = services.update_definition(definition, serializer.to_spec(), actor(request))
+    state = "on" if updated.dry_run else "off"
+    return done(request, reverse("dashboard:job", args=[name]), f"Dry run {state} for {name}.")
+
+
+@signed_in
+def job_delete(request: HtmxHttpRequest, name: str) -> HttpResponse:
+    definition = _changeable(request, name, Role.EDITOR)
+    if request.method != "POST":
+        return render_page(request, "dashboard/job_delete.html", {"job": definition})
+    if request.POST.get("confirm_name") != definition.name:
+        messages.error(request, "Type the job's name to delete it.")
+        return redirect("dashboard:job-delete", name=name)
+    services.delete_definition(definition, actor(request))
+    return done(request, reverse("dashboard:jobs"), f"Deleted {name}.")

@@ -1,0 +1,42 @@
+"""Queues: depth per priority, the oldest ready run's age, pause and resume."""
+
+from __future__ import annotations
+
+from django.http import Http404, HttpResponse
+from django.urls import reverse
+from django.views.decorators.http import require_POST
+
+from apps.dashboard import queries
+from apps.dashboard.http import HtmxHttpRequest, actor, done, render_page, signed_in
+from apps.jobs import services
+from apps.teams import access
+from apps.teams.models import Role, Team
+
+
+@signed_in
+def queues(request: HtmxHttpRequest) -> HttpResponse:
+    now = services.database_now()
+    teams = list(access.visible_teams(request.user))
+    chosen = request.GET.get("team", "")
+    shown = [t for t in teams if not chosen or t.slug == chosen]
+    context = {
+        "now": now,
+        "teams": teams,
+        "chosen_team": chosen,
+        "queues": queries.queues(shown, now),
+        "priorities": ["critical", "default", "bulk"],
+        "live": True,
+    }
+    return render_page(request, "dashboard/queues.html", context, regions=("page", "results"))
+
+
+@require_POST
+@signed_in
+def queue_pause(request: HtmxHttpRequest, team: str, queue: str, paused: bool) -> HttpResponse:
+    owner = Team.objects.filter(slug=team, id__in=access.visible_team_ids(request.user)).first()
+    if owner is None:
+        raise Http404("No such team.")
+    access.require_role(request.user, owner, Role.OPERATOR)
+    services.set_queue_paused(owner, queue, paused, actor(request))
+    verb = "Paused" if paused else "Resumed"
+    return done(request, reverse("dashboard:queues"), f"{verb} queue {queue} of {owner.slug}.")

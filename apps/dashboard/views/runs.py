@@ -1,0 +1,212 @@
+"""Failures, runs and the dead-letter queue (one list, three presets), a run's page, and the run
+actions — retry, cancel, requeue, discard — one at a time or in bulk after a confirmation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from django.contrib import messages
+from django.http import Http404, HttpResponse
+from django.urls import reverse
+from django.views.decorators.http import require_POST
+
+from apps.audit.record import Actor
+from apps.dashboard import queries
+from apps.dashboard.forms import RunFilterForm
+from apps.dashboard.http import HtmxHttpRequest, actor, done, plural, render_page, signed_in
+from apps.jobs.models import JobDefinition
+from apps.jobs.services import database_now
+from apps.runs import payloads, transitions
+from apps.runs.ids import parse_run_id
+from apps.runs.models import Run, State
+from apps.teams import access
+from apps.teams.models import Role
+
+
+@dataclass(frozen=True)
+class RunAction:
+    name: str
+    verb: str  # "Retry"
+    past: str  # "Retried"
+    applies_to: frozenset[str]  # stored states the transition accepts
+    change: Callable[[Sequence[Run], Actor], list[Run]]
+    destructive: bool
+
+
+ACTIONS = {
+    action.name: action
+    for action in (
+        RunAction("retry", "Retry", "Retried", frozenset({"retrying", "dead"}), transitions.retry, False),
+        RunAction("cancel", "Cancel", "Cancelled", frozenset({"scheduled", "ready", "retrying"}), transitions.cancel, True),
+        RunAction("requeue", "Requeue", "Requeued", frozenset({"dead"}), transitions.requeue, False),
+        RunAction("discard", "Discard", "Discarded", frozenset({"dead"}), transitions.discard, True),
+    )
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ListMode:
+    url_name: str
+    title: str
+    template_states: list[str]  # the state filter's choices
+    actions: list[str]
+    empty: str
+
+
+MODES = {
+    "failures": ListMode(
+        "dashboard:failures", "Failures", ["retrying", "dead"], ["retry", "cancel"],
+        "Nothing is failing. Runs that failed and are waiting to retry, or are dead, show here.",
+    ),
+    "runs": ListMode(
+        "dashboard:runs", "Runs", [s.value for s in State], ["retry", "cancel"],
+        "No runs match these filters.",
+    ),
+    "dlq": ListMode(
+        "dashboard:dlq", "Dead-letter queue", [], ["requeue", "discard"],
+        "The dead-letter queue is empty.",
+    ),
+}  # fmt: skip
+
+
+def _branches(mode: str, state: str) -> list[tuple[str, str | None]]:
+    if mode == "dlq":
+        return [(State.DEAD.value, None)]
+    if mode == "failures":
+        return [(state, None)] if state else list(queries.FAILED_STORED)
+    return list(queries.REPORTED_TO_STORED.get(state, queries.ALL_STORED))
+
+
+def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
+    mode = MODES[mode_name]
+    now = database_now()
+    teams = list(access.visible_teams(request.user))
+    form = RunFilterForm(request.GET, teams=teams, states=mode.template_states)
+    page = queries.RunPage([], None)
+    cursor = None
+    if form.is_valid():
+        data = form.cleaned_data
+        cursor = data["cursor"]
+        team_ids = [t.pk for t in teams if not data["team"] or t.slug == data["team"]]
+        definition_id = None
+        if data["job"]:
+            definition = JobDefinition.objects.filter(
+                name=data["job"], team_id__in=team_ids
+            ).first()
+            definition_id = definition.pk if definition else -1
+        due_from, due_to = form.window(now)
+        flt = queries.RunFilter(
+            team_ids=team_ids,
+            branches=_branches(mode_name, data["state"]),
+            queue=data["queue"],
+            definition_id=definition_id,
+            due_from=due_from,
+            due_to=due_to,
+            error=data["error"],
+        )
+        page = queries.run_page(flt, now, before=cursor)
+    context = {
+        "now": now,
+        "mode": mode,
+        "mode_name": mode_name,
+        "form": form,
+        "page": page,
+        "cursor": cursor,
+        "actions": [ACTIONS[name] for name in mode.actions],
+        "can_act": any(access.has_role(request.user, t, Role.OPERATOR) for t in teams),
+        "live": True,
+    }
+    return render_page(request, "dashboard/runs.html", context, regions=("page", "results"))
+
+
+@signed_in
+def failures(request: HtmxHttpRequest) -> HttpResponse:
+    return _run_list(request, "failures")
+
+
+@signed_in
+def runs(request: HtmxHttpRequest) -> HttpResponse:
+    return _run_list(request, "runs")
+
+
+@signed_in
+def dlq(request: HtmxHttpRequest) -> HttpResponse:
+    return _run_list(request, "dlq")
+
+
+def _visible_run(request: HtmxHttpRequest, run_id: str) -> Run:
+    """The run, if the user's teams own it; another team's run is a 404, like a missing one."""
+    run = queries.visible_run(access.visible_team_ids(request.user), parse_run_id(run_id))
+    if run is None:
+        raise Http404("No such run.")
+    return run
+
+
+@signed_in
+def run_detail(request: HtmxHttpRequest, run_id: str) -> HttpResponse:
+    now = database_now()
+    run = _visible_run(request, run_id)
+    run.shown_state = queries.reported_state(run.state, run.available_at, now)
+    attempts = list(run.attempts.order_by("fencing_token"))
+    context = {
+        "now": now,
+        "run": run,
+        "attempts": attempts,
+        "payload": payloads.load(run.payload, run.payload_key),
+        "history": queries.audit_for_target(run.team_id, "run", run.run_id),
+        "actions": [a for a in ACTIONS.values() if run.state in a.applies_to],
+        "live": True,
+    }
+    return render_page(request, "dashboard/run_detail.html", context)
+
+
+@require_POST
+@signed_in
+def run_action(request: HtmxHttpRequest, run_id: str, action: str) -> HttpResponse:
+    spec = ACTIONS.get(action)
+    if spec is None:
+        raise Http404("No such action.")
+    run = _visible_run(request, run_id)
+    access.require_role(request.user, run.team_id, Role.OPERATOR)
+    changed = spec.change([run], actor(request))
+    fallback = reverse("dashboard:run", args=[run.run_id])
+    if changed:
+        return done(request, fallback, f"{spec.past} {run.run_id}.")
+    run.refresh_from_db(fields=["state"])
+    return done(
+        request,
+        fallback,
+        f"Could not {spec.name} {run.run_id}: it is {run.state}.",
+        messages.WARNING,
+    )
+
+
+@require_POST
+@signed_in
+def bulk(request: HtmxHttpRequest) -> HttpResponse:
+    """Step 1 (no `confirm`): name the count and ask. Step 2: apply the transition."""
+    spec = ACTIONS.get(request.POST.get("action", ""))
+    if spec is None:
+        return done(request, reverse("dashboard:failures"), "Choose an action.", messages.WARNING)
+    pks = [pk for pk in map(parse_run_id, request.POST.getlist("ids")) if pk is not None]
+    selected = queries.runs_by_ids(access.visible_team_ids(request.user), pks[:1000])
+    fallback = reverse("dashboard:failures")
+    if not selected:
+        return done(request, fallback, "Select at least one run first.", messages.WARNING)
+    access.require_role_in_all(request.user, (run.team_id for run in selected), Role.OPERATOR)
+    eligible = [run for run in selected if run.state in spec.applies_to]
+    if request.POST.get("confirm") != "yes":
+        context = {
+            "spec": spec,
+            "eligible": eligible,
+            "skipped": len(selected) - len(eligible),
+            "next": request.POST.get("next", ""),
+        }
+        return render_page(request, "dashboard/bulk_confirm.html", context, regions=("dialog",))
+    changed = spec.change(eligible, actor(request))
+    skipped = len(selected) - len(changed)
+    message = f"{spec.past} {plural(len(changed), 'run')}."
+    if skipped:
+        message += f" {plural(skipped, 'run')} had changed state and {'was' if skipped == 1 else 'were'} left as {'it was' if skipped == 1 else 'they were'}."
+    return done(request, fallback, message, messages.SUCCESS if changed else messages.WARNING)

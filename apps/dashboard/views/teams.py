@@ -1,0 +1,112 @@
+"""Teams: the user's teams and roles; for admins, members and API tokens."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.http import Http404, HttpResponse
+from django.urls import reverse
+from django.views.decorators.http import require_POST
+
+from apps.dashboard.forms import MemberForm, TokenForm
+from apps.dashboard.http import HtmxHttpRequest, actor, done, render_page, signed_in
+from apps.teams import access, services
+from apps.teams.models import ApiToken, Membership, Role, Team
+
+NEW_TOKEN_KEY = "dashboard_new_token"
+
+
+@signed_in
+def teams(request: HtmxHttpRequest) -> HttpResponse:
+    roles = access.team_roles(request.user)
+    rows = [(team, roles[team.pk]) for team in access.visible_teams(request.user)]
+    return render_page(request, "dashboard/teams.html", {"rows": rows})
+
+
+def _team(request: HtmxHttpRequest, slug: str) -> Team:
+    team = Team.objects.filter(slug=slug, id__in=access.visible_team_ids(request.user)).first()
+    if team is None:
+        raise Http404("No such team.")
+    access.require_role(request.user, team, Role.ADMIN)
+    return team
+
+
+@signed_in
+def team_detail(request: HtmxHttpRequest, slug: str) -> HttpResponse:
+    team = _team(request, slug)
+    context = {
+        "team": team,
+        "members": Membership.objects.filter(team=team)
+        .select_related("user")
+        .order_by("user__username"),
+        "tokens": ApiToken.objects.filter(team=team)
+        .select_related("created_by")
+        .order_by("-created_at"),
+        "member_form": MemberForm(),
+        "token_form": TokenForm(),
+        "roles": Role.choices,
+        # Shown once: taken out of the session by the first page that displays it.
+        "new_token": request.session.pop(NEW_TOKEN_KEY, None),
+    }
+    return render_page(request, "dashboard/team_detail.html", context)
+
+
+def _back(slug: str) -> str:
+    return reverse("dashboard:team", args=[slug])
+
+
+@require_POST
+@signed_in
+def member_set(request: HtmxHttpRequest, slug: str) -> HttpResponse:
+    team = _team(request, slug)
+    form = MemberForm(request.POST)
+    if not form.is_valid():
+        return done(request, _back(slug), "Give a username and a role.", messages.ERROR)
+    try:
+        services.set_member(
+            team, form.cleaned_data["username"], form.cleaned_data["role"], actor(request)
+        )
+    except services.TeamChangeError as exc:
+        return done(request, _back(slug), str(exc), messages.ERROR)
+    access.forget(request.user)
+    return done(
+        request, _back(slug), f"{form.cleaned_data['username']} is now {form.cleaned_data['role']}."
+    )
+
+
+@require_POST
+@signed_in
+def member_remove(request: HtmxHttpRequest, slug: str, member_id: int) -> HttpResponse:
+    team = _team(request, slug)
+    membership = Membership.objects.filter(team=team, pk=member_id).select_related("user").first()
+    if membership is None:
+        raise Http404("No such member.")
+    try:
+        services.remove_member(membership, actor(request))
+    except services.TeamChangeError as exc:
+        return done(request, _back(slug), str(exc), messages.ERROR)
+    return done(request, _back(slug), f"Removed {membership.user.get_username()}.")
+
+
+@require_POST
+@signed_in
+def token_create(request: HtmxHttpRequest, slug: str) -> HttpResponse:
+    team = _team(request, slug)
+    form = TokenForm(request.POST)
+    if not form.is_valid():
+        return done(request, _back(slug), "Choose at least one scope.", messages.ERROR)
+    token, raw = services.issue_token(
+        team, form.cleaned_data["scopes"], actor(request), name=form.cleaned_data["name"]
+    )
+    request.session[NEW_TOKEN_KEY] = {"raw": raw, "prefix": token.prefix, "name": token.name}
+    return done(request, _back(slug))
+
+
+@require_POST
+@signed_in
+def token_revoke(request: HtmxHttpRequest, slug: str, token_id: int) -> HttpResponse:
+    team = _team(request, slug)
+    token = ApiToken.objects.filter(team=team, pk=token_id).select_related("team").first()
+    if token is None:
+        raise Http404("No such token.")
+    services.revoke_token(token, actor(request))
+    return done(request, _back(slug), f"Revoked token {token.prefix}….")

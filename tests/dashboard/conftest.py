@@ -1,0 +1,277 @@
+"""Named people for the dashboard tests, runs in each state, and for the browser tests a live
+ASGI server (uvicorn: HTTP and the WebSocket) on the test database plus a headless Chromium."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import connection
+from django.test import Client
+
+from apps.runs import store
+from apps.runs.models import Run
+from apps.teams.models import Membership, Team
+from tests.conftest import add_ready_runs, make_definition
+
+# Playwright's sync API runs an event loop in this thread; the ORM calls the tests make between
+# browser steps are ordinary blocking calls, which Django would otherwise refuse.
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+REPO = Path(__file__).resolve().parents[2]
+SCREENSHOTS = REPO / "test-artifacts" / "screenshots"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+PASSWORD = "correct horse battery staple"
+XSS = "<script>alert(1)</script>"
+
+
+# --- people --------------------------------------------------------------------------------
+
+
+def make_user(username: str, team: Team | None = None, role: str | None = None, **flags):
+    user = get_user_model().objects.create_user(username, password=PASSWORD, **flags)
+    if team is not None and role is not None:
+        Membership.objects.create(user=user, team=team, role=role)
+    return user
+
+
+@pytest.fixture
+def admin_a(team_a):
+    return make_user("alice-admin", team_a, "admin")
+
+
+@pytest.fixture
+def editor_a(team_a):
+    return make_user("erin-editor", team_a, "editor")
+
+
+@pytest.fixture
+def operator_a(team_a):
+    return make_user("oscar-operator", team_a, "operator")
+
+
+@pytest.fixture
+def viewer_a(team_a):
+    return make_user("vera-viewer", team_a, "viewer")
+
+
+@pytest.fixture
+def operator_b(team_b):
+    return make_user("bob-operator-b", team_b, "operator")
+
+
+def client_for(user) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+# --- runs ----------------------------------------------------------------------------------
+
+
+def failed_runs(
+    definition,
+    count: int = 1,
+    *,
+    retryable: bool = False,
+    message: str = "boom",
+    prefix: str = "f",
+    payload=None,
+) -> list[Run]:
+    """Insert `count` runs, lease them and fail them: dead (default) or retrying."""
+    ids = add_ready_runs(definition, count, prefix=prefix)
+    if payload is not None:
+        Run.objects.filter(pk__in=ids).update(payload=payload)
+    leases = store.claim(
+        queues=[definition.queue],
+        max_runs=count,
+        worker_id="worker-1/4242",
+        lease_seconds=60,
+        team_ids=[definition.team_id],
+    )
+    assert sorted(lease.id for lease in leases) == sorted(ids)
+    store.fail(
+        [
+            (lease.id, lease.fencing_token, {"message": message, "type": "RuntimeError"}, retryable)
+            for lease in leases
+        ],
+        team_ids=[definition.team_id],
+    )
+    return list(Run.objects.filter(pk__in=ids).order_by("pk"))
+
+
+@pytest.fixture
+def job_a(team_a):
+    return make_definition(team_a, "billing.export-invoices", queue="billing", retry_max_attempts=1)
+
+
+@pytest.fixture
+def job_b(team_b):
+    return make_definition(team_b, "search.reindex", queue="search", retry_max_attempts=1)
+
+
+# --- live server and browser ---------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _test_database_url() -> str:
+    s = connection.settings_dict
+    auth = quote(s["USER"] or "", safe="")
+    if s["PASSWORD"]:
+        auth += ":" + quote(s["PASSWORD"], safe="")
+    host = s["HOST"] or ""
+    if host.startswith("/"):  # the embedded server listens on a socket directory
+        return f"postgresql://{auth}@/{s['NAME']}?host={quote(host, safe='/')}&port={s['PORT']}"
+    port = f":{s['PORT']}" if s["PORT"] else ""
+    return f"postgresql://{auth}@{host}{port}/{s['NAME']}"
+
+
+@dataclass
+class LiveServer:
+    url: str
+    process: subprocess.Popen
+
+
+@pytest.fixture(scope="session")
+def asgi_server(django_db_setup, django_db_blocker) -> Iterator[LiveServer]:
+    """uvicorn serving scheduler_site.asgi (HTTP and WebSocket) on the test database."""
+    with django_db_blocker.unblock():
+        database_url = _test_database_url()
+    port = _free_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "DASHBOARD_LIVE_INTERVAL": "0.3",
+        "SCHEDULER_APPLICATION_NAME": "scheduler:test-dashboard-web",
+        "LOG_LEVEL": "WARNING",
+        "PYTHONPATH": str(REPO),
+    }
+    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    log = (REPO / "test-artifacts").resolve()
+    log.mkdir(exist_ok=True)
+    with open(log / "dashboard-server.log", "wb") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "scheduler_site.asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--lifespan",
+                "off",
+                "--log-level",
+                "warning",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"uvicorn did not start; see {log / 'dashboard-server.log'}")
+        time.sleep(0.1)
+    yield LiveServer(url, process)
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does this)")
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+class BrowserPage:
+    """A page of a fresh browser context, with what a test needs to check around it."""
+
+    def __init__(self, context, server: LiveServer) -> None:
+        self.context = context
+        self.server = server
+        self.page = context.new_page()
+        self.console_errors: list[str] = []
+        self.dialogs: list[str] = []
+        self.page.on(
+            "console",
+            lambda message: (
+                self.console_errors.append(message.text) if message.type == "error" else None
+            ),
+        )
+        self.page.on("pageerror", lambda error: self.console_errors.append(str(error)))
+
+        def on_dialog(dialog) -> None:
+            self.dialogs.append(dialog.message)
+            dialog.accept()
+
+        self.page.on("dialog", on_dialog)
+
+    def goto(self, path: str):
+        return self.page.goto(self.server.url + path)
+
+    def sign_in(self, user) -> None:
+        """Sign in through a session made in the database (the sign-in form has its own test)."""
+        client = Client()
+        client.force_login(user)
+        cookie = client.cookies["sessionid"]
+        self.context.add_cookies(
+            [{"name": "sessionid", "value": cookie.value, "url": self.server.url}]
+        )
+
+    def wait_live(self) -> None:
+        """Wait until the page's live-update socket is open (a locator: the CSP forbids eval)."""
+        self.page.locator("body[data-live='open']").wait_for(state="attached", timeout=10_000)
+
+    def screenshot(self, name: str) -> None:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        self.page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+
+@pytest.fixture
+def web(browser, asgi_server) -> Iterator[BrowserPage]:
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    context.set_default_timeout(10_000)
+    yield BrowserPage(context, asgi_server)
+    context.close()

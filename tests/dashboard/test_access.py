@@ -1,0 +1,206 @@
+"""Roles, team isolation, sign-in, CSRF and escaping, checked on the server with hand-made requests."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from apps.audit.models import AuditEvent
+from apps.jobs.models import JobDefinition
+from apps.runs.models import Run
+from tests.dashboard.conftest import XSS, client_for, failed_runs
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PAGES = [
+    "/",
+    "/failures",
+    "/runs",
+    "/dlq",
+    "/jobs",
+    "/jobs/new",
+    "/queues",
+    "/audit",
+    "/teams",
+]
+
+
+def test_signed_out_requests_redirect_to_sign_in(job_a):
+    (run,) = failed_runs(job_a)
+    client = Client()
+    pages = [
+        *PAGES,
+        f"/runs/{run.run_id}",
+        f"/jobs/{job_a.name}",
+        f"/jobs/{job_a.name}/edit",
+        "/teams/team-a",
+    ]
+    for path in pages:
+        response = client.get(path)
+        assert response.status_code == 302, path
+        assert response["Location"].startswith("/accounts/login/?next="), path
+    posts = [
+        f"/runs/{run.run_id}/requeue",
+        "/runs/bulk",
+        f"/jobs/{job_a.name}/pause",
+        f"/jobs/{job_a.name}/edit",
+        "/queues/team-a/billing/pause",
+        "/teams/team-a/tokens",
+    ]
+    for path in posts:
+        response = client.post(path, {"ids": [run.run_id], "action": "requeue", "confirm": "yes"})
+        assert response.status_code == 302, path
+        assert response["Location"].startswith("/accounts/login/"), path
+    run.refresh_from_db()
+    job_a.refresh_from_db()
+    assert run.state == "dead" and not job_a.paused
+    assert client.get("/accounts/login/").status_code == 200
+
+
+def test_an_htmx_request_signed_out_gets_a_client_redirect():
+    response = Client().get("/failures", HTTP_HX_REQUEST="true")
+    assert response.status_code == 200
+    assert response["HX-Redirect"] == "/accounts/login/"
+
+
+def test_a_viewer_cannot_retry_pause_or_edit_even_by_hand(viewer_a, job_a):
+    (run,) = failed_runs(job_a)
+    client = client_for(viewer_a)
+    assert client.get(f"/runs/{run.run_id}").status_code == 200  # a viewer reads
+    assert client.post(f"/runs/{run.run_id}/retry").status_code == 403
+    assert client.post(f"/runs/{run.run_id}/requeue").status_code == 403
+    bulk = {"action": "retry", "ids": [run.run_id], "confirm": "yes"}
+    assert client.post("/runs/bulk", bulk).status_code == 403
+    assert client.post(f"/jobs/{job_a.name}/pause").status_code == 403
+    assert client.post(f"/jobs/{job_a.name}/trigger").status_code == 403
+    assert client.post("/queues/team-a/billing/pause").status_code == 403
+    assert client.get(f"/jobs/{job_a.name}/edit").status_code == 403
+    edit = {"team": "team-a", "name": job_a.name, "kind": "none", "queue": "q", "priority": "default",
+            "timeout_seconds": 60, "retry_max_attempts": 1, "retry_base_seconds": 1,
+            "retry_max_seconds": 1, "payload": "{}"}  # fmt: skip
+    assert client.post(f"/jobs/{job_a.name}/edit", edit).status_code == 403
+    assert client.post("/jobs/new", {**edit, "name": "billing.other"}).status_code == 403
+    assert (
+        client.post(f"/jobs/{job_a.name}/delete", {"confirm_name": job_a.name}).status_code == 403
+    )
+    assert client.get("/teams/team-a").status_code == 403
+    run.refresh_from_db()
+    job_a.refresh_from_db()
+    assert run.state == "dead"
+    assert not job_a.paused and job_a.queue == "billing"
+    assert not JobDefinition.objects.filter(name="billing.other").exists()
+    assert not AuditEvent.objects.filter(source="dashboard").exists()
+
+
+def test_a_viewer_sees_no_action_buttons(viewer_a, job_a):
+    (run,) = failed_runs(job_a)
+    client = client_for(viewer_a)
+    body = client.get(f"/runs/{run.run_id}").content.decode()
+    assert f"/runs/{run.run_id}/requeue" not in body
+    assert "Retry selected" not in client.get("/failures").content.decode()
+
+
+def test_an_operator_of_team_a_cannot_see_team_b_runs(operator_a, job_a, job_b):
+    (mine,) = failed_runs(job_a, prefix="a")
+    (theirs,) = failed_runs(job_b, prefix="b")
+    client = client_for(operator_a)
+    for path in ("/failures", "/runs", "/dlq", "/jobs", "/queues", "/", "/audit"):
+        body = client.get(path).content.decode()
+        assert theirs.run_id not in body, path
+        assert "search.reindex" not in body, path
+    assert mine.run_id in client.get("/dlq").content.decode()
+    assert client.get(f"/runs/{theirs.run_id}").status_code == 404
+    assert client.get(f"/jobs/{job_b.name}").status_code == 404
+    assert client.post(f"/runs/{theirs.run_id}/requeue").status_code == 404
+    assert client.post(f"/jobs/{job_b.name}/pause").status_code == 404
+    assert client.post("/queues/team-b/search/pause").status_code == 404
+    # Another team's id slipped into a bulk action is ignored, not acted on.
+    response = client.post(
+        "/runs/bulk", {"action": "requeue", "ids": [mine.run_id, theirs.run_id], "confirm": "yes"}
+    )
+    assert response.status_code == 302
+    mine.refresh_from_db()
+    theirs.refresh_from_db()
+    assert mine.state == "ready" and theirs.state == "dead"
+
+
+def test_an_operator_retries_and_the_audit_names_the_dashboard(operator_a, job_a):
+    (run,) = failed_runs(job_a)
+    response = client_for(operator_a).post(f"/runs/{run.run_id}/retry")
+    assert response.status_code == 302
+    assert response["Location"] == f"/runs/{run.run_id}"
+    run.refresh_from_db()
+    assert run.state == "ready"
+    event = AuditEvent.objects.get(target=run.run_id)
+    assert (event.action, event.source, event.actor) == (
+        "dlq.requeue",
+        "dashboard",
+        "oscar-operator",
+    )
+
+
+def test_staff_see_every_team_but_change_nothing_without_a_role(job_a, job_b):
+    from tests.dashboard.conftest import make_user
+
+    staff = make_user("sam-staff", is_staff=True)
+    (theirs,) = failed_runs(job_b)
+    client = client_for(staff)
+    assert theirs.run_id in client.get("/dlq").content.decode()
+    assert client.post(f"/runs/{theirs.run_id}/requeue").status_code == 403
+
+
+def test_a_post_without_a_csrf_token_is_refused(operator_a, job_a):
+    (run,) = failed_runs(job_a)
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(operator_a)
+    response = client.post(f"/runs/{run.run_id}/retry")
+    assert response.status_code == 403
+    assert b"CSRF" in response.content
+    run.refresh_from_db()
+    assert run.state == "dead"
+    # With the token the page gave it, the same request goes through.
+    client.get(f"/runs/{run.run_id}")
+    token = client.cookies["csrftoken"].value
+    assert client.post(f"/runs/{run.run_id}/retry", HTTP_X_CSRFTOKEN=token).status_code == 302
+
+
+def test_payloads_and_errors_render_as_text(viewer_a, job_a):
+    (run,) = failed_runs(job_a, message=f"{XSS} failed", payload={"html": XSS})
+    client = client_for(viewer_a)
+    for path in (f"/runs/{run.run_id}", "/failures", "/dlq", f"/jobs/{job_a.name}"):
+        body = client.get(path).content.decode()
+        assert XSS not in body, path
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in body, path
+
+
+def test_every_page_sends_a_csp_without_inline_script(viewer_a):
+    client = client_for(viewer_a)
+    for path in [*PAGES[:4], "/accounts/login/"]:
+        response = client.get(path)
+        policy = response["Content-Security-Policy"]
+        assert "script-src 'self'" in policy and "unsafe-inline" not in policy
+        assert "<script>" not in response.content.decode()  # no inline script element at all
+
+
+def test_not_found_is_html_for_people_and_json_for_the_api(viewer_a):
+    client = client_for(viewer_a)
+    page = client.get("/runs/run_ZZZZZZ")
+    assert page.status_code == 404 and page["Content-Type"].startswith("text/html")
+    api = client.get("/api/v1/nothing-here")
+    assert api.status_code == 404 and api["Content-Type"] == "application/problem+json"
+
+
+def test_list_pages_never_count_the_runs_table(operator_a, job_a):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    failed_runs(job_a, 3)
+    client = client_for(operator_a)
+    for path in ("/failures", "/runs", "/dlq", "/runs?state=ready", "/jobs", "/audit"):
+        with CaptureQueriesContext(connection) as captured:
+            assert client.get(path).status_code == 200
+        counts = [q["sql"] for q in captured if "COUNT(" in q["sql"].upper()]
+        assert counts == [], (path, counts)
+    assert reverse("dashboard:failures") == "/failures"
+    assert Run.objects.count() == 3

@@ -1,0 +1,209 @@
+"""The dashboard in a real headless Chromium against uvicorn (HTTP and WebSocket) on PostgreSQL.
+
+Each test saves screenshots to test-artifacts/screenshots/ for a reviewer to look at.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+from playwright.sync_api import expect
+
+from apps.audit.models import AuditEvent
+from apps.jobs import services
+from apps.jobs.models import JobDefinition
+from apps.runs.models import Run
+from apps.teams.models import ApiToken
+from tests.conftest import add_ready_runs, make_definition
+from tests.dashboard.conftest import PASSWORD, XSS, failed_runs
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+
+def test_sign_in_and_every_screen_renders(web, admin_a, job_a):
+    failed_runs(job_a, 2, message="connection reset by peer")
+    add_ready_runs(job_a, 3, prefix="ready")
+    page = web.page
+    web.goto("/failures")
+    expect(page).to_have_url(re.compile(r"/accounts/login/\?next=/failures$"))
+    web.screenshot("sign-in")
+    page.fill("#id_username", admin_a.username)
+    page.fill("#id_password", PASSWORD)
+    page.click("button[type=submit]")
+    expect(page).to_have_url(re.compile(r"/failures$"))
+    expect(page.locator("header .who")).to_contain_text(admin_a.username)
+
+    run = Run.objects.filter(state="dead").first()
+    screens = {
+        "overview": "/",
+        "failures": "/failures",
+        "runs": "/runs",
+        "run-detail": f"/runs/{run.run_id}",
+        "dlq": "/dlq",
+        "jobs": "/jobs",
+        "job-detail": f"/jobs/{job_a.name}",
+        "job-new": "/jobs/new",
+        "job-edit": f"/jobs/{job_a.name}/edit",
+        "queues": "/queues",
+        "audit": "/audit",
+        "teams": "/teams",
+        "team-admin": "/teams/team-a",
+    }
+    for name, path in screens.items():
+        response = web.goto(path)
+        assert response.status == 200, path
+        expect(page.locator("h1").first).to_be_visible()
+        web.screenshot(name)
+    assert web.console_errors == []  # no CSP violation, no failed script
+
+
+def test_a_failed_run_appears_without_reload_then_is_inspected_and_retried(web, operator_a, team_a):
+    job = make_definition(team_a, "billing.charge", queue="billing", retry_max_attempts=2)
+    web.sign_in(operator_a)
+    page = web.page
+    web.goto("/failures")
+    web.wait_live()
+    expect(page.locator("td.empty")).to_be_visible()
+    page.evaluate("window.__sameDocument = true")
+
+    (run,) = failed_runs(
+        job, retryable=False, message=f"{XSS} card declined", payload={"html": XSS}
+    )
+    row = page.locator(f"#run-row-{run.pk}")
+    expect(row).to_be_visible(timeout=10_000)
+    assert page.evaluate("window.__sameDocument") is True  # swapped in, not reloaded
+    expect(row).to_contain_text("dead")
+    expect(row).to_contain_text(f"{XSS} card declined")  # shown as text
+    web.screenshot("failures-live-update")
+
+    row.locator("a", has_text=run.run_id).click()
+    expect(page).to_have_url(re.compile(rf"/runs/{run.run_id}$"))
+    expect(page.locator("#last-error")).to_have_text(f"{XSS} card declined")
+    expect(page.locator("#payload")).to_contain_text(XSS)
+    timeline = page.locator("#timeline li")
+    expect(timeline).to_have_count(1)
+    expect(timeline.first).to_contain_text("Attempt 1")
+    expect(timeline.first).to_contain_text("failed")
+    expect(timeline.first).to_contain_text("worker-1/4242")
+    expect(timeline.first).to_contain_text(str(Run.objects.get(pk=run.pk).fencing_token))
+    expect(page.locator("dd.mono", has_text=run.idempotency_key)).to_be_visible()
+    web.screenshot("run-detail-dead")
+
+    page.get_by_role("button", name="Retry").click()
+    expect(page.locator(".messages")).to_contain_text(f"Retried {run.run_id}")
+    expect(page.locator("#run-body .state").first).to_have_text("ready")
+    assert Run.objects.get(pk=run.pk).state == "ready"
+    assert AuditEvent.objects.filter(target=run.run_id, source="dashboard").exists()
+    web.screenshot("run-detail-retried")
+    assert web.dialogs == []  # the <script> never ran
+    assert web.console_errors == []
+
+
+def test_two_dlq_runs_are_requeued_in_one_confirmed_bulk_action(web, operator_a, job_a):
+    first, second, third = failed_runs(job_a, 3)
+    web.sign_in(operator_a)
+    page = web.page
+    web.goto("/dlq")
+    page.check(f"#pick-{first.pk}")
+    page.check(f"#pick-{second.pk}")
+    page.get_by_role("button", name="Requeue selected…").click()
+    dialog = page.get_by_role("dialog")
+    expect(dialog).to_contain_text("Requeue 2 runs?")
+    expect(dialog).to_contain_text(first.run_id)
+    expect(dialog).to_contain_text(second.run_id)
+    web.screenshot("dlq-bulk-confirm")
+    assert Run.objects.filter(state="dead").count() == 3  # nothing changes before the confirmation
+    dialog.get_by_role("button", name="Requeue 2 runs").click()
+    expect(page.locator(".messages")).to_contain_text("Requeued 2 runs.")
+    expect(page.locator(f"#run-row-{third.pk}")).to_be_visible()
+    expect(page.locator(f"#run-row-{first.pk}")).to_have_count(0)
+    web.screenshot("dlq-after-requeue")
+    states = dict(Run.objects.values_list("pk", "state"))
+    assert (states[first.pk], states[second.pk], states[third.pk]) == ("ready", "ready", "dead")
+    assert AuditEvent.objects.filter(action="dlq.requeue", source="dashboard").count() == 2
+
+
+def test_a_paused_definition_is_refused_to_the_api(web, operator_a, job_a, asgi_server):
+    add_ready_runs(job_a, 1)
+    raw = ApiToken.issue(job_a.team, ["worker"])[1]
+    web.sign_in(operator_a)
+    page = web.page
+    web.goto(f"/jobs/{job_a.name}")
+    page.get_by_role("button", name="Pause").click()
+    expect(page.locator(".messages")).to_contain_text(f"Paused {job_a.name}")
+    expect(page.locator("#job-paused")).to_be_visible()
+    web.screenshot("job-paused")
+    assert JobDefinition.objects.get(pk=job_a.pk).paused
+
+    lease = {"queues": ["billing"], "max": 10, "workerId": "w-1"}
+    headers = {"Authorization": f"Bearer {raw}"}
+    answer = httpx.post(f"{asgi_server.url}/api/v1/leases", json=lease, headers=headers)
+    assert answer.status_code == 200 and answer.json()["leases"] == []
+
+    page.get_by_role("button", name="Resume").click()
+    expect(page.locator(".messages")).to_contain_text(f"Resumed {job_a.name}")
+    answer = httpx.post(f"{asgi_server.url}/api/v1/leases", json=lease, headers=headers)
+    assert len(answer.json()["leases"]) == 1
+    actions = list(
+        AuditEvent.objects.filter(target=job_a.name).order_by("pk").values_list("action", flat=True)
+    )
+    assert actions == ["job.pause", "job.resume"]
+
+
+def test_editing_a_cron_previews_it_saves_it_and_the_audit_shows_the_diff(web, editor_a, team_a):
+    spec = services.DefinitionSpec(
+        name="reports.nightly", schedule={"cron": "0 2 * * *", "timeZone": "Europe/Berlin",
+        "jitterSeconds": 0, "missedRunPolicy": "run_once"}, queue="reports", priority=1,
+        timeout_seconds=600, retry_max_attempts=3, retry_base_seconds=30, retry_max_seconds=1800,
+        concurrency=None, payload={}, paused=False, dry_run=False,
+    )  # fmt: skip
+    from apps.audit.record import Actor
+
+    services.create_definition(team_a, spec, Actor.cli("test"))
+    web.sign_in(editor_a)
+    page = web.page
+    web.goto("/jobs/reports.nightly/edit")
+    first_local = page.locator("#preview tbody tr").first.locator("td").first
+    expect(first_local).to_contain_text("T02:00:00")
+
+    page.fill("#id_cron", "17 5 * * *")
+    expect(first_local).to_contain_text("T05:17:00")  # the preview followed the typing
+    page.fill("#id_cron", "61 5 * * *")
+    expect(page.locator("#err-cron")).not_to_be_empty()  # live validation, from schedule.py
+    expect(page.locator("#preview")).to_contain_text("Fix the schedule")
+    page.fill("#id_cron", "30 2 * * *")
+    expect(page.locator("#err-cron")).to_be_empty()
+    expect(page.locator("#preview tbody tr")).to_have_count(10)
+    web.screenshot("job-edit-preview")
+
+    page.get_by_role("button", name="Save changes").click()
+    expect(page).to_have_url(re.compile(r"/jobs/reports\.nightly$"))
+    expect(page.locator(".messages")).to_contain_text("Saved reports.nightly")
+    assert JobDefinition.objects.get(name="reports.nightly").schedule["cron"] == "30 2 * * *"
+
+    web.goto("/audit?action=job.update")
+    row = page.locator("tr.audit-row").first
+    expect(row).to_contain_text("erin-editor")
+    expect(row).to_contain_text("dashboard")
+    expect(row).to_contain_text("schedule.cron")
+    expect(row.locator(".before")).to_contain_text('"0 2 * * *"')
+    expect(row.locator(".after")).to_contain_text('"30 2 * * *"')
+    web.screenshot("audit-edit-diff")
+    assert web.console_errors == []
+
+
+def test_a_viewer_sees_the_pages_without_any_action(web, viewer_a, job_a):
+    (run,) = failed_runs(job_a)
+    web.sign_in(viewer_a)
+    page = web.page
+    web.goto(f"/runs/{run.run_id}")
+    expect(page.locator("#last-error")).to_have_text("boom")
+    expect(page.get_by_role("button", name="Requeue")).to_have_count(0)
+    web.goto("/dlq")
+    expect(page.locator(f"#run-row-{run.pk}")).to_be_visible()
+    expect(page.get_by_role("button", name="Requeue selected…")).to_have_count(0)
+    web.goto(f"/jobs/{job_a.name}")
+    expect(page.get_by_role("button", name="Pause")).to_have_count(0)
+    web.screenshot("viewer-job-detail")

@@ -1,0 +1,98 @@
+"""The definition form: validated by the API's serializer and the schedule module, never twice."""
+
+from __future__ import annotations
+
+import pytest
+
+from apps.audit.models import AuditEvent
+from apps.jobs.models import JobDefinition
+from apps.jobs.schedule import shard_for
+from tests.dashboard.conftest import client_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+FORM = {
+    "team": "team-a",
+    "name": "billing.export-invoices",
+    "kind": "cron",
+    "cron": "0 2 * * *",
+    "time_zone": "Europe/Berlin",
+    "jitter_seconds": "0",
+    "missed_run_policy": "run_once",
+    "queue": "billing",
+    "priority": "critical",
+    "timeout_seconds": "900",
+    "retry_max_attempts": "5",
+    "retry_base_seconds": "30",
+    "retry_max_seconds": "1800",
+    "concurrency": "1",
+    "payload": '{"format": "csv"}',
+}
+
+
+def test_an_editor_creates_a_definition_from_the_form(editor_a):
+    response = client_for(editor_a).post("/jobs/new", FORM)
+    assert response.status_code == 302
+    assert response["Location"] == "/jobs/billing.export-invoices"
+    job = JobDefinition.objects.get(name="billing.export-invoices")
+    assert job.schedule == {
+        "cron": "0 2 * * *",
+        "timeZone": "Europe/Berlin",
+        "jitterSeconds": 0,
+        "missedRunPolicy": "run_once",
+    }
+    assert (job.priority, job.concurrency, job.payload) == (0, 1, {"format": "csv"})
+    assert job.shard == shard_for(job.name) and job.next_due_at is not None
+    event = AuditEvent.objects.get(action="job.create")
+    assert (event.source, event.actor) == ("dashboard", "erin-editor")
+
+
+def test_bad_input_is_refused_with_a_reason_beside_each_field(editor_a):
+    bad = {**FORM, "name": "Bad Name", "cron": "0 25 * * *", "time_zone": "Mars/Olympus",
+           "retry_base_seconds": "60", "retry_max_seconds": "10", "payload": "{nope"}  # fmt: skip
+    response = client_for(editor_a).post("/jobs/new", bad)
+    assert response.status_code == 200
+    errors = response.context["form"].errors
+    assert {"name", "cron", "time_zone", "retry_max_seconds", "payload"} <= set(errors)
+    assert "25" in " ".join(errors["cron"])
+    assert not JobDefinition.objects.exists()
+
+
+def test_the_preview_shows_ten_times_and_marks_dst(editor_a):
+    client = client_for(editor_a)
+    # Every Sunday of March at 02:30: the next ten always include the last one, when Europe/Berlin
+    # springs forward and 02:30 does not exist.
+    query = {"kind": "cron", "cron": "30 2 * 3 0", "time_zone": "Europe/Berlin",
+             "jitter_seconds": "0", "name": "x"}  # fmt: skip
+    response = client.get("/jobs/-/preview", query, HTTP_HX_REQUEST="true")
+    body = response.content.decode()
+    assert response.status_code == 200
+    assert body.count("<tr>") == 11  # a header and ten fire times
+    assert "does not exist" in body and "T03:00:00+02:00" in body
+    bad = client.get("/jobs/-/preview", {**query, "time_zone": "Nowhere/Special"}).content.decode()
+    assert 'id="err-time_zone" hx-swap-oob="true">' in bad and "Nowhere/Special" in bad
+
+
+def test_dry_run_toggle_and_trigger_now_go_through_the_domain(operator_a, editor_a, team_a):
+    client_for(editor_a).post("/jobs/new", FORM)
+    job = JobDefinition.objects.get()
+    assert client_for(operator_a).post(f"/jobs/{job.name}/dry-run").status_code == 403
+    client_for(editor_a).post(f"/jobs/{job.name}/dry-run")
+    job.refresh_from_db()
+    assert job.dry_run
+    response = client_for(operator_a).post(f"/jobs/{job.name}/trigger")
+    run = job.runs.get()
+    assert response["Location"] == f"/runs/{run.run_id}"
+    assert (run.trigger, run.dry_run) == ("manual", True)
+    actions = list(AuditEvent.objects.order_by("pk").values_list("action", flat=True))
+    assert actions == ["job.create", "job.update", "job.trigger"]
+
+
+def test_delete_needs_the_typed_name(editor_a):
+    client = client_for(editor_a)
+    client.post("/jobs/new", FORM)
+    client.post("/jobs/billing.export-invoices/delete", {"confirm_name": "billing"})
+    assert JobDefinition.objects.exists()
+    client.post("/jobs/billing.export-invoices/delete", {"confirm_name": "billing.export-invoices"})
+    assert not JobDefinition.objects.exists()
+    assert AuditEvent.objects.filter(action="job.delete").exists()

@@ -1,0 +1,149 @@
+"""Live updates: the fingerprint notices every kind of change, the socket admits only signed-in
+users on live pages, and what it sends is the page's own region, filtered by the user's teams."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from asgiref.sync import sync_to_async
+from asgiref.testing import ApplicationCommunicator
+from django.db import connections
+from django.test import Client
+
+from apps.audit.record import Actor
+from apps.dashboard import live
+from apps.jobs import services
+from apps.runs import store
+from apps.runs.models import Run
+from tests.conftest import add_ready_runs
+from tests.dashboard.conftest import failed_runs
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_the_fingerprint_changes_on_insert_lease_end_and_audited_change(job_a):
+    seen = {live.fingerprint()}
+
+    def changed() -> bool:
+        current = live.fingerprint()
+        fresh = current not in seen
+        seen.add(current)
+        return fresh
+
+    (run_pk,) = add_ready_runs(job_a, 1)
+    assert changed()  # inserted
+    (lease,) = store.claim(queues=["billing"], max_runs=1, worker_id="w", lease_seconds=60)
+    assert changed()  # leased
+    store.complete([(lease.id, lease.fencing_token, None)], team_ids=[job_a.team_id])
+    assert changed()  # lease ended
+    assert not changed()  # nothing happened
+    services.set_paused(job_a, True, Actor.cli("test"))
+    assert changed()  # audited change
+    assert Run.objects.get(pk=run_pk).state == "succeeded"
+
+
+def test_only_live_dashboard_pages_are_accepted():
+    assert live.live_path("/failures?team=team-a") == "/failures?team=team-a"
+    assert live.live_path("/runs/run_1") == "/runs/run_1"
+    for bad in (
+        "/audit",
+        "/teams/team-a",
+        "/api/v1/runs",
+        "https://evil.example/failures",
+        "",
+        "x",
+    ):
+        assert live.live_path(bad) is None, bad
+
+
+def _scope_for(user) -> dict:
+    client = Client()
+    client.force_login(user)
+    client.get("/failures")  # sets the CSRF cookie
+    return {
+        "user": user,
+        "cookies": {name: morsel.value for name, morsel in client.cookies.items()},
+        "headers": [(b"host", b"testserver")],
+    }
+
+
+def test_a_render_is_the_users_own_view_of_the_region(operator_a, job_a, job_b):
+    (mine,) = failed_runs(job_a, prefix="a")
+    (theirs,) = failed_runs(job_b, prefix="b")
+    html = live.render(_scope_for(operator_a), "/failures")
+    assert html.lstrip().startswith('<div id="results">')
+    assert mine.run_id in html and theirs.run_id not in html
+    assert 'name="csrfmiddlewaretoken"' in html
+    # A page further down the list is not live: new rows belong on the first page.
+    assert live.render(_scope_for(operator_a), f"/failures?cursor={mine.run_id}").strip() == ""
+
+
+def in_own_thread(scenario):
+    """Run a coroutine on a fresh event loop in its own thread: the browser tests' Playwright
+    keeps an event loop in this one."""
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = asyncio.run(scenario())
+        except BaseException as exc:  # re-raised in the test's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(60)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _socket(application, headers: list[tuple[bytes, bytes]]) -> ApplicationCommunicator:
+    # channels.testing needs daphne; the ASGI messages are few enough to write by hand.
+    return ApplicationCommunicator(
+        application,
+        {
+            "type": "websocket",
+            "path": "/ws/live/",
+            "query_string": b"path=%2Ffailures",
+            "headers": [(b"origin", b"http://localhost"), (b"host", b"localhost"), *headers],
+            "subprotocols": [],
+        },
+    )
+
+
+def test_a_signed_out_socket_is_closed_and_a_signed_in_one_receives_changes(operator_a, job_a):
+    from scheduler_site.asgi import application
+
+    client = Client()
+    client.force_login(operator_a)
+    cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
+
+    async def scenario() -> tuple[dict, dict, dict]:
+        anonymous = _socket(application, [])
+        await anonymous.send_input({"type": "websocket.connect"})
+        refused = await anonymous.receive_output(timeout=5)
+
+        socket = _socket(application, [(b"cookie", cookie)])
+        await socket.send_input({"type": "websocket.connect"})
+        accepted = await socket.receive_output(timeout=5)
+        await asyncio.sleep(0.5)
+        (run,) = await sync_to_async(failed_runs)(job_a)
+        # The first poll after the socket opens may send the region as it was; then the change.
+        for _ in range(3):
+            message = await socket.receive_output(timeout=10)
+            if f'id="run-row-{run.pk}"' in message.get("text", ""):
+                break
+        await socket.send_input({"type": "websocket.disconnect", "code": 1000})
+        await socket.wait(timeout=5)
+        # This loop's thread-sensitive calls shared one thread; close its database connection.
+        await sync_to_async(connections.close_all)()
+        return refused, accepted, message
+
+    refused, accepted, message = in_own_thread(scenario)
+    assert (refused["type"], refused["code"]) == ("websocket.close", 4401)
+    assert accepted["type"] == "websocket.accept"
+    run = Run.objects.get()
+    assert message["type"] == "websocket.send"
+    assert f'id="run-row-{run.pk}"' in message["text"] and "dead" in message["text"]

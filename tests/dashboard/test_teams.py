@@ -1,0 +1,82 @@
+"""Members and API tokens, managed by a team's admins through apps.teams.services."""
+
+from __future__ import annotations
+
+import pytest
+
+from apps.audit.models import AuditEvent
+from apps.teams.models import ApiToken, Membership
+from tests.dashboard.conftest import client_for, make_user
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_a_new_token_is_shown_once_and_only_its_hash_is_kept(admin_a, team_a):
+    client = client_for(admin_a)
+    response = client.post(
+        "/teams/team-a/tokens", {"name": "billing workers", "scopes": ["worker"]}
+    )
+    assert response.status_code == 302
+    token = ApiToken.objects.get(team=team_a)
+    first = client.get("/teams/team-a").content.decode()
+    raw = first.split("<code>")[1].split("</code>")[0]
+    assert raw.startswith(token.prefix) and token.matches(raw)
+    assert raw not in client.get("/teams/team-a").content.decode()  # never again
+    assert (token.name, token.scopes, token.created_by) == ("billing workers", ["worker"], admin_a)
+    event = AuditEvent.objects.get(action="token.create")
+    assert (event.source, event.target) == ("dashboard", token.prefix)
+    assert raw not in str(event.after)
+
+
+def test_revoking_a_token_stops_it_and_is_audited(admin_a, team_a):
+    token, _ = ApiToken.issue(team_a, ["worker"], name="old")
+    client = client_for(admin_a)
+    assert client.post(f"/teams/team-a/tokens/{token.pk}/revoke").status_code == 302
+    token.refresh_from_db()
+    assert token.revoked_at is not None
+    assert AuditEvent.objects.filter(action="token.revoke", target=token.prefix).count() == 1
+    client.post(f"/teams/team-a/tokens/{token.pk}/revoke")  # twice is still one revocation
+    assert AuditEvent.objects.filter(action="token.revoke").count() == 1
+
+
+def test_members_are_added_changed_and_removed_with_an_audit_trail(admin_a, team_a):
+    make_user("newcomer")
+    client = client_for(admin_a)
+    client.post("/teams/team-a/members", {"username": "newcomer", "role": "viewer"})
+    client.post("/teams/team-a/members", {"username": "newcomer", "role": "operator"})
+    membership = Membership.objects.get(team=team_a, user__username="newcomer")
+    assert membership.role == "operator"
+    client.post(f"/teams/team-a/members/{membership.pk}/remove")
+    assert not Membership.objects.filter(pk=membership.pk).exists()
+    trail = list(
+        AuditEvent.objects.filter(target="newcomer")
+        .order_by("pk")
+        .values_list("action", "before", "after")
+    )
+    assert trail == [
+        ("member.set", None, {"role": "viewer"}),
+        ("member.set", {"role": "viewer"}, {"role": "operator"}),
+        ("member.remove", {"role": "operator"}, None),
+    ]
+
+
+def test_the_last_admin_cannot_be_demoted(admin_a, team_a):
+    response = client_for(admin_a).post(
+        "/teams/team-a/members", {"username": admin_a.username, "role": "viewer"}, follow=True
+    )
+    assert "at least one admin" in response.content.decode()
+    assert Membership.objects.get(user=admin_a).role == "admin"
+
+
+def test_only_admins_manage_members_and_tokens(editor_a, team_a):
+    client = client_for(editor_a)
+    assert client.get("/teams/team-a").status_code == 403
+    assert client.post("/teams/team-a/tokens", {"scopes": ["manage"]}).status_code == 403
+    assert (
+        client.post(
+            "/teams/team-a/members", {"username": editor_a.username, "role": "admin"}
+        ).status_code
+        == 403
+    )
+    assert not ApiToken.objects.exists()
+    assert Membership.objects.get(user=editor_a).role == "editor"
