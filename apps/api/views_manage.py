@@ -27,13 +27,14 @@ from apps.api.serializers import (
     parse_definition,
     run_json,
 )
-from apps.audit.record import Actor
+from apps.audit.record import Actor, record_denied
 from apps.jobs import schedule as sched
 from apps.jobs import services, sync
 from apps.jobs.models import JobDefinition
 from apps.runs import transitions
 from apps.runs.ids import parse_run_id
 from apps.runs.models import WAITING_STATES, Run, State
+from apps.teams import access
 
 PAGE_DEFAULT = 50
 PAGE_MAX = 500
@@ -48,12 +49,24 @@ class ManageView(APIView):
     def team(self, request: Request):
         return request.auth.team
 
-    def definition(self, request: Request, name: str) -> JobDefinition:
-        definition = (
-            JobDefinition.objects.select_related("team")
-            .filter(name=name, team=self.team(request))
-            .first()
+    def team_ids(self, request: Request) -> list[int]:
+        return access.visible_team_ids(request.user)
+
+    def _deny(self, request: Request, team, target_type: str, target: str) -> None:
+        """Record an attempt on another team's object, then answer as if it did not exist."""
+        record_denied(
+            self.actor(request),
+            f"{request.method} {request.path}",
+            team=team,
+            target_type=target_type,
+            target=target,
         )
+
+    def definition(self, request: Request, name: str) -> JobDefinition:
+        definition = JobDefinition.objects.select_related("team").filter(name=name).first()
+        if definition is not None and access.role_in(request.user, definition.team_id) is None:
+            self._deny(request, definition.team, "job", name)
+            definition = None
         if definition is None:
             raise NotFound(f"No job named '{name}'.")
         return definition
@@ -61,12 +74,13 @@ class ManageView(APIView):
     def run(self, request: Request, run_id: str) -> Run:
         pk = parse_run_id(run_id)
         run = (
-            Run.objects.select_related("definition", "team")
-            .filter(pk=pk, team=self.team(request))
-            .first()
+            Run.objects.select_related("definition", "team").filter(pk=pk).first()
             if pk is not None
             else None
         )
+        if run is not None and access.role_in(request.user, run.team_id) is None:
+            self._deny(request, run.team, "run", run_id)
+            run = None
         if run is None:
             raise NotFound("No such run.")
         return run
@@ -487,7 +501,9 @@ def paginate(request: Request, queryset: QuerySet, now: datetime) -> Response:
 
 
 def team_runs(view: ManageView, request: Request) -> QuerySet:
-    return Run.objects.select_related("definition", "team").filter(team=view.team(request))
+    return Run.objects.select_related("definition", "team").filter(
+        team_id__in=view.team_ids(request)
+    )
 
 
 class RunsView(ManageView):
@@ -625,8 +641,11 @@ class DlqActionView(ManageView):
         data = body.validated_data
         dead = team_runs(self, request).filter(state=State.DEAD)
         if "runIds" in data:
-            pks = [parse_run_id(run_id) for run_id in data["runIds"]]
-            dead = dead.filter(pk__in=[pk for pk in pks if pk is not None])
+            pks = [pk for pk in map(parse_run_id, data["runIds"]) if pk is not None]
+            dead = dead.filter(pk__in=pks)
+            foreign = Run.objects.filter(pk__in=pks).exclude(team_id__in=self.team_ids(request))
+            for run in foreign.select_related("team"):
+                self._deny(request, run.team, "run", run.run_id)
         else:
             dead = filter_runs(dead, data["filter"], services.database_now())
         runs = list(dead.order_by("pk")[:10000])

@@ -22,19 +22,35 @@ from apps.api.serializers import (
     TokenSerializer,
     iso,
 )
+from apps.audit.record import Actor, record_denied
 from apps.jobs.models import PRIORITY_NAMES
 from apps.jobs.services import database_now
 from apps.runs import store
 from apps.runs.activity import note_lease_activity
 from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.waiting import listener
+from apps.teams import access
+from apps.teams.models import Team
 
 
 class WorkerView(APIView):
     required_scope = "worker"
 
     def team_ids(self, request: Request) -> list[int]:
-        return [request.auth.team_id]
+        return access.visible_team_ids(request.user)
+
+    def checked(self, request: Request, outcomes: list[store.Outcome]) -> list[store.Outcome]:
+        """Record every item that named another team's run; it is answered 404 all the same."""
+        for outcome in outcomes:
+            if outcome.denied_team_id is not None:
+                record_denied(
+                    Actor.for_token(request.auth),
+                    f"{request.method} {request.path}",
+                    team=Team.objects.filter(pk=outcome.denied_team_id).first(),
+                    target_type="run",
+                    target=public_run_id(outcome.id),
+                )
+        return outcomes
 
 
 def lease_json(lease: store.Lease) -> dict:
@@ -134,7 +150,9 @@ class HeartbeatView(WorkerView):
     def post(self, request: Request, run_id: str) -> Response:
         pk = _run_pk(run_id)
         body = worker_input.token_body(request.data)
-        (outcome,) = store.heartbeat([(pk, body["fencingToken"])], team_ids=self.team_ids(request))
+        (outcome,) = self.checked(
+            request, store.heartbeat([(pk, body["fencingToken"])], team_ids=self.team_ids(request))
+        )
         _single(outcome)
         return Response({"runId": run_id, "leaseExpiresAt": iso(outcome.lease_expires_at)})
 
@@ -159,8 +177,11 @@ class CompleteView(WorkerView):
     def post(self, request: Request, run_id: str) -> Response:
         pk = _run_pk(run_id)
         data = worker_input.complete_body(request.data)
-        (outcome,) = store.complete(
-            [(pk, data["fencingToken"], data["result"])], team_ids=self.team_ids(request)
+        (outcome,) = self.checked(
+            request,
+            store.complete(
+                [(pk, data["fencingToken"], data["result"])], team_ids=self.team_ids(request)
+            ),
         )
         _single(outcome)
         return Response({"runId": run_id, "state": outcome.state})
@@ -189,9 +210,12 @@ class FailView(WorkerView):
     def post(self, request: Request, run_id: str) -> Response:
         pk = _run_pk(run_id)
         data = worker_input.fail_body(request.data)
-        (outcome,) = store.fail(
-            [(pk, data["fencingToken"], dict(data["error"]), data["retryable"])],
-            team_ids=self.team_ids(request),
+        (outcome,) = self.checked(
+            request,
+            store.fail(
+                [(pk, data["fencingToken"], dict(data["error"]), data["retryable"])],
+                team_ids=self.team_ids(request),
+            ),
         )
         _single(outcome)
         return Response(
@@ -235,8 +259,12 @@ class BatchHeartbeatsView(WorkerView):
         items = worker_input.batch_heartbeats(request.data)
         known = _known(items)
         outcomes = (
-            store.heartbeat(
-                [(pk, item["fencingToken"]) for pk, item in known], team_ids=self.team_ids(request)
+            self.checked(
+                request,
+                store.heartbeat(
+                    [(pk, item["fencingToken"]) for pk, item in known],
+                    team_ids=self.team_ids(request),
+                ),
             )
             if known
             else []
@@ -285,8 +313,10 @@ class BatchResultsView(WorkerView):
             if item["outcome"] == "failed"
         ]
         by_pk: dict[int, store.Outcome] = {}
-        for outcome in (store.complete(succeeded, team_ids=team_ids) if succeeded else []) + (
-            store.fail(failed, team_ids=team_ids) if failed else []
+        for outcome in self.checked(
+            request,
+            (store.complete(succeeded, team_ids=team_ids) if succeeded else [])
+            + (store.fail(failed, team_ids=team_ids) if failed else []),
         ):
             by_pk[outcome.id] = outcome
         answer = []

@@ -56,3 +56,17 @@ def record(
         before=before,
         after=after,
     )
+
+
+def record_denied(
+    actor: Actor, attempted: str, *, team: Any, target_type: str, target: str
+) -> AuditEvent:
+    """Record an attempt on another team's object (answered as if the object did not exist)."""
+    return record(
+        actor,
+        "access.denied",
+        team=team,
+        target_type=target_type,
+        target=target,
+        after={"attempted": attempted},
+    )

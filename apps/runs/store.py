@@ -510,6 +510,7 @@ class Outcome:
     available_at: datetime | None = None
     queue: str = ""
     detail: str = ""
+    denied_team_id: int | None = None  # set when the run exists but belongs to another team
 
 
 # Only for the items a batch did not change: tell "not yours" (404) from "not any more" (409).
@@ -528,7 +529,8 @@ def _diagnose(
     for run_id, token in items:
         row = found.get(run_id)
         if row is None or row[1] not in team_ids:
-            outcomes[run_id] = Outcome(run_id, 404, detail="no such run")
+            denied = row[1] if row is not None else None
+            outcomes[run_id] = Outcome(run_id, 404, detail="no such run", denied_team_id=denied)
             continue
         _, _, state, current, expired = row
         if current is None or token < current:

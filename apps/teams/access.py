@@ -1,8 +1,10 @@
-"""Who may see and change what: the one authorisation layer of the dashboard.
+"""Who may see and change what: the one authorisation layer of the dashboard and the API.
 
 Roles rank viewer < operator < editor < admin (see `Membership.allows`). A user sees the teams
 they are a member of; staff users see every team (as viewers where they hold no membership), and
-superusers are admins of every team. Every dashboard view asks here, never the models directly.
+superusers are admins of every team. An API token sees only its own team: as an editor with the
+`manage` scope, as a viewer otherwise (its `worker` scope is checked by the API's permission).
+Every dashboard view and API view asks here, never the models directly.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ def team_roles(user) -> dict[int, str]:
     if cached is not None:
         return cached
     roles: dict[int, str] = {}
-    if user is not None and user.is_authenticated and user.is_active:
+    token = getattr(user, "token", None)
+    if token is not None:
+        roles = {token.team_id: (Role.EDITOR if token.has_scope("manage") else Role.VIEWER).value}
+    elif user is not None and user.is_authenticated and user.is_active:
         roles = dict(Membership.objects.filter(user=user).values_list("team_id", "role"))
         if user.is_superuser:
             roles = dict.fromkeys(Team.objects.values_list("id", flat=True), Role.ADMIN.value)

@@ -60,6 +60,14 @@ def test_other_teams_jobs_and_runs_are_not_found(api_a, api_b, team_a):
     assert api_b.post("/api/v1/dlq/requeue", {"runIds": [run_id]}).json()["count"] == 0
     assert api_b.lease(["q"], 5) == []
     assert Run.objects.get().state == "leased"
+    # Every attempt was recorded, as a denial by team B's token against team A's objects.
+    from apps.audit.models import AuditEvent
+
+    denied = AuditEvent.objects.filter(action="access.denied")
+    assert denied.count() == 8
+    assert set(denied.values_list("team__slug", flat=True)) == {"team-a"}
+    assert all(event.actor_token.team.slug == "team-b" for event in denied)
+    assert set(denied.values_list("target", flat=True)) == {"secret.job", run_id}
     # Another team cannot take the name either.
     assert api_b.put("/api/v1/jobs/secret.job", {"name": "secret.job"}).status_code == 403
 
