@@ -1,11 +1,12 @@
-"""Command line: run a worker with the handlers of a module.
+"""Command line: run a worker with the handlers of a module, or a bridge to Celery tasks.
 
     python -m cronlease_client run myapp.handlers --queue billing --concurrency 8
+    python -m cronlease_client bridge myapp.tasks --queue billing --prefetch 16
 
 The URL and token come from --url/--token or CRONLEASE_URL/CRONLEASE_TOKEN (prefer the
 environment for the token: command lines are visible to every user of the machine).
-Exit status: 0 after a graceful stop, 1 when the scheduler refused the worker, 130 after a
-second Ctrl-C.
+Exit status: 0 after a graceful stop, 1 when the scheduler refused the worker (or the bridge
+failed), 2 for a usage or configuration error, 130 after a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -23,30 +24,70 @@ from cronlease_client.worker import Worker
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
-def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog)
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="lease runs and hand them to a module's handlers")
-    run.add_argument("module", help="module to import, e.g. myapp.handlers")
-    run.add_argument(
+def _common_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
         "--queue", "-q", dest="queues", action="append", required=True, help="repeatable"
     )
-    run.add_argument("--url", default=os.environ.get("CRONLEASE_URL"), help="$CRONLEASE_URL")
-    run.add_argument("--token", default=os.environ.get("CRONLEASE_TOKEN"), help="$CRONLEASE_TOKEN")
-    run.add_argument("--concurrency", "-c", type=int, default=4)
-    run.add_argument("--pool", choices=["thread", "process"], default="thread")
-    run.add_argument("--batch-size", type=int, default=None, help="default: the concurrency")
-    run.add_argument("--lease-seconds", type=int, default=60)
-    run.add_argument("--wait-seconds", type=int, default=20)
-    run.add_argument("--grace-seconds", type=float, default=30)
-    run.add_argument("--worker-id", default=None, help="default: host/pid")
-    run.add_argument(
+    command.add_argument("--url", default=os.environ.get("CRONLEASE_URL"), help="$CRONLEASE_URL")
+    command.add_argument(
+        "--token", default=os.environ.get("CRONLEASE_TOKEN"), help="$CRONLEASE_TOKEN"
+    )
+    command.add_argument("--lease-seconds", type=int, default=60)
+    command.add_argument("--wait-seconds", type=int, default=20)
+    command.add_argument("--grace-seconds", type=float, default=30)
+    command.add_argument("--worker-id", default=None, help="default: host/pid")
+    command.add_argument(
         "--log-level",
         type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         default=os.environ.get("CRONLEASE_LOG_LEVEL", "INFO").upper(),
     )
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="lease runs and hand them to a module's handlers")
+    run.add_argument("module", help="module to import, e.g. myapp.handlers")
+    _common_options(run)
+    run.add_argument("--concurrency", "-c", type=int, default=4)
+    run.add_argument("--pool", choices=["thread", "process"], default="thread")
+    run.add_argument("--batch-size", type=int, default=None, help="default: the concurrency")
+
+    bridge = commands.add_parser(
+        "bridge",
+        help="lease runs of the jobs marked with @cronlease_task and send them to Celery",
+        description="Needs Celery: pip install 'cronlease-client[celery]'.",
+    )
+    bridge.add_argument(
+        "module", help="module with the @cronlease_task functions or their Celery app"
+    )
+    _common_options(bridge)
+    bridge.add_argument(
+        "--prefetch",
+        type=int,
+        default=10,
+        help="most runs waiting in the broker at once (about the Celery workers' concurrency)",
+    )
+    bridge.add_argument(
+        "--max-queued-seconds",
+        type=float,
+        default=600,
+        help="stop extending the lease of a run Celery has not started after this long",
+    )
     return parser
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    # httpx logs every request at INFO: one line per long poll and heartbeat is noise.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
+    logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+
+def _import_error(module: str, exc: ModuleNotFoundError) -> bool:
+    """Whether `exc` says the named module itself is missing (a usage error)."""
+    return exc.name is not None and (module + ".").startswith(exc.name + ".")
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
@@ -56,21 +97,18 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         parser.error("give --url or set CRONLEASE_URL")
     if not args.token:
         parser.error("give --token or set CRONLEASE_TOKEN")
-    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
-    # httpx logs every request at INFO: one line per long poll and heartbeat is noise.
-    logging.getLogger("httpx").setLevel(
-        logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING
-    )
-    logging.getLogger("httpcore").setLevel(logging.WARNING)
+    _configure_logging(args.log_level)
     # As `python -m` does, so a console-script entry point finds the project's modules too.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if args.command == "bridge":
+        return _bridge(parser, args)
     try:
         handlers = load_handlers(args.module)
     except ModuleNotFoundError as exc:
         # Only the named module missing is a usage error; an import failing inside it keeps
         # its traceback.
-        if exc.name is None or not (args.module + ".").startswith(exc.name + "."):
+        if not _import_error(args.module, exc):
             raise
         parser.error(f"cannot import {args.module}: {exc}")
     if not handlers:
@@ -97,3 +135,46 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         logging.getLogger("cronlease_client").error("worker exiting: %s", exc)
         return 1
     return 130 if worker.forced else 0
+
+
+def _bridge(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    # Imported here only: the worker SDK must not need Celery.
+    try:
+        from cronlease_client import celery as bridging
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("celery", "kombu"):
+            raise
+        parser.error("the bridge needs Celery: pip install 'cronlease-client[celery]'")
+    try:
+        tasks = bridging.load_tasks(args.module)
+    except ModuleNotFoundError as exc:
+        if not _import_error(args.module, exc):
+            raise
+        parser.error(f"cannot import {args.module}: {exc}")
+    if not tasks:
+        parser.error(f"{args.module} marks no tasks (use @cronlease_client.celery.cronlease_task)")
+    try:
+        bridge = bridging.Bridge(
+            args.url,
+            args.token,
+            args.queues,
+            tasks=tasks,
+            prefetch=args.prefetch,
+            lease_seconds=args.lease_seconds,
+            wait_seconds=args.wait_seconds,
+            max_queued_seconds=args.max_queued_seconds,
+            grace_seconds=args.grace_seconds,
+            worker_id=args.worker_id,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    log = logging.getLogger("cronlease_client")
+    try:
+        bridge.run()
+    except bridging.BridgeConfigError as exc:
+        log.error("bridge not started: %s", exc)
+        return 2
+    except (ApiError, bridging.BridgeFailed) as exc:
+        log.error("bridge exiting: %s", exc)
+        return 1
+    return 130 if bridge.forced else 0

@@ -82,13 +82,39 @@ class Transport:
         default when 0) with exponential backoff; any other error status raises ApiError at once,
         as does the last failure.
         """
+        return self.request("POST", path, body=body, timeout=timeout, attempts=attempts)
+
+    def get(
+        self,
+        path: str,
+        params: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        attempts: int = 0,
+    ) -> Any:
+        """GET `path` and return the decoded answer, retrying as `post` does."""
+        return self.request("GET", path, params=params, timeout=timeout, attempts=attempts)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        attempts: int = 0,
+    ) -> Any:
+        """Send one request with the retry rules of `post`; return the decoded JSON answer."""
         tries = attempts or self.attempts
         for attempt in range(1, tries + 1):
             wait: float | None = None
             try:
-                response = self._http.post(
+                response = self._http.request(
+                    method,
                     path,
                     json=body,
+                    params=params,
                     timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
                 )
             except httpx.TransportError as exc:

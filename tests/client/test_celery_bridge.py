@@ -1,0 +1,414 @@
+"""The Celery bridge end to end: the live server, PostgreSQL, Redis, and as real processes a
+Celery worker running examples.celery_worker and `python -m cronlease_client bridge`."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import closing
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import cronlease_client
+import pytest
+
+from apps.runs import store
+from apps.runs.ids import public_run_id
+from apps.runs.models import Attempt, Run
+from apps.runs.store import NewRun, insert_runs
+from tests.client.conftest import runs_when, wait_for
+from tests.conftest import add_ready_runs, db_now, expire_lease, make_definition
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENT_DIR = Path(cronlease_client.__file__).resolve().parents[1]
+# A database of its own, flushed by every test: nothing else on this Redis is touched.
+BROKER_URL = os.environ.get("CELERY_BRIDGE_TEST_BROKER", "redis://127.0.0.1:6379/9")
+CELERY_QUEUE = "celery"  # the example app's default queue
+
+pytestmark = pytest.mark.slow
+# The tests with processes: they see the test's rows only once committed.
+e2e = pytest.mark.django_db(transaction=True)
+
+
+def unavailable(reason: str) -> None:
+    """CI must run these tests; elsewhere a missing Redis or Celery only skips them."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def celery_installed() -> None:
+    try:
+        import celery  # noqa: F401
+        import redis  # noqa: F401
+    except ImportError as exc:
+        unavailable(f"the Celery bridge needs Celery: pip install -e './client[celery]' ({exc})")
+
+
+@pytest.fixture
+def broker(celery_installed) -> Iterator[Any]:
+    """A flushed Redis database for the broker; the redis client, to look inside it."""
+    import redis
+
+    client = redis.Redis.from_url(BROKER_URL, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        client.close()
+        unavailable(f"Redis is unreachable at {BROKER_URL}: {exc}")
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@dataclass
+class Process:
+    popen: subprocess.Popen
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def send_signal(self, signum: int) -> None:
+        self.popen.send_signal(signum)
+
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait(timeout=10)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout=timeout)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Path:
+    return tmp_path / "celery_example.sqlite3"
+
+
+@pytest.fixture
+def spawn(
+    live_server, broker, ledger, token_a, worker_token_a, tmp_path
+) -> Iterator[dict[str, Callable[..., Process]]]:
+    """Start Celery workers and bridges; every one is killed at teardown, its log printed."""
+    processes: list[tuple[str, Process]] = []
+    env = {
+        # Without DJANGO_SETTINGS_MODULE (pytest-django's): Celery's Django fix-up would set up
+        # this project's Django in the worker and the bridge, which are not Django programs.
+        **{k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"},
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(CLIENT_DIR)]),
+        "CELERY_BROKER_URL": BROKER_URL,
+        "CELERY_EXAMPLE_DB": str(ledger),
+        # The Celery workers report with a worker-scope token, as in production.
+        "CRONLEASE_URL": live_server.url,
+        "CRONLEASE_TOKEN": worker_token_a,
+    }
+
+    def start(name: str, command: list[str]) -> Process:
+        log = tmp_path / f"{name}.log"
+        with log.open("w") as out:
+            popen = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+        process = Process(popen, log)
+        processes.append((name, process))
+        return process
+
+    def celery_worker(name: str = "w1") -> Process:
+        return start(
+            f"celery-{name}",
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "examples.celery_worker.app",
+                "worker",
+                # Threads, not solo: the solo pool blocks Celery's event loop while a task runs,
+                # which delays the acknowledgement until the task returns.
+                "--pool=threads",
+                "--concurrency=1",
+                "--loglevel=INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-n",
+                f"{name}@%h",
+            ],
+        )
+
+    def bridge(queue: str, *options: str) -> Process:
+        # The bridge's token also has the manage scope, for its check of the queue's jobs.
+        return start(
+            f"bridge-{len(processes)}",
+            [
+                sys.executable,
+                "-m",
+                "cronlease_client",
+                "bridge",
+                "examples.celery_worker.app",
+                "--queue",
+                queue,
+                "--url",
+                live_server.url,
+                "--token",
+                token_a,
+                "--wait-seconds",
+                "1",
+                "--log-level",
+                "DEBUG",
+                *options,
+            ],
+        )
+
+    yield {"celery_worker": celery_worker, "bridge": bridge}
+    for name, process in processes:
+        if process.popen.poll() is None:
+            process.popen.kill()
+        process.popen.wait(timeout=10)
+        # Shown by pytest only when the test failed.
+        print(f"--- {name} (exit {process.popen.returncode})\n{process.output()}")
+
+
+def read_calls(ledger: Path) -> list[tuple[str, int, str, int]]:
+    """What the example tasks' functions were called with: (run id, attempt, key, token)."""
+    if not ledger.exists():
+        return []
+    with closing(sqlite3.connect(ledger)) as db:
+        try:
+            rows = db.execute(
+                "SELECT run_id, attempt, idempotency_key, fencing_token FROM calls ORDER BY id"
+            ).fetchall()
+        except sqlite3.OperationalError:
+            return []
+    return [tuple(row) for row in rows]
+
+
+def add_cron_run(definition) -> int:
+    """A run as the materialiser inserts it for a cron slot that has just come due."""
+    due = (db_now() - timedelta(seconds=1)).replace(microsecond=0)
+    (pk,) = insert_runs(
+        [NewRun(definition.pk, "cron", due, due, f"{definition.name}@{due.isoformat()}")]
+    )
+    return pk
+
+
+def received(process: Process, task: str) -> list[str]:
+    """The Celery task ids a worker received for `task`, from its log."""
+    return re.findall(
+        rf"Task examples\.celery_worker\.tasks\.{task}\[([^\]]+)\] received", process.output()
+    )
+
+
+def attempts(pk: int) -> list[tuple[int, str, int]]:
+    return [
+        (a.number, a.outcome, a.fencing_token)
+        for a in Attempt.objects.filter(run_id=pk).order_by("number")
+    ]
+
+
+@e2e
+def test_a_scheduled_run_executes_on_a_celery_worker_and_succeeds(team_a, spawn, ledger, broker):
+    definition = make_definition(team_a, "billing.send-invoice", queue="celery-ok")
+    pk = add_cron_run(definition)
+    worker = spawn["celery_worker"]()
+    spawn["bridge"]("celery-ok")
+
+    (run,) = wait_for(runs_when([pk], "succeeded"), timeout=30, what="the run to succeed")
+
+    run_id = public_run_id(pk)
+    assert run.idempotency_key.startswith("billing.send-invoice@")
+    # The task saw the lease's key and token, and completed the run with that token.
+    assert read_calls(ledger) == [(run_id, 1, run.idempotency_key, run.fencing_token)]
+    assert run.result == {"sent": True, "invoice": run.idempotency_key}
+    assert attempts(pk) == [(1, "succeeded", run.fencing_token)]
+    assert received(worker, "send_invoice") == [f"cronlease-{run_id}-{run.fencing_token}"]
+
+
+@e2e
+def test_a_raising_task_is_retried_by_the_scheduler_and_ends_in_the_dlq(
+    team_a, spawn, ledger, broker
+):
+    definition = make_definition(
+        team_a,
+        "reports.flaky-upstream",
+        queue="celery-flaky",
+        retry_max_attempts=3,
+        retry_base_seconds=0,
+    )
+    (pk,) = add_ready_runs(definition, 1)
+    worker = spawn["celery_worker"]()
+    spawn["bridge"]("celery-flaky")
+
+    (run,) = wait_for(runs_when([pk], "dead"), timeout=30, what="the run to reach the DLQ")
+
+    history = attempts(pk)
+    assert [(number, outcome) for number, outcome, _ in history] == [
+        (1, "failed"),
+        (2, "failed"),
+        (3, "failed"),
+    ]
+    tokens = [token for _, _, token in history]
+    assert tokens == sorted(set(tokens))  # a new, larger fencing token per attempt
+    run_id = public_run_id(pk)
+    assert read_calls(ledger) == [
+        (run_id, number, run.idempotency_key, token) for number, _, token in history
+    ]
+    assert run.attempt == 3
+    assert run.last_error["type"] == "ConnectionError"
+    assert "upstream unavailable (attempt 3)" in run.last_error["message"]
+    assert set(Attempt.objects.filter(run_id=pk).values_list("error_type", flat=True)) == {
+        "ConnectionError"
+    }
+    # self.retry(countdown=5) published nothing: the worker received one message per attempt
+    # (a Celery retry is received at once, ETA or not) and the broker holds no other.
+    assert received(worker, "flaky_upstream") == [f"cronlease-{run_id}-{t}" for t in tokens]
+    assert "Retry in" not in worker.output()
+    assert broker.llen(CELERY_QUEUE) == 0
+
+
+@e2e
+def test_a_task_whose_lease_was_lost_before_it_started_does_not_run(team_a, spawn, ledger, broker):
+    definition = make_definition(
+        team_a, "billing.send-invoice", queue="celery-lost", retry_base_seconds=0
+    )
+    (pk,) = add_ready_runs(definition, 1)
+    spawn["bridge"]("celery-lost")
+    # No Celery worker yet: the message waits in the broker while the bridge holds the lease.
+    first = wait_for(
+        lambda: Run.objects.filter(pk=pk, state="leased").first(), what="the first lease"
+    )
+
+    # The lease is lost while the message waits (as after a network partition of the bridge):
+    # it expires and the reaper retries the run, which the bridge leases and sends again.
+    expire_lease(pk)
+    assert [(r.id, r.outcome) for r in store.reap()] == [(pk, "lease_expired")]
+    second = wait_for(
+        lambda: Run.objects.filter(pk=pk, state="leased", attempt=2).first(),
+        what="the retry's lease",
+    )
+    assert second.fencing_token > first.fencing_token
+    wait_for(lambda: broker.llen(CELERY_QUEUE) == 2, what="both messages in the broker")
+
+    worker = spawn["celery_worker"]()
+    (run,) = wait_for(runs_when([pk], "succeeded"), timeout=30, what="the retry to succeed")
+
+    run_id = public_run_id(pk)
+    # Both messages were delivered; the stale one was refused by its first heartbeat (409).
+    assert received(worker, "send_invoice") == [
+        f"cronlease-{run_id}-{first.fencing_token}",
+        f"cronlease-{run_id}-{second.fencing_token}",
+    ]
+    assert (
+        f"lease lost before the task started run_id={run_id} "
+        f"fencing_token={first.fencing_token}: not running (409" in worker.output()
+    )
+    assert read_calls(ledger) == [(run_id, 2, run.idempotency_key, second.fencing_token)]
+    assert attempts(pk) == [
+        (1, "lease_expired", first.fencing_token),
+        (2, "succeeded", second.fencing_token),
+    ]
+
+
+@e2e
+def test_a_crashed_celery_worker_is_recovered_by_lease_expiry_alone(team_a, spawn, ledger, broker):
+    definition = make_definition(
+        team_a,
+        "billing.send-invoice",
+        queue="celery-crash",
+        payload={"workSeconds": 60},
+        retry_base_seconds=0,
+    )
+    (pk,) = add_ready_runs(definition, 1)
+    worker = spawn["celery_worker"]("w1")
+    spawn["bridge"]("celery-crash", "--lease-seconds", "2")
+    ((_, _, _, first_token),) = wait_for(lambda: read_calls(ledger), what="the task to start")
+
+    worker.kill()
+    Run.objects.filter(pk=pk).update(payload={})  # the retry need not dawdle
+    # Acknowledged on receipt: the broker has nothing to redeliver, so the retry is the
+    # scheduler's alone. And once the task had the run the bridge stopped extending its lease:
+    # with the task dead, it expires within the 2 s lease.
+    assert broker.hlen("unacked") == 0
+    reaped = wait_for(
+        lambda: [r.outcome for r in store.reap() if r.id == pk], timeout=10, what="the reaper"
+    )
+    assert reaped == ["lease_expired"]
+
+    replacement = spawn["celery_worker"]("w2")
+    (run,) = wait_for(runs_when([pk], "succeeded"), timeout=90, what="the retry to succeed")
+
+    run_id = public_run_id(pk)
+    assert attempts(pk) == [(1, "lease_expired", first_token), (2, "succeeded", run.fencing_token)]
+    assert [(attempt, token) for _, attempt, _, token in read_calls(ledger)] == [
+        (1, first_token),
+        (2, run.fencing_token),
+    ]
+    assert received(replacement, "send_invoice") == [f"cronlease-{run_id}-{run.fencing_token}"]
+
+
+@e2e
+def test_the_bridge_leases_no_more_than_prefetch_and_stops_on_sigterm(team_a, spawn, broker):
+    definition = make_definition(team_a, "billing.send-invoice", queue="celery-prefetch")
+    pks = add_ready_runs(definition, 5)
+    bridge = spawn["bridge"](
+        "celery-prefetch", "--prefetch", "2", "--lease-seconds", "2", "--grace-seconds", "1"
+    )
+
+    def leased() -> list[Run]:
+        return list(Run.objects.filter(pk__in=pks, state="leased"))
+
+    first = wait_for(lambda: len(leased()) == 2 and leased(), what="two leases")
+    # No Celery worker: the two messages wait in the broker, the bridge extends their leases
+    # past their 2 s length and leases nothing more.
+    wait_for(lambda: broker.llen(CELERY_QUEUE) == 2, what="two messages in the broker")
+    time.sleep(3)
+    assert store.reap() == []
+    assert sorted((r.pk, r.fencing_token) for r in leased()) == sorted(
+        (r.pk, r.fencing_token) for r in first
+    )
+    assert Run.objects.filter(pk__in=pks, attempt=0).count() == 3
+
+    bridge.send_signal(signal.SIGTERM)
+    assert bridge.wait(timeout=15) == 0
+    assert "still queued in Celery after the grace period" in bridge.output()
+    assert Run.objects.filter(pk__in=pks, attempt=0).count() == 3
+
+
+@e2e
+def test_the_bridge_refuses_queues_holding_jobs_without_a_task(team_a, spawn):
+    make_definition(team_a, "billing.send-invoice", queue="celery-mixed")
+    other = make_definition(team_a, "billing.reconcile", queue="celery-mixed")
+    (pk,) = add_ready_runs(other, 1)
+
+    bridge = spawn["bridge"]("celery-mixed")
+
+    assert bridge.wait(timeout=20) == 2
+    assert "billing.reconcile (queue celery-mixed)" in bridge.output()
+    assert Run.objects.get(pk=pk).attempt == 0
+
+
+def test_the_worker_sdk_does_not_import_celery():
+    code = (
+        "import sys, cronlease_client, cronlease_client.cli, cronlease_client.__main__\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('celery', 'kombu')]\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(CLIENT_DIR)])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=30)
+
+
+def test_acks_late_is_refused(celery_installed):
+    from celery import Celery
+    from cronlease_client.celery import cronlease_task
+
+    with pytest.raises(ValueError, match="acknowledged on receipt"):
+        cronlease_task(Celery("refused", broker="memory://"), "x.y", acks_late=True)
