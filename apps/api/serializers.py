@@ -274,6 +274,15 @@ class LeaseRequestSerializer(StrictSerializer):
     queues = serializers.ListField(
         child=StrictCharField(max_length=100), min_length=1, max_length=100
     )
+    jobs = serializers.ListField(
+        child=StrictCharField(max_length=200),
+        min_length=1,
+        max_length=1000,
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="Only runs of these jobs (e.g. a Celery bridge that has tasks for some jobs).",
+    )
     max = StrictIntegerField(min_value=1, default=1)
     workerId = StrictCharField(max_length=200)
     leaseSeconds = StrictIntegerField(min_value=1, max_value=86400, default=60)

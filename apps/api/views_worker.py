@@ -101,6 +101,7 @@ class LeasesView(WorkerView):
                 worker_id=args["workerId"],
                 lease_seconds=args["leaseSeconds"],
                 team_ids=team_ids,
+                jobs=args["jobs"],
             )
             left = deadline - time.monotonic()
             if leases or left <= 0:

@@ -141,7 +141,10 @@ def _error(data: dict, errors: Errors, path: str) -> dict[str, str]:
 def lease_request(data: Any) -> dict[str, Any]:
     errors = Errors()
     body = _object(
-        data, errors, "", frozenset({"queues", "max", "workerId", "leaseSeconds", "waitSeconds"})
+        data,
+        errors,
+        "",
+        frozenset({"queues", "jobs", "max", "workerId", "leaseSeconds", "waitSeconds"}),
     )
     if body is None:
         errors.raise_if_any()
@@ -156,8 +159,15 @@ def lease_request(data: Any) -> dict[str, Any]:
         for index, queue in enumerate(queues):
             if not isinstance(queue, str) or not queue.strip() or len(queue) > 100:
                 errors.add(f"queues[{index}]", "A queue name of 1 to 100 characters.")
+    jobs = body.get("jobs")
+    if jobs is not None:
+        if not isinstance(jobs, list) or not 1 <= len(jobs) <= 1000:
+            errors.add("jobs", "A list of 1 to 1000 job names, or leave it out for every job.")
+        elif not all(isinstance(job, str) and 0 < len(job) <= 200 for job in jobs):
+            errors.add("jobs", "Job names are strings of 1 to 200 characters.")
     answer = {
         "queues": queues,
+        "jobs": jobs,
         "max": _int(body, "max", errors, "", default=1, low=1, high=settings.SCHEDULER_MAX_CLAIM),
         "workerId": _str(body, "workerId", errors, "", max_length=200),
         "leaseSeconds": _int(body, "leaseSeconds", errors, "", default=60, low=1, high=86400),

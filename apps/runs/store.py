@@ -141,6 +141,7 @@ CROSS JOIN LATERAL (
     WHERE r.team_id = lane.team_id AND r.queue = lane.queue AND r.priority = lane.priority
       AND r.state IN {WAITING} AND r.available_at <= now()
       AND NOT d.paused
+      AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
     ORDER BY r.available_at, r.id
     LIMIT %(max)s
     FOR UPDATE OF r SKIP LOCKED
@@ -267,14 +268,16 @@ def claim(
     worker_id: str,
     lease_seconds: int,
     team_ids: Sequence[int] | None = None,
+    jobs: Sequence[str] | None = None,
 ) -> list[Lease]:
-    """Lease up to `max_runs` claimable runs of the given queues, in one transaction."""
+    """Lease up to `max_runs` claimable runs of the given queues (and jobs), in one transaction."""
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(
             CLAIM_CANDIDATES,
             {
                 "queues": list(queues),
                 "team_ids": list(team_ids) if team_ids is not None else None,
+                "jobs": list(jobs) if jobs else None,
                 "max": max_runs,
             },
         )

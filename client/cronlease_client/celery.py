@@ -591,48 +591,11 @@ class Bridge:
 
     # -- life cycle -------------------------------------------------------------------------
 
-    def check_queues(self, http: Transport) -> None:
-        """Refuse queues that also hold jobs without a task.
-
-        The lease API selects runs by queue, not by job: a run of such a job would be leased,
-        and the bridge could only give it back as a failed attempt. Needs the `manage` scope to
-        list the definitions; without it the check is skipped with a warning.
-        """
-        try:
-            answer = http.get("/api/v1/jobs")
-        except ApiError as exc:
-            if exc.status == 403:
-                logger.warning(
-                    "cannot list job definitions (%s): make sure queues %s hold only jobs with a "
-                    "Celery task (%s)",
-                    exc.detail,
-                    ",".join(self.queues),
-                    ",".join(sorted(self.tasks)),
-                )
-                return
-            raise
-        foreign = sorted(
-            f"{d['name']} (queue {d['queue']})"
-            for d in answer.get("results", [])
-            if d.get("queue") in self.queues and d.get("name") not in self.tasks
-        )
-        if foreign:
-            raise BridgeConfigError(
-                "the bridge would lease runs of jobs it has no Celery task for: "
-                + ", ".join(foreign)
-                + ". Give the Celery jobs a queue of their own, or mark a task for these jobs."
-            )
-
     def start(self) -> Bridge:
-        """Check the queues, connect to the broker and start leasing in background threads."""
+        """Connect to the broker and start leasing in background threads."""
         if self._started:
             raise RuntimeError("this bridge has already been started")
         self._lease_http = self._transport(cancel=self.shutdown)
-        try:
-            self.check_queues(self._lease_http)
-        except BaseException:
-            self._lease_http.close()
-            raise
         self._started = True
         self._heartbeat_http = self._transport(cancel=self._forced, attempts=3)
         self._spawn("cronlease-bridge-events", self._receive_loop)
@@ -876,6 +839,8 @@ class Bridge:
             "/api/v1/leases",
             {
                 "queues": self.queues,
+                # Only the jobs that have a Celery task: the queue may hold others.
+                "jobs": sorted(self.tasks),
                 "max": room,
                 "workerId": self.worker_id,
                 "leaseSeconds": self.lease_seconds,

@@ -222,3 +222,15 @@ def test_batch_endpoints_answer_per_item(api_a, team_a):
     states = dict(Run.objects.values_list("id", "state"))
     assert sorted(states.values()) == ["dead", "leased", "succeeded"]
     assert public_run_id(next(pk for pk, s in states.items() if s == "leased")) == c["runId"]
+
+
+def test_lease_can_ask_for_some_jobs_only(api_a, team_a):
+    wanted = make_definition(team_a, "jobs.wanted", queue="mixed")
+    other = make_definition(team_a, "jobs.other", queue="mixed")
+    add_ready_runs(other, 3, age_seconds=60)
+    add_ready_runs(wanted, 2)
+    leases = api_a.lease(["mixed"], 10, jobs=["jobs.wanted"])
+    assert [lease["job"] for lease in leases] == ["jobs.wanted", "jobs.wanted"]
+    assert Run.objects.filter(definition=other, state="leased").count() == 0
+    bad = api_a.post("/api/v1/leases", {"queues": ["mixed"], "workerId": "w", "jobs": []})
+    assert bad.status_code == 400 and "jobs" in bad.json()["errors"]

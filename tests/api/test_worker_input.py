@@ -17,6 +17,8 @@ CASES = [
         documented.LeaseRequestSerializer,
         [
             {"queues": ["billing"], "workerId": "host/1"},
+        {"queues": ["billing"], "workerId": "host/1", "jobs": ["billing.export"]},
+        {"queues": ["billing"], "workerId": "host/1", "jobs": []},
             {
                 "queues": ["a", "b"],
                 "max": 100,
@@ -154,6 +156,7 @@ def test_item_errors_name_the_item():
 def test_defaults_match():
     assert worker_input.lease_request({"queues": ["q"], "workerId": "w"}) == {
         "queues": ["q"],
+        "jobs": None,
         "max": 1,
         "workerId": "w",
         "leaseSeconds": 60,

@@ -385,16 +385,18 @@ def test_the_bridge_leases_no_more_than_prefetch_and_stops_on_sigterm(team_a, sp
 
 
 @e2e
-def test_the_bridge_refuses_queues_holding_jobs_without_a_task(team_a, spawn):
-    make_definition(team_a, "billing.send-invoice", queue="celery-mixed")
+def test_the_bridge_leases_only_jobs_it_has_tasks_for(team_a, spawn, ledger, broker):
+    """The lease asks for the bridge's jobs only: another job in the same queue is left alone."""
+    mine = make_definition(team_a, "billing.send-invoice", queue="celery-mixed")
     other = make_definition(team_a, "billing.reconcile", queue="celery-mixed")
-    (pk,) = add_ready_runs(other, 1)
+    (foreign,) = add_ready_runs(other, 1, age_seconds=60)  # older: a FIFO lease would take it first
+    pk = add_cron_run(mine)
+    spawn["celery_worker"]()
+    spawn["bridge"]("celery-mixed")
 
-    bridge = spawn["bridge"]("celery-mixed")
-
-    assert bridge.wait(timeout=20) == 2
-    assert "billing.reconcile (queue celery-mixed)" in bridge.output()
-    assert Run.objects.get(pk=pk).attempt == 0
+    wait_for(runs_when([pk], "succeeded"), timeout=30, what="the Celery job's run to succeed")
+    untouched = Run.objects.get(pk=foreign)
+    assert untouched.attempt == 0 and untouched.state == "scheduled"
 
 
 def test_the_worker_sdk_does_not_import_celery():
