@@ -80,7 +80,7 @@ class AuditFilterForm(forms.Form):
     ACTIONS = [
         "job.create", "job.update", "job.delete", "job.pause", "job.resume", "job.trigger",
         "queue.pause", "queue.resume", "run.create", "run.cancel", "run.retry",
-        "dlq.requeue", "dlq.discard", "token.create", "token.revoke", "member.set",
+        "job.backfill", "dlq.requeue", "dlq.discard", "token.create", "token.revoke", "member.set",
         "member.remove", "team.create",
     ]  # fmt: skip
 
@@ -88,6 +88,23 @@ class AuditFilterForm(forms.Form):
         super().__init__(data)
         self.fields["team"].choices = [("", "all teams")] + [(t.slug, t.slug) for t in teams]
         self.fields["action"].choices = [("", "any action")] + [(a, a) for a in self.ACTIONS]
+
+
+class BackfillForm(forms.Form):
+    """The range of a backfill: two UTC times, as `datetime-local` inputs (no zone of their own).
+    Whether the range makes sense is `apps.jobs.backfill.plan`'s to say."""
+
+    start = forms.DateTimeField(
+        label="From (UTC)",
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
+    )
+    end = forms.DateTimeField(
+        label="To (UTC, inclusive)",
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
+    )
+
+    def bounds(self) -> tuple[datetime, datetime]:
+        return _utc_input(self.cleaned_data["start"]), _utc_input(self.cleaned_data["end"])
 
 
 # --- definitions ----------------------------------------------------------------------------

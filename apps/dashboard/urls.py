@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from apps.dashboard.views import audit, jobs, overview, queues, runs, teams
+from apps.dashboard.views import alerts, audit, jobs, overview, queues, runs, teams
 
 app_name = "dashboard"
 
@@ -34,6 +34,8 @@ urlpatterns = [
     path("jobs/<str:name>/trigger", jobs.job_trigger, name="job-trigger"),
     path("jobs/<str:name>/dry-run", jobs.job_dry_run, name="job-dry-run"),
     path("jobs/<str:name>/delete", jobs.job_delete, name="job-delete"),
+    path("jobs/<str:name>/backfill", jobs.job_backfill, name="job-backfill"),
+    path("alerts", alerts.alerts, name="alerts"),
     path("queues", queues.queues, name="queues"),
     path(
         "queues/<slug:team>/<str:queue>/pause",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from django import template
 from django.utils import timezone
@@ -168,3 +169,26 @@ def get_item(mapping: Any, key: str) -> Any:
     if not mapping:
         return ""
     return mapping.get(key, "")
+
+
+WEB_SCHEMES = frozenset({"http", "https"})
+
+
+@register.filter
+def runbook_link(url: str | None, text: str = "") -> str:
+    """A runbook as a link that opens apart from the dashboard; only http(s) URLs become links
+    (anything else, `javascript:` included, is shown as plain text)."""
+    if not url:
+        return mark_safe('<span class="muted">—</span>')
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme.lower() not in WEB_SCHEMES or not parts.netloc:
+        return format_html('<span class="mono" title="Not a web address">{}</span>', url)
+    return format_html(
+        '<a class="runbook" href="{}" target="_blank" rel="noopener noreferrer" title="{}">{}</a>',
+        url,
+        url,
+        text or url,
+    )

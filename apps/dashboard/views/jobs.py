@@ -16,20 +16,25 @@ from apps.dashboard import queries
 from apps.dashboard.forms import (
     SCHEDULE_FIELDS,
     TIME_ZONES,
+    BackfillForm,
     DefinitionForm,
     schedule_errors,
     schedule_from,
 )
-from apps.dashboard.http import HtmxHttpRequest, actor, done, render_page, signed_in
+from apps.dashboard.http import HtmxHttpRequest, actor, done, plural, render_page, signed_in
+from apps.jobs import backfill, services
 from apps.jobs import schedule as sched
-from apps.jobs import services
 from apps.jobs.models import JobDefinition
-from apps.runs import transitions
+from apps.runs import diagnosis, transitions
 from apps.runs.models import Trigger
 from apps.teams import access
 from apps.teams.models import Role
 
 PREVIEW_COUNT = 10
+# The backfill preview lists the first few cron times of the range.
+BACKFILL_SAMPLE = 10
+# BackfillError keys (the API's body fields) → the form's labels.
+BACKFILL_FIELDS = {"from": "From", "to": "To", "schedule": "Schedule"}
 
 
 def _definition(request: HtmxHttpRequest, name: str) -> JobDefinition:
@@ -66,16 +71,18 @@ def jobs(request: HtmxHttpRequest) -> HttpResponse:
     return render_page(request, "dashboard/jobs.html", context, regions=("page", "results"))
 
 
-def _preview(definition: JobDefinition, after) -> tuple[list[dict], str]:
+def _preview(definition: JobDefinition, after) -> tuple[list[dict], str, bool]:
+    """(next fire times, the schedule's problem or "", whether it is a cron schedule)."""
     try:
         parsed = sched.parse_schedule(definition.schedule)
     except sched.ScheduleError as exc:
-        return [], str(exc)
+        return [], str(exc), False
     return (
         sched.preview(
             definition.name, parsed, after, PREVIEW_COUNT, created_at=definition.created_at
         ),
         "",
+        isinstance(parsed, sched.CronSchedule),
     )
 
 
@@ -83,18 +90,64 @@ def _preview(definition: JobDefinition, after) -> tuple[list[dict], str]:
 def job_detail(request: HtmxHttpRequest, name: str) -> HttpResponse:
     now = services.database_now()
     definition = _definition(request, name)
-    times, problem = _preview(definition, now)
+    times, problem, is_cron = _preview(definition, now)
     context = {
         "now": now,
         "job": definition,
         "snapshot": services.snapshot(definition),
         "times": times,
         "schedule_problem": problem,
+        "reasons": diagnosis.why_definition(definition, now),
+        "is_cron": is_cron,
+        "backfill_form": BackfillForm(),
         "recent": queries.recent_runs(definition, now),
         "history": queries.audit_for_target(definition.team_id, "job", definition.name),
         "live": True,
     }
     return render_page(request, "dashboard/job_detail.html", context)
+
+
+@signed_in
+def job_backfill(request: HtmxHttpRequest, name: str) -> HttpResponse:
+    """Backfill a cron job over a past range, in two steps like the bulk actions.
+
+    1. GET: the form. POST without `confirm`: the impact from `backfill.plan`, nothing created.
+    2. POST with `confirm=yes`: `backfill.run_backfill` creates (deduplicated, capped, audited).
+    Both need the operator role, the same as "Trigger now".
+    """
+    definition = _changeable(request, name, Role.OPERATOR)
+    form = BackfillForm(request.POST if request.method == "POST" else None)
+    context = {"job": definition, "backfill_form": form, "plan": None, "errors": []}
+    if not form.is_bound or not form.is_valid():
+        return render_page(request, "dashboard/job_backfill.html", context, regions=("backfill",))
+    start, end = form.bounds()
+    try:
+        if request.POST.get("confirm") == "yes":
+            plan, created = backfill.run_backfill(definition, start, end, actor(request))
+        else:
+            plan, created = backfill.plan(definition, start, end), None
+    except (backfill.BackfillError, sched.ScheduleError) as exc:
+        context["errors"] = [
+            (BACKFILL_FIELDS.get(key, key), why) for key, why in exc.errors.items()
+        ]
+        return render_page(request, "dashboard/job_backfill.html", context, regions=("backfill",))
+    if created is None:
+        sample = plan.times[:BACKFILL_SAMPLE]
+        context |= {
+            "plan": plan,
+            "sample": sample,
+            "more": len(plan.times) - len(sample),
+            "start": start,
+            "end": end,
+        }
+        return render_page(request, "dashboard/job_backfill.html", context, regions=("backfill",))
+    message = f"Backfilled {name}: created {plural(created, 'run')}"
+    skipped = len(plan.times) - created
+    if skipped:
+        message += f"; {plural(skipped, 'cron time')} already had a run"
+    if plan.capped:
+        message += f"; the range holds more cron times than the cap of {len(plan.times)}"
+    return done(request, reverse("dashboard:job", args=[name]), message + ".")
 
 
 def _form_page(request: HtmxHttpRequest, form: DefinitionForm, definition=None) -> HttpResponse:

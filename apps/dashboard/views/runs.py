@@ -17,9 +17,9 @@ from apps.dashboard.forms import RunFilterForm
 from apps.dashboard.http import HtmxHttpRequest, actor, done, plural, render_page, signed_in
 from apps.jobs.models import JobDefinition
 from apps.jobs.services import database_now
-from apps.runs import payloads, transitions
+from apps.runs import diagnosis, payloads, transitions
 from apps.runs.ids import parse_run_id
-from apps.runs.models import Run, State
+from apps.runs.models import WAITING_STATES, Run, State
 from apps.teams import access
 from apps.teams.models import Role
 
@@ -149,9 +149,13 @@ def run_detail(request: HtmxHttpRequest, run_id: str) -> HttpResponse:
     run = _visible_run(request, run_id)
     run.shown_state = queries.reported_state(run.state, run.available_at, now)
     attempts = list(run.attempts.order_by("fencing_token"))
+    slo = run.definition.lateness_slo_seconds
     context = {
         "now": now,
         "run": run,
+        # "Why is this not running?" only asks about a run that waits.
+        "reasons": diagnosis.why_run(run, now) if run.state in WAITING_STATES else None,
+        "late": slo is not None and run.late_seconds is not None and run.late_seconds > slo,
         "attempts": attempts,
         "payload": payloads.load(run.payload, run.payload_key),
         "history": queries.audit_for_target(run.team_id, "run", run.run_id),

@@ -1,0 +1,42 @@
+"""Late and missed runs (`apps.runs.alerts`) of every team the user sees: a page, and the panel
+the overview loads into itself."""
+
+from __future__ import annotations
+
+from django.http import HttpResponse
+
+from apps.dashboard.http import HtmxHttpRequest, render_page, signed_in
+from apps.jobs.services import database_now
+from apps.runs import alerts as late_and_missed
+from apps.teams import access
+
+# The page lists this many, the overview's panel fewer (`?limit=`); the rest are counted.
+MOST_SHOWN = 200
+
+
+@signed_in
+def alerts(request: HtmxHttpRequest) -> HttpResponse:
+    now = database_now()
+    teams = list(access.visible_teams(request.user))
+    chosen = request.GET.get("team", "")
+    try:
+        limit = max(1, min(MOST_SHOWN, int(request.GET.get("limit", MOST_SHOWN))))
+    except ValueError:
+        limit = MOST_SHOWN
+    found = []
+    for team in teams:
+        if not chosen or team.slug == chosen:
+            found += [(team, alert) for alert in late_and_missed.alerts_for(team, now)]
+    found.sort(key=lambda item: item[1].due_at, reverse=True)
+    rows = [
+        {"team": team, "alert": alert, "about": alert.as_json()} for team, alert in found[:limit]
+    ]
+    context = {
+        "now": now,
+        "teams": teams,
+        "chosen_team": chosen,
+        "rows": rows,
+        "hidden": len(found) - len(rows),
+        "window_hours": int(late_and_missed.WINDOW.total_seconds() // 3600),
+    }
+    return render_page(request, "dashboard/alerts.html", context, regions=("alerts-table",))
