@@ -6,6 +6,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from django.core.exceptions import ImproperlyConfigured
+
 from scheduler_site import embedded_db
 from scheduler_site.database import config_from_url
 from scheduler_site.env import env_bool, env_int, env_list, env_str
@@ -15,8 +17,14 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("SCHEDULER_DATA_DIR", str(BASE_DIR / ".data")))
 
 DEBUG = env_bool("DEBUG", False)
-# A development key is fine on a laptop; `manage.py check --deploy` flags it in production.
-SECRET_KEY = env_str("SECRET_KEY") or "django-insecure-development-key-set-SECRET_KEY-in-production"
+# Served over HTTPS (production): secure cookies, HSTS, redirects to https, and no default key.
+HTTPS = env_bool("SCHEDULER_HTTPS", False)
+SECRET_KEY = env_str("SECRET_KEY")
+if not SECRET_KEY:
+    if HTTPS:
+        # Fail closed: sessions and CSRF tokens signed with a published key are forgeable.
+        raise ImproperlyConfigured("SECRET_KEY must be set when SCHEDULER_HTTPS is on.")
+    SECRET_KEY = "django-insecure-development-key-set-SECRET_KEY-in-production"
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
@@ -56,6 +64,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "apps.dashboard.middleware.SignInRequiredMiddleware",
     "apps.dashboard.middleware.ContentSecurityPolicyMiddleware",
 ]
 
@@ -126,6 +135,25 @@ STORAGES = {
 }
 
 LOGIN_URL = "/accounts/login/"
+
+# A session lasts 12 hours from sign-in, then the engineer signs in again.
+SESSION_COOKIE_AGE = env_int("SESSION_COOKIE_AGE", 12 * 3600)
+SESSION_SAVE_EVERY_REQUEST = False
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SESSION_COOKIE_SECURE = HTTPS
+CSRF_COOKIE_SECURE = HTTPS
+SECURE_SSL_REDIRECT = HTTPS
+SECURE_HSTS_SECONDS = 31536000 if HTTPS else 0
+SECURE_HSTS_INCLUDE_SUBDOMAINS = HTTPS
+SECURE_HSTS_PRELOAD = HTTPS
+# Behind a TLS-terminating proxy that sets X-Forwarded-Proto.
+if env_bool("SCHEDULER_BEHIND_PROXY", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"
 

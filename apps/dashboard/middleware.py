@@ -1,11 +1,13 @@
-"""Response headers every dashboard page carries."""
+"""What every dashboard request passes through: the sign-in gate and the security headers."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from django.conf import settings
+from django.contrib.auth.middleware import LoginRequiredMiddleware
 from django.http import HttpRequest, HttpResponse
+from django_htmx.http import HttpResponseClientRedirect
 
 # The API's own docs page (Swagger UI) and Django's admin bring their own scripts.
 EXEMPT_PREFIXES = ("/api/", "/admin/")
@@ -24,3 +26,17 @@ class ContentSecurityPolicyMiddleware:
             response.headers.setdefault("Referrer-Policy", "same-origin")
             response.headers.setdefault("X-Content-Type-Options", "nosniff")
         return response
+
+
+class SignInRequiredMiddleware(LoginRequiredMiddleware):
+    """Fail closed: every page needs a signed-in user unless its view says otherwise.
+
+    The views check too (`signed_in`, roles in `apps.teams.access`); this catches a view that
+    forgot. The API's views are exempt (they authenticate bearer tokens), as are health and
+    metrics. An HTMX request is sent to the sign-in page as a whole-page redirect.
+    """
+
+    def handle_no_permission(self, request: HttpRequest, view_func) -> HttpResponse:
+        if getattr(request, "htmx", False):
+            return HttpResponseClientRedirect(settings.LOGIN_URL)
+        return super().handle_no_permission(request, view_func)

@@ -1,0 +1,48 @@
+"""Production settings: `check --deploy` is clean, and a missing secret refuses to start."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, **env}
+    environment.setdefault("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_check_deploy_is_clean_over_https():
+    done = manage(
+        "check",
+        "--deploy",
+        "--fail-level",
+        "WARNING",
+        SCHEDULER_HTTPS="true",
+        SECRET_KEY=secrets.token_urlsafe(50),
+        ALLOWED_HOSTS="scheduler.example.com",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_https_without_a_secret_key_refuses_to_start():
+    env = {"SCHEDULER_HTTPS": "true", "SECRET_KEY": ""}
+    done = manage("check", **env)
+    assert done.returncode != 0 and "SECRET_KEY must be set" in done.stderr
+
+
+def test_sessions_expire_and_cookies_are_locked_down(settings):
+    assert settings.SESSION_COOKIE_AGE <= 24 * 3600
+    assert settings.SESSION_COOKIE_HTTPONLY and settings.X_FRAME_OPTIONS == "DENY"
