@@ -167,17 +167,27 @@ def update_definition(
 
 
 def delete_definition(definition: JobDefinition, actor: Actor) -> None:
+    """Delete a definition with its runs, attempts and payload files, audited.
+
+    The runs go first, in batches by SQL, so a definition with a million runs is neither loaded
+    into memory (as the ORM's cascade would) nor deleted in one long transaction.
+    """
+    from apps.runs import retention
+
+    retention.delete_runs_of(definition.pk)
     with transaction.atomic():
-        before = snapshot(definition)
         record(
             actor,
             "job.delete",
             team=definition.team,
             target_type="job",
             target=definition.name,
-            before=before,
+            before=snapshot(definition),
         )
+        key = definition.payload_key
+        retention.delete_runs_of(definition.pk)  # any inserted since the batches above
         definition.delete()
+    payloads.delete_unreferenced([key])
 
 
 def set_paused(definition: JobDefinition, paused: bool, actor: Actor) -> JobDefinition:

@@ -34,6 +34,18 @@ DELETE FROM runs_run WHERE id IN (SELECT id FROM doomed)
 RETURNING payload_key
 """
 
+# All runs of one definition, a batch at a time (deleting the definition). Served by
+# run_definition_recent (definition_id, id DESC).
+DELETE_OF_DEFINITION = """
+WITH doomed AS (
+    SELECT id FROM runs_run WHERE definition_id = %(definition)s LIMIT %(batch)s
+), attempts AS (
+    DELETE FROM runs_attempt WHERE run_id IN (SELECT id FROM doomed)
+)
+DELETE FROM runs_run WHERE id IN (SELECT id FROM doomed)
+RETURNING payload_key
+"""
+
 DELETE_AUDIT = """
 DELETE FROM audit_auditevent
 WHERE id IN (
@@ -56,6 +68,19 @@ def delete_one_batch(team_id: int, days: int, batch: int) -> int:
         keys = [row[0] for row in cursor.fetchall()]
     payloads.delete_unreferenced(keys)
     return len(keys)
+
+
+def delete_runs_of(definition_id: int, batch: int = 5000) -> int:
+    """Delete every run of a definition in batches, each its own transaction; return how many."""
+    deleted = 0
+    while True:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(DELETE_OF_DEFINITION, {"definition": definition_id, "batch": batch})
+            keys = [row[0] for row in cursor.fetchall()]
+        payloads.delete_unreferenced(keys)
+        deleted += len(keys)
+        if len(keys) < batch:
+            return deleted
 
 
 def delete_old_audit(batch: int) -> int:
