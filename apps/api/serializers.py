@@ -17,7 +17,7 @@ from apps.jobs.services import DefinitionSpec, snapshot
 from apps.jobs.sync import InvalidEntry
 from apps.runs import payloads
 from apps.runs.ids import public_run_id
-from apps.runs.models import WAITING_STATES
+from apps.runs.models import reported_state
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*(\.[a-z0-9][a-z0-9_-]*)*$")
 QUEUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
@@ -197,13 +197,6 @@ def definition_json(definition: JobDefinition) -> dict[str, Any]:
         "createdAt": iso(definition.created_at),
         "updatedAt": iso(definition.updated_at),
     }
-
-
-def reported_state(state: str, available_at: datetime, now: datetime) -> str:
-    """`ready` is derived: a waiting run whose availableAt has passed."""
-    if state in WAITING_STATES and available_at <= now:
-        return "ready"
-    return state
 
 
 def run_json(run, now: datetime) -> dict[str, Any]:

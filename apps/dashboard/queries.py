@@ -13,10 +13,9 @@ from typing import Any
 from django.db import connection
 from django.db.models import Q, QuerySet
 
-from apps.api.serializers import reported_state
 from apps.audit.models import AuditEvent
 from apps.jobs.models import PRIORITY_NAMES, JobDefinition, Queue
-from apps.runs.models import FINISHED_STATES, WAITING_STATES, Run, State
+from apps.runs.models import FINISHED_STATES, WAITING_STATES, Run, State, reported_state
 
 PAGE_SIZE = 50
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.db import models
 
 from apps.runs.ids import public_run_id
@@ -19,6 +21,13 @@ class State(models.TextChoices):
 # `ready` is also stored (requeue and retry-now write it) but is otherwise derived, see reported_state.
 WAITING_STATES = ("scheduled", "ready", "retrying")
 FINISHED_STATES = ("succeeded", "dead", "cancelled")
+
+
+def reported_state(state: str, available_at: datetime, now: datetime) -> str:
+    """The state the API and dashboard show: a waiting run whose availableAt has passed is ready."""
+    if state in WAITING_STATES and available_at <= now:
+        return "ready"
+    return state
 
 
 class Trigger(models.TextChoices):
@@ -122,6 +131,11 @@ class Run(models.Model):
     @property
     def run_id(self) -> str:
         return public_run_id(self.pk)
+
+    def is_late(self) -> bool:
+        """Whether the first lease came later after availableAt than the definition's SLO allows."""
+        slo = self.definition.lateness_slo_seconds
+        return slo is not None and self.late_seconds is not None and self.late_seconds > slo
 
 
 class Attempt(models.Model):

@@ -149,13 +149,12 @@ def run_detail(request: HtmxHttpRequest, run_id: str) -> HttpResponse:
     run = _visible_run(request, run_id)
     run.shown_state = queries.reported_state(run.state, run.available_at, now)
     attempts = list(run.attempts.order_by("fencing_token"))
-    slo = run.definition.lateness_slo_seconds
     context = {
         "now": now,
         "run": run,
         # "Why is this not running?" only asks about a run that waits.
         "reasons": diagnosis.why_run(run, now) if run.state in WAITING_STATES else None,
-        "late": slo is not None and run.late_seconds is not None and run.late_seconds > slo,
+        "late": run.is_late(),
         "attempts": attempts,
         "payload": payloads.load(run.payload, run.payload_key),
         "history": queries.audit_for_target(run.team_id, "run", run.run_id),
