@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
-    environment = {**os.environ, **env}
+    # The browser tests allow sync ORM calls in their event loop; a deployment must not.
+    environment = {k: v for k, v in os.environ.items() if k != "DJANGO_ALLOW_ASYNC_UNSAFE"}
+    environment.update(env)
     environment.setdefault("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     return subprocess.run(
         [sys.executable, "manage.py", *args],
