@@ -1,19 +1,38 @@
 from __future__ import annotations
 
+import io
 import json
 
 from rest_framework import parsers
-from rest_framework.exceptions import ParseError
+from rest_framework.exceptions import ParseError, ValidationError
 
 
 class JSONObjectParser(parsers.JSONParser):
     """JSON bodies, with the parser's reason in the problem detail."""
 
     def parse(self, stream, media_type=None, parser_context=None):
+        raw = stream.read()
         try:
-            return super().parse(stream, media_type, parser_context)
+            data = super().parse(io.BytesIO(raw), media_type, parser_context)
         except ParseError as exc:
             raise ParseError(f"The body is not valid JSON: {exc.detail}") from exc
+        # PostgreSQL's text and jsonb cannot hold U+0000, which JSON writes as \u0000: refuse it
+        # here (400) rather than in the database (500). The byte search keeps the common case
+        # cheap; the walk tells a real NUL from an escaped backslash followed by "u0000".
+        if b"\\u0000" in raw:
+            pending = [data]
+            while pending:
+                value = pending.pop()
+                if isinstance(value, dict):
+                    pending.extend(value.keys())
+                    pending.extend(value.values())
+                elif isinstance(value, list):
+                    pending.extend(value)
+                elif isinstance(value, str) and "\x00" in value:
+                    raise ValidationError(
+                        {"body": ["Strings cannot contain the NUL character (\\u0000)."]}
+                    )
+        return data
 
 
 def payload_size(value) -> int:

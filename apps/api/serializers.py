@@ -297,7 +297,7 @@ class LeaseRequestSerializer(StrictSerializer):
 
 
 class TokenSerializer(StrictSerializer):
-    fencingToken = StrictIntegerField(min_value=1)
+    fencingToken = StrictIntegerField(min_value=1, max_value=2**63 - 1)
 
 
 class CompleteSerializer(TokenSerializer):

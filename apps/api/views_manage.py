@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from django.db import IntegrityError
@@ -63,7 +63,12 @@ class ManageView(APIView):
         )
 
     def definition(self, request: Request, name: str) -> JobDefinition:
-        definition = JobDefinition.objects.select_related("team").filter(name=name).first()
+        # PostgreSQL text cannot hold NUL, and no job name has one.
+        definition = (
+            JobDefinition.objects.select_related("team").filter(name=name).first()
+            if "\x00" not in name
+            else None
+        )
         if definition is not None and access.role_in(request.user, definition.team_id) is None:
             self._deny(request, definition.team, "job", name)
             definition = None
@@ -381,7 +386,10 @@ class JobRunsView(ManageView):
 def _parse_from(raw: str | None) -> datetime:
     if raw is None or raw == "":
         return services.database_now()
-    value = parse_datetime(raw.replace(" ", "+")) if isinstance(raw, str) else None
+    try:
+        value = parse_datetime(raw.replace(" ", "+")) if isinstance(raw, str) else None
+    except ValueError:  # well formed but not a time, e.g. 12:99
+        value = None
     if value is None or value.tzinfo is None:
         raise ValidationError({"from": ["Give an ISO 8601 time with an offset or Z."]})
     return value
@@ -463,13 +471,22 @@ def filter_runs(queryset: QuerySet, params: Any, now: datetime) -> QuerySet:
             queryset = queryset.filter(state=state, available_at__gt=now)
         else:
             queryset = queryset.filter(state=state)
+    for key in ("job", "queue"):
+        # PostgreSQL text cannot hold NUL: no job or queue has one in its name.
+        if "\x00" in str(params.get(key) or ""):
+            raise ValidationError({key: ["A name cannot contain the NUL character."]})
     if params.get("job"):
         queryset = queryset.filter(definition__name=params["job"])
     if params.get("queue"):
         queryset = queryset.filter(queue=params["queue"])
     if params.get("since"):
-        since = parse_datetime(str(params["since"]).replace(" ", "+"))
-        if since is None or since.tzinfo is None:
+        try:
+            since = parse_datetime(str(params["since"]).replace(" ", "+"))
+            # In UTC: PostgreSQL refuses offsets past ±15:59 that Python accepts.
+            since = since.astimezone(UTC) if since and since.tzinfo else None
+        except (ValueError, OverflowError):  # e.g. 12:99, or out of range in UTC
+            since = None
+        if since is None:
             raise ValidationError({"since": ["Give an ISO 8601 time with an offset or Z."]})
         queryset = queryset.filter(created_at__gte=since)
     return queryset

@@ -105,9 +105,14 @@ class JobBackfillView(ManageView):
         errors: dict[str, list[str]] = {}
         bounds = {}
         for key in ("from", "to"):
-            value = (
-                parse_datetime(str(data.get(key, "")).replace(" ", "+")) if data.get(key) else None
-            )
+            try:
+                value = (
+                    parse_datetime(str(data.get(key, "")).replace(" ", "+"))
+                    if data.get(key)
+                    else None
+                )
+            except ValueError:  # well formed but not a time, e.g. 12:99
+                value = None
             if value is None or value.tzinfo is None:
                 errors[key] = ["Give an ISO 8601 time with an offset or Z."]
             bounds[key] = value
@@ -127,6 +132,10 @@ class JobBackfillView(ManageView):
                 plan, created = backfill.plan(definition, bounds["from"], bounds["to"]), 0
         except backfill.BackfillError as exc:
             raise ValidationError({key: [reason] for key, reason in exc.errors.items()}) from exc
+        except OverflowError as exc:  # a bound at the very ends of datetime's range
+            raise ValidationError(
+                {"from": ["The range reaches past the years 1 to 9999."]}
+            ) from exc
         return Response(
             {
                 "count": len(plan.times),

@@ -32,6 +32,10 @@ from apps.runs.waiting import listener
 from apps.teams import access
 from apps.teams.models import Team
 
+# A waiting lease call claims again at least this often: a freed concurrency slot sends no
+# NOTIFY (that would be one per completion), nor does a NOTIFY lost with a dropped connection.
+RECHECK_SECONDS = 2.0
+
 
 class WorkerView(APIView):
     required_scope = "worker"
@@ -113,9 +117,8 @@ class LeasesView(WorkerView):
         """Seconds until the earliest waiting run of these queues becomes claimable by the clock."""
         upcoming = store.next_available_at(queues, team_ids)
         if upcoming is None:
-            return 5.0
-        # Re-check at least every 5 s: a NOTIFY lost with a dropped connection costs no more.
-        return max(0.01, min(5.0, (upcoming - database_now()).total_seconds()))
+            return RECHECK_SECONDS
+        return max(0.01, min(RECHECK_SECONDS, (upcoming - database_now()).total_seconds()))
 
 
 def _run_pk(run_id: str) -> int:

@@ -68,6 +68,9 @@ def _int(
     if isinstance(value, bool) or not isinstance(value, int):
         errors.add(name, NOT_INT)
         return None
+    # Every integer here meets a PostgreSQL bigint (fencing tokens above all): past its range the
+    # query would fail with a 500, so such a value is bad input like any other.
+    high = min(high, 2**63 - 1) if high is not None else 2**63 - 1
     if low is not None and value < low:
         errors.add(name, f"Ensure this value is greater than or equal to {low}.")
     elif high is not None and value > high:

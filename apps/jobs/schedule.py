@@ -493,7 +493,10 @@ def _parse_one_off(value: object) -> OneOffSchedule:
         raise ScheduleError(
             {"schedule.runAt": f"'{value}' has no UTC offset; add one, e.g. Z or +01:00"}
         )
-    return OneOffSchedule(run_at=run_at.astimezone(UTC))
+    try:
+        return OneOffSchedule(run_at=run_at.astimezone(UTC))
+    except OverflowError:
+        raise ScheduleError({"schedule.runAt": f"'{value}' is out of range in UTC"}) from None
 
 
 def _parse_delayed(value: object) -> DelayedSchedule:
@@ -831,18 +834,25 @@ def preview(
         raise ValueError("after must be an aware datetime")
     if count <= 0:
         return []
-    if isinstance(schedule, CronSchedule):
-        jitter = timedelta(seconds=jitter_offset(name, schedule.jitter_seconds))
-        return [
-            _preview_item(fire.local, fire.utc, fire.utc + jitter, fire.note)
-            for fire in next_fire_times(schedule, after, count)
-        ]
-    if isinstance(schedule, OneOffSchedule):
-        if schedule.run_at <= after:
-            return []
-        run_at = schedule.run_at.astimezone(UTC)
-        return [_preview_item(run_at, run_at, run_at, "")]
-    if isinstance(schedule, DelayedSchedule):
-        due = ((created_at or after) + timedelta(seconds=schedule.delay_seconds)).astimezone(UTC)
-        return [_preview_item(due, due, due, "")]
-    return []
+    items: list[dict] = []
+    # Near the ends of datetime's range (years 1 and 9999) the next time, its local form or its
+    # jitter cannot be written: the preview stops at the last time that can.
+    try:
+        if isinstance(schedule, CronSchedule):
+            jitter = timedelta(seconds=jitter_offset(name, schedule.jitter_seconds))
+            cron, zone = _compile(schedule.cron, schedule.time_zone)
+            for fire in _iter_fire_times(cron, zone, after):
+                items.append(_preview_item(fire.local, fire.utc, fire.utc + jitter, fire.note))
+                if len(items) >= count:
+                    break
+        elif isinstance(schedule, OneOffSchedule):
+            if schedule.run_at > after:
+                run_at = schedule.run_at.astimezone(UTC)
+                items.append(_preview_item(run_at, run_at, run_at, ""))
+        elif isinstance(schedule, DelayedSchedule):
+            start = created_at or after
+            due = (start + timedelta(seconds=schedule.delay_seconds)).astimezone(UTC)
+            items.append(_preview_item(due, due, due, ""))
+    except OverflowError:
+        pass
+    return items

@@ -113,6 +113,12 @@ class Run(models.Model):
                 name="run_leased_expiry",
                 condition=models.Q(state="leased"),
             ),
+            # The claim's runs of a concurrency-limited definition, oldest first.
+            models.Index(
+                fields=["definition", "available_at", "id"],
+                name="run_waiting_by_def",
+                condition=models.Q(state__in=WAITING_STATES),
+            ),
             models.Index(
                 fields=["definition"], name="run_leased_by_def", condition=models.Q(state="leased")
             ),

@@ -122,9 +122,7 @@ def insert_runs(runs: Sequence[NewRun]) -> list[int]:
 # The tick (a shared sequence) places this claim in the priority pattern and the team rotation.
 
 CLAIM_CANDIDATES = f"""
-SELECT c.id, c.team_id, c.priority, c.definition_id, c.concurrency,
-       (SELECT nextval('runs_claim_tick')) AS tick
-FROM (
+WITH lane AS (
     SELECT t.id AS team_id, q.name AS queue, p.priority
     FROM teams_team t
     CROSS JOIN unnest(%(queues)s::text[]) AS q(name)
@@ -133,20 +131,44 @@ FROM (
       AND NOT EXISTS (
           SELECT 1 FROM jobs_queue jq WHERE jq.team_id = t.id AND jq.name = q.name AND jq.paused
       )
-) AS lane
-CROSS JOIN LATERAL (
-    SELECT r.id, r.team_id, r.priority, r.definition_id, d.concurrency, r.available_at
-    FROM runs_run r
-    JOIN jobs_jobdefinition d ON d.id = r.definition_id
-    WHERE r.team_id = lane.team_id AND r.queue = lane.queue AND r.priority = lane.priority
-      AND r.state IN {WAITING} AND r.available_at <= now()
-      AND NOT d.paused
-      AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
-    ORDER BY r.available_at, r.id
-    LIMIT %(max)s
-    FOR UPDATE OF r SKIP LOCKED
-) AS c
-ORDER BY c.priority, c.available_at, c.id
+), candidate AS (
+    -- Runs of definitions without a concurrency limit: the lane's oldest, up to max.
+    SELECT c.* FROM lane
+    CROSS JOIN LATERAL (
+        SELECT r.id, r.team_id, r.priority, r.definition_id, d.concurrency, r.available_at
+        FROM runs_run r
+        JOIN jobs_jobdefinition d ON d.id = r.definition_id
+        WHERE r.team_id = lane.team_id AND r.queue = lane.queue AND r.priority = lane.priority
+          AND r.state IN {WAITING} AND r.available_at <= now()
+          AND NOT d.paused AND d.concurrency IS NULL
+          AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
+        ORDER BY r.available_at, r.id
+        LIMIT %(max)s
+        FOR UPDATE OF r SKIP LOCKED
+    ) AS c
+    UNION ALL
+    -- Runs of each limited definition of the lane, at most its limit of them, so a definition
+    -- at its limit cannot crowd the lane's other definitions out of the batch. Served by the
+    -- definitions' team index and the partial index run_waiting_by_def.
+    SELECT c.* FROM lane
+    JOIN jobs_jobdefinition d
+      ON d.team_id = lane.team_id AND d.concurrency IS NOT NULL AND NOT d.paused
+     AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
+    CROSS JOIN LATERAL (
+        -- A run keeps the queue and priority it was created with, so match the lane's.
+        SELECT r.id, r.team_id, r.priority, r.definition_id, d.concurrency, r.available_at
+        FROM runs_run r
+        WHERE r.definition_id = d.id AND r.queue = lane.queue AND r.priority = lane.priority
+          AND r.state IN {WAITING} AND r.available_at <= now()
+        ORDER BY r.available_at, r.id
+        LIMIT least(d.concurrency, %(max)s)
+        FOR UPDATE OF r SKIP LOCKED
+    ) AS c
+)
+SELECT id, team_id, priority, definition_id, concurrency,
+       (SELECT nextval('runs_claim_tick')) AS tick
+FROM candidate
+ORDER BY priority, available_at, id
 """
 
 # Claim, step 2, only when a candidate's definition has a concurrency limit: lock those
@@ -347,11 +369,13 @@ def claim(
 
 
 # Long-poll helper: when the next run of these queues becomes claimable (for a run waiting on its
-# availableAt, nobody sends a NOTIFY at that moment, so the waiter sets its own alarm).
+# availableAt, nobody sends a NOTIFY at that moment, so the waiter sets its own alarm). Runs that
+# are already due but held (paused, at a concurrency limit) are left out: they would wake the
+# waiter at once, again and again; their release sends a NOTIFY or is caught by the re-check.
 NEXT_AVAILABLE = f"""
 SELECT min(r.available_at)
 FROM runs_run r
-WHERE r.queue = ANY(%(queues)s::text[]) AND r.state IN {WAITING}
+WHERE r.queue = ANY(%(queues)s::text[]) AND r.state IN {WAITING} AND r.available_at > now()
   AND (%(team_ids)s::bigint[] IS NULL OR r.team_id = ANY(%(team_ids)s::bigint[]))
 """
 

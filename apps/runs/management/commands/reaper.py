@@ -8,7 +8,7 @@ import time
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
-from django.db import close_old_connections
+from django.db import close_old_connections, connection
 
 from apps.runs import store
 
@@ -30,8 +30,16 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, self.on_signal)
         while not self.shutdown:
             close_old_connections()
-            while self.handle_one_batch() and not self.shutdown:
-                pass
+            try:
+                while self.handle_one_batch() and not self.shutdown:
+                    pass
+            except Exception:
+                if once:
+                    raise
+                # A lost database (a restart, a failover, a killed connection) must not end the
+                # daemon: the next round starts on a fresh connection.
+                logger.exception("reaping failed; retrying in %.1fs", interval)
+                connection.close()
             if once:
                 break
             time.sleep(interval)
