@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, OperationalError, connection, transaction
 
 from apps.jobs import schedule as sched
 from apps.runs.models import Trigger
@@ -285,12 +285,17 @@ def _runs_for(definition_id: int, name: str, plan: Plan) -> list[NewRun]:
 def _insert_isolating(groups: Sequence[tuple[int, str, list[NewRun]]]) -> tuple[int, set[int]]:
     """Insert all groups' runs at once; if that fails, one group at a time to find the bad rows.
 
-    Return (runs inserted, ids of definitions whose runs could not be inserted).
+    Return (runs inserted, ids of definitions whose runs could not be inserted). An
+    OperationalError (a cancelled or timed-out statement, a deadlock, a lost connection) says
+    nothing about the rows: it is raised, so the tick fails, commits nothing, and the next tick
+    tries again. Pushing next_due_at forward for it would skip those fire times for good.
     """
     everything = [run for _, _, runs in groups for run in runs]
     try:
         with transaction.atomic():
             return len(insert_runs(everything)), set()
+    except OperationalError:
+        raise
     except DatabaseError:
         log.exception(
             "bulk insert of %d runs failed; retrying definition by definition", len(everything)
@@ -300,6 +305,8 @@ def _insert_isolating(groups: Sequence[tuple[int, str, list[NewRun]]]) -> tuple[
         try:
             with transaction.atomic():
                 inserted += len(insert_runs(runs))
+        except OperationalError:
+            raise
         except DatabaseError:
             log.exception("cannot insert runs of %s; retrying it in %s", name, BAD_DEFINITION_RETRY)
             failed.add(definition_id)

@@ -1,0 +1,561 @@
+"""Processes, database probes and the invariants every fault scenario ends by asserting.
+
+Everything here reads the database through its own psycopg connection (not Django's), so the
+same probes serve the test database and the PostgreSQL server a scenario starts for itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing, contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENT_DIR = ROOT / "client"
+HANDLERS = "tests.faults.handlers"
+
+T = TypeVar("T")
+
+
+# --- waiting -----------------------------------------------------------------------------------
+
+
+def wait_for(
+    predicate: Callable[[], T], timeout: float, what: str = "", interval: float = 0.05
+) -> T:
+    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- the database, seen from outside Django ----------------------------------------------------
+
+
+class Db:
+    """One autocommit psycopg connection for probes and assertions."""
+
+    def __init__(self, url: str, application_name: str = "faults:probe") -> None:
+        self.url = url
+        self.conn = psycopg.connect(url, autocommit=True, application_name=application_name)
+
+    def rows(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[tuple]:
+        return self.conn.execute(sql, params).fetchall()
+
+    def one(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> tuple | None:
+        return self.conn.execute(sql, params).fetchone()
+
+    def scalar(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> Any:
+        row = self.one(sql, params)
+        return None if row is None else row[0]
+
+    @contextmanager
+    def holding(
+        self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None
+    ) -> Iterator[psycopg.Connection]:
+        """Run `sql` in a transaction on a second connection and keep it open (its locks held)
+        until the block ends, then roll it back."""
+        with psycopg.connect(self.url, application_name="faults:holder") as holder:
+            holder.execute(sql, params)
+            try:
+                yield holder
+            finally:
+                holder.rollback()
+
+    def backends(self, application_name: str, *, waiting_on_lock: bool = False) -> list[int]:
+        """Pids of this database's backends with that application_name (optionally: those
+        waiting for a lock, i.e. inside a statement that another transaction blocks)."""
+        return [
+            row[0]
+            for row in self.rows(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                " AND application_name = %s AND (NOT %s OR wait_event_type = 'Lock')",
+                [application_name, waiting_on_lock],
+            )
+        ]
+
+    def busy_backends(self, application_name: str) -> int:
+        """How many of these backends are inside a statement or a transaction right now."""
+        return self.scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name = %s AND state <> 'idle'",
+            [application_name],
+        )
+
+    def terminate(self, pids: Sequence[int]) -> None:
+        for pid in pids:
+            self.scalar("SELECT pg_terminate_backend(%s)", [pid])
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+# The exact check behind "every concurrency limit held at every instant": a deferred trigger
+# counts, at the commit of every transaction that leases runs of a limited definition, how many
+# of its runs are leased, and keeps the peak. Claims of a limited definition hold a lock on it
+# until they commit, so the count seen at each commit is exact. Test databases only.
+PEAK_RECORDER = """
+CREATE TABLE IF NOT EXISTS faults_lease_peak (definition_id bigint PRIMARY KEY, peak int NOT NULL);
+CREATE OR REPLACE FUNCTION faults_record_lease_peak() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    leased int;
+BEGIN
+    IF (SELECT concurrency FROM jobs_jobdefinition WHERE id = NEW.definition_id) IS NULL THEN
+        RETURN NULL;
+    END IF;
+    SELECT count(*) INTO leased FROM runs_run
+    WHERE definition_id = NEW.definition_id AND state = 'leased';
+    INSERT INTO faults_lease_peak VALUES (NEW.definition_id, leased)
+    ON CONFLICT (definition_id) DO UPDATE SET peak = greatest(faults_lease_peak.peak, EXCLUDED.peak);
+    RETURN NULL;
+END
+$$;
+DROP TRIGGER IF EXISTS faults_record_lease_peak ON runs_run;
+CREATE CONSTRAINT TRIGGER faults_record_lease_peak AFTER INSERT OR UPDATE OF state ON runs_run
+DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.state = 'leased')
+EXECUTE FUNCTION faults_record_lease_peak();
+"""
+
+REMOVE_PEAK_RECORDER = """
+DROP TRIGGER IF EXISTS faults_record_lease_peak ON runs_run;
+DROP FUNCTION IF EXISTS faults_record_lease_peak();
+DROP TABLE IF EXISTS faults_lease_peak;
+"""
+
+
+def install_peak_recorder(db: Db) -> None:
+    db.conn.execute(PEAK_RECORDER)
+
+
+def remove_peak_recorder(db: Db) -> None:
+    db.conn.execute(REMOVE_PEAK_RECORDER)
+
+
+class LeaseSampler:
+    """Count the leased runs of every definition every few milliseconds; keep each peak.
+
+    Runs in a background thread on its own connection for the whole scenario; survives a
+    database restart (a failed sample is counted and the connection made again).
+    """
+
+    QUERY = "SELECT definition_id, count(*) FROM runs_run WHERE state = 'leased' GROUP BY 1"
+
+    def __init__(self, url: str, interval: float = 0.02) -> None:
+        self.url = url
+        self.interval = interval
+        self.peaks: dict[int, int] = {}
+        self.samples = 0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="faults-lease-sampler", daemon=True)
+
+    def start(self) -> LeaseSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        conn: psycopg.Connection | None = None
+        while not self._stop.is_set():
+            try:
+                if conn is None:
+                    conn = psycopg.connect(
+                        self.url,
+                        autocommit=True,
+                        connect_timeout=2,
+                        application_name="faults:sampler",
+                    )
+                for definition_id, count in conn.execute(self.QUERY).fetchall():
+                    if count > self.peaks.get(definition_id, 0):
+                        self.peaks[definition_id] = count
+                self.samples += 1
+            except psycopg.Error:
+                # The database is restarting (or the table is being flushed): sample again.
+                self.failures += 1
+                if conn is not None:
+                    conn.close()
+                conn = None
+            self._stop.wait(self.interval)
+        if conn is not None:
+            conn.close()
+
+
+# --- what must hold after any fault ------------------------------------------------------------
+
+# Each query lists the runs that break one rule; all run in one snapshot (REPEATABLE READ).
+INVARIANTS = {
+    "attempts within maxAttempts": """
+        SELECT id, attempt, max_attempts FROM runs_run WHERE attempt > max_attempts
+    """,
+    "one attempt row per attempt, numbered 1..attempt": """
+        SELECT r.id, r.attempt, count(a.id), count(DISTINCT a.number), max(a.number)
+        FROM runs_run r LEFT JOIN runs_attempt a ON a.run_id = r.id
+        GROUP BY r.id, r.attempt
+        HAVING count(a.id) <> r.attempt OR count(DISTINCT a.number) <> r.attempt
+            OR coalesce(max(a.number), 0) <> r.attempt
+    """,
+    "fencing tokens grow with every attempt": """
+        SELECT a.run_id, a.number, a.fencing_token, b.number, b.fencing_token
+        FROM runs_attempt a JOIN runs_attempt b
+          ON b.run_id = a.run_id AND b.number > a.number AND b.fencing_token <= a.fencing_token
+    """,
+    "the run carries its latest attempt's token": """
+        SELECT r.id, r.fencing_token, a.fencing_token
+        FROM runs_run r JOIN runs_attempt a ON a.run_id = r.id AND a.number = r.attempt
+        WHERE r.fencing_token IS DISTINCT FROM a.fencing_token
+    """,
+    "no run succeeded twice": """
+        SELECT run_id, count(*) FROM runs_attempt WHERE outcome = 'succeeded'
+        GROUP BY run_id HAVING count(*) > 1
+    """,
+    "a succeeded attempt is the run's last, and the run succeeded with its token": """
+        SELECT r.id, r.state, r.attempt, a.number
+        FROM runs_attempt a JOIN runs_run r ON r.id = a.run_id
+        WHERE a.outcome = 'succeeded'
+          AND (r.state <> 'succeeded' OR a.number <> r.attempt
+               OR a.fencing_token <> r.fencing_token)
+    """,
+    "a succeeded run has a succeeded last attempt": """
+        SELECT r.id, a.outcome FROM runs_run r
+        LEFT JOIN runs_attempt a ON a.run_id = r.id AND a.number = r.attempt
+        WHERE r.state = 'succeeded' AND a.outcome IS DISTINCT FROM 'succeeded'
+    """,
+    "only the current attempt of a leased run is open": """
+        SELECT a.run_id, a.number, r.state, r.attempt
+        FROM runs_attempt a JOIN runs_run r ON r.id = a.run_id
+        WHERE (a.ended_at IS NULL) <> (r.state = 'leased' AND a.number = r.attempt)
+    """,
+    "a leased run has a lease": """
+        SELECT id FROM runs_run WHERE state = 'leased'
+          AND (lease_expires_at IS NULL OR fencing_token IS NULL)
+    """,
+    "one scheduled run per definition and due time": """
+        SELECT definition_id, due_at, count(*) FROM runs_run
+        WHERE trigger IN ('cron', 'catch_up', 'backfill')
+        GROUP BY definition_id, due_at HAVING count(*) > 1
+    """,
+}
+
+
+def check_invariants(db: Db, sampler: LeaseSampler | None = None) -> dict[int, int]:
+    """Assert every rule above, and every concurrency limit against the sampled and the
+    recorded peaks; return the sampled peaks by definition id."""
+    broken: dict[str, list[tuple]] = {}
+    with psycopg.connect(db.url, application_name="faults:check") as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        for rule, sql in INVARIANTS.items():
+            rows = conn.execute(sql).fetchall()
+            if rows:
+                broken[rule] = rows[:10]
+        limits = dict(
+            conn.execute(
+                "SELECT id, concurrency FROM jobs_jobdefinition WHERE concurrency IS NOT NULL"
+            ).fetchall()
+        )
+        recorded = dict(conn.execute("SELECT definition_id, peak FROM faults_lease_peak"))
+    assert not broken, f"invariants broken: {broken}"
+    peaks = dict(sampler.peaks) if sampler is not None else {}
+    for definition_id, limit in limits.items():
+        assert recorded.get(definition_id, 0) <= limit, (
+            f"definition {definition_id}: {recorded[definition_id]} leased at a commit, limit {limit}"
+        )
+        assert peaks.get(definition_id, 0) <= limit, (
+            f"definition {definition_id}: {peaks[definition_id]} leased in a sample, limit {limit}"
+        )
+    if sampler is not None:
+        assert sampler.samples > 0, "the lease sampler never ran"
+    return peaks
+
+
+def read_ledger(path: Path) -> dict[str, dict[str, Any]]:
+    """The handlers' effects by idempotency key (see examples.plain_worker.handlers)."""
+    if not path.exists():
+        return {}
+    with closing(sqlite3.connect(path, timeout=30)) as ledger:
+        ledger.row_factory = sqlite3.Row
+        try:
+            rows = ledger.execute("SELECT * FROM effects").fetchall()
+        except sqlite3.OperationalError:
+            return {}
+    return {row["idempotency_key"]: dict(row) for row in rows}
+
+
+RUN_COLUMNS = (
+    "id, state, attempt, max_attempts, fencing_token, worker_id, result, last_error,"
+    " idempotency_key, trigger, due_at"
+)
+
+
+def runs(db: Db, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """The runs with these ids, by id, as dicts of RUN_COLUMNS."""
+    cursor = db.conn.execute(f"SELECT {RUN_COLUMNS} FROM runs_run WHERE id = ANY(%s)", [list(ids)])
+    names = [column.name for column in cursor.description]
+    return {row[0]: dict(zip(names, row, strict=True)) for row in cursor.fetchall()}
+
+
+def all_in(db: Db, ids: Sequence[int], *states: str) -> bool:
+    found = runs(db, ids)
+    return len(found) == len(ids) and all(run["state"] in states for run in found.values())
+
+
+def attempts_of(db: Db, run_id: int) -> list[tuple[int, int, str, str, str]]:
+    """(number, fencing token, worker id, outcome, error type) of a run's attempts, in order."""
+    return db.rows(
+        "SELECT number, fencing_token, worker_id, outcome, error_type FROM runs_attempt"
+        " WHERE run_id = %s ORDER BY number",
+        [run_id],
+    )
+
+
+@contextmanager
+def snapshot(db: Db) -> Iterator[psycopg.Connection]:
+    """A connection whose reads all see one snapshot (a REPEATABLE READ transaction), so that
+    processes writing meanwhile cannot make two reads disagree."""
+    with psycopg.connect(db.url, application_name="faults:check") as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        with conn.transaction():
+            yield conn
+
+
+def every_fire_time_once(db: Db, definition_id: int, first_due: Any, schedule: Any) -> None:
+    """Assert that the definition's runs are exactly its fire times from `first_due` up to (not
+    including) its next_due_at, one run each."""
+    from apps.jobs import schedule as sched
+
+    with psycopg.connect(db.url, application_name="faults:check") as conn:
+        next_due, due = conn.execute(
+            "SELECT d.next_due_at, array(SELECT due_at FROM runs_run"
+            " WHERE definition_id = d.id ORDER BY due_at) FROM jobs_jobdefinition d"
+            " WHERE d.id = %s",
+            [definition_id],
+        ).fetchone()
+    expected = [
+        f.utc
+        for f in sched.fire_times_between(
+            sched.parse_schedule(schedule),
+            first_due - timedelta(seconds=1),
+            next_due - timedelta(seconds=1),
+            10_000,
+        )
+    ]
+    assert due == expected, (definition_id, due, expected)
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+
+def process_env(database_url: str, data_dir: Path, **extra: str) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(CLIENT_DIR)]),
+        "PYTHONUNBUFFERED": "1",
+        "LOG_FORMAT": "plain",
+        # Static files and payload blobs of the subprocesses stay out of the checkout.
+        "SCHEDULER_DATA_DIR": str(data_dir),
+        **extra,
+    }
+    env.pop("TEST_DATABASE_NAME", None)
+    return env
+
+
+class Proc:
+    """A subprocess writing to its own log file; stopped for good by `stop()` or `kill()`."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_dir / f"{name}.log"
+        with self.log_path.open("ab") as log:
+            self.popen = subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.pid = self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, signum: int) -> None:
+        if self.alive():
+            os.kill(self.pid, signum)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.kill()
+        self.popen.wait(timeout=10)
+
+    def stop(self, timeout: float = 5) -> int:
+        """SIGTERM (after SIGCONT, in case it is frozen); SIGKILL if it is not gone in time."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGCONT)
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        return self.popen.wait(timeout=10)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def freeze(proc: Proc, db: Db, application_name: str) -> None:
+    """SIGSTOP `proc` at a moment when its database connections are idle (not inside a
+    statement or a transaction), so that the frozen process holds no lock."""
+    for _ in range(300):
+        proc.signal(signal.SIGSTOP)
+        if not db.busy_backends(application_name):
+            return
+        proc.signal(signal.SIGCONT)
+        time.sleep(0.01)
+    raise AssertionError(f"{proc.name} never left the database idle")
+
+
+@contextmanager
+def frozen(proc: Proc, db: Db, application_name: str) -> Iterator[None]:
+    """Freeze `proc` (see freeze) for the block, then SIGCONT it."""
+    freeze(proc, db, application_name)
+    try:
+        yield
+    finally:
+        proc.signal(signal.SIGCONT)
+
+
+def manage_argv(*args: str) -> list[str]:
+    return [sys.executable, "manage.py", *args]
+
+
+def worker_argv(url: str, token: str, queue: str, worker_id: str, *options: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "cronlease_client",
+        "run",
+        HANDLERS,
+        "--queue",
+        queue,
+        "--url",
+        url,
+        "--token",
+        token,
+        "--worker-id",
+        worker_id,
+        *options,
+    ]
+
+
+def uvicorn_argv(port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "scheduler_site.asgi:application",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--lifespan",
+        "off",
+        "--no-access-log",
+    ]
+
+
+def wait_http_ok(url: str, proc: Proc, timeout: float = 90) -> None:
+    import httpx
+
+    def answered() -> bool:
+        assert proc.alive(), f"{proc.name} exited:\n{proc.output()[-3000:]}"
+        try:
+            return httpx.get(url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(answered, timeout, f"{url} to answer 200", interval=0.1)
+
+
+# --- a PostgreSQL server of the test's own -------------------------------------------------------
+
+
+class OwnPostgres:
+    """A throwaway PostgreSQL server (the `pgserver` package's binaries) that a test may restart.
+
+    pgserver runs initdb and the first start (as the `pgserver` system user when we are root);
+    restarts go through pg_ctl with the same options.
+    """
+
+    def __init__(self, root: Path) -> None:
+        import pgserver
+
+        self.root = root
+        self.data = root / "pg"
+        server = pgserver.get_server(self.data, cleanup_mode=None)
+        # The test stops the server itself (see close); pgserver's exit hook has nothing to do.
+        atexit.unregister(server._cleanup)
+        self.url = server.get_uri()
+        self.socket_dir = server.get_postmaster_info().socket_dir
+        self.user = server.system_user
+        self.pg_ctl_path = Path(pgserver.__file__).parent / "pginstall" / "bin" / "pg_ctl"
+
+    def _pg_ctl(self, *args: str) -> None:
+        subprocess.run(
+            [str(self.pg_ctl_path), "-D", str(self.data), *args],
+            user=self.user,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=True,
+            timeout=60,
+        )
+
+    def stop(self) -> None:
+        self._pg_ctl("-w", "-m", "fast", "stop")
+
+    def start(self) -> None:
+        self._pg_ctl(
+            "-w",
+            "-o",
+            '-h ""',
+            "-o",
+            f"-k {self.socket_dir}",
+            "-l",
+            str(self.data / "log"),
+            "start",
+        )
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        except subprocess.SubprocessError:
+            pass
+        shutil.rmtree(self.root, ignore_errors=True)

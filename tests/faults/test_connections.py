@@ -1,0 +1,294 @@
+"""`pg_terminate_backend` on the API server's and a scheduler's connections, in the middle of a
+claim, a heartbeat, a completion, a long poll and a materialisation.
+
+Each statement to be cut is first made to wait for a lock that the test holds in an open
+transaction, so the backend is terminated exactly while it is inside that statement (found in
+pg_stat_activity by application_name, waiting on the lock). The killed transaction rolls back;
+the client gets a retryable answer (500), retries through the SDK's transport, and the retry
+creates no second attempt or run. The same processes keep serving: nothing is restarted.
+Last, `pg_cancel_backend` (what a statement or lock timeout does) on the scheduler's insert:
+no fire time may be skipped for it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import pytest
+from cronlease_client.transport import Transport
+
+from apps.runs import store
+from apps.runs.ids import public_run_id
+from tests.conftest import db_now
+from tests.faults.conftest import WEB
+from tests.faults.helpers import attempts_of, runs, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+LISTENER = "scheduler:listener"  # the API server's LISTEN connection (apps.runs.waiting)
+MINUTELY = {"cron": "* * * * *", "jitterSeconds": 0, "missedRunPolicy": "run_all"}
+
+
+class Recorder(httpx.HTTPTransport):
+    """An httpx transport that remembers the status of every answer (None: no answer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.statuses: list[int | None] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            response = super().handle_request(request)
+        except httpx.TransportError:
+            self.statuses.append(None)
+            raise
+        self.statuses.append(response.status_code)
+        return response
+
+
+class Call:
+    """One SDK call (Transport.post, with its retries) on a thread of its own."""
+
+    def __init__(self, url: str, token: str, path: str, body: dict[str, Any]) -> None:
+        self.recorder = Recorder()
+        self.transport = Transport(url, token, attempts=10, http_transport=self.recorder)
+        self.answer: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(path, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, path: str, body: dict[str, Any]) -> None:
+        try:
+            self.answer = self.transport.post(path, body)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+            self.error = exc
+        finally:
+            self.transport.close()
+
+    def result(self, timeout: float = 20) -> Any:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"no answer yet; statuses {self.recorder.statuses}"
+        if self.error is not None:
+            raise self.error
+        return self.answer
+
+
+def cut_while_waiting(h, lock_sql: str, params: list[Any], path: str, body: dict) -> Call:
+    """Hold `lock_sql`'s locks, send the call, terminate the API backend that waits for them,
+    let the SDK see the 500, then release the locks so its retry goes through."""
+    with h.db.holding(lock_sql, params):
+        call = Call(h.services.api_url, h.token, path, body)
+        (pid,) = wait_for(
+            lambda: h.db.backends(WEB, waiting_on_lock=True), 15, f"{path} to wait for the lock"
+        )
+        h.db.terminate([pid])
+        wait_for(lambda: call.recorder.statuses, 15, "the first answer")
+    call.result()
+    assert call.recorder.statuses == [500, 200], call.recorder.statuses
+    return call
+
+
+def cron_run_row(definition_id: int, due) -> dict[str, Any]:
+    """INSERT_RUNS parameters for one cron run of this definition at `due`; inserted by a test
+    in a transaction it keeps open, it makes the scheduler's insert of that time wait."""
+    row = {
+        "definition_id": definition_id,
+        "trigger": "cron",
+        "due_at": due.isoformat(),
+        "available_at": due.isoformat(),
+        "idempotency_key": "faults-blocker",
+        "own": False,
+        "payload": None,
+        "payload_key": "",
+    }
+    return {"rows": json.dumps([row]), "definition_ids": [definition_id]}
+
+
+def waiting_statement(db, application_name: str) -> tuple[int, Any] | None:
+    """(pid, query start) of the statement of that application waiting for a lock, if any."""
+    return db.one(
+        "SELECT pid, query_start FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name = %s AND wait_event_type = 'Lock'",
+        [application_name],
+    )
+
+
+def test_terminated_connections_give_retryable_errors_and_retries_duplicate_nothing(harness):
+    h = harness
+    api_pid = h.services.api.pid
+    # A limited definition: the claim locks its row, which the test can hold.
+    definition = h.definition("faults.work", "cut", concurrency=5, retry_max_attempts=3)
+    ids = h.add_runs(definition, [{}] * 3)
+
+    # The scheduler's first materialisation of this minutely job will wait on an uncommitted
+    # run of the same cron time, inserted by the test with the product's own statement.
+    cron = h.definition("faults.control", "cut-cron", schedule=MINUTELY)
+    due = db_now().replace(second=0, microsecond=0) + timedelta(minutes=1)
+    cron.next_due_at = due
+    cron.save()
+    with h.db.holding(store.INSERT_RUNS, cron_run_row(cron.pk, due)):
+        node = h.scheduler("cut-node")
+
+        # Claim: terminated while waiting for the definition's lock (candidates already locked).
+        claim = cut_while_waiting(
+            h,
+            "SELECT 1 FROM jobs_jobdefinition WHERE id = %s FOR UPDATE",
+            [definition.pk],
+            "/api/v1/leases",
+            {"queues": ["cut"], "max": 3, "workerId": "cut-worker", "leaseSeconds": 60},
+        )
+        leases = claim.answer["leases"]
+        assert sorted(lease["runId"] for lease in leases) == sorted(map(public_run_id, ids))
+        for lease in leases:
+            assert lease["attempt"] == 1
+        for pk in ids:
+            assert [a[:3] for a in attempts_of(h.db, pk)] == [
+                (1, runs(h.db, [pk])[pk]["fencing_token"], "cut-worker")
+            ]
+        first, second = leases[0], leases[1]
+        first_pk = ids[[public_run_id(pk) for pk in ids].index(first["runId"])]
+
+        # Heartbeat: terminated while waiting for the run's row lock.
+        expires_before = h.db.scalar(
+            "SELECT lease_expires_at FROM runs_run WHERE id = %s", [first_pk]
+        )
+        cut_while_waiting(
+            h,
+            "SELECT 1 FROM runs_run WHERE id = %s FOR UPDATE",
+            [first_pk],
+            f"/api/v1/runs/{first['runId']}/heartbeat",
+            {"fencingToken": first["fencingToken"]},
+        )
+        assert (
+            h.db.scalar("SELECT lease_expires_at FROM runs_run WHERE id = %s", [first_pk])
+            > expires_before
+        )
+        assert runs(h.db, [first_pk])[first_pk]["attempt"] == 1
+
+        # Complete, through the batch endpoint the SDK uses: terminated inside the UPDATE.
+        cut_while_waiting(
+            h,
+            "SELECT 1 FROM runs_run WHERE id = %s FOR UPDATE",
+            [first_pk],
+            "/api/v1/results",
+            {
+                "results": [
+                    {
+                        "runId": first["runId"],
+                        "fencingToken": first["fencingToken"],
+                        "outcome": "succeeded",
+                        "result": {"cut": True},
+                    }
+                ]
+            },
+        )
+        done = runs(h.db, [first_pk])[first_pk]
+        assert (done["state"], done["result"]) == ("succeeded", {"cut": True})
+        assert [a[3] for a in attempts_of(h.db, first_pk)] == ["succeeded"]
+
+        # Long poll: every connection of the API server is cut, its LISTEN connection too;
+        # a worker's long poll still wakes up for a run that becomes ready.
+        h.db.terminate(h.db.backends(WEB) + h.db.backends(LISTENER))
+        poll = Call(
+            h.services.api_url,
+            h.token,
+            "/api/v1/leases",
+            {"queues": ["cut-poll"], "max": 1, "workerId": "poller", "waitSeconds": 20},
+        )
+        polled = h.definition("faults.spent", "cut-poll")
+        time.sleep(0.5)  # the poll is waiting by now (it returns a lease either way)
+        sent = time.monotonic()
+        (new_run,) = h.add_runs(polled, [{}], prefix="poll")
+        (lease,) = poll.result(25)["leases"]
+        assert lease["runId"] == public_run_id(new_run)
+        # Woken by the NOTIFY through the re-made LISTEN connection, not by its 5 s alarm.
+        assert time.monotonic() - sent < 4
+        wait_for(lambda: h.db.backends(LISTENER), 10, "the LISTEN connection to come back")
+
+        # Materialise: the scheduler's INSERT has been waiting for the test's conflicting row.
+        scheduler_app = f"faults:sched:{node.name}"
+        (pid,) = wait_for(
+            lambda: h.db.backends(scheduler_app, waiting_on_lock=True),
+            30,
+            "the scheduler's insert to wait",
+        )
+        h.db.terminate([pid])
+
+    # The killed transaction inserted nothing and did not move next_due_at; the next tick,
+    # on a new connection in the same process, materialises the cron time exactly once.
+    def materialised() -> bool:
+        return bool(
+            h.db.scalar(
+                "SELECT count(*) FROM runs_run WHERE definition_id = %s AND due_at = %s",
+                [cron.pk, due],
+            )
+        ) and h.db.scalar(
+            "SELECT next_due_at > %s FROM jobs_jobdefinition WHERE id = %s", [due, cron.pk]
+        )
+
+    wait_for(materialised, 20, "the cron time to be materialised")
+    # One run for that time (a `catch_up` one if the minute had long begun by then).
+    assert h.db.rows(
+        "SELECT due_at, count(*) FROM runs_run WHERE definition_id = %s GROUP BY 1 ORDER BY 1",
+        [cron.pk],
+    )[0] == (due, 1)
+    assert "tick failed; retrying next tick" in node.output()
+    assert node.alive()
+
+    # Materialise, cancelled rather than terminated (what a statement or lock timeout does
+    # too): the waiting INSERT is cancelled twice (the batch's insert, then whatever the
+    # materialiser tries next), then the row is released. Nothing is wrong with the rows, so
+    # no fire time may be skipped: the cron time is inserted once, next_due_at moves on by
+    # the schedule.
+    later = h.definition("faults.poison", "cut-cron-2", schedule=MINUTELY)
+    due = db_now().replace(second=0, microsecond=0) + timedelta(minutes=1)
+
+    def cancel_the_waiting_insert() -> None:
+        waiting = wait_for(
+            lambda: waiting_statement(h.db, scheduler_app), 30, "the scheduler's insert to wait"
+        )
+        h.db.scalar("SELECT pg_cancel_backend(%s)", [waiting[0]])
+        wait_for(lambda: waiting_statement(h.db, scheduler_app) != waiting, 10, "the cancel")
+
+    with h.db.holding(store.INSERT_RUNS, cron_run_row(later.pk, due)):
+        # Due only now, with the blocking row in place: the running scheduler cannot get there first.
+        later.next_due_at = due
+        later.save()
+        cancel_the_waiting_insert()
+        cancel_the_waiting_insert()
+
+    def settled() -> tuple | None:
+        count = h.db.scalar(
+            "SELECT count(*) FROM runs_run WHERE definition_id = %s AND due_at = %s",
+            [later.pk, due],
+        )
+        next_due = h.db.scalar(
+            "SELECT next_due_at FROM jobs_jobdefinition WHERE id = %s", [later.pk]
+        )
+        return (count, next_due) if count or next_due > due + timedelta(minutes=5) else None
+
+    count, next_due = wait_for(settled, 20, "the cancelled cron time to be materialised")
+    assert next_due <= due + timedelta(minutes=2), f"next_due_at jumped to {next_due}"
+    assert count == 1
+    assert node.alive()
+
+    # Nothing restarted; both still serve.
+    assert h.services.api.pid == api_pid and h.services.api.alive()
+    with h.http() as http:
+        assert http.get("/readyz").status_code == 200
+        assert (
+            http.post(
+                f"/api/v1/runs/{second['runId']}/complete",
+                json={"fencingToken": second["fencingToken"]},
+            ).status_code
+            == 200
+        )
+    assert (
+        h.db.scalar("SELECT count(*) FROM runs_run WHERE definition_id = %s", [definition.pk]) == 3
+    )
+    h.check()
