@@ -1,12 +1,20 @@
 """Materialisation benchmark: N hourly definitions all due in the same minute, one scheduler node.
 
     python bench/materialise.py [--definitions 100000] [--database-url URL] [--uncached] [--profile]
+                                [--no-recreate] [--load-only | --skip-load] [--due-minutes M]
+                                [--json PATH]
 
 Uses its own database (default `bench_materialise` on the local server, dropped, created and
 migrated on every run), so it never touches the development or test databases.
 The definitions are inserted with one set-based INSERT; the timed part is the scheduler's own
 step methods (one lease round that takes all 16 shards, then `handle_one_materialise` per shard
 until no batch is full), exactly what `manage.py scheduler` runs each tick.
+
+`python -m bench materialise` drives it: `--no-recreate` uses a database that exists (made from
+the bench template), `--load-only` loads the definitions (due `--due-minutes` ahead) and exits,
+`--skip-load` materialises the definitions already there (a copy of the loaded database, so the
+scheduler-daemon, store and raw-SQL variants start from the same rows), `--json PATH` writes the
+figures (seconds, runs, CPU of this process and of its PostgreSQL backend, commits).
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ def setup_django(url: str) -> None:
     django.setup()
 
 
-def load_definitions(count: int) -> tuple[object, str]:
+def load_definitions(count: int, due_minutes: int = 2) -> tuple[object, str]:
     """Empty the tables and insert `count` hourly definitions due at the same minute.
 
     The minute is two minutes ahead (so loading a million rows cannot make it late) and the
@@ -68,7 +76,9 @@ def load_definitions(count: int) -> tuple[object, str]:
             "TRUNCATE runs_attempt, runs_run, jobs_jobdefinition, scheduler_shardlease,"
             " scheduler_schedulernode CASCADE"
         )
-        cursor.execute("SELECT date_trunc('minute', now()) + interval '2 minutes'")
+        cursor.execute(
+            "SELECT date_trunc('minute', now()) + make_interval(mins => %s)", [due_minutes]
+        )
         due = cursor.fetchone()[0]
     team = Team.objects.get_or_create(slug="bench", defaults={"name": "Bench"})[0]
     cron = f"{due.minute} * * * *"
@@ -147,9 +157,19 @@ def main() -> None:
         help="plan every definition separately (no sharing of identical schedules)",
     )
     parser.add_argument("--profile", action="store_true", help="print the top of a cProfile")
+    parser.add_argument("--no-recreate", action="store_true", help="use the database as it is")
+    parser.add_argument("--load-only", action="store_true", help="load the definitions, exit")
+    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument(
+        "--skip-load", action="store_true", help="use the definitions already in the database"
+    )
+    parser.add_argument(
+        "--due-minutes", type=int, default=2, help="how far ahead the definitions fall due"
+    )
     args = parser.parse_args()
 
-    recreate_database(args.database_url)
+    if not args.no_recreate:
+        recreate_database(args.database_url)
     setup_django(args.database_url)
     from django.core.management import call_command
     from django.db import connection
@@ -159,18 +179,29 @@ def main() -> None:
         disable_plan_cache()
 
     load_started = time.perf_counter()
-    due, cron = load_definitions(args.definitions)
-    print(
-        f"loaded {args.definitions} definitions ({cron!r}, all due {due.isoformat()}) "
-        f"in {time.perf_counter() - load_started:.1f}s"
-    )
+    if args.skip_load:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT min(next_due_at), count(*) FROM jobs_jobdefinition")
+            due, loaded = cursor.fetchone()
+        assert loaded == args.definitions, (loaded, args.definitions)
+    else:
+        due, cron = load_definitions(args.definitions, args.due_minutes)
+        print(
+            f"loaded {args.definitions} definitions ({cron!r}, all due {due.isoformat()}) "
+            f"in {time.perf_counter() - load_started:.1f}s"
+        )
 
+    if args.load_only:
+        return
+
+    before = _usage(connection)
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
     elapsed, handled = materialise_all(args.batch)
     if profiler:
         profiler.disable()
+    after = _usage(connection)
 
     with connection.cursor() as cursor:
         cursor.execute("SELECT count(*), count(DISTINCT definition_id) FROM runs_run")
@@ -191,8 +222,50 @@ def main() -> None:
         f"materialised {runs} runs for {handled} definitions in {elapsed:.2f}s "
         f"({runs / elapsed:,.0f} runs/s, batch {args.batch}, {mode})"
     )
+    if args.json:
+        import json
+
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "seconds": elapsed,
+                    "runs": runs,
+                    "cpu_s_python": after["python"] - before["python"],
+                    "cpu_s_backend": after["backend"] - before["backend"],
+                    # Less the two reading transactions of _usage itself.
+                    "commits": after["commits"] - before["commits"] - 2,
+                    "rss_mb": {"scheduler": after["rss_python"], "postgres": after["rss_backend"]},
+                }
+            )
+        )
     if profiler:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+
+
+def _usage(connection) -> dict[str, float]:
+    """CPU seconds of this process and of its backend, and the database's commits so far."""
+    import resource
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid(), pg_stat_force_next_flush()")
+        pid = cursor.fetchone()[0]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        )
+        commits = cursor.fetchone()[0]
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_backend = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "python": usage.ru_utime + usage.ru_stime,
+        "backend": (int(fields[11]) + int(fields[12])) / ticks,
+        "commits": commits,
+        "rss_python": usage.ru_maxrss / 1024,
+        "rss_backend": rss_backend / 1024,
+    }
 
 
 if __name__ == "__main__":

@@ -1,0 +1,453 @@
+"""Shared machinery: databases, processes, CPU/RSS sampling, PostgreSQL counters, results.
+
+The parent process (`python -m bench …`) never imports Django: everything that runs the
+product's code does so in a subprocess with its own `DATABASE_URL`, so one `bench all` can move
+from one fresh database to the next.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse, urlunparse
+
+import psutil
+import psycopg
+from psycopg import sql
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "bench" / "results"
+PG_URL = os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/15")
+PYTHON = sys.executable
+QUEUE = "bench"
+JOB = "bench.noop"
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Databases
+
+
+def connect(url: str, attempts: int = 60, **kwargs: Any) -> psycopg.Connection:
+    """psycopg.connect, retried for a minute when the server is out of connection slots.
+
+    The machine's PostgreSQL (max_connections 100) is shared with other test runs.
+    """
+    kwargs.setdefault("autocommit", True)
+    for attempt in range(attempts):
+        try:
+            return psycopg.connect(url, **kwargs)
+        except psycopg.OperationalError as exc:
+            if "too many clients" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
+def db_url(name: str) -> str:
+    return urlunparse(urlparse(PG_URL)._replace(path=f"/{name}"))
+
+
+def recreate_database(name: str) -> str:
+    with connect(PG_URL) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return db_url(name)
+
+
+def django_env(url: str, **extra: str) -> dict[str, str]:
+    """The environment of a product process: its database, quiet logs, no per-run log lines.
+
+    `LOG_RUNS_LEVEL=WARNING` is the setting the product's own comment recommends "at tens of
+    thousands of runs a second" (apps/ops/logs.py); everything else is the default.
+    """
+    env = dict(os.environ)
+    env.update(
+        {
+            "DATABASE_URL": url,
+            "DJANGO_SETTINGS_MODULE": "scheduler_site.settings",
+            "LOG_LEVEL": "WARNING",
+            "LOG_RUNS_LEVEL": "WARNING",
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "client")]),
+        }
+    )
+    env.update(extra)
+    return env
+
+
+def manage(url: str, *args: str) -> str:
+    done = subprocess.run(
+        [PYTHON, "manage.py", *args],
+        cwd=REPO,
+        env=django_env(url),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode:
+        raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+TEMPLATE = "bench_template"
+_template_token: str | None = None
+
+
+def fresh_project_database(name: str) -> tuple[str, str]:
+    """A fresh `name`, migrated, with team `bench`, a worker+manage token and the job `bench.noop`.
+
+    The first call of a `python -m bench` process drops and recreates `bench_template`, runs
+    `manage.py migrate`, `manage.py createteam bench` and bench/workers/setup_project.py on it; every scenario's database is then
+    `CREATE DATABASE … TEMPLATE bench_template` (a file copy, well under a second, where
+    migrating takes 5–40 s on a busy 2-core machine). So each scenario starts from the
+    current migrations and an empty schema, and the token works in all of them.
+    """
+    global _template_token
+    if _template_token is None:
+        url = recreate_database(TEMPLATE)
+        manage(url, "migrate", "-v0")
+        out = manage(url, "createteam", "bench", "--scopes", "worker,manage")
+        _template_token = out.strip().splitlines()[-1]
+        subprocess.run(
+            [PYTHON, "-m", "bench.workers.setup_project"], cwd=REPO, env=django_env(url), check=True
+        )
+    with connect(PG_URL) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(TEMPLATE)
+            )
+        )
+    return db_url(name), _template_token
+
+
+def clone_database(source: str, name: str) -> str:
+    """`CREATE DATABASE name TEMPLATE source` (dropping `name` first); return its URL."""
+    with connect(PG_URL) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", [source]
+        )
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(source)
+            )
+        )
+    return db_url(name)
+
+
+def drop_database(name: str) -> None:
+    with connect(PG_URL) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def xact_commits(names: Iterable[str]) -> int:
+    """Committed transactions of these databases so far (pg_stat_database), read from `postgres`.
+
+    Read from another database so the reading does not count itself.
+    """
+    with connect(PG_URL) as conn:
+        row = conn.execute(
+            "SELECT coalesce(sum(xact_commit), 0) FROM pg_stat_database WHERE datname = ANY(%s)",
+            [list(names)],
+        ).fetchone()
+    return int(row[0])
+
+
+def flush_backends(names: Iterable[str]) -> None:
+    """End the sessions still open on these databases, so their pending statistics are flushed.
+
+    PostgreSQL 15 reports an idle session's counters up to 10 s late; a session that ends
+    reports them at once. Long-lived sessions (the web processes') reconnect on next use.
+    """
+    with connect(PG_URL) as conn:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = ANY(%s) AND pid <> pg_backend_pid()",
+            [list(names)],
+        )
+    time.sleep(0.3)
+
+
+def server_facts() -> dict[str, Any]:
+    with connect(PG_URL) as conn:
+        version = conn.execute("SHOW server_version").fetchone()[0]
+        settings = dict(
+            conn.execute(
+                "SELECT name, current_setting(name) FROM pg_settings WHERE name = ANY(%s)",
+                [["shared_buffers", "synchronous_commit", "max_connections", "fsync", "wal_level"]],
+            ).fetchall()
+        )
+    return {
+        "nproc": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "postgresql": version,
+        "pg_settings": settings,
+        "python": sys.version.split()[0],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Processes
+
+
+class Procs:
+    """Subprocesses of one system, stopped together (SIGTERM, then SIGKILL)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, subprocess.Popen]] = []
+
+    def start(
+        self, role: str, args: Sequence[str], env: dict[str, str], log_path: Path | None = None
+    ) -> subprocess.Popen:
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        proc = subprocess.Popen(
+            list(args), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        if log_path:
+            out.close()
+        self.items.append((role, proc))
+        return proc
+
+    def pids(self) -> dict[int, str]:
+        """Every process of the group and its descendants, with its role."""
+        found: dict[int, str] = {}
+        for role, proc in self.items:
+            if proc.poll() is not None:
+                continue
+            found[proc.pid] = role
+            try:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    found[child.pid] = role
+            except psutil.Error:
+                pass
+        return found
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(role, proc.returncode) for role, proc in self.items if proc.poll() is not None]
+
+    def stop(self, roles: Iterable[str] | None = None, grace: float = 3.0) -> None:
+        wanted = set(roles) if roles is not None else None
+        chosen = [(r, p) for r, p in self.items if wanted is None or r in wanted]
+        for _, proc in chosen:
+            if proc.poll() is None:
+                try:
+                    # grace 0: the figures are already read; no need to wait for a clean exit.
+                    os.killpg(proc.pid, signal.SIGTERM if grace else signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for _, proc in chosen:
+            try:
+                proc.wait(max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(5)
+        self.items = [(r, p) for r, p in self.items if (r, p) not in chosen]
+
+
+def wait_ready(run_dir: Path, count: int, procs: Procs, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(run_dir.glob("ready-*"))) < count:
+        if procs.dead():
+            raise RuntimeError(f"a worker process exited early: {procs.dead()} (see {run_dir})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers not ready after {timeout}s (see {run_dir})")
+        time.sleep(0.05)
+
+
+class Sampler:
+    """CPU seconds and peak RSS of a system's processes and of its PostgreSQL backends.
+
+    Polls every 0.2 s: the tracked subprocesses (and their children) and every PostgreSQL
+    process whose title names one of `databases` (its backends and autovacuum workers), plus
+    any `extra` pids (the Redis server). CPU counts from the first sample (processes that were
+    already running contribute only what they spend from then on; new ones everything).
+    """
+
+    def __init__(
+        self, procs: Procs | None, databases: Sequence[str] = (), extra: dict[int, str] | None = None
+    ) -> None:
+        self.procs = procs
+        self.databases = [f" {name} " for name in databases]
+        self.extra = extra or {}
+        self.base: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.role: dict[int, str] = {}
+        self.rss: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._first = True
+        self._pg_pids: dict[int, str] = {}
+        self._pg_scanned = 0.0
+
+    def _pg(self) -> dict[int, str]:
+        now = time.monotonic()
+        if self.databases and now - self._pg_scanned > 0.5:
+            self._pg_scanned = now
+            found = {}
+            for proc in psutil.process_iter(["name", "cmdline"]):
+                try:
+                    title = " ".join(proc.info["cmdline"] or []) + " "
+                except psutil.Error:
+                    continue
+                if title.startswith("postgres:") and any(db in title for db in self.databases):
+                    found[proc.pid] = "postgres"
+            self._pg_pids = found
+        return self._pg_pids
+
+    def sample(self) -> None:
+        pids = dict(self.procs.pids()) if self.procs else {}
+        pids.update(self._pg())
+        pids.update(self.extra)
+        for pid, role in pids.items():
+            try:
+                proc = psutil.Process(pid)
+                with proc.oneshot():
+                    times = proc.cpu_times()
+                    rss = proc.memory_info().rss
+            except psutil.Error:
+                continue
+            cpu = times.user + times.system
+            if pid not in self.base:
+                self.base[pid] = cpu if self._first else 0.0
+            self.last[pid] = cpu
+            self.role[pid] = role
+            self.rss[role] = max(self.rss.get(role, 0.0), rss / 2**20)
+        self._first = False
+
+    def start(self) -> Sampler:
+        self.sample()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            self.sample()
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        self.sample()
+        by_role: dict[str, float] = {}
+        for pid, cpu in self.last.items():
+            role = self.role[pid]
+            by_role[role] = by_role.get(role, 0.0) + max(0.0, cpu - self.base.get(pid, 0.0))
+        return {
+            "cpu_s": round(sum(by_role.values()), 2),
+            "cpu_s_by_role": {k: round(v, 2) for k, v in sorted(by_role.items())},
+            "rss_mb": {k: round(v, 1) for k, v in sorted(self.rss.items())},
+        }
+
+
+def redis_server_pid() -> dict[int, str]:
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] == "redis-server":
+            return {proc.pid: "redis"}
+    return {}
+
+
+# --------------------------------------------------------------------------------------------
+# Figures
+
+
+def percentile(sorted_values: Sequence[float], p: float) -> float | None:
+    if not sorted_values:
+        return None
+    k = (len(sorted_values) - 1) * p
+    lo, hi = math.floor(k), math.ceil(k)
+    if math.isinf(sorted_values[hi]):
+        return sorted_values[hi]
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+def latency_summary(values: Iterable[float]) -> dict[str, float | None]:
+    ordered = sorted(v for v in values if not math.isnan(v))
+    return {
+        "p50": percentile(ordered, 0.5),
+        "p99": percentile(ordered, 0.99),
+        "max": ordered[-1] if ordered else None,
+    }
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+@dataclass
+class Row:
+    """One measurement: one system, one configuration of one scenario."""
+
+    scenario: str
+    system: str
+    config: str
+    runs: int = 0
+    seconds: float = 0.0
+    p50: float | None = None
+    p99: float | None = None
+    max: float | None = None
+    cpu_s: float | None = None
+    commits: int | None = None
+    rss_mb: dict[str, float] = field(default_factory=dict)
+    load: list[float] = field(default_factory=list)
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rate(self) -> float | None:
+        return self.runs / self.seconds if self.seconds > 0 and self.runs else None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["runs_per_s"] = round(self.rate, 1) if self.rate else None
+        out["cpu_s_per_1k"] = round(1000 * self.cpu_s / self.runs, 3) if self.cpu_s and self.runs else None
+        out["commits_per_1k"] = (
+            round(1000 * self.commits / self.runs, 1) if self.commits is not None and self.runs else None
+        )
+        return out
+
+
+class RunDir:
+    """A scratch directory for one measurement: recorder files, go file, logs."""
+
+    def __init__(self, label: str) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix=f"bench-{label}-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        self.go = self.path / "GO"
+
+    def logs(self, name: str) -> Path:
+        return self.path / f"{name}.log"
+
+    def cleanup(self, keep: bool = False) -> None:
+        if not keep:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def save_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = RESULTS_DIR / f"{name}-{stamp}.json"
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    (RESULTS_DIR / f"{name}-latest.json").write_text(json.dumps(payload, indent=2, default=str))
+    return path
