@@ -57,7 +57,7 @@ from celery.exceptions import Retry
 
 from cronlease_client.context import Context
 from cronlease_client.errors import ApiError, Retryable
-from cronlease_client.transport import Transport, backoff_delay
+from cronlease_client.transport import Transport, backoff_delay, heartbeat_leases
 from cronlease_client.worker import (
     MAX_BATCH,
     SKIPPED_DRY_RUN,
@@ -753,24 +753,16 @@ class Bridge:
                 self.max_queued_seconds,
                 extra=pending.fields(),
             )
-        for start in range(0, len(runs), MAX_BATCH):
-            chunk = runs[start : start + MAX_BATCH]
-            body = {"leases": [{"runId": p.run_id, "fencingToken": p.token} for p in chunk]}
-            try:
-                answer = self._heartbeat_http.post(
-                    "/api/v1/heartbeats",
-                    body,
-                    timeout=max(1.0, min(self.http_timeout, self.heartbeat_interval)),
-                )
-            except ApiError as exc:
-                logger.warning("heartbeat of %d queued leases failed: %s", len(chunk), exc)
-                continue
-            statuses = {item["runId"]: item for item in answer.get("leases", [])}
-            for pending in chunk:
-                item = statuses.get(pending.run_id)
-                if item is not None and item.get("status") in (404, 409):
-                    # Done before its handoff event arrived, or reaped, or cancelled.
-                    self._drop(pending, item.get("detail", ""))
+        lost = heartbeat_leases(
+            self._heartbeat_http,
+            [(pending.run_id, pending.token) for pending in runs],
+            timeout=max(1.0, min(self.http_timeout, self.heartbeat_interval)),
+            batch=MAX_BATCH,
+        )
+        for pending in runs:
+            if pending.run_id in lost:
+                # Done before its handoff event arrived, or reaped, or cancelled.
+                self._drop(pending, lost[pending.run_id])
 
     def _drop(self, pending: _Pending, detail: str) -> None:
         with self._lock:

@@ -148,3 +148,27 @@ class Transport:
 
     def close(self) -> None:
         self._http.close()
+
+
+def heartbeat_leases(
+    http: Transport, leases: list[tuple[str, int]], *, timeout: float, batch: int
+) -> dict[str, str]:
+    """Extend leases with `POST /api/v1/heartbeats`, `batch` at a time.
+
+    Return {run id: detail} for the leases the scheduler no longer honours (404 or 409: done,
+    reaped, cancelled or taken over). A request that fails is only logged: the next round tries
+    again, and a lease has rounds to spare before it expires.
+    """
+    lost: dict[str, str] = {}
+    for start in range(0, len(leases), batch):
+        chunk = leases[start : start + batch]
+        body = {"leases": [{"runId": run_id, "fencingToken": token} for run_id, token in chunk]}
+        try:
+            answer = http.post("/api/v1/heartbeats", body, timeout=timeout)
+        except ApiError as exc:
+            logger.warning("heartbeat of %d leases failed: %s", len(chunk), exc)
+            continue
+        for item in answer.get("leases", []):
+            if item.get("status") in (404, 409):
+                lost[item["runId"]] = item.get("detail", "")
+    return lost

@@ -37,7 +37,7 @@ from typing import Any, Literal, Protocol
 from cronlease_client.context import Context, LeaseFlag
 from cronlease_client.errors import ApiError, HandlerError
 from cronlease_client.registry import HandlerFunc, HandlerSpec, spec_for
-from cronlease_client.transport import Transport, backoff_delay
+from cronlease_client.transport import Transport, backoff_delay, heartbeat_leases
 
 logger = logging.getLogger("cronlease_client")
 
@@ -581,24 +581,15 @@ class Worker:
         """Extend every held lease in one request; mark the ones the scheduler says are gone."""
         with self._lock:
             runs = [r for r in self._inflight.values() if not r.lost and not r.abandoned]
-        for start in range(0, len(runs), MAX_BATCH):
-            chunk = runs[start : start + MAX_BATCH]
-            body = {"leases": [{"runId": r.run_id, "fencingToken": r.token} for r in chunk]}
-            try:
-                answer = self._heartbeat_http.post(
-                    "/api/v1/heartbeats",
-                    body,
-                    timeout=max(1.0, min(self.http_timeout, self.heartbeat_interval)),
-                )
-            except ApiError as exc:
-                # The next round tries again; the lease has two more rounds before it expires.
-                logger.warning("heartbeat of %d leases failed: %s", len(chunk), exc)
-                continue
-            statuses = {item["runId"]: item for item in answer.get("leases", [])}
-            for run in chunk:
-                item = statuses.get(run.run_id)
-                if item is not None and item.get("status") in (404, 409):
-                    self._mark_lost(run, item.get("detail", ""))
+        lost = heartbeat_leases(
+            self._heartbeat_http,
+            [(run.run_id, run.token) for run in runs],
+            timeout=max(1.0, min(self.http_timeout, self.heartbeat_interval)),
+            batch=MAX_BATCH,
+        )
+        for run in runs:
+            if run.run_id in lost:
+                self._mark_lost(run, lost[run.run_id])
 
     def _mark_lost(self, run: _Run, detail: str) -> None:
         with self._lock:
