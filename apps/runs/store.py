@@ -132,7 +132,9 @@ WITH lane AS (
           SELECT 1 FROM jobs_queue jq WHERE jq.team_id = t.id AND jq.name = q.name AND jq.paused
       )
 ), candidate AS (
-    -- Runs of definitions without a concurrency limit: the lane's oldest, up to max.
+    -- Runs of definitions without a concurrency limit: the lane's oldest, up to max. Runs of
+    -- paused or limited definitions are filtered out row by row, so a large backlog of theirs
+    -- at the head of the lane is scanned past on every claim (a known cost, see the README).
     SELECT c.* FROM lane
     CROSS JOIN LATERAL (
         SELECT r.id, r.team_id, r.priority, r.definition_id, d.concurrency, r.available_at
