@@ -7,7 +7,15 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
 
-def config_from_url(url: str, *, application_name: str) -> dict[str, Any]:
+def config_from_url(
+    url: str, *, application_name: str, pool_size: int | None = None
+) -> dict[str, Any]:
+    """Django's DATABASES entry; with `pool_size`, connections come from a psycopg pool.
+
+    The web process runs under ASGI, where Django's per-thread persistent connections are never
+    reused (each request runs in a thread context of its own), so without a pool every request
+    would open a connection. Daemons keep one persistent connection per thread instead.
+    """
     parsed = urlparse(url)
     if parsed.scheme not in {"postgres", "postgresql"}:
         raise ValueError(
@@ -17,6 +25,9 @@ def config_from_url(url: str, *, application_name: str) -> dict[str, Any]:
     host = query.pop("host", None) or parsed.hostname or ""
     options = {"application_name": application_name}
     options.update(query)
+    if pool_size:
+        # min_size is kept open; a request waits up to `timeout` for a connection beyond it.
+        options["pool"] = {"min_size": min(2, pool_size), "max_size": pool_size, "timeout": 10}
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": unquote(parsed.path.lstrip("/")) or "postgres",
@@ -24,7 +35,9 @@ def config_from_url(url: str, *, application_name: str) -> dict[str, Any]:
         "PASSWORD": unquote(parsed.password or ""),
         "HOST": host,
         "PORT": str(parsed.port or ""),
-        "CONN_MAX_AGE": 60,
+        # A pooled connection goes back to the pool at the end of each request (age 0).
+        "CONN_MAX_AGE": 0 if pool_size else 60,
+        # Checked before use: a connection PostgreSQL has dropped is replaced, not handed out.
         "CONN_HEALTH_CHECKS": True,
         "OPTIONS": options,
         # Parallel test sessions on one server each name their own test database.

@@ -102,7 +102,15 @@ DATABASE_URL = env_str("DATABASE_URL")
 EMBEDDED_DATABASE = not DATABASE_URL
 if EMBEDDED_DATABASE:
     DATABASE_URL = embedded_db.ensure_running(DATA_DIR)
-DATABASES = {"default": config_from_url(DATABASE_URL, application_name=_application_name())}
+# asgi.py sets SCHEDULER_DB_POOL: the web process takes connections from a pool of this size.
+DB_POOL_SIZE = (
+    env_int("SCHEDULER_DB_POOL_SIZE", 20) if env_bool("SCHEDULER_DB_POOL", False) else None
+)
+DATABASES = {
+    "default": config_from_url(
+        DATABASE_URL, application_name=_application_name(), pool_size=DB_POOL_SIZE
+    )
+}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -130,7 +138,10 @@ STORAGES = {
     "payloads": (
         {"BACKEND": "storages.backends.s3.S3Storage", "OPTIONS": {"bucket_name": _PAYLOAD_BUCKET}}
         if _PAYLOAD_BUCKET
-        else {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(MEDIA_ROOT)}}
+        else {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(MEDIA_ROOT)},
+        }
     ),
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from django.db import connection
 from drf_spectacular.utils import extend_schema
 from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
@@ -55,6 +56,13 @@ class WorkerView(APIView):
                     target=public_run_id(outcome.id),
                 )
         return outcomes
+
+
+def release_pooled_connection() -> None:
+    """Hand a pooled connection back while the call waits: a long poll must not hold one of the
+    pool's few connections for its whole wait. The next statement takes one again."""
+    if connection.settings_dict["OPTIONS"].get("pool") and not connection.in_atomic_block:
+        connection.close()
 
 
 def lease_json(lease: store.Lease) -> dict:
@@ -110,7 +118,9 @@ class LeasesView(WorkerView):
             left = deadline - time.monotonic()
             if leases or left <= 0:
                 return Response({"leases": [lease_json(lease) for lease in leases]})
-            listener.wait(seen, min(left, self._until_next_available(args["queues"], team_ids)))
+            alarm = min(left, self._until_next_available(args["queues"], team_ids))
+            release_pooled_connection()
+            listener.wait(seen, alarm)
 
     @staticmethod
     def _until_next_available(queues: list[str], team_ids: list[int]) -> float:

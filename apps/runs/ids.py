@@ -7,17 +7,21 @@ _INDEX = {ch: i for i, ch in enumerate(ALPHABET)}
 PREFIX = "run_"
 
 
+# Two base-32 digits per lookup: ids are formatted once per run on every lease and result.
+_PAIRS = [a + b for a in ALPHABET for b in ALPHABET]
+
+
 def public_run_id(pk: int) -> str:
     if pk is None:
         return ""
-    digits = []
+    if pk < 32:
+        return PREFIX + ALPHABET[pk]
+    pairs = []
     value = pk
-    while True:
-        value, rem = divmod(value, 32)
-        digits.append(ALPHABET[rem])
-        if value == 0:
-            break
-    return PREFIX + "".join(reversed(digits))
+    while value:
+        pairs.append(_PAIRS[value & 1023])
+        value >>= 10
+    return PREFIX + "".join(reversed(pairs)).lstrip("0")
 
 
 def parse_run_id(run_id: str) -> int | None:

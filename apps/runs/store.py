@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from django.db import connection, transaction
+from django.db.backends.utils import CursorWrapper
+from psycopg.types.datetime import TimestamptzLoader
 
 from apps.ops import metrics
 from apps.ops.logs import run_event
@@ -27,6 +30,20 @@ WAITING = "('scheduled', 'ready', 'retrying')"
 READY_CHANNEL = "runs_ready"
 
 
+def _cursor() -> CursorWrapper:
+    """A cursor on Django's connection (same transaction, same execute wrappers) that binds
+    parameters on the server, unlike Django's own: psycopg then prepares each statement on the
+    connection after its fifth execution, and a claim stops paying its planning (twice its
+    execution at batch 100) on every call. Timestamps load with psycopg's C loader, not Django's
+    Python one (a fifth of a claim's Python time): both give aware UTC datetimes."""
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    with connection.wrap_database_errors:
+        raw = psycopg.Cursor(connection.connection)
+    raw.adapters.register_loader("timestamptz", TimestamptzLoader)
+    return connection._prepare_cursor(raw)
+
+
 def _rows(cursor) -> list[dict[str, Any]]:
     names = [col.name for col in cursor.description]
     return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
@@ -36,7 +53,7 @@ def notify_ready(queues: Iterable[str]) -> None:
     """Wake long-polling claimers of these queues when the transaction commits (one NOTIFY each)."""
     distinct = sorted(set(queues))
     if distinct:
-        with connection.cursor() as cursor:
+        with _cursor() as cursor:
             cursor.execute(
                 "SELECT pg_notify(%s, q) FROM unnest(%s::text[]) AS q", [READY_CHANNEL, distinct]
             )
@@ -107,7 +124,7 @@ def insert_runs(runs: Sequence[NewRun]) -> list[int]:
         "rows": json.dumps(rows, separators=(",", ":")),
         "definition_ids": sorted({run.definition_id for run in runs}),
     }
-    with transaction.atomic(), connection.cursor() as cursor:
+    with transaction.atomic(), _cursor() as cursor:
         cursor.execute(INSERT_RUNS, params)
         inserted = cursor.fetchall()
         notify_ready(queue for _, queue, ready_now in inserted if ready_now)
@@ -295,7 +312,7 @@ def claim(
     jobs: Sequence[str] | None = None,
 ) -> list[Lease]:
     """Lease up to `max_runs` claimable runs of the given queues (and jobs), in one transaction."""
-    with transaction.atomic(), connection.cursor() as cursor:
+    with transaction.atomic(), _cursor() as cursor:
         cursor.execute(
             CLAIM_CANDIDATES,
             {
@@ -393,7 +410,7 @@ DO UPDATE SET last_leased_at = now(), last_worker_id = EXCLUDED.last_worker_id
 
 
 def record_lease_activity(team_id: int, queues: Sequence[str], worker_id: str) -> None:
-    with connection.cursor() as cursor:
+    with _cursor() as cursor:
         cursor.execute(
             RECORD_LEASE_ACTIVITY,
             {"team_id": team_id, "queues": sorted(set(queues)), "worker_id": worker_id},
@@ -401,7 +418,7 @@ def record_lease_activity(team_id: int, queues: Sequence[str], worker_id: str) -
 
 
 def next_available_at(queues: Sequence[str], team_ids: Sequence[int] | None) -> datetime | None:
-    with connection.cursor() as cursor:
+    with _cursor() as cursor:
         cursor.execute(
             NEXT_AVAILABLE,
             {"queues": list(queues), "team_ids": list(team_ids) if team_ids is not None else None},
@@ -579,7 +596,7 @@ def _diagnose(
 def _apply(
     sql: str, params: dict[str, Any], items: Sequence[tuple[int, int]], team_ids: Sequence[int]
 ) -> list[Outcome]:
-    with transaction.atomic(), connection.cursor() as cursor:
+    with transaction.atomic(), _cursor() as cursor:
         cursor.execute(sql, {**params, "team_ids": list(team_ids)})
         changed = {row["id"]: row for row in _rows(cursor)}
         missing = [(run_id, token) for run_id, token in items if run_id not in changed]
@@ -667,7 +684,7 @@ class Reaped:
 
 def reap(*, shards: Sequence[int] | None = None, batch: int = 500) -> list[Reaped]:
     """Turn up to `batch` expired leases into failed attempts; return what was reaped."""
-    with transaction.atomic(), connection.cursor() as cursor:
+    with transaction.atomic(), _cursor() as cursor:
         cursor.execute(
             REAP, {"shards": list(shards) if shards is not None else None, "batch": batch}
         )

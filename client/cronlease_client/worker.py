@@ -45,6 +45,9 @@ MAX_BATCH = 1000  # the server's limit on items in one batch request
 MAX_ERROR_MESSAGE = 10000
 MAX_ERROR_TYPE = 200
 RESULTS_WINDOW_SECONDS = 0.05
+# After a full batch (more work is probably waiting) the next lease call waits up to this long
+# for half the slots to free: fewer, fuller requests instead of one per freed slot.
+FILL_WAIT_SECONDS = 0.05
 SHUTDOWN_ERROR = "WorkerShutdown"
 
 
@@ -412,23 +415,32 @@ class Worker:
 
     # -- leasing ----------------------------------------------------------------------------
 
-    def _free_slots(self) -> int:
-        """Block until a slot is free (or the worker stops); return how many are free."""
+    def _free_slots(self, wanted: int = 1) -> int:
+        """Block until a slot is free (or the worker stops), then up to FILL_WAIT_SECONDS more
+        until `wanted` are; return how many are free."""
         with self._lock:
             while self._busy >= self.concurrency and not self._stopping.is_set():
                 self._lock.wait(0.5)
+            deadline = time.monotonic() + FILL_WAIT_SECONDS
+            while self.concurrency - self._busy < wanted and not self._stopping.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
             return 0 if self._stopping.is_set() else self.concurrency - self._busy
 
     def _lease_loop(self) -> None:
         failures = 0
+        wanted = 1
         try:
             while not self._stopping.is_set():
-                free = self._free_slots()
+                free = self._free_slots(wanted)
                 if not free:
                     continue
+                asked = min(free, self.batch_size)
                 body = {
                     "queues": self.queues,
-                    "max": min(free, self.batch_size),
+                    "max": asked,
                     "workerId": self.worker_id,
                     "leaseSeconds": self.lease_seconds,
                     "waitSeconds": self.wait_seconds,
@@ -448,6 +460,13 @@ class Worker:
                     continue
                 failures = 0
                 leases = answer.get("leases", [])
+                # A full answer means a backlog: fill the next request. Otherwise ask as soon
+                # as one slot frees, so a run that falls due later starts at once.
+                wanted = (
+                    max(1, min(self.batch_size, self.concurrency) // 2)
+                    if len(leases) >= asked
+                    else 1
+                )
                 if not leases and not self.wait_seconds:
                     # Without a long poll an empty answer comes back at once: do not spin.
                     self._stopping.wait(1.0)
