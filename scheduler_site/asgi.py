@@ -1,14 +1,22 @@
 """ASGI entry point: HTTP (API and dashboard) and the dashboard's live-update WebSocket."""
 
+import contextvars
 import os
+import threading
 
 import django
 from asgiref.sync import sync_to_async
+from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "scheduler_site.settings")
 # Under ASGI each request runs in a thread context of its own, so connections are pooled.
 os.environ.setdefault("SCHEDULER_DB_POOL", "true")
+
+
+# The request being handled in this task context: create_request sets it, and the disconnect
+# listener (a task created after it, so with a copy of this context) reads it.
+_client_gone: contextvars.ContextVar[threading.Event] = contextvars.ContextVar("client_gone")
 
 
 class SyncChainASGIHandler(ASGIHandler):
@@ -23,6 +31,24 @@ class SyncChainASGIHandler(ASGIHandler):
     def load_middleware(self, is_async: bool = False) -> None:
         super().load_middleware(is_async=False)
         self._middleware_chain = sync_to_async(self._middleware_chain, thread_sensitive=True)
+
+    def create_request(self, scope, body_file):
+        request, error_response = super().create_request(scope, body_file)
+        if request is not None:
+            # Set when the client disconnects. Django then cancels the request's task, but a
+            # synchronous view goes on in its thread: a long poll reads this to stop claiming.
+            request.client_gone = threading.Event()
+            _client_gone.set(request.client_gone)
+        return request, error_response
+
+    async def listen_for_disconnect(self, receive) -> None:
+        try:
+            await super().listen_for_disconnect(receive)
+        except RequestAborted:
+            gone = _client_gone.get(None)
+            if gone is not None:
+                gone.set()
+            raise
 
 
 # Django must be set up before anything imports models (the consumers do).

@@ -105,7 +105,12 @@ class LeasesView(WorkerView):
         deadline = time.monotonic() + args["waitSeconds"]
         if args["waitSeconds"]:
             listener.ensure_started()
+        # Set by the ASGI handler when the worker hangs up (absent under WSGI and in tests).
+        gone = getattr(request._request, "client_gone", None)
         while True:
+            if gone is not None and gone.is_set():
+                # A dead worker's long poll must not lease it runs that nobody would run.
+                return Response({"leases": []})
             seen = listener.generation
             leases = store.claim(
                 queues=args["queues"],

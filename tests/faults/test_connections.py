@@ -26,7 +26,15 @@ from apps.runs import store
 from apps.runs.ids import public_run_id
 from tests.conftest import db_now
 from tests.faults.conftest import WEB
-from tests.faults.helpers import attempts_of, runs, wait_for
+from tests.faults.helpers import (
+    Proc,
+    attempts_of,
+    free_port,
+    runs,
+    uvicorn_argv,
+    wait_for,
+    wait_http_ok,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -69,6 +77,10 @@ class Call:
             self.error = exc
         finally:
             self.transport.close()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
     def result(self, timeout: float = 20) -> Any:
         self._thread.join(timeout)
@@ -291,4 +303,56 @@ def test_terminated_connections_give_retryable_errors_and_retries_duplicate_noth
     assert (
         h.db.scalar("SELECT count(*) FROM runs_run WHERE definition_id = %s", [definition.pk]) == 3
     )
+    h.check()
+
+
+SMALL_POOL = "faults:web-pool-of-two"
+
+
+def test_long_polls_hold_no_pooled_connection_while_they_wait(harness):
+    """An API server with a pool of two connections: six long polls wait at once, and a lease
+    call for another queue is still served (by the pool) before any of them ends."""
+    h = harness
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    small = Proc(
+        "web-pool-of-two",
+        uvicorn_argv(port),
+        h.services.env(SCHEDULER_APPLICATION_NAME=SMALL_POOL, SCHEDULER_DB_POOL_SIZE="2"),
+        h.tmp,
+    )
+    try:
+        wait_http_ok(f"{url}/readyz", small)
+        definition = h.definition("faults.work", "pool-busy")
+        (pk,) = h.add_runs(definition, [{}])
+        body = {"max": 1, "leaseSeconds": 60, "waitSeconds": 8}
+        polls = [
+            Call(
+                url,
+                h.token,
+                "/api/v1/leases",
+                {**body, "queues": ["pool-idle"], "workerId": f"p{i}"},
+            )
+            for i in range(6)
+        ]
+        # The server notes the queue's first lease activity as a poll comes in.
+        wait_for(
+            lambda: h.db.scalar("SELECT count(*) FROM jobs_queue WHERE name = 'pool-idle'"),
+            15,
+            "the long polls to reach the server",
+        )
+        time.sleep(0.5)  # the other five, sent at the same moment
+        with h.http(url=url) as http:
+            answer = http.post(
+                "/api/v1/leases", json={**body, "queues": ["pool-busy"], "workerId": "busy"}
+            )
+            assert not any(poll.done for poll in polls), "a long poll ended early"
+            assert answer.status_code == 200, answer.text
+            assert [lease["runId"] for lease in answer.json()["leases"]] == [public_run_id(pk)]
+            # Its connections: the pool's two (the LISTEN connection is named apart).
+            assert len(h.db.backends(SMALL_POOL)) <= 2
+        for poll in polls:
+            assert poll.result()["leases"] == []
+    finally:
+        small.stop()
     h.check()

@@ -319,11 +319,6 @@ def test_a_paused_queue_finishes_in_flight_runs_leases_nothing_new_and_stays_pau
     h.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a long poll goes on after its worker has died, and leases runs to it "
-    "(apps/api/views_worker.py, LeasesView.post: the claim loop never looks at the client)",
-)
 def test_a_run_is_not_leased_to_a_worker_that_died_while_long_polling(harness):
     h = harness
     definition = h.definition("faults.work", "ghost")
