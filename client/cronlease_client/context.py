@@ -51,18 +51,25 @@ class Context:
     worker_id: str = ""
     # None: retry on an ordinary exception. False: a failure of this attempt is final.
     retryable: bool | None = None
-    logger: logging.LoggerAdapter[logging.Logger] = field(init=False, repr=False)
+    _logger: logging.LoggerAdapter[logging.Logger] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
-    def __post_init__(self) -> None:
-        self.logger = logging.LoggerAdapter(
-            logging.getLogger(f"cronlease_client.jobs.{self.job}"),
-            {
-                "run_id": self.run_id,
-                "job": self.job,
-                "attempt": self.attempt,
-                "fencing_token": self.fencing_token,
-            },
-        )
+    @property
+    def logger(self) -> logging.LoggerAdapter[logging.Logger]:
+        """`cronlease_client.jobs.<job>`, with the run's ids on every record (made on first
+        use: most handlers never log, and a worker builds thousands of contexts a second)."""
+        if self._logger is None:
+            self._logger = logging.LoggerAdapter(
+                logging.getLogger(f"cronlease_client.jobs.{self.job}"),
+                {
+                    "run_id": self.run_id,
+                    "job": self.job,
+                    "attempt": self.attempt,
+                    "fencing_token": self.fencing_token,
+                },
+            )
+        return self._logger
 
     @classmethod
     def from_lease(

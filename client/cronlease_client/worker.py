@@ -125,6 +125,8 @@ def invoke(
         value = func(ctx)
     except BaseException as exc:  # a handler's sys.exit() must not take a slot thread down
         return describe_failure(exc, ctx.retryable)
+    if value is None or type(value) in (str, int, float, bool):
+        return Report("succeeded", value)
     try:
         json.dumps(value)
     except (TypeError, ValueError):
@@ -252,7 +254,7 @@ class Worker:
         self._busy = 0  # leases handed to the slots whose handler has not returned
         self._abandoning = False
         self._tasks: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
-        self._results: queue.Queue[tuple[_Run, Report] | None] = queue.Queue()
+        self._results: queue.SimpleQueue[tuple[_Run, Report] | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._forced = threading.Event()
         self._stopped = threading.Event()
@@ -496,14 +498,15 @@ class Worker:
                 return False
             self._inflight[run.run_id] = run
             self._busy += 1
-        logger.debug(
-            "leased run_id=%s job=%s attempt=%s fencing_token=%s",
-            run.run_id,
-            run.job,
-            run.attempt,
-            run.token,
-            extra=run.fields(),
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # per run: skip building the fields
+            logger.debug(
+                "leased run_id=%s job=%s attempt=%s fencing_token=%s",
+                run.run_id,
+                run.job,
+                run.attempt,
+                run.token,
+                extra=run.fields(),
+            )
         self._tasks.put(run)
         return True
 
@@ -688,6 +691,8 @@ class Worker:
         for run, report in batch:
             item = statuses.get(run.run_id, {})
             if item.get("status") == 200:
+                if not logger.isEnabledFor(logging.DEBUG):
+                    continue
                 logger.debug(
                     "reported run_id=%s outcome=%s state=%s",
                     run.run_id,
