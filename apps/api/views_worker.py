@@ -256,10 +256,9 @@ def _item_json(run_id: str, outcome: store.Outcome, extra: dict) -> dict:
     return {"runId": run_id, "status": 200, **extra}
 
 
-def _known(items: list[dict]) -> list[tuple[int, dict]]:
-    """The items whose run id is well formed; the others are answered 404 without a query."""
-    parsed = ((parse_run_id(item["runId"]), item) for item in items)
-    return [(pk, item) for pk, item in parsed if pk is not None]
+def _parsed(items: list[dict]) -> list[tuple[int | None, dict]]:
+    """Each item with its run's primary key (None: not a run id, answered 404 without a query)."""
+    return [(parse_run_id(item["runId"]), item) for item in items]
 
 
 class BatchHeartbeatsView(WorkerView):
@@ -275,8 +274,8 @@ class BatchHeartbeatsView(WorkerView):
         responses=doc.responses({200: doc.HeartbeatBatchAnswerSerializer}, *doc.BODY_PROBLEMS),
     )
     def post(self, request: Request) -> Response:
-        items = worker_input.batch_heartbeats(request.data)
-        known = _known(items)
+        parsed = _parsed(worker_input.batch_heartbeats(request.data))
+        known = [(pk, item) for pk, item in parsed if pk is not None]
         outcomes = (
             self.checked(
                 request,
@@ -290,8 +289,7 @@ class BatchHeartbeatsView(WorkerView):
         )
         by_pk = {outcome.id: outcome for outcome in outcomes}
         answer = []
-        for item in items:
-            pk = parse_run_id(item["runId"])
+        for pk, item in parsed:
             outcome = by_pk.get(pk) if pk is not None else None
             if outcome is None:
                 answer.append({"runId": item["runId"], "status": 404, "detail": "No such run."})
@@ -318,8 +316,8 @@ class BatchResultsView(WorkerView):
         responses=doc.responses({200: doc.ResultBatchAnswerSerializer}, *doc.BODY_PROBLEMS),
     )
     def post(self, request: Request) -> Response:
-        items = worker_input.batch_results(request.data)
-        known = _known(items)
+        parsed = _parsed(worker_input.batch_results(request.data))
+        known = [(pk, item) for pk, item in parsed if pk is not None]
         team_ids = self.team_ids(request)
         succeeded = [
             (pk, item["fencingToken"], item["result"])
@@ -339,8 +337,7 @@ class BatchResultsView(WorkerView):
         ):
             by_pk[outcome.id] = outcome
         answer = []
-        for item in items:
-            pk = parse_run_id(item["runId"])
+        for pk, item in parsed:
             outcome = by_pk.get(pk) if pk is not None else None
             if outcome is None:
                 answer.append({"runId": item["runId"], "status": 404, "detail": "No such run."})

@@ -52,6 +52,11 @@ class JsonFormatter(logging.Formatter):
 run_log = logging.getLogger("scheduler.runs")
 
 
+def runs_logged() -> bool:
+    """Whether run events are written: callers skip formatting their fields when not."""
+    return run_log.isEnabledFor(logging.INFO)
+
+
 def run_event(message: str, *, run_id: str, **fields) -> None:
     if run_log.isEnabledFor(logging.INFO):
         run_log.info(message, extra={"run_id": run_id, **fields})

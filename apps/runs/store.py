@@ -20,7 +20,7 @@ from django.db import connection, transaction
 from django.db.backends.utils import CursorWrapper
 from psycopg.types.datetime import TimestamptzLoader
 
-from apps.ops import metrics
+from apps.ops import logs, metrics
 from apps.ops.logs import run_event
 from apps.runs import payloads
 from apps.runs.fairness import interleave_teams, slot_priorities
@@ -374,7 +374,7 @@ def claim(
         for row in rows
     ]
     metrics.observe_claim(leases)
-    for lease in leases:
+    for lease in leases if logs.runs_logged() else ():
         run_event(
             "run leased",
             run_id=public_run_id(lease.id),
@@ -621,6 +621,8 @@ def _apply(
 
 
 def _log_outcomes(outcomes: Sequence[Outcome], items: Sequence[tuple]) -> None:
+    if not logs.runs_logged():
+        return
     tokens = {item[0]: item[1] for item in items}
     for outcome in outcomes:
         verb = (
@@ -692,7 +694,7 @@ def reap(*, shards: Sequence[int] | None = None, batch: int = 500) -> list[Reape
             Reaped(row["id"], row["state"], row["queue"], row["outcome"]) for row in _rows(cursor)
         ]
     metrics.observe_reaped(reaped)
-    for item in reaped:
+    for item in reaped if logs.runs_logged() else ():
         run_event(
             f"run reaped: {item.outcome}",
             run_id=public_run_id(item.id),
