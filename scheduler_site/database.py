@@ -23,7 +23,18 @@ def config_from_url(
         )
     query = {key: values[-1] for key, values in parse_qs(parsed.query).items()}
     host = query.pop("host", None) or parsed.hostname or ""
-    options = {"application_name": application_name}
+    # Django turns psycopg's statement preparation off; its own cursors bind on the client and
+    # never prepare anyway, but the claim path's server-binding cursors (apps/runs/store.py) do,
+    # after a statement's fifth execution on a connection. Those statements are planned once
+    # (generic plans): left to choose, PostgreSQL re-planned the claim on every call, and
+    # planning cost twice what executing it did. Only prepared statements are affected.
+    options: dict[str, Any] = {
+        "application_name": application_name,
+        "prepare_threshold": 5,
+        "options": "-c plan_cache_mode=force_generic_plan",
+    }
+    if "options" in query:
+        query["options"] = f"{options['options']} {query['options']}"
     options.update(query)
     if pool_size:
         # min_size is kept open; a request waits up to `timeout` for a connection beyond it.

@@ -392,10 +392,19 @@ def claim(
 # are already due but held (paused, at a concurrency limit) are left out: they would wake the
 # waiter at once, again and again; their release sends a NOTIFY or is caught by the re-check.
 NEXT_AVAILABLE = f"""
-SELECT min(r.available_at)
-FROM runs_run r
-WHERE r.queue = ANY(%(queues)s::text[]) AND r.state IN {WAITING} AND r.available_at > now()
-  AND (%(team_ids)s::bigint[] IS NULL OR r.team_id = ANY(%(team_ids)s::bigint[]))
+SELECT min(n.available_at)
+FROM teams_team t
+CROSS JOIN unnest(%(queues)s::text[]) AS q(name)
+CROSS JOIN (VALUES (0), (1), (2)) AS p(priority)
+CROSS JOIN LATERAL (
+    -- the lane's next run by the clock: the first entry of run_claimable past now()
+    SELECT r.available_at FROM runs_run r
+    WHERE r.team_id = t.id AND r.queue = q.name AND r.priority = p.priority
+      AND r.state IN {WAITING} AND r.available_at > now()
+    ORDER BY r.available_at
+    LIMIT 1
+) AS n
+WHERE %(team_ids)s::bigint[] IS NULL OR t.id = ANY(%(team_ids)s::bigint[])
 """
 
 
