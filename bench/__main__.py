@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("scenario", choices=("all", *SCENARIOS, "profile"))
     parser.add_argument("--quick", action="store_true", help="the small sizes (under 10 minutes for all)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
-    parser.add_argument("--web-workers", type=int, default=2, help="uvicorn --workers (default 2)")
+    parser.add_argument("--web-workers", type=int, default=2, help="manage.py web --workers (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes outside the sweep (default 2)")
     parser.add_argument("--batch", type=int, default=100, help="claim batch outside the sweep (default 100)")
     parser.add_argument("--points", type=parse_points, help="burn-down sweep as BATCHxWORKERS,… (e.g. 1x2,100x4)")

@@ -76,7 +76,7 @@ class Fleet:
     def start_api(self, port: int) -> None:
         self.api = self.spawn(
             "api",
-            [sys.executable, "-m", "uvicorn", "scheduler_site.asgi:application", "--port", str(port), "--workers", "2"],
+            [sys.executable, "manage.py", "web", "--port", str(port), "--workers", "2"],
         )
 
     def worker(self) -> subprocess.Popen:

@@ -1,6 +1,6 @@
 """The five systems under test and the one measurement loop they share.
 
-- `rest`: this project through its real REST API: uvicorn with N worker processes, SDK worker
+- `rest`: this project through its real REST API: `manage.py web` (uvicorn) with N worker processes, SDK worker
   processes (cronlease_client.Worker) leasing and reporting in batches.
 - `store`: this project's store layer (`apps.runs.store.claim` / `complete`) in worker
   processes, no HTTP.
@@ -191,7 +191,7 @@ class RestSystem(System):
         self.procs.start(
             "web",
             [
-                PYTHON, "-m", "uvicorn", "scheduler_site.asgi:application",
+                PYTHON, "manage.py", "web",
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--workers", str(self.web_workers),
                 "--no-access-log", "--log-level", "warning",
@@ -209,7 +209,7 @@ class RestSystem(System):
             if time.monotonic() > deadline or self.procs.dead():
                 raise RuntimeError(f"uvicorn did not come up; see {self.log_path}")
             time.sleep(0.2)
-        log(f"  uvicorn ×{self.web_workers} on :{self.port}")
+        log(f"  manage.py web ×{self.web_workers} on :{self.port}")
 
     def worker_args(self, batch: int, run_dir: RunDir) -> tuple[list[str], dict[str, str]]:
         return (

@@ -63,16 +63,7 @@ class Command(BaseCommand):
             [str(root), str(root / "client"), env.get("PYTHONPATH", "")]
         )
         commands = {
-            "web": [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "scheduler_site.asgi:application",
-                "--host",
-                host,
-                "--port",
-                str(port),
-            ],
+            "web": [sys.executable, "manage.py", "web", "--host", host, "--port", str(port)],
             "scheduler": [sys.executable, "manage.py", "scheduler"],
         }
         if not no_worker:

@@ -1,0 +1,74 @@
+"""`manage.py web`: uvicorn worker processes behind one socket whose connections send at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import closing
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from apps.ops.management.commands.web import APPLICATION, listening_socket
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def accepted_nodelay(listener: socket.socket) -> int:
+    listener.listen()
+    with closing(socket.create_connection(listener.getsockname()[:2])):
+        conn, _ = listener.accept()
+        with closing(conn):
+            return conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+def test_accepted_connections_inherit_tcp_nodelay():
+    config = uvicorn.Config(APPLICATION, host="127.0.0.1", port=0)
+    with closing(listening_socket(config)) as ours:
+        assert accepted_nodelay(ours)
+    # Why the command makes its own: uvicorn's socket leaves Nagle on for every connection.
+    with closing(config.bind_socket()) as plain:
+        assert not accepted_nodelay(plain)
+
+
+@pytest.mark.slow
+def test_serves_with_several_workers_and_stops_on_sigterm():
+    with closing(socket.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.setdefault("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    web = subprocess.Popen(
+        [sys.executable, "manage.py", "web", "--port", str(port), "--workers", "2"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert web.poll() is None, web.communicate()[0]
+            try:
+                answer = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the web process never answered"
+                time.sleep(0.2)
+        assert answer.status_code == 200
+        web.send_signal(signal.SIGTERM)
+        output, _ = web.communicate(timeout=30)
+        assert web.returncode == 0, output
+        # Two worker processes served and were stopped.
+        assert output.count("Finished server process") == 2, output
+    finally:
+        if web.poll() is None:
+            web.kill()
+            web.wait()
