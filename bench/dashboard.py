@@ -124,12 +124,13 @@ def load(runs: int) -> None:
 
     from apps.jobs.models import PRIORITIES, JobDefinition
     from apps.jobs.schedule import shard_for
+    from apps.runs import counters
     from apps.teams.models import Membership, Team
 
     started = time.perf_counter()
     with connection.cursor() as cursor:
         cursor.execute(
-            "TRUNCATE runs_attempt, runs_run, jobs_jobdefinition, jobs_queue, audit_auditevent,"
+            "TRUNCATE runs_minutecounts, runs_attempt, runs_run, jobs_jobdefinition, jobs_queue, audit_auditevent,"
             " teams_membership, teams_apitoken, teams_team, auth_user, django_session CASCADE"
         )
     teams = [Team.objects.create(slug=f"team-{i}", name=f"Team {i}") for i in range(TEAMS)]
@@ -154,6 +155,8 @@ def load(runs: int) -> None:
     with connection.cursor() as cursor:
         cursor.execute(INSERT_RUNS, {"n": runs})
         cursor.execute(INSERT_ATTEMPTS)
+        # The per-minute counters the claim and completion statements would have written.
+        cursor.execute(counters.REBUILD, {"hours": counters.KEEP_HOURS})
         cursor.execute("SELECT setval('runs_fencing_token', %s)", [runs + 1])
         cursor.execute(INSERT_AUDIT, {"n": AUDIT_EVENTS})
         # What autovacuum does to a table in steady state (statistics, visibility map).

@@ -11,7 +11,7 @@ import logging
 from django.conf import settings
 from django.db import connection, transaction
 
-from apps.runs import payloads
+from apps.runs import counters, payloads
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ def handle_one_round(*, batch: int | None = None) -> int:
     for team_id, days in Team.objects.values_list("pk", "retention_days"):
         deleted += delete_one_batch(team_id, days or settings.SCHEDULER_RETENTION_DAYS, batch)
     deleted += delete_old_audit(batch)
+    deleted += counters.delete_old()
     if deleted:
         log.info("retention deleted %d rows", deleted)
     return deleted

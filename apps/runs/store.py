@@ -4,7 +4,8 @@ Read top to bottom: insert, claim, heartbeat, complete, fail, reap. Each stateme
 serves it. Every state change is a conditional UPDATE (`WHERE state = 'leased' AND fencing_token =
 …`): when its row count is 0 another process got there first and nothing is changed. Time is the
 database's `now()`, never the caller's clock. Workers' calls are batches; a single call is a batch
-of one, so both obey the same rules.
+of one, so both obey the same rules. The statements that lease and end attempts also add to the
+per-minute counters the overview reads (apps/runs/counters.py), in the same statement.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from psycopg.types.datetime import TimestamptzLoader
 
 from apps.ops import logs, metrics
 from apps.ops.logs import run_event
-from apps.runs import payloads
+from apps.runs import counters, payloads
 from apps.runs.fairness import interleave_teams, slot_priorities
 from apps.runs.ids import public_run_id
 
@@ -228,7 +229,7 @@ WITH leased AS (
     INSERT INTO runs_attempt (run_id, number, fencing_token, worker_id, leased_at, outcome,
                               error_message, error_type)
     SELECT id, attempt, fencing_token, %(worker_id)s, now(), '', '', '' FROM leased
-)
+), counted AS ({counters.count_started("leased")})
 SELECT id, attempt, max_attempts, fencing_token, lease_expires_at, idempotency_key,
        payload::text AS payload, payload_key, due_at, available_at, dry_run, queue, priority, team_id, job, leased_at,
        attempt = 1 AND late_seconds > lateness_slo_seconds AS late
@@ -461,7 +462,7 @@ SELECT id, lease_expires_at FROM extended
 # Complete: leased with the current token → succeeded. A lease past its expiry that the reaper
 # has not yet taken still completes: no one else holds the run, and the token is still current.
 
-COMPLETE = """
+COMPLETE = f"""
 WITH input AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(results)s::jsonb[])
         AS i(id, token, result)
@@ -471,11 +472,11 @@ WITH input AS (
     FROM input i
     WHERE r.id = i.id AND r.team_id = ANY(%(team_ids)s::bigint[])
       AND r.state = 'leased' AND r.fencing_token = i.token
-    RETURNING r.id, r.fencing_token, r.queue
+    RETURNING r.id, r.fencing_token, r.queue, r.team_id, r.priority
 ), ended AS (
     UPDATE runs_attempt a SET ended_at = now(), outcome = 'succeeded'
     FROM done WHERE a.fencing_token = done.fencing_token
-)
+), counted AS ({counters.count_succeeded("done")})
 SELECT id, 'succeeded' AS state, NULL::timestamptz AS available_at, queue FROM done
 """
 
@@ -506,14 +507,15 @@ WITH input AS (
     FROM input i, jobs_jobdefinition d
     WHERE r.id = i.id AND d.id = r.definition_id AND r.team_id = ANY(%(team_ids)s::bigint[])
       AND r.state = 'leased' AND r.fencing_token = i.token
-    RETURNING r.id, r.fencing_token, r.state, r.available_at, r.last_error, r.queue
+    RETURNING r.id, r.fencing_token, r.state, r.available_at, r.last_error, r.queue, r.team_id,
+              r.priority
 ), ended AS (
     UPDATE runs_attempt a
     SET ended_at = now(), outcome = 'failed',
         error_message = left(coalesce(f.last_error->>'message', ''), 10000),
         error_type = left(coalesce(f.last_error->>'type', ''), 200)
     FROM failed f WHERE a.fencing_token = f.fencing_token
-)
+), counted AS ({counters.count_failed("failed")})
 SELECT id, state, available_at, queue FROM failed
 """
 
@@ -543,13 +545,14 @@ WITH expired AS (
     FROM expired e, jobs_jobdefinition d
     WHERE r.id = e.id AND d.id = r.definition_id
       AND r.state = 'leased' AND r.lease_expires_at <= now()
-    RETURNING r.id, r.fencing_token, r.state, r.queue, r.available_at, r.last_error
+    RETURNING r.id, r.fencing_token, r.state, r.queue, r.available_at, r.last_error, r.team_id,
+              r.priority
 ), ended AS (
     UPDATE runs_attempt a
     SET ended_at = now(), outcome = rp.last_error->>'type', error_message = rp.last_error->>'message',
         error_type = rp.last_error->>'type'
     FROM reaped rp WHERE a.fencing_token = rp.fencing_token
-)
+), counted AS ({counters.count_failed("reaped")})
 SELECT id, state, queue, available_at, last_error->>'type' AS outcome FROM reaped
 """
 

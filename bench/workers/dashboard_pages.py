@@ -88,10 +88,11 @@ def load(n: int) -> None:
 
     from apps.jobs.models import PRIORITIES, JobDefinition
     from apps.jobs.schedule import shard_for
+    from apps.runs import counters
     from apps.teams.models import Team
 
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE runs_attempt, runs_run, jobs_jobdefinition, audit_auditevent CASCADE")
+        cursor.execute("TRUNCATE runs_minutecounts, runs_attempt, runs_run, jobs_jobdefinition, audit_auditevent CASCADE")
     teams = [Team.objects.get_or_create(slug=f"team-{i}", defaults={"name": f"Team {i}"})[0]
              for i in range(TEAMS)]
     priorities = list(PRIORITIES.values())
@@ -106,6 +107,8 @@ def load(n: int) -> None:
     with connection.cursor() as cursor:
         cursor.execute(INSERT_RUNS, {"n": n})
         cursor.execute(INSERT_ATTEMPTS)
+        # The per-minute counters the claim and completion statements would have written.
+        cursor.execute(counters.REBUILD, {"hours": counters.KEEP_HOURS})
         cursor.execute("SELECT setval('runs_fencing_token', %s)", [n + 1])
         cursor.execute(INSERT_AUDIT, {})
         cursor.execute("VACUUM ANALYZE")
