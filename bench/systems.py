@@ -17,6 +17,7 @@ start together. Throughput is runs completed / (last completion - first handler 
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
 import time
@@ -210,6 +211,16 @@ class RestSystem(System):
                 raise RuntimeError(f"uvicorn did not come up; see {self.log_path}")
             time.sleep(0.2)
         log(f"  manage.py web ×{self.web_workers} on :{self.port}")
+
+    def reset(self) -> None:
+        super().reset()
+        # The previous measurement ended by terminating every session of the database (so that
+        # PostgreSQL reports their commits), the web processes' pooled connections too. A pool
+        # that finds its connections dead waits 1 s, then 2 s, between checks before it has
+        # fresh ones: take that wait here, in every web process, not in the next measurement.
+        with concurrent.futures.ThreadPoolExecutor(8 * self.web_workers) as pool:
+            list(pool.map(lambda _: httpx.get(f"{self.base_url}/readyz", timeout=30),
+                          range(8 * self.web_workers)))
 
     def worker_args(self, batch: int, run_dir: RunDir) -> tuple[list[str], dict[str, str]]:
         return (
