@@ -266,6 +266,38 @@ def test_results_and_heartbeats_travel_in_batches(team_a, make_worker, monkeypat
     assert 8 in heartbeats, heartbeats
 
 
+def test_after_a_full_answer_the_next_lease_call_waits_to_fill_a_batch(
+    team_a, make_worker, monkeypatch
+):
+    """With a backlog, a lease call per freed slot would send batches of one; after a full answer
+    the worker waits (briefly) for half its slots before it asks again."""
+    definition = make_definition(team_a, "demo.backlog", queue="backlog")
+    ids = add_ready_runs(definition, 60)
+    asked: list[int] = []
+    real_post = Transport.post
+
+    def spy(self: Transport, path: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        answer = real_post(self, path, body, **kwargs)
+        if path == "/api/v1/leases" and answer.get("leases"):
+            asked.append(body["max"])
+        return answer
+
+    monkeypatch.setattr(Transport, "post", spy)
+    # Handlers that end one after another, a few milliseconds apart, as real ones do.
+    make_worker(
+        ["backlog"],
+        handlers={
+            "demo.backlog": lambda ctx: time.sleep(0.002 * (ctx.attempt + len(ctx.run_id) % 7))
+        },
+        concurrency=10,
+    ).start()
+
+    wait_for(runs_when(ids, "succeeded"), what="the backlog drained")
+    assert asked[0] == 10
+    # Every call that leased something asked for at least half a batch.
+    assert min(asked) >= 5, asked
+
+
 def test_a_refused_token_stops_run_with_the_error(live_server):
     worker = Worker(live_server.url, "jst_not-a-token", ["any"], handlers={"x": lambda ctx: None})
     started = time.monotonic()
