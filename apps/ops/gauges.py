@@ -23,6 +23,7 @@ class Snapshot:
     lag: dict[int, float] = field(default_factory=dict)
     owners: dict[int, str] = field(default_factory=dict)
     nodes: dict[str, float] = field(default_factory=dict)
+    oldest_transaction: float = 0.0
 
 
 # Claimable runs: a scan of the partial index run_claimable, which holds only the backlog.
@@ -48,6 +49,13 @@ OWNERS = (
     "SELECT shard, CASE WHEN expires_at > now() THEN owner ELSE '' END FROM scheduler_shardlease"
 )
 NODES = "SELECT node_id, extract(epoch FROM now() - last_seen_at) FROM scheduler_schedulernode"
+# The oldest transaction any other session of this database holds open: while it lasts, vacuum
+# cannot remove the versions every claim and completion leaves behind, and claims slow down (to
+# a quarter of the rate in the 10-minute soak, bench/README.md).
+OLDEST_TRANSACTION = """
+SELECT coalesce(extract(epoch FROM now() - min(xact_start)), 0) FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'
+"""
 
 
 def read() -> Snapshot:
@@ -66,4 +74,6 @@ def read() -> Snapshot:
         snapshot.owners = dict(cursor.fetchall())
         cursor.execute(NODES)
         snapshot.nodes = {node: float(age) for node, age in cursor.fetchall()}
+        cursor.execute(OLDEST_TRANSACTION)
+        snapshot.oldest_transaction = max(0.0, float(cursor.fetchone()[0]))
     return snapshot

@@ -143,7 +143,13 @@ class DatabaseCollector:
         )
         for node, age in snapshot.nodes.items():
             heartbeat.add_metric([node], age)
-        return [depth, oldest, dlq, lag, owner, heartbeat]
+        transaction = GaugeMetricFamily(
+            "scheduler_oldest_transaction_seconds",
+            "Age of the oldest transaction another session holds open in the database "
+            "(it keeps vacuum from cleaning the runs table).",
+        )
+        transaction.add_metric([], snapshot.oldest_transaction)
+        return [depth, oldest, dlq, lag, owner, heartbeat, transaction]
 
 
 def render() -> bytes:

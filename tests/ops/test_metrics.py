@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
+import psycopg
 import pytest
+from django.db import connection
 from prometheus_client.parser import text_string_to_metric_families
 
 from apps.runs import store
@@ -83,3 +87,22 @@ def test_queue_depth_matches_the_database(api_a, team_a):
         )
         > 0
     )
+
+
+def test_an_open_transaction_shows_its_age(api_a):
+    """Another session's open transaction is reported until it ends (the scrape's own, and
+    sessions that hold none, count nothing)."""
+    settings = connection.settings_dict
+    with psycopg.connect(
+        dbname=settings["NAME"],
+        host=settings["HOST"] or None,
+        port=settings["PORT"] or None,
+        user=settings["USER"] or None,
+    ) as other:
+        other.execute("SELECT txid_current()")  # a transaction, then idle in it
+        time.sleep(1.2)
+        held = value(scrape(api_a), "scheduler_oldest_transaction_seconds")
+        other.rollback()
+        after = value(scrape(api_a), "scheduler_oldest_transaction_seconds")
+    assert held >= 1.0
+    assert after < 1.0
