@@ -119,6 +119,8 @@ class System:
         self.procs = Procs()
         self.web_workers = web_workers
         self.monitor_commits = 0
+        # Put before the web command (bench profile: py-spy record … --).
+        self.web_prefix: list[str] = []
 
     @property
     def label(self) -> str:
@@ -192,7 +194,7 @@ class RestSystem(System):
         self.procs.start(
             "web",
             [
-                PYTHON, "manage.py", "web",
+                *self.web_prefix, PYTHON, "manage.py", "web",
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--workers", str(self.web_workers),
                 "--no-access-log", "--log-level", "warning",

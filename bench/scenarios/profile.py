@@ -59,12 +59,16 @@ def summarise(raw_path: Path, within: tuple[str, ...] = (), top: int = 25) -> st
     return "\n".join(lines)
 
 
-def pyspy(args: list[str], out: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+def pyspy_command(out: Path) -> list[str]:
     """py-spy record in raw (collapsed) format; only samples of threads that are running or
-    waiting on I/O are kept (py-spy's default drops idle threads)."""
+    waiting on I/O are kept (py-spy's default drops idle threads). py-spy starts the process
+    itself: this machine's Python is built so that py-spy cannot attach to a running one."""
     exe = shutil.which("py-spy") or str(Path(PYTHON).parent / "py-spy")
-    return subprocess.Popen([exe, "record", "--format", "raw", "--rate", "250", "--nonblocking",
-                             "-o", str(out), *args], stdout=subprocess.DEVNULL,
+    return [exe, "record", "--format", "raw", "--rate", "250", "--nonblocking", "-o", str(out)]
+
+
+def pyspy(args: list[str], out: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([*pyspy_command(out), *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, cwd=REPO, env=env)
 
 
@@ -96,26 +100,25 @@ def run(opts) -> list:
     project.reset()
     project.insert_runs(n, time.time() - 1)
     system = make("rest", "profile", project, web_workers=1)
+    run_dir = RunDir("profile-rest")
+    raw = run_dir.path / "web.raw"
+    # The uvicorn worker is a child process of `manage.py web`.
+    system.web_prefix = [*pyspy_command(raw), "--subprocesses", "--"]
     system.setup()
     try:
-        web = [p for p in psutil.Process(system.procs.items[0][1].pid).children(recursive=True)
-               if "multiprocessing" in " ".join(p.cmdline())] or [psutil.Process(system.procs.items[0][1].pid)]
-        run_dir = RunDir("profile-rest")
-        raw = run_dir.path / "web.raw"
-        spy = pyspy(["--pid", str(web[0].pid)], raw)
-        time.sleep(1.0)
         workers = Procs()
         for _ in range(2):
             args, env = system.worker_args(100, run_dir)
             workers.start("worker", [a for a in args if a not in ("--go", str(run_dir.go))], env)
         _wait(run_dir, n, seconds)
-        spy.send_signal(signal.SIGINT)
-        spy.wait(30)
         workers.stop()
-        report.append("\n### py-spy: the uvicorn worker process serving two SDK workers (batch 100)\n")
-        report.append(summarise(raw, ("SyncToAsync.thread_handler",)))
+        spy = system.procs.items[0][1]
+        spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT, not on SIGTERM
+        spy.wait(30)
     finally:
         system.teardown()
+    report.append("\n### py-spy: the uvicorn worker process serving two SDK workers (batch 100)\n")
+    report.append(summarise(raw, ("handle (scheduler_site/asgi.py)", "run (uvicorn/server.py)")))
 
     # 3. plans
     project.reset()

@@ -1,0 +1,70 @@
+"""The web process's ASGI handler: one thread hop per request, on threads kept between requests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+from django.core import signals
+
+from scheduler_site.asgi import SyncChainASGIHandler, application
+
+
+@pytest.fixture
+def seen_threads():
+    """The thread each request_started and request_finished signal ran on, in order."""
+    seen: list[tuple[str, int]] = []
+
+    def started(**kwargs):
+        seen.append(("started", threading.get_ident()))
+
+    def finished(**kwargs):
+        seen.append(("finished", threading.get_ident()))
+
+    signals.request_started.connect(started)
+    signals.request_finished.connect(finished)
+    yield seen
+    signals.request_started.disconnect(started)
+    signals.request_finished.disconnect(finished)
+
+
+def get(paths: list[str]) -> list[httpx.Response]:
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            return list(await asyncio.gather(*(client.get(path) for path in paths)))
+
+    return asyncio.run(run())
+
+
+def test_a_request_runs_its_signals_on_one_thread_and_the_thread_serves_the_next(seen_threads):
+    loop_thread = threading.get_ident()
+    for _ in range(3):
+        (answer,) = get(["/healthz"])
+        assert answer.status_code == 200
+        assert answer.json() == {"status": "ok"}
+    assert [kind for kind, _ in seen_threads] == ["started", "finished"] * 3
+    threads = {ident for _, ident in seen_threads}
+    # Started and finished (closing the response hands the connection back) on the same
+    # thread, not the event loop's; and the same thread for the next request.
+    assert len(threads) == 1
+    assert loop_thread not in threads
+
+
+def test_overlapping_requests_get_threads_of_their_own():
+    before = len(SyncChainASGIHandler.threads._idle)
+    answers = get(["/healthz"] * 6)
+    assert [answer.status_code for answer in answers] == [200] * 6
+    # Every executor was taken back, and no more were made than were in flight at once.
+    idle = SyncChainASGIHandler.threads._idle
+    assert 1 <= len(idle) <= max(before, 6)
+    assert len({id(executor) for executor in idle}) == len(idle)
+
+
+def test_a_page_that_is_not_found_still_answers(seen_threads):
+    (answer,) = get(["/api/v1/no-such-thing"])
+    assert answer.status_code in (401, 404)
+    assert answer.headers["content-type"].startswith("application/problem+json")
+    assert [kind for kind, _ in seen_threads] == ["started", "finished"]
