@@ -7,6 +7,7 @@ it, each process reports its own.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import os
 from collections.abc import Iterable, Sequence
@@ -65,12 +66,28 @@ def observe_claim(leases: Sequence) -> None:
     for (queue, priority), group in groups.items():
         name = PRIORITY_NAMES[priority]
         RUNS_STARTED.labels(queue, name).inc(len(group))
-        waited = DUE_TO_START.labels(queue, name)
-        for lease in group:
-            waited.observe(max(0.0, (lease.leased_at - lease.available_at).total_seconds()))
+        observe_many(
+            DUE_TO_START.labels(queue, name),
+            [max(0.0, (lease.leased_at - lease.available_at).total_seconds()) for lease in group],
+        )
         late = sum(1 for lease in group if lease.late)
         if late:
             LATE_RUNS.labels(queue).inc(late)
+
+
+def observe_many(child: Histogram, amounts: Sequence[float]) -> None:
+    """`child.observe(a) for a in amounts`, with one write per bucket instead of one per amount.
+
+    In multiprocess mode every write goes to a memory-mapped file; a claim of 100 runs made
+    200 of them. Uses the client's bucket fields (pinned in pyproject.toml; tests compare it
+    with `observe`)."""
+    if not amounts:
+        return
+    bounds = child._upper_bounds
+    counts = collections.Counter(bisect.bisect_left(bounds, amount) for amount in amounts)
+    child._sum.inc(sum(amounts))
+    for index, count in counts.items():
+        child._buckets[index].inc(count)
 
 
 def observe_results(outcomes: Iterable, call: str) -> None:

@@ -106,3 +106,28 @@ def test_an_open_transaction_shows_its_age(api_a):
         after = value(scrape(api_a), "scheduler_oldest_transaction_seconds")
     assert held >= 1.0
     assert after < 1.0
+
+
+@pytest.mark.django_db(transaction=False)
+def test_observing_many_amounts_at_once_equals_observing_each():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from apps.ops.metrics import LATENCY_BUCKETS, observe_many
+
+    amounts = [0.0, 0.01, 0.0100001, 0.3, 0.3, 2.5, 59.9, 3600, 3600.5, 1e9]
+    exposed = []
+    for bulk in (False, True):
+        registry = CollectorRegistry()
+        child = Histogram("h", "h", ["queue"], buckets=LATENCY_BUCKETS, registry=registry)
+        child = child.labels("q")
+        if bulk:
+            observe_many(child, amounts)
+            observe_many(child, [])
+        else:
+            for amount in amounts:
+                child.observe(amount)
+        text = generate_latest(registry).decode()
+        exposed.append("\n".join(line for line in text.splitlines() if "_created" not in line))
+    assert exposed[0] == exposed[1]
+    assert 'h_bucket{le="0.01",queue="q"} 2.0' in exposed[1]
+    assert 'h_bucket{le="+Inf",queue="q"} 10.0' in exposed[1]

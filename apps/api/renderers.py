@@ -1,0 +1,30 @@
+"""JSON answers with orjson: at batch 100, encoding the leases was a tenth of the web process's
+work per run with the standard library's encoder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from rest_framework import renderers
+from rest_framework.utils.encoders import JSONEncoder
+
+# Datetimes, decimals and lazy strings are rendered as DRF renders them (its encoder's
+# `default`); dict keys that are not strings become strings, as the standard library does.
+OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_NON_STR_KEYS
+_fallback = JSONEncoder().default
+
+
+class FastJSONRenderer(renderers.JSONRenderer):
+    def render(
+        self,
+        data: Any,
+        accepted_media_type: str | None = None,
+        renderer_context: dict | None = None,
+    ) -> bytes:
+        if data is None:
+            return b""
+        if self.get_indent(accepted_media_type, renderer_context or {}):
+            # Asked for indented output (`Accept: application/json; indent=2`): a person reading.
+            return super().render(data, accepted_media_type, renderer_context)
+        return orjson.dumps(data, default=_fallback, option=OPTIONS)
