@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml client/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]" -e "./client[celery]"
+	$(BIN)/pip install --quiet -e ".[test]" -e "./client[celery,fast]"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -9,10 +10,17 @@ from typing import Any
 
 import httpx
 
+try:  # With the `fast` extra: encoding and decoding batches of 100 leases is a third of the
+    # SDK's own work per run with the standard library, a tenth of it with orjson.
+    import orjson
+except ImportError:  # pragma: no cover - exercised where orjson is not installed
+    orjson = None
+
 from cronlease_client._version import __version__
 from cronlease_client.errors import ApiError
 
 logger = logging.getLogger("cronlease_client")
+JSON_BODY = {"Content-Type": "application/json"}
 
 
 def backoff_delay(failures: int, *, base: float, cap: float) -> float:
@@ -33,9 +41,23 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
+def encode(body: Any) -> bytes:
+    if orjson is not None:
+        try:
+            return orjson.dumps(body)
+        except TypeError:
+            pass  # an integer past 64 bits, say: the standard library writes it
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def decode(content: bytes) -> Any:
+    """JSON to Python; ValueError when it is not JSON (orjson's error is a ValueError too)."""
+    return orjson.loads(content) if orjson is not None else json.loads(content)
+
+
 def _problem(response: httpx.Response) -> tuple[str, dict[str, Any]]:
     try:
-        body = response.json()
+        body = decode(response.content)
     except ValueError:
         return response.text[:500] or response.reason_phrase, {}
     if isinstance(body, dict):
@@ -113,7 +135,8 @@ class Transport:
                 response = self._http.request(
                     method,
                     path,
-                    json=body,
+                    content=None if body is None else encode(body),
+                    headers=None if body is None else JSON_BODY,
                     params=params,
                     timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
                 )
@@ -122,7 +145,7 @@ class Transport:
             else:
                 if response.status_code < 400:
                     try:
-                        return response.json()
+                        return decode(response.content)
                     except ValueError as exc:
                         raise ApiError(response.status_code, "the answer is not JSON") from exc
                 detail, problem = _problem(response)

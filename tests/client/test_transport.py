@@ -88,3 +88,27 @@ def test_backoff_grows_and_is_capped():
     assert 0.05 <= backoff_delay(1, base=0.1, cap=5) <= 0.1
     assert 0.2 <= backoff_delay(3, base=0.1, cap=5) <= 0.4
     assert 2.5 <= backoff_delay(50, base=0.1, cap=5) <= 5
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson", "stdlib"])
+def test_bodies_go_out_as_json_and_answers_come_back_decoded(monkeypatch, fast):
+    from cronlease_client import transport as module
+
+    if not fast:
+        monkeypatch.setattr(module, "orjson", None)
+    else:
+        assert module.orjson is not None  # installed with the project
+    body = {"results": [{"runId": "run_1", "result": {"n": 2**70, "text": "é"}}]}
+    received = []
+
+    def echo(request: httpx.Request) -> httpx.Response:
+        received.append(request)
+        return httpx.Response(200, content=request.content)
+
+    http, _ = scripted(echo)
+    assert http.post("/api/v1/results", body) == body
+    assert received[0].headers["content-type"] == "application/json"
+    # A body that is not JSON is an error of the answer, not a crash of the worker.
+    http, _ = scripted(lambda request: httpx.Response(200, content=b"<html>"))
+    with pytest.raises(ApiError, match="not JSON"):
+        http.post("/api/v1/results", body)
