@@ -610,9 +610,11 @@ def shard_for(name: str, shard_count: int = DEFAULT_SHARD_COUNT) -> int:
     return int.from_bytes(digest[0:8], "big") % shard_count
 
 
-def idempotency_key(name: str, local: datetime) -> str:
-    """Return the run key for a cron fire time: the job name and the local time with offset."""
-    return f"{name}@{local.isoformat()}"
+def idempotency_key(name: str, local: datetime | str) -> str:
+    """Return the run key for a cron fire time: the job name and the local time with offset.
+
+    `local` may come already in ISO form (the materialiser formats a shared fire time once)."""
+    return f"{name}@{local if isinstance(local, str) else local.isoformat()}"
 
 
 def format_utc(dt: datetime) -> str:

@@ -19,13 +19,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import cached_property
 from typing import Any
 
-from django.db import DatabaseError, OperationalError, connection, transaction
+from django.db import DatabaseError, OperationalError, transaction
 
 from apps.jobs import schedule as sched
 from apps.runs.models import Trigger
-from apps.runs.store import NewRun, insert_runs
+from apps.runs.store import NewRun, insert_runs, server_cursor
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ FOR SHARE
 # next_due_at IS NOT NULL. SKIP LOCKED: a definition being edited is taken next tick instead of
 # stalling the shard behind the editor's transaction.
 SELECT_DUE = """
-SELECT id, name, schedule, next_due_at FROM jobs_jobdefinition
+SELECT id, name, schedule::text, next_due_at FROM jobs_jobdefinition
 WHERE shard = %(shard)s AND NOT paused AND next_due_at IS NOT NULL AND next_due_at <= %(horizon)s
 ORDER BY next_due_at
 LIMIT %(batch)s
@@ -87,6 +88,12 @@ class Slot:
     utc: datetime
     local: datetime
     trigger: str
+
+    @cached_property
+    def local_iso(self) -> str:
+        # A plan is shared by every definition with the same schedule and due time: the key's
+        # time is formatted once for all of them.
+        return self.local.isoformat()
 
 
 def _slot(fire: sched.FireTime, trigger: str) -> Slot:
@@ -231,7 +238,8 @@ class _PlanCache:
         self._plans: dict[tuple[str, datetime], Plan] = {}
 
     def plan(self, name: str, raw: Any, due_at: datetime) -> Plan:
-        # Django reads jsonb as text; jsonb text is canonical, so equal schedules are equal keys.
+        # SELECT_DUE reads the schedule as text; jsonb text is canonical, so equal schedules are
+        # equal keys.
         text = raw if isinstance(raw, str) else json.dumps(raw, sort_keys=True)
         parsed = self._parsed.get(text)
         if parsed is None:
@@ -276,7 +284,7 @@ def _runs_for(definition_id: int, name: str, plan: Plan) -> list[NewRun]:
             trigger=slot.trigger,
             due_at=slot.utc,
             available_at=slot.utc + jitter,
-            idempotency_key=sched.idempotency_key(name, slot.local),
+            idempotency_key=sched.idempotency_key(name, slot.local_iso),
         )
         for slot in plan.slots
     ]
@@ -335,7 +343,8 @@ def materialise_batch(
     horizon = now + lookahead
     result = BatchResult()
     plans = _PlanCache(now=now, horizon=horizon, grace=grace, missed_cap=missed_cap)
-    with transaction.atomic(), connection.cursor() as cursor:
+    # Prepared statements and psycopg's C timestamp loader (see store.server_cursor).
+    with transaction.atomic(), server_cursor() as cursor:
         cursor.execute(LOCK_LEASE, {"shard": shard, "node": node, "epoch": epoch})
         if cursor.fetchone() is None:
             result.lease_held = False

@@ -3,8 +3,8 @@
 - cronlease store: bench/materialise.py (the scheduler's own step methods, one node, all 16
   shards, in-process), with its --json figures.
 - cronlease REST+SDK column: the real `manage.py scheduler` daemon, two processes splitting
-  the shards, timed from the first run inserted until all N exist (polled every 0.25 s); its
-  CPU includes the daemons' start-up.
+  the shards (the definitions stay paused until both hold shards, then are resumed at once),
+  timed from the first run inserted until all N exist (polled every 0.25 s).
 - raw SQL: one set-based INSERT … SELECT + UPDATE per batch of 5 000 (workers/raw_materialise.py).
 - Procrastinate: its PeriodicDeferrer, K `@app.periodic` entries; Celery: beat's scheduler, K
   entries (workers/peer_periodic.py). K = min(N, 20 000) in --quick, min(N, 100 000) otherwise,
@@ -144,8 +144,22 @@ def _daemons(project: ProjectDatabase, n: int, cap_after_start: float) -> Row:
     env = common.django_env(url, SCHEDULER_LOOKAHEAD_SECONDS="300",
                             SCHEDULER_APPLICATION_NAME="bench:scheduler")
     log_path = Path(f"/tmp/bench-scheduler-{project.name}.log")
+    # In service the definitions fall due while the nodes run, each holding its share of the
+    # shards. Started together on due definitions, the first node to come up would hold all 16
+    # shards and materialise everything alone before the second got any. So: paused until both
+    # nodes hold shards, then resumed in one statement (not timed).
+    with common.connect(url) as conn:
+        conn.execute("UPDATE jobs_jobdefinition SET paused = true")
     for _ in range(2):
         procs.start("scheduler", [PYTHON, "manage.py", "scheduler"], env, log_path)
+    with common.connect(url) as conn:
+        deadline = time.time() + 60
+        while conn.execute("SELECT count(DISTINCT owner) FROM scheduler_shardlease"
+                           " WHERE owner <> '' AND expires_at > now()").fetchone()[0] < 2:
+            if time.time() > deadline or procs.dead():
+                raise RuntimeError(f"the two schedulers did not share the shards; see {log_path}")
+            time.sleep(0.2)
+        conn.execute("UPDATE jobs_jobdefinition SET paused = false")
     sampler.start()
     started = time.time()
     polls = 0
