@@ -9,6 +9,7 @@ Procrastinate and Celery + Redis. See bench/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import time
 
@@ -43,12 +44,22 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="open loop / soak: seconds per measurement")
     parser.add_argument("--definitions", type=int, help="materialise: definitions")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directories")
+    parser.add_argument("--server", choices=("machine", "private"), default="machine",
+                        help="machine: BENCH_PG_URL (default); private: a cluster of the "
+                             "bench's own with PostgreSQL's defaults (autovacuum on)")
     opts = parser.parse_args()
     opts.systems = [s for s in opts.systems.split(",") if s]
     unknown = set(opts.systems) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}")
 
+    with contextlib.ExitStack() as stack:
+        if opts.server == "private":
+            common.PG_URL = stack.enter_context(common.private_server())
+        run(opts)
+
+
+def run(opts: argparse.Namespace) -> None:
     chosen = SCENARIOS if opts.scenario == "all" else (opts.scenario,)
     machine = common.server_facts()
     started = time.time()

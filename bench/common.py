@@ -7,17 +7,19 @@ from one fresh database to the next.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,13 +187,53 @@ def flush_backends(names: Iterable[str]) -> None:
     time.sleep(0.3)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PG_BIN = Path(os.environ.get("BENCH_PG_BIN", "/usr/lib/postgresql/15/bin"))
+
+
+@contextlib.contextmanager
+def private_server() -> Iterator[str]:
+    """A PostgreSQL cluster of the bench's own, on a free port, with PostgreSQL's defaults
+    (autovacuum on) and the machine server's shared_buffers and max_connections; yields its URL.
+
+    For `--server private`: the machine's shared server may be configured for test suites
+    (this one has autovacuum off), which a soak of hours would measure instead of the product.
+    Same binaries as the machine's server (BENCH_PG_BIN), run as the `postgres` user, data on
+    disk (fsync on), removed afterwards."""
+    root = Path(tempfile.mkdtemp(prefix="bench-pg-", dir="/var/tmp"))
+    shutil.chown(root, "postgres", "postgres")
+    data = root / "data"
+    port = free_port()
+
+    def as_postgres(*args: str) -> None:
+        subprocess.run([str(PG_BIN / args[0]), *args[1:]], user="postgres", cwd=root, check=True,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, timeout=120)
+
+    as_postgres("initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+    options = (f"-p {port} -c listen_addresses=127.0.0.1 -k {root} -c shared_buffers=128MB"
+               " -c max_connections=100")
+    as_postgres("pg_ctl", "-D", str(data), "-o", options, "-l", str(root / "log"), "-w", "start")
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        with contextlib.suppress(subprocess.SubprocessError):
+            as_postgres("pg_ctl", "-D", str(data), "-m", "fast", "-w", "stop")
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def server_facts() -> dict[str, Any]:
     with connect(PG_URL) as conn:
         version = conn.execute("SHOW server_version").fetchone()[0]
         settings = dict(
             conn.execute(
                 "SELECT name, current_setting(name) FROM pg_settings WHERE name = ANY(%s)",
-                [["shared_buffers", "synchronous_commit", "max_connections", "fsync", "wal_level"]],
+                [["shared_buffers", "synchronous_commit", "max_connections", "fsync", "wal_level",
+                  "autovacuum"]],
             ).fetchall()
         )
     return {

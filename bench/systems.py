@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,12 +54,6 @@ CROSS JOIN generate_series(%(first)s::bigint, %(last)s::bigint) AS g
 CROSS JOIN LATERAL (SELECT to_timestamp(%(t0)s::float8 + g / %(rate)s::float8) AS t) AS x
 WHERE d.name = %(job)s
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ProjectDatabase:
@@ -187,7 +180,7 @@ class RestSystem(System):
 
     def setup(self) -> None:
         super().setup()
-        self.port = free_port()
+        self.port = common.free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         env = common.django_env(self.project.url)
         self.log_path = Path(f"/tmp/bench-uvicorn-{self.scenario}.log")
