@@ -24,6 +24,8 @@ class Snapshot:
     owners: dict[int, str] = field(default_factory=dict)
     nodes: dict[str, float] = field(default_factory=dict)
     oldest_transaction: float = 0.0
+    dead_rows: dict[str, int] = field(default_factory=dict)
+    autovacuum: bool = True
 
 
 # Claimable runs: a scan of the partial index run_claimable, which holds only the backlog.
@@ -57,6 +59,15 @@ SELECT coalesce(extract(epoch FROM now() - min(xact_start)), 0) FROM pg_stat_act
 WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'
 """
 
+# Every claim and completion leaves a dead version of the run (and of its attempt) behind. With
+# autovacuum off (some shared or test servers run so) nothing removes them and the claim slows
+# as they pile up: the statistics collector's count, and whether autovacuum runs at all.
+DEAD_ROWS = """
+SELECT relname, n_dead_tup FROM pg_stat_user_tables
+WHERE relname IN ('runs_run', 'runs_attempt')
+"""
+AUTOVACUUM = "SELECT current_setting('autovacuum') = 'on'"
+
 
 def read() -> Snapshot:
     snapshot = Snapshot()
@@ -76,4 +87,8 @@ def read() -> Snapshot:
         snapshot.nodes = {node: float(age) for node, age in cursor.fetchall()}
         cursor.execute(OLDEST_TRANSACTION)
         snapshot.oldest_transaction = max(0.0, float(cursor.fetchone()[0]))
+        cursor.execute(DEAD_ROWS)
+        snapshot.dead_rows = dict(cursor.fetchall())
+        cursor.execute(AUTOVACUUM)
+        snapshot.autovacuum = bool(cursor.fetchone()[0])
     return snapshot

@@ -166,7 +166,19 @@ class DatabaseCollector:
             "(it keeps vacuum from cleaning the runs table).",
         )
         transaction.add_metric([], snapshot.oldest_transaction)
-        return [depth, oldest, dlq, lag, owner, heartbeat, transaction]
+        dead = GaugeMetricFamily(
+            "scheduler_dead_row_versions",
+            "Dead row versions vacuum has yet to remove, per hot table (PostgreSQL's statistics).",
+            labels=["table"],
+        )
+        for table, count in sorted(snapshot.dead_rows.items()):
+            dead.add_metric([table], count)
+        autovacuum = GaugeMetricFamily(
+            "scheduler_autovacuum_enabled",
+            "1 when the database runs autovacuum; with 0 nothing cleans the runs table.",
+        )
+        autovacuum.add_metric([], 1 if snapshot.autovacuum else 0)
+        return [depth, oldest, dlq, lag, owner, heartbeat, transaction, dead, autovacuum]
 
 
 def render() -> bytes:

@@ -131,3 +131,25 @@ def test_observing_many_amounts_at_once_equals_observing_each():
     assert exposed[0] == exposed[1]
     assert 'h_bucket{le="0.01",queue="q"} 2.0' in exposed[1]
     assert 'h_bucket{le="+Inf",queue="q"} 10.0' in exposed[1]
+
+
+def test_dead_row_versions_and_autovacuum_are_reported(api_a, team_a):
+    """Updates leave dead versions; the gauge shows PostgreSQL's count once the session that
+    made them has reported its statistics (at its end), and whether autovacuum runs."""
+    definition = make_definition(team_a, name="dead.rows")
+    add_ready_runs(definition, 30)
+    before = value(scrape(api_a), "scheduler_dead_row_versions", table="runs_run")
+    settings = connection.settings_dict
+    with psycopg.connect(
+        dbname=settings["NAME"],
+        host=settings["HOST"] or None,
+        port=settings["PORT"] or None,
+        user=settings["USER"] or None,
+        autocommit=True,
+    ) as other:
+        other.execute("UPDATE runs_run SET lease_seconds = lease_seconds + 1")
+        autovacuum = other.execute("SHOW autovacuum").fetchone()[0] == "on"
+    samples = scrape(api_a)
+    # Autovacuum may remove some in between, but not 30 at once within the naptime of a minute.
+    assert value(samples, "scheduler_dead_row_versions", table="runs_run") >= before + 20
+    assert value(samples, "scheduler_autovacuum_enabled") == (1.0 if autovacuum else 0.0)
