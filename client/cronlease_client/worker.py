@@ -1,7 +1,8 @@
 """The worker: lease runs in batches, run their handlers in a pool, heartbeat, report, stop cleanly.
 
 Threads, each with its own HTTP connection:
-- lease loop: long-polls `POST /api/v1/leases` for as many runs as there are free slots;
+- lease loop: long-polls `POST /api/v1/leases` for as many runs as there are free slots (and
+  waits while `concurrency` results are still unreported);
 - slots (`concurrency` of them): run one handler at a time (in the thread, or in a pool process);
 - heartbeat: every `heartbeat_interval` extends every held lease in one `POST /api/v1/heartbeats`;
   an item answered 409 or 404 means the run is someone else's now: its context's `lease_lost` is
@@ -421,15 +422,26 @@ class Worker:
         """Block until a slot is free (or the worker stops), then up to FILL_WAIT_SECONDS more
         until `wanted` are; return how many are free."""
         with self._lock:
-            while self._busy >= self.concurrency and not self._stopping.is_set():
+            while self._free() <= 0 and not self._stopping.is_set():
                 self._lock.wait(0.5)
             deadline = time.monotonic() + FILL_WAIT_SECONDS
-            while self.concurrency - self._busy < wanted and not self._stopping.is_set():
+            while self._free() < wanted and not self._stopping.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._lock.wait(left)
-            return 0 if self._stopping.is_set() else self.concurrency - self._busy
+            return 0 if self._stopping.is_set() else self._free()
+
+    def _free(self) -> int:
+        """Slots free to lease into; call with the lock held.
+
+        A handler's slot frees when it returns, but its lease stays ours (and heartbeated) until
+        its result is reported. Leases beyond `concurrency` unreported ones wait: otherwise a
+        scheduler slower to take results than to hand out runs would see this worker lease
+        without bound, its memory and heartbeats growing with the unreported pile."""
+        running = self.concurrency - self._busy
+        unreported = 2 * self.concurrency - len(self._inflight)
+        return min(running, unreported)
 
     def _lease_loop(self) -> None:
         failures = 0

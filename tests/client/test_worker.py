@@ -305,3 +305,44 @@ def test_a_refused_token_stops_run_with_the_error(live_server):
         worker.run()
     assert caught.value.status == 401
     assert time.monotonic() - started < 10
+
+
+def test_leases_wait_for_results_when_reporting_is_slower_than_leasing(
+    team_a, make_worker, monkeypatch
+):
+    """Handlers that return at once and a scheduler slow to take results: the worker must not
+    keep leasing into an ever larger pile of unreported runs (memory, heartbeats, and runs that
+    sit leased instead of done). At most `concurrency` results wait unreported."""
+    definition = make_definition(team_a, "demo.fast", queue="slowresults")
+    ids = add_ready_runs(definition, 60)
+    real_post = Transport.post
+
+    def slow_results(self: Transport, path: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        if path == "/api/v1/results":
+            time.sleep(0.3)
+        return real_post(self, path, body, **kwargs)
+
+    monkeypatch.setattr(Transport, "post", slow_results)
+    held: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        # Its own connection: leased runs of the queue, every 20 ms.
+        from django.db import connection
+
+        try:
+            while not done.is_set():
+                held.append(Run.objects.filter(pk__in=ids, state="leased").count())
+                time.sleep(0.02)
+        finally:
+            connection.close()
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        make_worker(["slowresults"], handlers={"demo.fast": lambda ctx: None}, concurrency=5).start()
+        wait_for(runs_when(ids, "succeeded"), what="all runs succeeded", timeout=60)
+    finally:
+        done.set()
+        sampler.join()
+    assert held and max(held) <= 10, max(held)
