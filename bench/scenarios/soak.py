@@ -104,7 +104,8 @@ def run(opts) -> list[Row]:
             if isinstance(state["idle"], psycopg.Connection):
                 state["idle"].close()
             row.extra.pop("_pairs", None)
-            samples = state["samples"] + [(row.extra["_t_stop"], row.runs)]
+            # The intervals count handler calls (the recorders); so does the last sample.
+            samples = state["samples"] + [(row.extra["_t_stop"], row.extra["started"])]
             rates = [
                 round((b[1] - a[1]) / (b[0] - a[0]), 1)
                 for a, b in zip(samples, samples[1:], strict=False)
