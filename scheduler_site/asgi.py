@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import django
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
+from django.conf import settings
 from django.core import signals
 from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
@@ -14,8 +15,11 @@ from django.http import FileResponse, HttpResponse
 from django.urls import set_script_prefix
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "scheduler_site.settings")
-# Under ASGI each request runs in a thread context of its own, so connections are pooled.
-os.environ.setdefault("SCHEDULER_DB_POOL", "true")
+if not settings.configured:
+    # Served under ASGI, requests run on many threads, so connections are pooled. Settings read
+    # this when they load; once they have (a test process importing this module), setting it
+    # would only leak into the processes this one starts.
+    os.environ.setdefault("SCHEDULER_DB_POOL", "true")
 
 
 class RequestThreads:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import httpx
@@ -10,6 +11,12 @@ import pytest
 from django.core import signals
 
 from scheduler_site.asgi import SyncChainASGIHandler, application
+
+
+def test_importing_the_application_here_does_not_turn_the_pool_on_for_child_processes():
+    # Settings were loaded before the import: setting SCHEDULER_DB_POOL now would only reach the
+    # processes this one starts (a scheduler daemon in another test took it and failed).
+    assert "SCHEDULER_DB_POOL" not in os.environ
 
 
 @pytest.fixture
@@ -31,16 +38,23 @@ def seen_threads():
 
 
 def get(paths: list[str]) -> list[httpx.Response]:
+    """GET the paths at once through the ASGI application, on an event loop of a new thread (the
+    browser tests' Playwright keeps a loop running in this one)."""
+
     async def run() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=application)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             return list(await asyncio.gather(*(client.get(path) for path in paths)))
 
-    return asyncio.run(run())
+    answers: list[httpx.Response] = []
+    runner = threading.Thread(target=lambda: answers.extend(asyncio.run(run())))
+    runner.start()
+    runner.join(30)
+    assert len(answers) == len(paths)
+    return answers
 
 
 def test_a_request_runs_its_signals_on_one_thread_and_the_thread_serves_the_next(seen_threads):
-    loop_thread = threading.get_ident()
     for _ in range(3):
         (answer,) = get(["/healthz"])
         assert answer.status_code == 200
@@ -48,9 +62,9 @@ def test_a_request_runs_its_signals_on_one_thread_and_the_thread_serves_the_next
     assert [kind for kind, _ in seen_threads] == ["started", "finished"] * 3
     threads = {ident for _, ident in seen_threads}
     # Started and finished (closing the response hands the connection back) on the same
-    # thread, not the event loop's; and the same thread for the next request.
+    # thread, a request thread; and the same thread for the next request.
     assert len(threads) == 1
-    assert loop_thread not in threads
+    assert threading.get_ident() not in threads
 
 
 def test_overlapping_requests_get_threads_of_their_own():
