@@ -59,6 +59,7 @@ class SyncChainASGIHandler(ASGIHandler):
     threads = RequestThreads()
 
     def load_middleware(self, is_async: bool = False) -> None:
+        # A synchronous chain: _respond calls it on the request's thread.
         super().load_middleware(is_async=False)
 
     async def __call__(self, scope, receive, send) -> None:

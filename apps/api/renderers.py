@@ -1,5 +1,5 @@
-"""JSON answers with orjson: at batch 100, encoding the leases was a tenth of the web process's
-work per run with the standard library's encoder."""
+"""JSON answers with orjson: an answer of 100 leases took 170 µs to encode with the standard
+library, 13 µs with orjson (bench/README.md, "Where the time goes")."""
 
 from __future__ import annotations
 
