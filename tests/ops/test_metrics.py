@@ -89,16 +89,22 @@ def test_queue_depth_matches_the_database(api_a, team_a):
     )
 
 
-def test_an_open_transaction_shows_its_age(api_a):
-    """Another session's open transaction is reported until it ends (the scrape's own, and
-    sessions that hold none, count nothing)."""
+def other_session(**options) -> psycopg.Connection:
+    """A session of its own on the test database, as another client's would be."""
     settings = connection.settings_dict
-    with psycopg.connect(
+    return psycopg.connect(
         dbname=settings["NAME"],
         host=settings["HOST"] or None,
         port=settings["PORT"] or None,
         user=settings["USER"] or None,
-    ) as other:
+        **options,
+    )
+
+
+def test_an_open_transaction_shows_its_age(api_a):
+    """Another session's open transaction is reported until it ends (the scrape's own, and
+    sessions that hold none, count nothing)."""
+    with other_session() as other:
         other.execute("SELECT txid_current()")  # a transaction, then idle in it
         time.sleep(1.2)
         held = value(scrape(api_a), "scheduler_oldest_transaction_seconds")
@@ -139,14 +145,7 @@ def test_dead_row_versions_and_autovacuum_are_reported(api_a, team_a):
     definition = make_definition(team_a, name="dead.rows")
     add_ready_runs(definition, 30)
     before = value(scrape(api_a), "scheduler_dead_row_versions", table="runs_run")
-    settings = connection.settings_dict
-    with psycopg.connect(
-        dbname=settings["NAME"],
-        host=settings["HOST"] or None,
-        port=settings["PORT"] or None,
-        user=settings["USER"] or None,
-        autocommit=True,
-    ) as other:
+    with other_session(autocommit=True) as other:
         other.execute("UPDATE runs_run SET lease_seconds = lease_seconds + 1")
         autovacuum = other.execute("SHOW autovacuum").fetchone()[0] == "on"
     samples = scrape(api_a)
