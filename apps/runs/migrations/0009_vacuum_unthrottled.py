@@ -4,10 +4,10 @@ from django.db import migrations
 class Migration(migrations.Migration):
     """Vacuum the hot tables without the cost-based pause.
 
-    Each run leaves two dead versions in runs_run and one in runs_attempt. Throttled vacuum
-    (2 ms asleep per 200 cost units) took longer over these tables than they took to fill with
-    new dead versions at a few thousand runs a second, so it never caught up (bench/README.md,
-    soak). Unthrottled, a pass does the same work in a fraction of the time.
+    Each run leaves two dead versions in runs_run and one in runs_attempt. Throttled (2 ms
+    asleep per 200 cost units), vacuum fell behind them in the benchmark's 10-minute soak at a
+    few thousand runs a second (bench/README.md, "Soak"); unthrottled, a pass does the same
+    work without the pauses.
     """
 
     dependencies = [("runs", "0008_claimable_includes_state")]
