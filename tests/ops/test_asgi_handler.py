@@ -10,13 +10,15 @@ import httpx
 import pytest
 from django.core import signals
 
-from scheduler_site.asgi import SyncChainASGIHandler, application
+POOL_BEFORE = os.environ.get("SCHEDULER_DB_POOL")
+
+from scheduler_site.asgi import SyncChainASGIHandler, application  # noqa: E402
 
 
 def test_importing_the_application_here_does_not_turn_the_pool_on_for_child_processes():
     # Settings were loaded before the import: setting SCHEDULER_DB_POOL now would only reach the
     # processes this one starts (a scheduler daemon in another test took it and failed).
-    assert "SCHEDULER_DB_POOL" not in os.environ
+    assert os.environ.get("SCHEDULER_DB_POOL") == POOL_BEFORE
 
 
 @pytest.fixture
