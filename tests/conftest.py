@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import datetime, timedelta
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -13,6 +14,21 @@ from apps.jobs.models import PRIORITIES, JobDefinition
 from apps.jobs.schedule import shard_for
 from apps.runs.store import NewRun, insert_runs
 from apps.teams.models import ApiToken, Team
+
+
+def child_database_url() -> str:
+    """A URL of the database this test uses (the test database, not the configured one), for
+    the processes a test starts; the embedded server listens on a socket directory."""
+    db = connection.settings_dict
+    auth = quote(db["USER"] or "", safe="")
+    if db["PASSWORD"]:
+        auth += ":" + quote(db["PASSWORD"], safe="")
+    host = db["HOST"] or "127.0.0.1"
+    if host.startswith("/"):
+        port = f"&port={db['PORT']}" if db["PORT"] else ""
+        return f"postgresql://{auth}@/{quote(db['NAME'])}?host={quote(host, safe='/')}{port}"
+    port = f":{db['PORT']}" if db["PORT"] else ""
+    return f"postgresql://{auth}@{host}{port}/{quote(db['NAME'])}"
 
 
 @pytest.fixture(scope="session")

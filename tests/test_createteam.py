@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from django.db import connection
 
 from apps.teams.models import ApiToken, Membership, Team
+from tests.conftest import child_database_url
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,10 +18,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def test_token_is_the_last_line_and_works(live_server):
-    settings = connection.settings_dict
     env = {
         **os.environ,
-        "DATABASE_URL": f"postgresql://{settings['USER']}:{settings['PASSWORD']}@{settings['HOST']}:{settings['PORT'] or 5432}/{settings['NAME']}",
+        "DATABASE_URL": child_database_url(),
     }
     done = subprocess.run(
         [

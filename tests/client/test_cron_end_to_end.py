@@ -15,20 +15,14 @@ from datetime import timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
-from django.db import connection
 
 from apps.jobs.schedule import shard_for
 from apps.runs.models import Run
 from tests.client.conftest import read_ledger, wait_for
 from tests.client.test_cli import CLIENT_DIR, ROOT
-from tests.conftest import db_now, make_definition
+from tests.conftest import child_database_url, db_now, make_definition
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
-
-
-def database_url() -> str:
-    s = connection.settings_dict
-    return f"postgresql://{s['USER']}:{s['PASSWORD']}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
 
 
 def test_every_minute_cron_runs_on_a_worker(live_server, team_a, worker_token_a, ledger, tmp_path):
@@ -53,7 +47,7 @@ def test_every_minute_cron_runs_on_a_worker(live_server, team_a, worker_token_a,
 
     env = {
         **os.environ,
-        "DATABASE_URL": database_url(),
+        "DATABASE_URL": child_database_url(),
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(CLIENT_DIR)]),
         "SCHEDULER_SHARD_LEASE_SECONDS": "3",
         "SCHEDULER_TICK_SECONDS": "0.2",

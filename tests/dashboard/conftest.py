@@ -11,18 +11,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote
 
 import httpx
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import connection
 from django.test import Client
 
 from apps.runs import store
 from apps.runs.models import Run
 from apps.teams.models import Membership, Team
-from tests.conftest import add_ready_runs, make_definition
+from tests.conftest import add_ready_runs, child_database_url, make_definition
 
 # Playwright's sync API runs an event loop in this thread; the ORM calls the tests make between
 # browser steps are ordinary blocking calls, which Django would otherwise refuse.
@@ -137,18 +135,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _test_database_url() -> str:
-    s = connection.settings_dict
-    auth = quote(s["USER"] or "", safe="")
-    if s["PASSWORD"]:
-        auth += ":" + quote(s["PASSWORD"], safe="")
-    host = s["HOST"] or ""
-    if host.startswith("/"):  # the embedded server listens on a socket directory
-        return f"postgresql://{auth}@/{s['NAME']}?host={quote(host, safe='/')}&port={s['PORT']}"
-    port = f":{s['PORT']}" if s["PORT"] else ""
-    return f"postgresql://{auth}@{host}{port}/{s['NAME']}"
-
-
 @dataclass
 class LiveServer:
     url: str
@@ -159,7 +145,7 @@ class LiveServer:
 def asgi_server(django_db_setup, django_db_blocker) -> Iterator[LiveServer]:
     """uvicorn serving scheduler_site.asgi (HTTP and WebSocket) on the test database."""
     with django_db_blocker.unblock():
-        database_url = _test_database_url()
+        database_url = child_database_url()
     port = _free_port()
     env = {
         **os.environ,

@@ -23,7 +23,7 @@ import pytest
 from apps.jobs.models import JobDefinition
 from apps.runs.store import NewRun, insert_runs
 from apps.teams.models import Team
-from tests.conftest import db_now, make_definition
+from tests.conftest import child_database_url, db_now, make_definition
 from tests.faults.helpers import (
     Db,
     LeaseSampler,
@@ -42,7 +42,6 @@ from tests.faults.helpers import (
     wait_http_ok,
     worker_argv,
 )
-from tests.scheduler.helpers import database_url
 
 WEB = "faults:web"
 REAPER = "faults:reaper"
@@ -147,7 +146,7 @@ class Services:
 
 @pytest.fixture(scope="package")
 def services(django_db_setup, tmp_path_factory) -> Iterator[Services]:
-    services = Services(database_url(), tmp_path_factory.mktemp("faults"))
+    services = Services(child_database_url(), tmp_path_factory.mktemp("faults"))
     install_peak_recorder(services.db)
     try:
         services.start()

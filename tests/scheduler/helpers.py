@@ -11,7 +11,6 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from django.conf import settings
 from django.db import connection
@@ -19,6 +18,7 @@ from django.db import connection
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
 from apps.teams.models import Team
+from tests.conftest import child_database_url
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,19 +75,6 @@ def leases_by_owner() -> dict[str, list[int]]:
         return owners
 
 
-def database_url() -> str:
-    """Return a URL of the database this test uses (the test database, not the configured one)."""
-    db = connection.settings_dict
-    auth = quote(db["USER"], safe="")
-    if db["PASSWORD"]:
-        auth += ":" + quote(db["PASSWORD"], safe="")
-    host = db["HOST"] or "localhost"
-    port = f":{db['PORT']}" if db["PORT"] else ""
-    if host.startswith("/"):
-        return f"postgresql://{auth}@/{quote(db['NAME'])}?host={quote(host)}"
-    return f"postgresql://{auth}@{host}{port}/{quote(db['NAME'])}"
-
-
 class SchedulerProcess:
     """A `manage.py scheduler` subprocess on the test database, logging to a file."""
 
@@ -96,7 +83,7 @@ class SchedulerProcess:
         self.log_path = log_dir / f"{node_id}.log"
         full_env = {
             **os.environ,
-            "DATABASE_URL": database_url(),
+            "DATABASE_URL": child_database_url(),
             "PYTHONUNBUFFERED": "1",
             "SCHEDULER_APPLICATION_NAME": f"scheduler:test:{node_id}",
             **env,
