@@ -237,10 +237,9 @@ class _PlanCache:
         self._parsed: dict[str, sched.Schedule | Exception] = {}
         self._plans: dict[tuple[str, datetime], Plan] = {}
 
-    def plan(self, name: str, raw: Any, due_at: datetime) -> Plan:
-        # SELECT_DUE reads the schedule as text; jsonb text is canonical, so equal schedules are
-        # equal keys.
-        text = raw if isinstance(raw, str) else json.dumps(raw, sort_keys=True)
+    def plan(self, name: str, text: str, due_at: datetime) -> Plan:
+        # `text`: the schedule as SELECT_DUE reads it; jsonb text is canonical, so equal
+        # schedules are equal keys.
         parsed = self._parsed.get(text)
         if parsed is None:
             try:
