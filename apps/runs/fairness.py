@@ -42,6 +42,8 @@ def interleave_teams(rows: Sequence[T], team_of, tick: int) -> list[T]:
     by_team: dict[object, list[T]] = {}
     for row in rows:
         by_team.setdefault(team_of(row), []).append(row)
+    if len(by_team) == 1:
+        return list(rows)
     teams = sorted(by_team, key=str)
     if not teams:
         return []

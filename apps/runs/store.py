@@ -309,6 +309,10 @@ def _choose(candidates: list[dict[str, Any]], capacity: dict[int, int], max_runs
         prio: interleave_teams(rows, lambda row: row["team_id"], tick)
         for prio, rows in lanes.items()
     }
+    if len(ordered) == 1 and not capacity:
+        # One priority, no concurrency limits: every slot falls back to the one lane.
+        (rows,) = ordered.values()
+        return [row["id"] for row in rows[:max_runs]]
     positions = dict.fromkeys(ordered, 0)
     capacity = dict(capacity)
 
@@ -352,9 +356,9 @@ def claim(
         cursor.execute(
             CLAIM_CANDIDATES,
             {
-                "queues": list(queues),
-                "team_ids": list(team_ids) if team_ids is not None else None,
-                "jobs": list(jobs) if jobs else None,
+                "queues": array_literal(queues),
+                "team_ids": _bigints(team_ids) if team_ids is not None else None,
+                "jobs": array_literal(jobs) if jobs else None,
                 "max": max_runs,
             },
         )
@@ -371,8 +375,8 @@ def claim(
         capacity: dict[int, int] = {}
         if limited:
             ids = [definition_id for definition_id, _ in limited]
-            cursor.execute(LOCK_LIMITED_DEFINITIONS, {"ids": ids})
-            cursor.execute(COUNT_LEASED, {"ids": ids})
+            cursor.execute(LOCK_LIMITED_DEFINITIONS, {"ids": _bigints(ids)})
+            cursor.execute(COUNT_LEASED, {"ids": _bigints(ids)})
             leased_now = dict(cursor.fetchall())
             capacity = {
                 definition_id: limit - leased_now.get(definition_id, 0)
@@ -467,7 +471,10 @@ def next_available_at(queues: Sequence[str], team_ids: Sequence[int] | None) -> 
     with server_cursor() as cursor:
         cursor.execute(
             NEXT_AVAILABLE,
-            {"queues": list(queues), "team_ids": list(team_ids) if team_ids is not None else None},
+            {
+                "queues": array_literal(queues),
+                "team_ids": _bigints(team_ids) if team_ids is not None else None,
+            },
         )
         return cursor.fetchone()[0]
 
