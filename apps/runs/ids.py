@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
 ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
-_INDEX = {ch: i for i, ch in enumerate(ALPHABET)}
 PREFIX = "run_"
 
 
@@ -24,13 +25,17 @@ def public_run_id(pk: int) -> str:
     return PREFIX + "".join(reversed(pairs)).lstrip("0")
 
 
+# Crockford's digits, either case, spelled as the digits int(..., 32) reads. int() alone would
+# also take signs, underscores and spaces, so the regex says what a digit is.
+_DIGITS = re.compile("[0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]+")
+_AS_INT_DIGITS = str.maketrans(ALPHABET + ALPHABET.lower(), "0123456789ABCDEFGHIJKLMNOPQRSTUV" * 2)
+
+
 def parse_run_id(run_id: str) -> int | None:
     """Return the primary key of a public id, or None when it is not one of ours."""
     if not isinstance(run_id, str) or not run_id.startswith(PREFIX) or len(run_id) > 20:
         return None
-    value = 0
-    for ch in run_id[len(PREFIX) :].upper():
-        if ch not in _INDEX:
-            return None
-        value = value * 32 + _INDEX[ch]
-    return value if run_id[len(PREFIX) :] else None
+    digits = run_id[len(PREFIX) :]
+    if not _DIGITS.fullmatch(digits):
+        return None
+    return int(digits.translate(_AS_INT_DIGITS), 32)
