@@ -18,6 +18,8 @@ LAST_USED_RESOLUTION = timedelta(seconds=60)
 # long before it is read again, so a revocation reaches every web process within it.
 CACHE_SECONDS = 5.0
 
+KEYWORD = "Bearer"
+
 _cache: dict[str, tuple[float, ApiToken]] = {}
 _cache_lock = threading.Lock()
 
@@ -57,25 +59,31 @@ class TokenUser:
         return f"token:{self.token.prefix}"
 
 
+def authenticate_bearer(header: str) -> tuple[TokenUser, ApiToken] | None:
+    """The principal of an `Authorization` header's value; None when there is no header."""
+    if not header:
+        return None
+    keyword, _, raw = header.partition(" ")
+    if keyword.lower() != KEYWORD.lower() or not raw.strip():
+        raise exceptions.AuthenticationFailed("Use 'Authorization: Bearer <token>'.")
+    raw = raw.strip()
+    token = _lookup(hash_token(raw))
+    if token is None or not token.matches(raw):
+        raise exceptions.AuthenticationFailed("The token is unknown or revoked.")
+    now = timezone.now()
+    if token.last_used_at is None or now - token.last_used_at > LAST_USED_RESOLUTION:
+        ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+        token.last_used_at = now
+    return TokenUser(token), token
+
+
 class BearerTokenAuthentication(authentication.BaseAuthentication):
-    keyword = "Bearer"
+    keyword = KEYWORD
 
     def authenticate(self, request):
-        header = authentication.get_authorization_header(request).decode("latin-1")
-        if not header:
-            return None
-        keyword, _, raw = header.partition(" ")
-        if keyword.lower() != self.keyword.lower() or not raw.strip():
-            raise exceptions.AuthenticationFailed("Use 'Authorization: Bearer <token>'.")
-        raw = raw.strip()
-        token = _lookup(hash_token(raw))
-        if token is None or not token.matches(raw):
-            raise exceptions.AuthenticationFailed("The token is unknown or revoked.")
-        now = timezone.now()
-        if token.last_used_at is None or now - token.last_used_at > LAST_USED_RESOLUTION:
-            ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
-            token.last_used_at = now
-        return TokenUser(token), token
+        return authenticate_bearer(
+            authentication.get_authorization_header(request).decode("latin-1")
+        )
 
     def authenticate_header(self, request) -> str:
         return self.keyword

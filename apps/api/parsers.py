@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import orjson
 from rest_framework import parsers
@@ -11,30 +12,33 @@ class JSONObjectParser(parsers.JSONParser):
     """JSON bodies, with the parser's reason in the problem detail."""
 
     def parse(self, stream, media_type=None, parser_context=None):
-        raw = stream.read()
-        try:
-            # orjson, like DRF's strict parser, refuses NaN and Infinity; it also refuses
-            # integers past 64 bits and lone surrogates, which no field here could hold.
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise ParseError(f"The body is not valid JSON: {exc}") from exc
-        # PostgreSQL's text and jsonb cannot hold U+0000, which JSON writes as \u0000: refuse it
-        # here (400) rather than in the database (500). The byte search keeps the common case
-        # cheap; the walk tells a real NUL from an escaped backslash followed by "u0000".
-        if b"\\u0000" in raw:
-            pending = [data]
-            while pending:
-                value = pending.pop()
-                if isinstance(value, dict):
-                    pending.extend(value.keys())
-                    pending.extend(value.values())
-                elif isinstance(value, list):
-                    pending.extend(value)
-                elif isinstance(value, str) and "\x00" in value:
-                    raise ValidationError(
-                        {"body": ["Strings cannot contain the NUL character (\\u0000)."]}
-                    )
-        return data
+        return parse_json(stream.read())
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        # orjson, like DRF's strict parser, refuses NaN and Infinity; it also refuses
+        # integers past 64 bits and lone surrogates, which no field here could hold.
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ParseError(f"The body is not valid JSON: {exc}") from exc
+    # PostgreSQL's text and jsonb cannot hold U+0000, which JSON writes as \u0000: refuse it
+    # here (400) rather than in the database (500). The byte search keeps the common case
+    # cheap; the walk tells a real NUL from an escaped backslash followed by "u0000".
+    if b"\\u0000" in raw:
+        pending = [data]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, dict):
+                pending.extend(value.keys())
+                pending.extend(value.values())
+            elif isinstance(value, list):
+                pending.extend(value)
+            elif isinstance(value, str) and "\x00" in value:
+                raise ValidationError(
+                    {"body": ["Strings cannot contain the NUL character (\\u0000)."]}
+                )
+    return data
 
 
 def payload_size(value) -> int:

@@ -27,4 +27,8 @@ class FastJSONRenderer(renderers.JSONRenderer):
         if self.get_indent(accepted_media_type, renderer_context or {}):
             # Asked for indented output (`Accept: application/json; indent=2`): a person reading.
             return super().render(data, accepted_media_type, renderer_context)
-        return orjson.dumps(data, default=_fallback, option=OPTIONS)
+        return render_json(data)
+
+
+def render_json(data: Any) -> bytes:
+    return orjson.dumps(data, default=_fallback, option=OPTIONS)

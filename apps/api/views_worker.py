@@ -5,15 +5,17 @@ from __future__ import annotations
 import time
 
 from django.db import connection
-from drf_spectacular.utils import extend_schema
+from django.http import HttpRequest, HttpResponse
+from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from apps.api import fastpath, worker_input
 from apps.api import schema as doc
-from apps.api import worker_input
 from apps.api.errors import Conflict
+from apps.api.fastpath import Call
 from apps.api.serializers import (
     BatchHeartbeatSerializer,
     BatchResultSerializer,
@@ -39,18 +41,38 @@ RECHECK_SECONDS = 2.0
 
 
 class WorkerView(APIView):
+    """A worker endpoint: `answer` turns a call into the answer's JSON object.
+
+    Plain JSON POSTs, the workers' calls, take the fast path (apps/api/fastpath.py); anything
+    else goes through DRF's dispatch and `post`, to the same `answer`."""
+
     required_scope = "worker"
 
-    def team_ids(self, request: Request) -> list[int]:
-        return access.visible_team_ids(request.user)
+    def dispatch(self, request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        if fastpath.takes(request):
+            self.args, self.kwargs, self.request = args, kwargs, request
+            return fastpath.dispatch(self, request, lambda call: self.answer(call, **kwargs))
+        return super().dispatch(request, *args, **kwargs)
 
-    def checked(self, request: Request, outcomes: list[store.Outcome]) -> list[store.Outcome]:
+    def post(self, request: Request, **kwargs) -> Response:
+        call = Call(request._request, request.user, request.auth, request.data)
+        return Response(self.answer(call, **kwargs))
+
+    def answer(self, call: Call, **kwargs) -> dict:
+        raise NotImplementedError
+
+    @staticmethod
+    def team_ids(call: Call) -> list[int]:
+        return access.visible_team_ids(call.user)
+
+    @staticmethod
+    def checked(call: Call, outcomes: list[store.Outcome]) -> list[store.Outcome]:
         """Record every item that named another team's run; it is answered 404 all the same."""
         for outcome in outcomes:
             if outcome.denied_team_id is not None:
                 record_denied(
-                    Actor.for_token(request.auth),
-                    f"{request.method} {request.path}",
+                    Actor.for_token(call.token),
+                    f"{call.request.method} {call.request.path}",
                     team=Team.objects.filter(pk=outcome.denied_team_id).first(),
                     target_type="run",
                     target=public_run_id(outcome.id),
@@ -82,10 +104,8 @@ def lease_json(lease: store.Lease) -> dict:
     }
 
 
-class LeasesView(WorkerView):
-    """Claim up to `max` runs; with `waitSeconds`, wait for work (woken by NOTIFY) before answering empty."""
-
-    @extend_schema(
+@extend_schema_view(
+    post=extend_schema(
         operation_id="leaseRuns",
         summary="Lease ready runs",
         description=(
@@ -98,19 +118,23 @@ class LeasesView(WorkerView):
         request=LeaseRequestSerializer,
         responses=doc.responses({200: doc.LeaseListSerializer}, *doc.BODY_PROBLEMS),
     )
-    def post(self, request: Request) -> Response:
-        args = worker_input.lease_request(request.data)
-        team_ids = self.team_ids(request)
-        note_lease_activity(request.auth.team_id, args["queues"], args["workerId"])
+)
+class LeasesView(WorkerView):
+    """Claim up to `max` runs; with `waitSeconds`, wait for work (woken by NOTIFY) before answering empty."""
+
+    def answer(self, call: Call) -> dict:
+        args = worker_input.lease_request(call.data)
+        team_ids = self.team_ids(call)
+        note_lease_activity(call.token.team_id, args["queues"], args["workerId"])
         deadline = time.monotonic() + args["waitSeconds"]
         if args["waitSeconds"]:
             listener.ensure_started()
         # Set by the ASGI handler when the worker hangs up (absent under WSGI and in tests).
-        gone = getattr(request._request, "client_gone", None)
+        gone = getattr(call.request, "client_gone", None)
         while True:
             if gone is not None and gone.is_set():
                 # A dead worker's long poll must not lease it runs that nobody would run.
-                return Response({"leases": []})
+                return {"leases": []}
             seen = listener.generation
             leases = store.claim(
                 queues=args["queues"],
@@ -122,7 +146,7 @@ class LeasesView(WorkerView):
             )
             left = deadline - time.monotonic()
             if leases or left <= 0:
-                return Response({"leases": [lease_json(lease) for lease in leases]})
+                return {"leases": [lease_json(lease) for lease in leases]}
             alarm = min(left, self._until_next_available(args["queues"], team_ids))
             release_pooled_connection()
             listener.wait(seen, alarm)
@@ -150,8 +174,8 @@ def _single(outcome: store.Outcome) -> None:
         raise Conflict(outcome.detail)
 
 
-class HeartbeatView(WorkerView):
-    @extend_schema(
+@extend_schema_view(
+    post=extend_schema(
         operation_id="heartbeatRun",
         summary="Extend a lease",
         description="Extend the run's lease by its `leaseSeconds`. Needs the `worker` scope.",
@@ -166,18 +190,20 @@ class HeartbeatView(WorkerView):
             e409="The fencing token is stale or the run is no longer leased; nothing changed.",
         ),
     )
-    def post(self, request: Request, run_id: str) -> Response:
+)
+class HeartbeatView(WorkerView):
+    def answer(self, call: Call, run_id: str) -> dict:
         pk = _run_pk(run_id)
-        body = worker_input.token_body(request.data)
+        body = worker_input.token_body(call.data)
         (outcome,) = self.checked(
-            request, store.heartbeat([(pk, body["fencingToken"])], team_ids=self.team_ids(request))
+            call, store.heartbeat([(pk, body["fencingToken"])], team_ids=self.team_ids(call))
         )
         _single(outcome)
-        return Response({"runId": run_id, "leaseExpiresAt": iso(outcome.lease_expires_at)})
+        return {"runId": run_id, "leaseExpiresAt": iso(outcome.lease_expires_at)}
 
 
-class CompleteView(WorkerView):
-    @extend_schema(
+@extend_schema_view(
+    post=extend_schema(
         operation_id="completeRun",
         summary="Report success",
         description="Mark the leased run `succeeded`, with an optional result. "
@@ -193,21 +219,23 @@ class CompleteView(WorkerView):
             e409="The fencing token is stale or the run is no longer leased; nothing changed.",
         ),
     )
-    def post(self, request: Request, run_id: str) -> Response:
+)
+class CompleteView(WorkerView):
+    def answer(self, call: Call, run_id: str) -> dict:
         pk = _run_pk(run_id)
-        data = worker_input.complete_body(request.data)
+        data = worker_input.complete_body(call.data)
         (outcome,) = self.checked(
-            request,
+            call,
             store.complete(
-                [(pk, data["fencingToken"], data["result"])], team_ids=self.team_ids(request)
+                [(pk, data["fencingToken"], data["result"])], team_ids=self.team_ids(call)
             ),
         )
         _single(outcome)
-        return Response({"runId": run_id, "state": outcome.state})
+        return {"runId": run_id, "state": outcome.state}
 
 
-class FailView(WorkerView):
-    @extend_schema(
+@extend_schema_view(
+    post=extend_schema(
         operation_id="failRun",
         summary="Report failure",
         description=(
@@ -226,20 +254,20 @@ class FailView(WorkerView):
             e409="The fencing token is stale or the run is no longer leased; nothing changed.",
         ),
     )
-    def post(self, request: Request, run_id: str) -> Response:
+)
+class FailView(WorkerView):
+    def answer(self, call: Call, run_id: str) -> dict:
         pk = _run_pk(run_id)
-        data = worker_input.fail_body(request.data)
+        data = worker_input.fail_body(call.data)
         (outcome,) = self.checked(
-            request,
+            call,
             store.fail(
                 [(pk, data["fencingToken"], dict(data["error"]), data["retryable"])],
-                team_ids=self.team_ids(request),
+                team_ids=self.team_ids(call),
             ),
         )
         _single(outcome)
-        return Response(
-            {"runId": run_id, "state": outcome.state, "availableAt": _retry_at(outcome)}
-        )
+        return {"runId": run_id, "state": outcome.state, "availableAt": _retry_at(outcome)}
 
 
 def _retry_at(outcome: store.Outcome) -> str | None:
@@ -261,8 +289,8 @@ def _parsed(items: list[dict]) -> list[tuple[int | None, dict]]:
     return [(parse_run_id(item["runId"]), item) for item in items]
 
 
-class BatchHeartbeatsView(WorkerView):
-    @extend_schema(
+@extend_schema_view(
+    post=extend_schema(
         operation_id="heartbeatRuns",
         summary="Extend many leases",
         description=(
@@ -273,15 +301,17 @@ class BatchHeartbeatsView(WorkerView):
         request=BatchHeartbeatSerializer,
         responses=doc.responses({200: doc.HeartbeatBatchAnswerSerializer}, *doc.BODY_PROBLEMS),
     )
-    def post(self, request: Request) -> Response:
-        parsed = _parsed(worker_input.batch_heartbeats(request.data))
+)
+class BatchHeartbeatsView(WorkerView):
+    def answer(self, call: Call) -> dict:
+        parsed = _parsed(worker_input.batch_heartbeats(call.data))
         known = [(pk, item) for pk, item in parsed if pk is not None]
         outcomes = (
             self.checked(
-                request,
+                call,
                 store.heartbeat(
                     [(pk, item["fencingToken"]) for pk, item in known],
-                    team_ids=self.team_ids(request),
+                    team_ids=self.team_ids(call),
                 ),
             )
             if known
@@ -299,11 +329,11 @@ class BatchHeartbeatsView(WorkerView):
                         item["runId"], outcome, {"leaseExpiresAt": iso(outcome.lease_expires_at)}
                     )
                 )
-        return Response({"leases": answer})
+        return {"leases": answer}
 
 
-class BatchResultsView(WorkerView):
-    @extend_schema(
+@extend_schema_view(
+    post=extend_schema(
         operation_id="reportResults",
         summary="Report many results",
         description=(
@@ -315,10 +345,12 @@ class BatchResultsView(WorkerView):
         request=BatchResultSerializer,
         responses=doc.responses({200: doc.ResultBatchAnswerSerializer}, *doc.BODY_PROBLEMS),
     )
-    def post(self, request: Request) -> Response:
-        parsed = _parsed(worker_input.batch_results(request.data))
+)
+class BatchResultsView(WorkerView):
+    def answer(self, call: Call) -> dict:
+        parsed = _parsed(worker_input.batch_results(call.data))
         known = [(pk, item) for pk, item in parsed if pk is not None]
-        team_ids = self.team_ids(request)
+        team_ids = self.team_ids(call)
         succeeded = [
             (pk, item["fencingToken"], item["result"])
             for pk, item in known
@@ -331,7 +363,7 @@ class BatchResultsView(WorkerView):
         ]
         by_pk: dict[int, store.Outcome] = {}
         for outcome in self.checked(
-            request,
+            call,
             (store.complete(succeeded, team_ids=team_ids) if succeeded else [])
             + (store.fail(failed, team_ids=team_ids) if failed else []),
         ):
@@ -349,4 +381,4 @@ class BatchResultsView(WorkerView):
                         {"state": outcome.state, "availableAt": _retry_at(outcome)},
                     )
                 )
-        return Response({"results": answer})
+        return {"results": answer}
