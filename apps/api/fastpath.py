@@ -2,9 +2,9 @@
 
 Workers call these endpoints thousands of times a second. DRF's dispatch (a Request wrapper,
 content negotiation, a Response and its renderer around authentication and throttling) cost
-about 0.2 CPU-ms of every call, as much as the SQL of a batch of 100 (bench/README.md, "Where
-the time goes"). A call that is not a plain JSON POST (another method, body type or Accept
-header) goes through DRF's dispatch, which answers it as it always has.
+0.1–0.2 CPU-ms of every call (bench/README.md, "Where the time goes", item 14). A call that is
+not a plain JSON POST (another method, body type or Accept header) goes through DRF's
+dispatch, which answers it as it always has.
 """
 
 from __future__ import annotations
