@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scheduler_site import embedded_db
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 pytestmark = pytest.mark.slow
@@ -113,13 +115,18 @@ def test_run_command_brings_the_demo_up_and_stops_cleanly(tmp_path):
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0, "".join(output[-40:])
         wait_for(lambda: not any(alive(pid) for pid in started), 10, "the children to exit")
+
+        # The database outlives `make run` on purpose; `make stop-db` ends it (as root too,
+        # where the server runs as pgserver's own user and pg_ctl refuses to run).
+        postmaster = int((tmp_path / "data" / "pg" / "postmaster.pid").read_text().split()[0])
+        assert alive(postmaster)
+        assert embedded_db.stop(tmp_path / "data")
+        assert not alive(postmaster)
     finally:
         if process.poll() is None:
             process.kill()
         for pid in children_of(process.pid):
             os.kill(pid, signal.SIGKILL)
-        from scheduler_site import embedded_db
-
         embedded_db.stop(tmp_path / "data")
 
 
