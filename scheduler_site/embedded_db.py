@@ -37,17 +37,20 @@ def ensure_running(data_dir: Path) -> str:
 
 def stop(data_dir: Path, timeout: float = 30.0) -> bool:
     """Stop the embedded server if one runs for this checkout; return whether one was stopped."""
-    pid_file = pg_dir(data_dir) / "postmaster.pid"
+    import psutil  # pgserver's dependency: only the embedded mode needs it
+
+    pgdata = pg_dir(data_dir)
     try:
-        pid = int(pid_file.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return False
-    try:
+        pid = int((pgdata / "postmaster.pid").read_text().split()[0])
+        # A file left by a crash may name a pid that now belongs to another process.
+        process = psutil.Process(pid)
+        if process.name() != "postgres" or str(pgdata) not in process.cmdline():
+            return False
         # SIGINT is PostgreSQL's fast shutdown, what `pg_ctl stop -m fast` sends. Sent directly:
         # pg_ctl refuses to run as root, and as root pgserver runs the server as its own user.
         os.kill(pid, signal.SIGINT)
-    except ProcessLookupError:
-        return False  # the file outlived its server
+    except (OSError, ValueError, IndexError, psutil.Error):
+        return False  # no server, or the file outlived it
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -15,7 +15,7 @@ class JobDefinitionQuerySet(models.QuerySet):
 class JobDefinition(models.Model):
     name = models.CharField(max_length=200, unique=True)
     # No index of its own: job_team_name leads with the team. Every index here is written on
-    # each advance of next_due_at (indexed, so never a HOT update), a million times an hour.
+    # each advance of next_due_at (indexed, so never a HOT update), once per fire time.
     team = models.ForeignKey(
         "teams.Team", on_delete=models.CASCADE, related_name="jobs", db_index=False
     )
