@@ -39,7 +39,7 @@ def stop(data_dir: Path, timeout: float = 30.0) -> bool:
     """Stop the embedded server if one runs for this checkout; return whether one was stopped."""
     import psutil  # pgserver's dependency: only the embedded mode needs it
 
-    pgdata = pg_dir(data_dir)
+    pgdata = pg_dir(data_dir).resolve()  # the server was started with the absolute path
     try:
         pid = int((pgdata / "postmaster.pid").read_text().split()[0])
         # A file left by a crash may name a pid that now belongs to another process.
