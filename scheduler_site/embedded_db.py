@@ -14,6 +14,8 @@ import time
 import warnings
 from pathlib import Path
 
+import psutil
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,8 +39,6 @@ def ensure_running(data_dir: Path) -> str:
 
 def stop(data_dir: Path, timeout: float = 30.0) -> bool:
     """Stop the embedded server if one runs for this checkout; return whether one was stopped."""
-    import psutil  # pgserver's dependency: only the embedded mode needs it
-
     pgdata = pg_dir(data_dir).resolve()  # the server was started with the absolute path
     try:
         pid = int((pgdata / "postmaster.pid").read_text().split()[0])

@@ -7,6 +7,7 @@ from datetime import datetime, timedelta
 from urllib.parse import quote
 
 import httpx
+import psycopg
 import pytest
 from django.db import connection
 
@@ -29,6 +30,11 @@ def child_database_url() -> str:
         return f"postgresql://{auth}@/{quote(db['NAME'])}?host={quote(host, safe='/')}{port}"
     port = f":{db['PORT']}" if db["PORT"] else ""
     return f"postgresql://{auth}@{host}{port}/{quote(db['NAME'])}"
+
+
+def other_session(**options) -> psycopg.Connection:
+    """A session of its own on the test database, as another client's would be."""
+    return psycopg.connect(child_database_url(), **options)
 
 
 @pytest.fixture(scope="session")

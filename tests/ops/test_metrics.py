@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import time
 
-import psycopg
 import pytest
-from django.db import connection
 from prometheus_client.parser import text_string_to_metric_families
 
 from apps.runs import store
-from tests.conftest import add_ready_runs, expire_lease, make_definition
+from tests.conftest import add_ready_runs, expire_lease, make_definition, other_session
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -86,18 +84,6 @@ def test_queue_depth_matches_the_database(api_a, team_a):
             priority="bulk",
         )
         > 0
-    )
-
-
-def other_session(**options) -> psycopg.Connection:
-    """A session of its own on the test database, as another client's would be."""
-    settings = connection.settings_dict
-    return psycopg.connect(
-        dbname=settings["NAME"],
-        host=settings["HOST"] or None,
-        port=settings["PORT"] or None,
-        user=settings["USER"] or None,
-        **options,
     )
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 from django.db import connection, transaction
 
 from apps.runs import store
-from tests.conftest import add_ready_runs, child_database_url, make_definition
+from tests.conftest import add_ready_runs, make_definition, other_session
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -20,7 +19,7 @@ LEASED_INDEXES = ("run_leased_by_def", "run_leased_expiry")
 
 @pytest.fixture
 def old_snapshot() -> Iterator[None]:
-    with psycopg.connect(child_database_url()) as session:
+    with other_session() as session:
         session.execute("SELECT txid_current()")
         yield
 
