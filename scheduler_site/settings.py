@@ -114,9 +114,16 @@ DATABASES = {
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# Every place that sets a password checks it against these (createteam, Django's own commands and
+# admin); a refusal names the rule it broke.
 AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+# Django's own check of user name and password, behind the sign-in lockout (apps/teams/lockout.py).
+AUTHENTICATION_BACKENDS = ["apps.teams.lockout.SignInLockoutBackend"]
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -161,8 +168,10 @@ SECURE_SSL_REDIRECT = HTTPS
 SECURE_HSTS_SECONDS = 31536000 if HTTPS else 0
 SECURE_HSTS_INCLUDE_SUBDOMAINS = HTTPS
 SECURE_HSTS_PRELOAD = HTTPS
-# Behind a TLS-terminating proxy that sets X-Forwarded-Proto.
-if env_bool("SCHEDULER_BEHIND_PROXY", False):
+# Behind a TLS-terminating proxy that sets X-Forwarded-Proto and appends the client's address to
+# X-Forwarded-For; only then is that header believed (apps/teams/lockout.py, client_address).
+SCHEDULER_BEHIND_PROXY = env_bool("SCHEDULER_BEHIND_PROXY", False)
+if SCHEDULER_BEHIND_PROXY:
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
 LOGIN_REDIRECT_URL = "/"
@@ -231,6 +240,17 @@ SCHEDULER_API_RATES = {
     "worker": env_str("SCHEDULER_API_RATE_WORKER", "3000/s"),
     "manage": env_str("SCHEDULER_API_RATE_MANAGE", "20/s"),
 }
+
+# Failed sign-ins (apps/teams/lockout.py): a user name, or a client address, with this many
+# failures within the window is refused, even the right password, until the oldest of them leaves
+# the window. Counted in the database, so the limits hold across web processes. 0 turns one off.
+SCHEDULER_LOGIN_FAILURES_PER_USER = env_int("SCHEDULER_LOGIN_FAILURES_PER_USER", 5)
+SCHEDULER_LOGIN_FAILURES_PER_ADDRESS = env_int("SCHEDULER_LOGIN_FAILURES_PER_ADDRESS", 20)
+SCHEDULER_LOGIN_LOCKOUT_SECONDS = env_int("SCHEDULER_LOGIN_LOCKOUT_SECONDS", 900)
+# Unknown or revoked bearer tokens (apps/api/auth.py): a client address with this many within the
+# window gets 429 for the rest of it, without a database lookup. Counted per web process.
+SCHEDULER_TOKEN_FAILURES_PER_ADDRESS = env_int("SCHEDULER_TOKEN_FAILURES_PER_ADDRESS", 30)
+SCHEDULER_TOKEN_FAILURE_WINDOW_SECONDS = env_int("SCHEDULER_TOKEN_FAILURE_WINDOW_SECONDS", 60)
 
 SCHEDULER_SHARD_COUNT = env_int("SCHEDULER_SHARD_COUNT", 16)
 SCHEDULER_SHARD_LEASE_SECONDS = env_int("SCHEDULER_SHARD_LEASE_SECONDS", 10)

@@ -61,3 +61,22 @@ def test_bad_scope_is_refused(db):
     with pytest.raises(CommandError):
         call_command("createteam", "ops", "--scopes", "root")
     assert not Team.objects.filter(slug="ops").exists()
+
+
+@pytest.mark.parametrize(
+    ("password", "reason"),
+    [
+        ("password123", "too common"),
+        ("4815162342", "entirely numeric"),
+        ("short1", "too short"),
+        ("olga-admin", "too similar to the username"),
+    ],
+)
+def test_a_weak_admin_password_is_refused_with_the_rule_it_breaks(db, password, reason):
+    from django.contrib.auth import get_user_model
+    from django.core.management import CommandError, call_command
+
+    with pytest.raises(CommandError, match=reason):
+        call_command("createteam", "ops", "--admin", "olga-admin", "--password", password)
+    assert not Team.objects.filter(slug="ops").exists()
+    assert not get_user_model().objects.filter(username="olga-admin").exists()

@@ -55,7 +55,7 @@ def dispatch(view: APIView, request: HttpRequest, answer: Callable[[Call], dict]
     """Authenticate, check the scope, throttle, parse, answer: each failure as DRF answers it."""
     headers = {"Allow": ", ".join(view.allowed_methods)}
     try:
-        principal = authenticate_bearer(request.META.get("HTTP_AUTHORIZATION", ""))
+        principal = authenticate_bearer(request)
         if principal is None:
             raise exceptions.NotAuthenticated()
         call = Call(request, *principal)

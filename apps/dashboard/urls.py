@@ -5,16 +5,12 @@ from __future__ import annotations
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from apps.dashboard.views import alerts, audit, jobs, overview, queues, runs, teams
+from apps.dashboard.views import alerts, audit, jobs, overview, queues, runs, signin, teams
 
 app_name = "dashboard"
 
 urlpatterns = [
-    path(
-        "accounts/login/",
-        auth_views.LoginView.as_view(redirect_authenticated_user=True),
-        name="login",
-    ),
+    path("accounts/login/", signin.SignInView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", overview.overview, name="overview"),
     path("failures", runs.failures, name="failures"),

@@ -6,6 +6,7 @@ import secrets
 
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 
 class Team(models.Model):
@@ -106,3 +107,28 @@ class ApiToken(models.Model):
 
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes
+
+
+class SignInFailure(models.Model):
+    """A failed sign-in, kept for the lockout window (apps/teams/lockout.py).
+
+    An attempt is written before its password is checked and deleted when the password was right,
+    so attempts in flight count too: the limits hold exactly across web processes.
+    """
+
+    # Case-folded, so "Alice" and "alice" share one budget.
+    username = models.CharField(max_length=150)
+    address = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        indexes = [
+            # The lockout counts a user name's, then an address's, failures in the window.
+            models.Index(fields=["username", "-created_at"], name="signin_failure_username"),
+            models.Index(fields=["address", "-created_at"], name="signin_failure_address"),
+            # Failures older than the window are deleted as new ones are written.
+            models.Index(fields=["created_at"], name="signin_failure_created"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.username} from {self.address}"

@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from apps.audit.record import Actor, record
 from apps.teams.models import ApiToken, Membership, Role, Scope, Team
+from apps.teams.signals import token_revoked
 
 
 class TeamChangeError(ValueError):
@@ -42,12 +43,17 @@ def issue_token(
 
 
 def revoke_token(token: ApiToken, actor: Actor) -> bool:
-    """Revoke a token; return False when it was already revoked."""
+    """Revoke a token; return False when it was already revoked.
+
+    The process that revokes it stops accepting it at once (`token_revoked`, once committed);
+    the others when their cache of it expires (apps/api/auth.py, CACHE_SECONDS).
+    """
     with transaction.atomic():
         changed = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(
             revoked_at=timezone.now()
         )
         if changed:
+            transaction.on_commit(lambda: token_revoked.send(ApiToken, token=token))
             record(
                 actor,
                 "token.revoke",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 from django.utils.text import slugify
@@ -43,6 +45,17 @@ class Command(BaseCommand):
         unknown = set(wanted) - set(Scope.values)
         if unknown or not wanted:
             raise CommandError(f"Unknown scopes {sorted(unknown)}; use worker and/or manage.")
+        user_model = get_user_model()
+        if (
+            admin
+            and password is not None
+            and not user_model.objects.filter(username=admin).exists()
+        ):
+            # Checked before anything is written: a refusal leaves no team behind.
+            try:
+                validate_password(password, user_model(username=admin))
+            except ValidationError as exc:
+                raise CommandError("The password is refused: " + " ".join(exc.messages)) from exc
         actor = Actor.cli("createteam")
         with transaction.atomic():
             team, created = Team.objects.get_or_create(slug=slug, defaults={"name": name or slug})
@@ -57,7 +70,6 @@ class Command(BaseCommand):
                 )
                 self.stderr.write(f"Created team {slug}.")
             if admin:
-                user_model = get_user_model()
                 user = user_model.objects.filter(username=admin).first()
                 if user is None:
                     user = user_model.objects.create_user(admin, password=password)
