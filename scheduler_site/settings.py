@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from ipaddress import ip_network
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -266,6 +267,20 @@ SCHEDULER_DEFAULT_LEASE_SECONDS = env_int("SCHEDULER_DEFAULT_LEASE_SECONDS", 60)
 SCHEDULER_MAX_WAIT_SECONDS = env_int("SCHEDULER_MAX_WAIT_SECONDS", 30)
 SCHEDULER_MAX_CLAIM = env_int("SCHEDULER_MAX_CLAIM", 1000)
 SCHEDULER_REAPER_BATCH = env_int("SCHEDULER_REAPER_BATCH", 500)
+# /metrics and /readyz answer clients in these networks only (/healthz answers everyone, for load
+# balancers): loopback and the private ranges unless set; "0.0.0.0/0,::/0" opens them to all.
+# The client is the one apps/teams/lockout.py's client_address names (SCHEDULER_BEHIND_PROXY).
+SCHEDULER_OPS_ALLOWED_NETWORKS = env_list(
+    "SCHEDULER_OPS_ALLOWED_NETWORKS",
+    ["127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7"],
+)
+for _network in SCHEDULER_OPS_ALLOWED_NETWORKS:
+    try:
+        ip_network(_network, strict=False)
+    except ValueError as exc:  # at start, not on the first scrape
+        raise ImproperlyConfigured(f"SCHEDULER_OPS_ALLOWED_NETWORKS: {exc}") from exc
+# When set, /metrics and /readyz also need `Authorization: Bearer <this token>`.
+SCHEDULER_OPS_TOKEN = env_str("SCHEDULER_OPS_TOKEN")
 
 # JSON lines by default (one run can be followed across processes by its run_id); LOG_FORMAT=plain
 # for a terminal.

@@ -4,6 +4,8 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 from django.http import HttpRequest, JsonResponse
 
+from apps.ops.views import ops_only
+
 # A scheduler node renews its row every tick; one silent this long is reported as stale.
 STALE_SCHEDULER_SECONDS = 30
 
@@ -16,13 +18,15 @@ UNOWNED = "SELECT count(*) FROM scheduler_shardlease WHERE owner = '' OR expires
 
 
 def healthz(request: HttpRequest) -> JsonResponse:
-    """The process is up."""
+    """The process is up. Open to everyone: load balancers probe it from anywhere."""
     return JsonResponse({"status": "ok"})
 
 
+@ops_only
 def readyz(request: HttpRequest) -> JsonResponse:
     """The database answers and every migration is applied; also who is scheduling.
 
+    For the monitoring networks (ops_only): the answer names nodes and database errors.
     Scheduler heartbeats are reported but do not make the web process unready: the API keeps
     serving workers while schedulers restart.
     """

@@ -11,6 +11,12 @@ Daylight-saving rules (DESIGN.md, "Schedules"); this module is the only place th
   local time repeated by fall-back runs once, at its first occurrence.
 - A cron whose hour field is a wildcard or a step (``0 * * * *``, ``*/15 * * * *``) follows the
   wall clock: a skipped slot does not run and a repeated slot runs in both passes.
+
+Syntax rules (README, "Cron syntax"): day of week 0 and 7 are Sunday and SUN is 0, except that a
+range from a later day to the name SUN ends on 7 (``MON-SUN``, ``SAT-SUN``); ranges never wrap
+around (``SAT-MON`` is refused with the split to write); a step is 1 to the field's maximum; an
+expression is at most ``MAX_CRON_LENGTH`` characters; a ``TZ=`` or other variable prefix is refused
+(the zone belongs in ``timeZone``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ MISSED_RUN_POLICIES = ("run_once", "run_all", "skip")
 DEFAULT_SHARD_COUNT = 16
 # A delay this long is certainly a unit mistake, and it keeps every due time inside datetime's range.
 MAX_DELAY_SECONDS = 10 * 366 * 24 * 3600
+# Every minute of the hour listed one by one (0,1,…,59 * * * *) is 177 characters; a longer
+# expression is a mistake or an attack. Checked before anything else, so no number in it is ever
+# long enough for int() to refuse (4 300 digits).
+MAX_CRON_LENGTH = 200
 
 CRON_KEYS = frozenset({"cron", "timeZone", "jitterSeconds", "missedRunPolicy"})
 ONE_OFF_KEYS = frozenset({"runAt"})
@@ -214,7 +224,8 @@ def _parse_value(text: str, field: str, low: int, high: int, names: tuple[str, .
         if not low <= value <= high:
             raise _CronSyntaxError(f"{field} field: {value} is out of range {low}-{high}")
         return value
-    if names and text.upper() in names:
+    # ASCII only: "ſun" and "frı" upper-case to SUN and FRI.
+    if names and text.isascii() and text.upper() in names:
         return names.index(text.upper()) + (1 if names is MONTH_NAMES else 0)
     if text == "":
         raise _CronSyntaxError(f"{field} field: a value is missing")
@@ -237,9 +248,11 @@ def _parse_field(text: str, field: str, low: int, high: int, names: tuple[str, .
         base, has_step, step_text = part.partition("/")
         step = 1
         if has_step:
-            if not (step_text.isascii() and step_text.isdigit()) or int(step_text) == 0:
+            # A step beyond the field's maximum selects the start alone: a mistake, not a schedule.
+            if not (step_text.isascii() and step_text.isdigit() and 1 <= int(step_text) <= high):
                 raise _CronSyntaxError(
-                    f"{field} field: step '{step_text}' in '{part}' must be a whole number >= 1"
+                    f"{field} field: step '{step_text}' in '{part}' must be a whole number "
+                    f"from 1 to {high}"
                 )
             step = int(step_text)
         if base == "*":
@@ -248,10 +261,15 @@ def _parse_field(text: str, field: str, low: int, high: int, names: tuple[str, .
             start_text, _, end_text = base.partition("-")
             start = _parse_value(start_text, field, low, high, names)
             end = _parse_value(end_text, field, low, high, names)
-            if names is DAY_NAMES and end == 0 and end_text.upper() == "SUN":
-                end = 7  # "MON-SUN" reads naturally; Sunday closes the week here.
+            # "MON-SUN" reads naturally: after another day, the name SUN closes the week (7).
+            # SUN-SUN and 0-SUN stay Sunday alone.
+            if names is DAY_NAMES and start > 0 and end == 0 and end_text.upper() == "SUN":
+                end = 7
             if start > end:
-                raise _CronSyntaxError(f"{field} field: range '{base}' runs backwards")
+                raise _CronSyntaxError(
+                    f"{field} field: range '{base}' runs backwards; ranges do not wrap around, "
+                    f"write '{_unwrapped(start, end, low, high, names is DAY_NAMES)}'"
+                )
         else:
             start = _parse_value(base, field, low, high, names)
             # "5/15" means from 5 to the end of the field in steps of 15, as in cronie.
@@ -260,10 +278,45 @@ def _parse_field(text: str, field: str, low: int, high: int, names: tuple[str, .
     return values
 
 
+def _unwrapped(start: int, end: int, low: int, high: int, weekdays: bool) -> str:
+    """Return a backwards range as the list of ranges it was meant to be (22-2 is 22-23,0-2)."""
+    head = f"{start}-{high}" if start < high else str(high)
+    tail = f"{low}-{end}" if end > low else str(low)
+    if weekdays and end == 0:
+        return head  # Sunday is 7 too, which ends the head already
+    if weekdays and start == 7:
+        return tail  # and 0, which starts the tail
+    return f"{head},{tail}"
+
+
+def _assignment_reason(token: str) -> str:
+    """Explain why a crontab variable (``TZ=…``, ``SHELL=…``) before the fields is refused."""
+    name, _, value = token.partition("=")
+    if name.upper() in {"TZ", "CRON_TZ"}:
+        zone = f"'{value}'" if value else "its name"
+        return (
+            f"starts with '{token}': a time zone is not part of the cron expression; remove it "
+            f"and set the schedule's timeZone field to {zone}"
+        )
+    return (
+        f"starts with '{token}': crontab variable assignments are not part of a schedule; "
+        f"give 5 fields ({FIELD_LAYOUT}) or a macro"
+    )
+
+
 @lru_cache(maxsize=65536)
 def _compile_cron(expression: str) -> _Cron:
     """Parse a cron expression once; raise _CronSyntaxError with the reason."""
+    if len(expression) > MAX_CRON_LENGTH:
+        raise _CronSyntaxError(
+            f"is {len(expression)} characters long; a cron expression has at most "
+            f"{MAX_CRON_LENGTH} characters"
+        )
     text = expression.strip()
+    first = text.split(maxsplit=1)[0] if text else ""
+    # No cron field or macro contains "=".
+    if "=" in first:
+        raise _CronSyntaxError(_assignment_reason(first))
     if text.startswith("@"):
         macro = text.lower()
         if macro == "@reboot":
