@@ -235,6 +235,11 @@ SPECTACULAR_SETTINGS = {
 # Request bodies up to the payload cap plus room for the envelope; anything larger is a 413.
 SCHEDULER_PAYLOAD_MAX_BYTES = env_int("SCHEDULER_PAYLOAD_MAX_BYTES", 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = SCHEDULER_PAYLOAD_MAX_BYTES + 64 * 1024
+# Objects and lists nested deeper than this in any JSON body, payload, result or file are a 400
+# (apps/runs/limits.py): what is accepted must be storable and renderable.
+SCHEDULER_JSON_MAX_DEPTH = env_int("SCHEDULER_JSON_MAX_DEPTH", 64)
+# A run may not be asked for further in the past than this (backfill is the tool for the past).
+SCHEDULER_RUN_AT_PAST_SECONDS = env_int("SCHEDULER_RUN_AT_PAST_SECONDS", 86400)
 
 # Requests per token and scope ("N/s", "N/min", "N/hour"); an empty value turns a limit off.
 SCHEDULER_API_RATES = {

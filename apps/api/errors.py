@@ -82,7 +82,9 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
     response = exception_handler(exc, context)
     if response is None:
         return None
-    code = getattr(exc, "default_code", None)
+    # The code given when raised (Conflict(detail, code="idempotency-conflict")), else the
+    # exception's default.
+    code = getattr(getattr(exc, "detail", None), "code", None) or getattr(exc, "default_code", None)
     if isinstance(exc, exceptions.ValidationError):
         errors = flatten_errors(exc.detail)
         fields = ", ".join(sorted(errors))

@@ -7,6 +7,8 @@ import orjson
 from rest_framework import parsers
 from rest_framework.exceptions import ParseError, ValidationError
 
+from apps.runs import limits
+
 
 class JSONObjectParser(parsers.JSONParser):
     """JSON bodies, with the parser's reason in the problem detail."""
@@ -22,6 +24,16 @@ def parse_json(raw: bytes) -> Any:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise ParseError(f"The body is not valid JSON: {exc}") from exc
+    # Whatever is accepted must render back: nested past the limit, a value was once stored and
+    # then answered 500 on every list showing it. Counting brackets (6 µs for 100 results)
+    # spares most bodies the walk.
+    limit = limits.json_max_depth()
+    if raw.count(b"{") + raw.count(b"[") > limit:
+        where = limits.json_too_deep(data, limit)
+        if where is not None:
+            raise ValidationError(
+                {where: [f"Nested deeper than {limit} levels of objects and lists."]}
+            )
     # PostgreSQL's text and jsonb cannot hold U+0000, which JSON writes as \u0000: refuse it
     # here (400) rather than in the database (500). The byte search keeps the common case
     # cheap; the walk tells a real NUL from an escaped backslash followed by "u0000".

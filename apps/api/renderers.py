@@ -24,11 +24,20 @@ class FastJSONRenderer(renderers.JSONRenderer):
     ) -> bytes:
         if data is None:
             return b""
+        if isinstance(data, Rendered):
+            return data
         if self.get_indent(accepted_media_type, renderer_context or {}):
             # Asked for indented output (`Accept: application/json; indent=2`): a person reading.
             return super().render(data, accepted_media_type, renderer_context)
         return render_json(data)
 
 
+class Rendered(bytes):
+    """An answer already rendered to JSON (the lease answer, built inside the claim's
+    transaction so that a failure to render rolls the claim back)."""
+
+
 def render_json(data: Any) -> bytes:
+    if isinstance(data, Rendered):
+        return data
     return orjson.dumps(data, default=_fallback, option=OPTIONS)

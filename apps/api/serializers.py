@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -14,14 +13,14 @@ from apps.api.errors import PayloadTooLarge, flatten_errors
 from apps.api.parsers import payload_size
 from apps.jobs import schedule as sched
 from apps.jobs.models import PRIORITIES, PRIORITY_NAMES, JobDefinition
-from apps.jobs.services import DefinitionSpec, snapshot
+from apps.jobs.services import DefinitionSpec, database_now, snapshot
 from apps.jobs.sync import InvalidEntry
-from apps.runs import payloads
+from apps.runs import filters, limits, payloads
 from apps.runs.ids import public_run_id
 from apps.runs.models import reported_state
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*(\.[a-z0-9][a-z0-9_-]*)*$")
-QUEUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+NAME_RE = limits.JOB_NAME_RE
+QUEUE_RE = limits.QUEUE_NAME_RE
 
 
 @functools.lru_cache(maxsize=4096)
@@ -120,8 +119,15 @@ class ScheduleField(serializers.Field):
 
 
 class JSONValueField(serializers.JSONField):
+    """A JSON value within the payload cap and the depth limit (apps/runs/limits.py): bodies are
+    checked when parsed, but the dashboard's forms and `apply` files come here directly."""
+
     def to_internal_value(self, data):
-        return check_payload_size(super().to_internal_value(data))
+        value = super().to_internal_value(data)
+        problem = limits.json_depth_problem(value)
+        if problem is not None:
+            raise serializers.ValidationError(problem[1])
+        return check_payload_size(value)
 
 
 READ_ONLY_DEFINITION_FIELDS = frozenset(
@@ -160,6 +166,12 @@ class DefinitionSerializer(StrictSerializer):
     def validate_queue(self, value: str) -> str:
         if not QUEUE_RE.match(value):
             raise serializers.ValidationError("Use letters, digits, '.', ':', '-' and '_'.")
+        return value
+
+    def validate_schedule(self, value: dict) -> dict:
+        run_at = value.get("runAt")
+        if run_at is not None and sched.parse_schedule(value).run_at > limits.LATEST_RUN_TIME:
+            raise serializers.ValidationError({"runAt": ["Later than 9999-01-01T00:00:00Z."]})
         return value
 
     def to_spec(self) -> DefinitionSpec:
@@ -265,6 +277,12 @@ class CreateRunSerializer(StrictSerializer):
             raise serializers.ValidationError(
                 {"runAt": ["Give either delaySeconds or runAt, not both."]}
             )
+        if attrs.get("runAt") is not None:
+            # A run due decades ago would start at once and count as decades late in every
+            # lateness figure of its queue: the past is for backfills.
+            problem = limits.run_time_problem(attrs["runAt"], database_now())
+            if problem is not None:
+                raise serializers.ValidationError({"runAt": [problem]})
         return attrs
 
 
@@ -344,17 +362,22 @@ class RunIdsOrFilterSerializer(StrictSerializer):
     runIds = serializers.ListField(
         child=StrictCharField(max_length=40), required=False, max_length=10000
     )
-    filter = serializers.DictField(required=False)
+    filter = serializers.JSONField(
+        required=False,
+        help_text=(
+            "Non-empty `job`, `queue` (strings) and `since` (ISO time) fields, all of which "
+            'a run must match; or `{"all": true}` for every run. An empty filter is a 400.'
+        ),
+    )
 
     def validate(self, attrs):
         if ("runIds" in attrs) == ("filter" in attrs):
             raise serializers.ValidationError({"runIds": ["Give either runIds or filter."]})
         if "filter" in attrs:
-            unknown = set(attrs["filter"]) - {"job", "queue", "since"}
-            if unknown:
-                raise serializers.ValidationError(
-                    {f"filter.{key}": ["Unknown filter."] for key in sorted(unknown)}
-                )
+            try:
+                attrs["filter"] = filters.parse_bulk_filter(attrs["filter"])
+            except filters.FilterError as exc:
+                raise serializers.ValidationError(exc.errors) from exc
         return attrs
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from django.db import IntegrityError
@@ -31,7 +31,7 @@ from apps.audit.record import Actor, record_denied
 from apps.jobs import schedule as sched
 from apps.jobs import services, sync
 from apps.jobs.models import JobDefinition
-from apps.runs import transitions
+from apps.runs import filters, transitions
 from apps.runs.ids import parse_run_id
 from apps.runs.models import WAITING_STATES, Run, State
 from apps.teams import access
@@ -52,7 +52,7 @@ class ManageView(APIView):
     def team_ids(self, request: Request) -> list[int]:
         return access.visible_team_ids(request.user)
 
-    def _deny(self, request: Request, team, target_type: str, target: str) -> None:
+    def _deny(self, request: Request, team, target_type: str, target: str | list[str]) -> None:
         """Record an attempt on another team's object, then answer as if it did not exist."""
         record_denied(
             self.actor(request),
@@ -228,10 +228,16 @@ class JobDetailView(ManageView):
     )
     def put(self, request: Request, name: str) -> Response:
         """Create or replace a definition by name: jobs as code."""
-        spec = _validated_definition(request.data, name=name)
         team = self.team(request)
         if _name_taken_elsewhere(name, team):
             raise PermissionDenied(f"The job name '{name}' belongs to another team.")
+        # A replacement states the definition: an empty body would otherwise create (or reset
+        # a job to) every default, which is never what a jobs-as-code file means.
+        if isinstance(request.data, dict) and "queue" not in request.data:
+            raise ValidationError(
+                {"queue": ["This field is required when a definition is put in place."]}
+            )
+        spec = _validated_definition(request.data, name=name)
         existing = JobDefinition.objects.select_related("team").filter(name=name, team=team).first()
         if existing is None:
             try:
@@ -371,14 +377,17 @@ class JobRunsView(ManageView):
         body = CreateRunSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
-        created = transitions.create_run(
-            definition,
-            self.actor(request),
-            idempotency_key=data["idempotencyKey"],
-            delay_seconds=data["delaySeconds"],
-            run_at=data["runAt"],
-            payload=data["payload"],
-        )
+        try:
+            created = transitions.create_run(
+                definition,
+                self.actor(request),
+                idempotency_key=data["idempotencyKey"],
+                delay_seconds=data["delaySeconds"],
+                run_at=data["runAt"],
+                payload=data["payload"],
+            )
+        except transitions.IdempotencyConflict as exc:
+            raise Conflict(str(exc), code="idempotency-conflict") from exc
         code = status.HTTP_201_CREATED if created.created else status.HTTP_200_OK
         return Response(run_json(created.run, services.database_now()), status=code)
 
@@ -480,14 +489,9 @@ def filter_runs(queryset: QuerySet, params: Any, now: datetime) -> QuerySet:
     if params.get("queue"):
         queryset = queryset.filter(queue=params["queue"])
     if params.get("since"):
-        try:
-            since = parse_datetime(str(params["since"]).replace(" ", "+"))
-            # In UTC: PostgreSQL refuses offsets past ±15:59 that Python accepts.
-            since = since.astimezone(UTC) if since and since.tzinfo else None
-        except (ValueError, OverflowError):  # e.g. 12:99, or out of range in UTC
-            since = None
+        since = filters.parse_instant(str(params["since"]))
         if since is None:
-            raise ValidationError({"since": ["Give an ISO 8601 time with an offset or Z."]})
+            raise ValidationError({"since": [filters.ISO_RULE]})
         queryset = queryset.filter(created_at__gte=since)
     return queryset
 
@@ -660,11 +664,14 @@ class DlqActionView(ManageView):
         if "runIds" in data:
             pks = [pk for pk in map(parse_run_id, data["runIds"]) if pk is not None]
             dead = dead.filter(pk__in=pks)
-            foreign = Run.objects.filter(pk__in=pks).exclude(team_id__in=self.team_ids(request))
-            for run in foreign.select_related("team"):
-                self._deny(request, run.team, "run", run.run_id)
+            foreign: dict = {}
+            others = Run.objects.filter(pk__in=pks).exclude(team_id__in=self.team_ids(request))
+            for run in others.select_related("team"):
+                foreign.setdefault(run.team, []).append(run.run_id)
+            for team, run_ids in foreign.items():
+                self._deny(request, team, "run", run_ids)
         else:
-            dead = filter_runs(dead, data["filter"], services.database_now())
+            dead = filters.apply(dead, data["filter"])
         runs = list(dead.order_by("pk")[:10000])
         action = transitions.requeue if self.action_name == "requeue" else transitions.discard
         changed = action(runs, self.actor(request))

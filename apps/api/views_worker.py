@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
-from django.db import connection
 from django.http import HttpRequest, HttpResponse
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework.exceptions import NotFound
@@ -16,6 +13,7 @@ from apps.api import fastpath, worker_input
 from apps.api import schema as doc
 from apps.api.errors import Conflict
 from apps.api.fastpath import Call
+from apps.api.renderers import Rendered, render_json
 from apps.api.serializers import (
     BatchHeartbeatSerializer,
     BatchResultSerializer,
@@ -27,17 +25,10 @@ from apps.api.serializers import (
 )
 from apps.audit.record import Actor, record_denied
 from apps.jobs.models import PRIORITY_NAMES
-from apps.jobs.services import database_now
-from apps.runs import store
-from apps.runs.activity import note_lease_activity
+from apps.runs import leasing, store
 from apps.runs.ids import parse_run_id, public_run_id
-from apps.runs.waiting import listener
 from apps.teams import access
 from apps.teams.models import Team
-
-# A waiting lease call claims again at least this often: a freed concurrency slot sends no
-# NOTIFY (that would be one per completion), nor does a NOTIFY lost with a dropped connection.
-RECHECK_SECONDS = 2.0
 
 
 class WorkerView(APIView):
@@ -67,24 +58,21 @@ class WorkerView(APIView):
 
     @staticmethod
     def checked(call: Call, outcomes: list[store.Outcome]) -> list[store.Outcome]:
-        """Record every item that named another team's run; it is answered 404 all the same."""
+        """Record, once per team, the items that named another team's runs; they are answered
+        404 all the same."""
+        denied: dict[int, list[str]] = {}
         for outcome in outcomes:
             if outcome.denied_team_id is not None:
-                record_denied(
-                    Actor.for_token(call.token),
-                    f"{call.request.method} {call.request.path}",
-                    team=Team.objects.filter(pk=outcome.denied_team_id).first(),
-                    target_type="run",
-                    target=public_run_id(outcome.id),
-                )
+                denied.setdefault(outcome.denied_team_id, []).append(public_run_id(outcome.id))
+        for team in Team.objects.filter(pk__in=denied):
+            record_denied(
+                Actor.for_token(call.token),
+                f"{call.request.method} {call.request.path}",
+                team=team,
+                target_type="run",
+                target=denied[team.pk],
+            )
         return outcomes
-
-
-def release_pooled_connection() -> None:
-    """Hand a pooled connection back while the call waits: a long poll must not hold one of the
-    pool's few connections for its whole wait. The next statement takes one again."""
-    if connection.settings_dict["OPTIONS"].get("pool") and not connection.in_atomic_block:
-        connection.close()
 
 
 def lease_json(lease: store.Lease) -> dict:
@@ -122,42 +110,25 @@ def lease_json(lease: store.Lease) -> dict:
 class LeasesView(WorkerView):
     """Claim up to `max` runs; with `waitSeconds`, wait for work (woken by NOTIFY) before answering empty."""
 
-    def answer(self, call: Call) -> dict:
+    def answer(self, call: Call) -> Rendered:
         args = worker_input.lease_request(call.data)
-        team_ids = self.team_ids(call)
-        note_lease_activity(call.token.team_id, args["queues"], args["workerId"])
-        deadline = time.monotonic() + args["waitSeconds"]
-        if args["waitSeconds"]:
-            listener.ensure_started()
+        request = leasing.LeaseRequest(
+            team_id=call.token.team_id,
+            team_ids=self.team_ids(call),
+            queues=args["queues"],
+            jobs=args["jobs"],
+            max_runs=args["max"],
+            worker_id=args["workerId"],
+            lease_seconds=args["leaseSeconds"],
+            wait_seconds=args["waitSeconds"],
+        )
         # Set by the ASGI handler when the worker hangs up (absent under WSGI and in tests).
         gone = getattr(call.request, "client_gone", None)
-        while True:
-            if gone is not None and gone.is_set():
-                # A dead worker's long poll must not lease it runs that nobody would run.
-                return {"leases": []}
-            seen = listener.generation
-            leases = store.claim(
-                queues=args["queues"],
-                max_runs=args["max"],
-                worker_id=args["workerId"],
-                lease_seconds=args["leaseSeconds"],
-                team_ids=team_ids,
-                jobs=args["jobs"],
-            )
-            left = deadline - time.monotonic()
-            if leases or left <= 0:
-                return {"leases": [lease_json(lease) for lease in leases]}
-            alarm = min(left, self._until_next_available(args["queues"], team_ids))
-            release_pooled_connection()
-            listener.wait(seen, alarm)
+        return leasing.claim_or_wait(request, render_leases, gone=gone)
 
-    @staticmethod
-    def _until_next_available(queues: list[str], team_ids: list[int]) -> float:
-        """Seconds until the earliest waiting run of these queues becomes claimable by the clock."""
-        upcoming = store.next_available_at(queues, team_ids)
-        if upcoming is None:
-            return RECHECK_SECONDS
-        return max(0.01, min(RECHECK_SECONDS, (upcoming - database_now()).total_seconds()))
+
+def render_leases(leases: list[store.Lease]) -> Rendered:
+    return Rendered(render_json({"leases": [lease_json(lease) for lease in leases]}))
 
 
 def _run_pk(run_id: str) -> int:

@@ -15,6 +15,7 @@ from rest_framework.exceptions import ValidationError
 
 from apps.api.errors import PayloadTooLarge
 from apps.api.parsers import payload_size
+from apps.runs import limits
 
 REQUIRED = "This field is required."
 NOT_INT = "A valid integer is required."
@@ -159,20 +160,32 @@ def lease_request(data: Any) -> dict[str, Any]:
     elif not 1 <= len(queues) <= 100:
         errors.add("queues", "Give between 1 and 100 queues.")
     else:
+        # The rules of a definition's queue: a name stored here appears in pages and metrics.
         for index, queue in enumerate(queues):
-            if not isinstance(queue, str) or not queue.strip() or len(queue) > 100:
-                errors.add(f"queues[{index}]", "A queue name of 1 to 100 characters.")
+            problem = limits.queue_name_problem(queue)
+            if problem is not None:
+                errors.add(f"queues[{index}]", problem)
     jobs = body.get("jobs")
     if jobs is not None:
         if not isinstance(jobs, list) or not 1 <= len(jobs) <= 1000:
             errors.add("jobs", "A list of 1 to 1000 job names, or leave it out for every job.")
-        elif not all(isinstance(job, str) and 0 < len(job) <= 200 for job in jobs):
-            errors.add("jobs", "Job names are strings of 1 to 200 characters.")
+        else:
+            for index, job in enumerate(jobs):
+                problem = limits.job_name_problem(job)
+                if problem is not None:
+                    errors.add(f"jobs[{index}]", problem)
+    worker_id = body.get("workerId")
+    if "workerId" not in body:
+        errors.add("workerId", REQUIRED)
+    else:
+        problem = limits.worker_id_problem(worker_id)
+        if problem is not None:
+            errors.add("workerId", problem)
     answer = {
         "queues": queues,
         "jobs": jobs,
         "max": _int(body, "max", errors, "", default=1, low=1, high=settings.SCHEDULER_MAX_CLAIM),
-        "workerId": _str(body, "workerId", errors, "", max_length=200),
+        "workerId": worker_id,
         "leaseSeconds": _int(body, "leaseSeconds", errors, "", default=60, low=1, high=86400),
         "waitSeconds": _int(
             body,
@@ -243,8 +256,23 @@ def batch_heartbeats(data: Any) -> list[dict[str, Any]]:
                     "fencingToken": _int(item, "fencingToken", errors, path, low=1),
                 }
             )
+    _refuse_repeats(items, "leases", errors)
     errors.raise_if_any()
     return answer
+
+
+def _refuse_repeats(items: list, key: str, errors: Errors) -> None:
+    """One run, one item: a batch naming a run twice is refused (each item has one answer, and
+    a repeated id would multiply the work, and the audit of a denied one)."""
+    seen: set[str] = set()
+    for index, item in enumerate(items):
+        run_id = item.get("runId") if isinstance(item, dict) else None
+        if not isinstance(run_id, str):
+            continue
+        run_id = run_id.strip()
+        if run_id in seen:
+            errors.add(f"{key}[{index}].runId", f"{run_id} appears earlier in this batch.")
+        seen.add(run_id)
 
 
 RESULT_FIELDS = frozenset({"runId", "fencingToken", "outcome", "result", "error", "retryable"})
@@ -274,5 +302,6 @@ def batch_results(data: Any) -> list[dict[str, Any]]:
                 "retryable": _bool(item, "retryable", errors, path, True),
             }
         )
+    _refuse_repeats(items, "results", errors)
     errors.raise_if_any()
     return answer

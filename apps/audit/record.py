@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,15 +59,32 @@ def record(
     )
 
 
+# One denial names at most this many targets: a batch naming another team's run a thousand
+# times writes one event, not a thousand (the count says how many were named).
+DENIED_TARGETS_SHOWN = 20
+
+
 def record_denied(
-    actor: Actor, attempted: str, *, team: Any, target_type: str, target: str
+    actor: Actor,
+    attempted: str,
+    *,
+    team: Any,
+    target_type: str,
+    target: str | Sequence[str],
+    count: int | None = None,
 ) -> AuditEvent:
-    """Record an attempt on another team's object (answered as if the object did not exist)."""
+    """Record an attempt on another team's objects (answered as if they did not exist): one
+    event per request and team, however many of the team's objects it named."""
+    targets = [target] if isinstance(target, str) else list(dict.fromkeys(target))
+    after: dict[str, Any] = {"attempted": attempted}
+    if len(targets) > 1 or (count or 1) > 1:
+        after["count"] = count if count is not None else len(targets)
+        after["targets"] = targets[:DENIED_TARGETS_SHOWN]
     return record(
         actor,
         "access.denied",
         team=team,
         target_type=target_type,
-        target=target,
-        after={"attempted": attempted},
+        target=targets[0] if len(targets) == 1 else f"{len(targets)} {target_type}s",
+        after=after,
     )

@@ -16,6 +16,7 @@ from apps.jobs import schedule as sched
 from apps.jobs import services
 from apps.jobs.models import PRIORITIES, JobDefinition
 from apps.jobs.services import DefinitionSpec
+from apps.runs import limits
 from apps.runs.ids import parse_run_id
 from apps.teams.models import Role, Scope
 
@@ -300,6 +301,10 @@ class DefinitionForm(forms.Form):
             return json.loads(raw)
         except json.JSONDecodeError as exc:
             raise forms.ValidationError(f"Not valid JSON: {exc.msg} (line {exc.lineno}).") from exc
+        except RecursionError as exc:  # nested far past the limit DefinitionSerializer states
+            raise forms.ValidationError(
+                f"Nested deeper than {limits.json_max_depth()} levels of objects and lists."
+            ) from exc
 
     def clean(self) -> dict[str, Any]:
         """Hand the fields, as the API's JSON, to DefinitionSerializer; put each reason beside

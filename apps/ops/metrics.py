@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 
 from apps.jobs.models import PRIORITY_NAMES
+from apps.teams.models import Team
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
@@ -40,16 +41,18 @@ STALE_TOKENS = Counter(
     "Heartbeats, completions and failures refused with 409.",
     ["call"],
 )
+# Lateness is labelled by team as well as queue: teams may share a queue name, and one team's
+# late runs must not move another team's alert.
 DUE_TO_START = Histogram(
     "scheduler_due_to_start_seconds",
     "From a run's availableAt (due time plus jitter, or end of backoff) to its lease.",
-    ["queue", "priority"],
+    ["queue", "priority", "team"],
     buckets=LATENCY_BUCKETS,
 )
 LATE_RUNS = Counter(
     "scheduler_late_runs_total",
     "Runs that started later than their definition's lateness SLO.",
-    ["queue"],
+    ["queue", "team"],
 )
 CLAIM_BATCH = Histogram(
     "scheduler_claim_batch_size", "Runs handed out per lease call.", buckets=BATCH_BUCKETS
@@ -60,19 +63,34 @@ def observe_claim(leases: Sequence) -> None:
     # One labels lookup per (queue, priority) of the batch, not per run: at batch 100 the
     # lookups cost more than the counting.
     CLAIM_BATCH.observe(len(leases))
-    groups: dict[tuple[str, int], list] = {}
+    groups: dict[tuple[int, str, int], list] = {}
     for lease in leases:
-        groups.setdefault((lease.queue, lease.priority), []).append(lease)
-    for (queue, priority), group in groups.items():
+        groups.setdefault((lease.team_id, lease.queue, lease.priority), []).append(lease)
+    for (team_id, queue, priority), group in groups.items():
         name = PRIORITY_NAMES[priority]
+        team = team_label(team_id)
         RUNS_STARTED.labels(queue, name).inc(len(group))
         observe_many(
-            DUE_TO_START.labels(queue, name),
+            DUE_TO_START.labels(queue, name, team),
             [max(0.0, (lease.leased_at - lease.available_at).total_seconds()) for lease in group],
         )
         late = sum(1 for lease in group if lease.late)
         if late:
-            LATE_RUNS.labels(queue).inc(late)
+            LATE_RUNS.labels(queue, team).inc(late)
+
+
+_team_labels: dict[int, str] = {}
+
+
+def team_label(team_id: int) -> str:
+    """A team's slug for metric labels, read once per process (slugs do not change)."""
+    label = _team_labels.get(team_id)
+    if label is None:
+        slug = Team.objects.filter(pk=team_id).values_list("slug", flat=True).first()
+        label = slug or str(team_id)
+        if slug is not None:
+            _team_labels[team_id] = label
+    return label
 
 
 def observe_many(child: Histogram, amounts: Sequence[float]) -> None:

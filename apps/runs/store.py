@@ -290,6 +290,7 @@ class Lease:
     available_at: datetime
     leased_at: datetime
     dry_run: bool
+    team_id: int
     payload: Any
     late: bool = False  # started later than its definition's lateness SLO
 
@@ -354,8 +355,11 @@ def claim(
     team_ids: Sequence[int] | None = None,
     jobs: Sequence[str] | None = None,
 ) -> list[Lease]:
-    """Lease up to `max_runs` claimable runs of the given queues (and jobs), in one transaction."""
-    with transaction.atomic(), server_cursor() as cursor:
+    """Lease up to `max_runs` claimable runs of the given queues (and jobs), in one transaction.
+
+    Called inside a transaction (apps/runs/leasing.py builds the answer in it), the claim joins
+    it without a savepoint, which would cost two more round trips per claim."""
+    with transaction.atomic(savepoint=False), server_cursor() as cursor:
         cursor.execute(
             CLAIM_CANDIDATES,
             {
@@ -393,7 +397,8 @@ def claim(
             {"ids": _bigints(chosen), "worker_id": worker_id, "lease_seconds": lease_seconds},
         )
         rows = _rows(cursor)
-    # Large payloads are read from storage after the commit, so no row lock waits on I/O.
+    # Large payloads are read from storage after the claim's statements (inside the caller's
+    # transaction when there is one: an unreadable payload then rolls the claim back).
     leases = [
         Lease(
             id=row["id"],
@@ -409,6 +414,7 @@ def claim(
             available_at=row["available_at"],
             leased_at=row["leased_at"],
             dry_run=row["dry_run"],
+            team_id=row["team_id"],
             # Django reads jsonb as text on raw cursors; the ::text cast makes that explicit.
             late=bool(row["late"]),
             payload=payloads.load(
@@ -417,6 +423,12 @@ def claim(
         )
         for row in rows
     ]
+    # Counted and logged once the claim commits: the caller may still roll it back.
+    transaction.on_commit(lambda: _claimed(leases, worker_id))
+    return leases
+
+
+def _claimed(leases: list[Lease], worker_id: str) -> None:
     metrics.observe_claim(leases)
     for lease in leases if logs.runs_logged() else ():
         run_event(
@@ -428,7 +440,6 @@ def claim(
             queue=lease.queue,
             worker_id=worker_id,
         )
-    return leases
 
 
 # Long-poll helper: when the next run of these queues becomes claimable (for a run waiting on its
@@ -453,10 +464,15 @@ WHERE %(team_ids)s::bigint[] IS NULL OR t.id = ANY(%(team_ids)s::bigint[])
 
 
 # Lease activity per (team, queue): an upsert served by the unique (team_id, name) index. The
-# caller throttles it, so it is a few writes a minute per web process, not one per claim.
+# caller throttles it, so it is a few writes a minute per web process, not one per claim. Only
+# queues that exist for the team (a definition uses it, or it has a row) are recorded: a worker
+# may name any queue, and rows for made-up names would fill every queue list (the team's
+# definitions are found by job_team_name).
 RECORD_LEASE_ACTIVITY = """
 INSERT INTO jobs_queue (team_id, name, paused, updated_at, last_leased_at, last_worker_id)
 SELECT %(team_id)s, q, false, now(), now(), %(worker_id)s FROM unnest(%(queues)s::text[]) AS q
+WHERE EXISTS (SELECT 1 FROM jobs_jobdefinition d WHERE d.team_id = %(team_id)s AND d.queue = q)
+   OR EXISTS (SELECT 1 FROM jobs_queue jq WHERE jq.team_id = %(team_id)s AND jq.name = q)
 ON CONFLICT (team_id, name)
 DO UPDATE SET last_leased_at = now(), last_worker_id = EXCLUDED.last_worker_id
 """
@@ -472,14 +488,25 @@ def record_lease_activity(team_id: int, queues: Sequence[str], worker_id: str) -
 
 def next_available_at(queues: Sequence[str], team_ids: Sequence[int] | None) -> datetime | None:
     with server_cursor() as cursor:
-        cursor.execute(
-            NEXT_AVAILABLE,
-            {
-                "queues": array_literal(queues),
-                "team_ids": _bigints(team_ids) if team_ids is not None else None,
-            },
-        )
+        cursor.execute(NEXT_AVAILABLE, _lanes(queues, team_ids))
         return cursor.fetchone()[0]
+
+
+SECONDS_UNTIL_AVAILABLE = f"SELECT extract(epoch FROM ({NEXT_AVAILABLE}) - now())::float8"
+
+
+def seconds_until_available(queues: Sequence[str], team_ids: Sequence[int] | None) -> float | None:
+    """Seconds from the database's now() to next_available_at, in one statement."""
+    with server_cursor() as cursor:
+        cursor.execute(SECONDS_UNTIL_AVAILABLE, _lanes(queues, team_ids))
+        return cursor.fetchone()[0]
+
+
+def _lanes(queues: Sequence[str], team_ids: Sequence[int] | None) -> dict[str, Any]:
+    return {
+        "queues": array_literal(queues),
+        "team_ids": _bigints(team_ids) if team_ids is not None else None,
+    }
 
 
 # The leased runs a batch names, each found by its primary key and locked, with the state and
@@ -653,10 +680,13 @@ def _diagnose(
             outcomes[run_id] = Outcome(run_id, 404, detail="no such run", denied_team_id=denied)
             continue
         _, _, state, current, expired = row
-        if current is None or token < current:
-            detail = f"fencing token {token} is stale; the run's current token is {current}"
+        # The current token is never disclosed: it is what a lease holder proves itself with.
+        if current is None:
+            detail = f"fencing token {token} is stale; the run is not leased"
+        elif token < current:
+            detail = f"fencing token {token} is stale; the run has been leased again since"
         elif token > current:
-            detail = f"fencing token {token} was never issued for this run"
+            detail = f"fencing token {token} is not this run's current token"
         elif state != "leased":
             detail = f"the run is {state}, not leased"
         elif expired:

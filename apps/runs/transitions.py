@@ -16,6 +16,7 @@ from django.db import connection, transaction
 from apps.audit.record import Actor, record
 from apps.jobs.models import JobDefinition
 from apps.jobs.services import database_now
+from apps.runs import payloads
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run, Trigger
 from apps.runs.store import NewRun, insert_runs, notify_ready
@@ -25,10 +26,37 @@ class TransitionError(Exception):
     """The run is not in a state that allows the change (the API answers 409)."""
 
 
+class IdempotencyConflict(TransitionError):
+    """The idempotency key names an existing run whose payload differs from the one asked for."""
+
+    def __init__(self, run: Run, fields: list[str]) -> None:
+        where = f" (fields that differ: {', '.join(fields)})" if fields else ""
+        super().__init__(
+            f"The idempotency key '{run.idempotency_key}' belongs to {run.run_id}, created "
+            f"with a different payload{where}; use a new key for a new run."
+        )
+        self.run = run
+        self.fields = fields
+
+
 @dataclass(frozen=True)
 class Created:
     run: Run
     created: bool
+
+
+def payload_difference(existing: Any, asked: Any) -> list[str] | None:
+    """None when the payloads are equal, else the top-level fields that differ ([] when one is
+    not an object)."""
+    if existing == asked:
+        return None
+    if isinstance(existing, dict) and isinstance(asked, dict):
+        keys = set(existing) | set(asked)
+        return sorted(k for k in keys if existing.get(k, _MISSING) != asked.get(k, _MISSING))
+    return []
+
+
+_MISSING = object()
 
 
 def create_run(
@@ -57,7 +85,17 @@ def create_run(
                 after={"job": definition.name, "idempotencyKey": key, "dueAt": due.isoformat()},
             )
             return Created(run, True)
-    return Created(Run.objects.get(definition=definition, idempotency_key=key), False)
+    run = Run.objects.select_related("definition", "team").get(
+        definition=definition, idempotency_key=key
+    )
+    # The same key with another payload is a different request: answering the old run as if it
+    # were this one would drop the new payload without a word. A request without a payload
+    # asks for none in particular.
+    if payload is not None:
+        difference = payload_difference(payloads.load(run.payload, run.payload_key), payload)
+        if difference is not None:
+            raise IdempotencyConflict(run, difference)
+    return Created(run, False)
 
 
 # Served by the primary key; the state list in each WHERE is the transition's precondition.

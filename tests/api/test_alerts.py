@@ -31,7 +31,7 @@ def test_a_run_started_ten_seconds_late_with_a_five_second_slo_is_flagged(api_a,
     after = api_a.get("/metrics").text
 
     def late_count(text: str) -> float:
-        lines = [line for line in text.splitlines() if line.startswith('scheduler_late_runs_total{queue="slo"}')]
+        lines = [line for line in text.splitlines() if line.startswith('scheduler_late_runs_total{queue="slo",team="team-a"}')]
         return float(lines[0].split()[-1]) if lines else 0.0
 
     assert late_count(after) - late_count(before) == 1

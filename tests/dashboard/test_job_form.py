@@ -96,3 +96,12 @@ def test_delete_needs_the_typed_name(editor_a):
     client.post("/jobs/billing.export-invoices/delete", {"confirm_name": "billing.export-invoices"})
     assert not JobDefinition.objects.exists()
     assert AuditEvent.objects.filter(action="job.delete").exists()
+
+
+@pytest.mark.parametrize("depth", [65, 300, 5000])
+def test_a_payload_nested_past_the_limit_is_a_form_error_and_nothing_is_saved(editor_a, depth):
+    payload = "[" * depth + "]" * depth
+    response = client_for(editor_a).post("/jobs/new", {**FORM, "payload": payload})
+    assert response.status_code == 200
+    assert "Nested deeper than 64" in " ".join(response.context["form"].errors["payload"])
+    assert not JobDefinition.objects.exists()

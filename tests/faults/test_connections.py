@@ -324,6 +324,8 @@ def test_long_polls_hold_no_pooled_connection_while_they_wait(harness):
     try:
         wait_http_ok(f"{url}/readyz", small)
         definition = h.definition("faults.work", "pool-busy")
+        # A queue with a definition (and no runs): only such queues record lease activity.
+        h.definition("faults.idle", "pool-idle")
         (pk,) = h.add_runs(definition, [{}])
         body = {"max": 1, "leaseSeconds": 60, "waitSeconds": 8}
         polls = [

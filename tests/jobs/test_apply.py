@@ -82,3 +82,12 @@ def test_put_jobs_syncs_the_same_way(api_a, team_a):
     assert set(AuditEvent.objects.values_list("source", flat=True)) == {"api"}
     bad = api_a.put("/api/v1/jobs", {"jobs": [{"name": "Bad!"}]})
     assert bad.status_code == 400 and "jobs[0].name" in bad.json()["errors"]
+
+
+@pytest.mark.parametrize("depth", [65, 5000])
+def test_a_file_with_a_payload_nested_past_the_limit_changes_nothing(tmp_path, team_a, depth):
+    nested = "[" * depth + "]" * depth
+    text = f"team: team-a\njobs:\n  - name: deep.job\n    queue: q\n    payload: {nested}\n"
+    with pytest.raises(CommandError):
+        apply(tmp_path, text)
+    assert not JobDefinition.objects.exists()

@@ -53,7 +53,12 @@ def test_counters_follow_the_workload(api_a, team_a):
         return value(after, name, **labels) - value(before, name, **labels)
 
     assert delta("scheduler_runs_started_total", queue="mq", priority="critical") == 6
-    assert delta("scheduler_due_to_start_seconds_count", queue="mq", priority="critical") == 6
+    assert (
+        delta(
+            "scheduler_due_to_start_seconds_count", queue="mq", priority="critical", team="team-a"
+        )
+        == 6
+    )
     assert delta("scheduler_runs_succeeded_total", queue="mq") == 2
     assert delta("scheduler_runs_failed_total", queue="mq") == 2  # one fail, one reaped
     assert delta("scheduler_runs_dead_total", queue="mq") == 2  # maxAttempts 1

@@ -41,6 +41,8 @@ class Command(BaseCommand):
             document = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError) as exc:
             raise CommandError(f"Cannot read {file}: {exc}") from exc
+        except RecursionError as exc:  # nested far past the limit the definitions state
+            raise CommandError(f"{file} nests objects and lists too deeply.") from exc
         if not isinstance(document, dict):
             raise CommandError(f"{file} must hold a mapping with a `jobs` list.")
         slug = team or document.get("team")
@@ -50,6 +52,9 @@ class Command(BaseCommand):
         try:
             # YAML reads timestamps as datetimes; a JSON round trip gives the API's strings back.
             entries = json.loads(json.dumps(document.get("jobs"), default=str))
+        except RecursionError as exc:
+            raise CommandError(f"{file} nests objects and lists too deeply.") from exc
+        try:
             plan = sync.plan_sync(owner, sync.validate(entries, parse_definition), prune=prune)
         except sync.SyncError as exc:
             for where, reasons in exc.errors.items():

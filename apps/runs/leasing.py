@@ -1,0 +1,104 @@
+"""A worker's lease request: claim now, or wait for work and claim then (the long poll).
+
+The view calls `claim_or_wait` once. The answer is built by the caller's `render` inside the
+claim's transaction, and the claim commits only once it is built and the worker is still
+there: a failure to render (a payload that cannot be read back, say) or a worker that hung up
+rolls the claim back, so no run stays leased to a worker that never got it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from django.db import connection, transaction
+
+from apps.runs import store
+from apps.runs.activity import note_lease_activity
+from apps.runs.waiting import listener
+
+T = TypeVar("T")
+
+# A waiting lease call claims again at least this often: a freed concurrency slot sends no
+# NOTIFY (that would be one per completion), nor does a NOTIFY lost with a dropped connection.
+RECHECK_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class LeaseRequest:
+    team_id: int
+    team_ids: Sequence[int] | None
+    queues: Sequence[str]
+    jobs: Sequence[str] | None
+    max_runs: int
+    worker_id: str
+    lease_seconds: int
+    wait_seconds: int
+
+
+class _WorkerGone(Exception):
+    """Raised inside the claim's transaction to roll it back."""
+
+
+def claim_or_wait(
+    request: LeaseRequest,
+    render: Callable[[list[store.Lease]], T],
+    *,
+    gone: threading.Event | None = None,
+) -> T:
+    """Claim up to `max_runs`; with `wait_seconds`, wait for work first. Answer `render(leases)`.
+
+    1. Note which worker asked for which queues (a few writes a minute, not one per call).
+    2. Claim in a transaction; render the leases in it; commit only if the worker is still
+       connected (`gone` unset), else roll back and answer no leases.
+    3. Nothing claimed and time left: give the pooled connection back, wait for a NOTIFY on the
+       asked queues or the next run's availableAt (at most RECHECK_SECONDS), then go to 2.
+    """
+    note_lease_activity(request.team_id, request.queues, request.worker_id)
+    deadline = time.monotonic() + request.wait_seconds
+    if request.wait_seconds:
+        listener.ensure_started()
+    while True:
+        if gone is not None and gone.is_set():
+            # A dead worker's long poll must not lease it runs that nobody would run.
+            return render([])
+        seen = listener.generation
+        try:
+            with transaction.atomic():
+                leases = store.claim(
+                    queues=request.queues,
+                    max_runs=request.max_runs,
+                    worker_id=request.worker_id,
+                    lease_seconds=request.lease_seconds,
+                    team_ids=request.team_ids,
+                    jobs=request.jobs,
+                )
+                answer = render(leases)
+                if leases and gone is not None and gone.is_set():
+                    raise _WorkerGone
+        except _WorkerGone:
+            return render([])
+        left = deadline - time.monotonic()
+        if leases or left <= 0:
+            return answer
+        alarm = min(left, _until_next_available(request.queues, request.team_ids))
+        _release_pooled_connection()
+        listener.wait(seen, alarm)
+
+
+def _until_next_available(queues: Sequence[str], team_ids: Sequence[int] | None) -> float:
+    """Seconds until the earliest waiting run of these queues becomes claimable by the clock."""
+    seconds = store.seconds_until_available(queues, team_ids)
+    if seconds is None:
+        return RECHECK_SECONDS
+    return max(0.01, min(RECHECK_SECONDS, seconds))
+
+
+def _release_pooled_connection() -> None:
+    """Hand a pooled connection back while the call waits: a long poll must not hold one of the
+    pool's few connections for its whole wait. The next statement takes one again."""
+    if connection.settings_dict["OPTIONS"].get("pool") and not connection.in_atomic_block:
+        connection.close()

@@ -1,0 +1,369 @@
+"""Hostile and careless input: nothing lost, nothing half-written, nothing widened.
+
+Each test holds one rule; together they are the classes of input that once broke a team's
+leases, emptied a dead-letter queue or flooded an audit trail.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.core.cache import cache
+
+from apps.audit.models import AuditEvent
+from apps.jobs.models import JobDefinition, Queue
+from apps.runs.ids import public_run_id
+from apps.runs.models import Attempt, Run
+from tests.conftest import add_ready_runs, db_now, make_definition
+
+DEPTH = 300  # past the encoder's 254 levels: such a value could be stored but never rendered
+
+
+def deep(depth: int = DEPTH, leaf: object = 1) -> object:
+    value = leaf
+    for index in range(depth):
+        value = {"k": value} if index % 2 else [value]
+    return value
+
+
+@pytest.fixture(autouse=True)
+def _no_throttling(settings):
+    settings.SCHEDULER_API_RATES = {"worker": "", "manage": ""}
+    cache.clear()
+
+
+def assert_problem(answer, status: int, field: str | None = None) -> dict:
+    assert answer.status_code == status, answer.text
+    assert answer.headers["content-type"].startswith("application/problem+json")
+    body = answer.json()
+    if field is not None:
+        assert field in body.get("errors", {}), body
+    return body
+
+
+def leased(api, queue: str, count: int = 10) -> list[dict]:
+    return api.lease([queue], count)
+
+
+# --- 1. JSON depth ---------------------------------------------------------------------------
+
+
+def test_a_run_with_a_payload_nested_past_the_limit_is_refused_and_not_written(api_a, team_a):
+    make_definition(team_a, "deep.job", queue="deep")
+    answer = api_a.post("/api/v1/jobs/deep.job/runs", {"payload": deep()})
+    assert_problem(answer, 400, "payload")
+    assert not Run.objects.exists()
+    # Just past the limit of 64 is refused too; at the limit is fine.
+    assert_problem(api_a.post("/api/v1/jobs/deep.job/runs", {"payload": deep(64)}), 400)
+    assert api_a.post("/api/v1/jobs/deep.job/runs", {"payload": deep(63)}).status_code == 201
+
+
+def test_a_definition_with_a_payload_nested_past_the_limit_is_refused_and_not_saved(api_a):
+    answer = api_a.put("/api/v1/jobs/deep.definition", {"queue": "deep", "payload": deep()})
+    assert_problem(answer, 400, "payload")
+    assert not JobDefinition.objects.filter(name="deep.definition").exists()
+    assert api_a.get("/api/v1/jobs").status_code == 200
+
+
+def test_a_result_nested_past_the_limit_is_refused_on_both_dispatch_paths(api_a, team_a):
+    definition = make_definition(team_a, "deep.result", queue="deep")
+    add_ready_runs(definition, 2)
+    first, second = leased(api_a, "deep")
+    body = {"fencingToken": first["fencingToken"], "result": deep()}
+    # A plain JSON POST takes the worker fast path; an Accept header with a parameter goes
+    # through DRF's dispatch. Both refuse the same way.
+    fast = api_a.post(f"/api/v1/runs/{first['runId']}/complete", body)
+    slow = api_a.post(
+        f"/api/v1/runs/{first['runId']}/complete",
+        body,
+        headers={"Accept": "application/json; q=0.9"},
+    )
+    assert assert_problem(fast, 400, "result") == assert_problem(slow, 400, "result")
+    batch = {
+        "results": [
+            {"runId": second["runId"], "fencingToken": second["fencingToken"],
+             "outcome": "succeeded", "result": {"ok": True}},
+            {"runId": first["runId"], "fencingToken": first["fencingToken"],
+             "outcome": "succeeded", "result": deep()},
+        ]
+    }  # fmt: skip
+    assert_problem(api_a.post("/api/v1/results", batch), 400, "results[1].result")
+    # Nothing of the refused batch was applied, and every list still renders.
+    assert set(Run.objects.values_list("state", flat=True)) == {"leased"}
+    for path in ("/api/v1/runs", "/api/v1/dlq", "/api/v1/jobs", f"/api/v1/runs/{first['runId']}"):
+        assert api_a.get(path).status_code == 200, path
+
+
+def test_a_lease_answer_that_fails_to_build_leaves_every_run_of_the_batch_claimable(
+    api_a, team_a, monkeypatch
+):
+    from apps.api import views_worker
+
+    definition = make_definition(team_a, "fragile.job", queue="fragile")
+    pks = add_ready_runs(definition, 5)
+    built = []
+
+    def lease_json_that_breaks(lease):
+        built.append(lease.id)
+        if len(built) == 3:
+            raise RuntimeError("cannot render this lease")
+        return original(lease)
+
+    original = views_worker.lease_json
+    monkeypatch.setattr(views_worker, "lease_json", lease_json_that_breaks)
+    answer = api_a.post("/api/v1/leases", {"queues": ["fragile"], "max": 5, "workerId": "w"})
+    assert answer.status_code == 500
+    assert len(built) == 3  # the claim had taken runs when the answer failed
+    assert set(Run.objects.filter(pk__in=pks).values_list("state", "attempt")) == {("scheduled", 0)}
+    assert not Attempt.objects.exists()
+    monkeypatch.setattr(views_worker, "lease_json", original)
+    assert {lease["runId"] for lease in leased(api_a, "fragile")} == {
+        public_run_id(pk) for pk in pks
+    }
+
+
+def test_a_claim_whose_worker_hangs_up_before_the_commit_is_rolled_back(team_a):
+    import threading
+
+    from apps.runs import leasing
+
+    definition = make_definition(team_a, "gone.job", queue="gone")
+    pks = add_ready_runs(definition, 3)
+    gone = threading.Event()
+    seen = []
+
+    def render(leases):
+        seen.append(len(leases))
+        gone.set()  # the worker hangs up while its answer is being built
+        return [lease.id for lease in leases]
+
+    request = leasing.LeaseRequest(
+        team_id=team_a.pk, team_ids=[team_a.pk], queues=["gone"], jobs=None, max_runs=3,
+        worker_id="w", lease_seconds=60, wait_seconds=0,
+    )  # fmt: skip
+    assert leasing.claim_or_wait(request, render, gone=gone) == []
+    assert seen[0] == 3
+    assert set(Run.objects.filter(pk__in=pks).values_list("state", flat=True)) == {"scheduled"}
+
+
+# --- 2. Bulk filters -------------------------------------------------------------------------
+
+
+def dead_runs(team, count: int = 3, name: str = "filter.job") -> list[int]:
+    definition = make_definition(team, name, queue="dlq")
+    pks = add_ready_runs(definition, count)
+    Run.objects.filter(pk__in=pks).update(state="dead")
+    return pks
+
+
+@pytest.mark.parametrize("action", ["requeue", "discard"])
+@pytest.mark.parametrize(
+    "flt",
+    [
+        {},
+        {"job": None},
+        {"job": ""},
+        {"job": False},
+        {"job": []},
+        {"job": 0},
+        {"queue": None},
+        {"queue": ""},
+        {"queue": {}},
+        {"since": None},
+        {"since": ""},
+        {"since": "yesterday"},
+        {"since": 1700000000},
+        {"all": False},
+        {"all": "true"},
+        {"all": True, "job": "filter.job"},
+        {"everything": True},
+    ],
+)
+def test_a_bulk_filter_with_an_empty_or_mistyped_field_is_refused_and_changes_nothing(
+    api_a, team_a, action, flt
+):
+    pks = dead_runs(team_a)
+    answer = api_a.post(f"/api/v1/dlq/{action}", {"filter": flt})
+    assert_problem(answer, 400)
+    assert set(Run.objects.filter(pk__in=pks).values_list("state", flat=True)) == {"dead"}
+
+
+def test_acting_on_every_dead_run_is_said_outright_with_all_true(api_a, api_b, team_a, team_b):
+    mine = dead_runs(team_a)
+    theirs = dead_runs(team_b, name="other.job")
+    answer = api_a.post("/api/v1/dlq/discard", {"filter": {"all": True}})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["count"] == len(mine)
+    assert set(Run.objects.filter(pk__in=mine).values_list("state", flat=True)) == {"cancelled"}
+    assert set(Run.objects.filter(pk__in=theirs).values_list("state", flat=True)) == {"dead"}
+
+
+def test_a_bulk_filter_by_job_acts_on_that_job_only(api_a, team_a):
+    chosen = dead_runs(team_a, name="filter.chosen")
+    other = dead_runs(team_a, name="filter.other")
+    answer = api_a.post("/api/v1/dlq/requeue", {"filter": {"job": "filter.chosen"}})
+    assert answer.json()["count"] == len(chosen)
+    assert set(Run.objects.filter(pk__in=other).values_list("state", flat=True)) == {"dead"}
+
+
+# --- 3. Names --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("queues", ["reports/daily"]),
+        ("queues", ["a b"]),
+        ("queues", ["-leading-dash"]),
+        ("queues", ["x" * 101]),
+        ("queues", ["<script>"]),
+        ("jobs", ["Billing.Export"]),
+        ("jobs", ["billing/export"]),
+        ("workerId", "host\n1"),
+        ("workerId", "host\t1"),
+        ("workerId", "héllo"),
+        ("workerId", "x" * 201),
+    ],
+)
+def test_a_lease_request_with_a_name_a_definition_could_not_have_is_refused(
+    api_a, team_a, field, value
+):
+    make_definition(team_a, "names.job", queue="names")
+    body = {"queues": ["names"], "workerId": "w", field: value}
+    assert_problem(api_a.post("/api/v1/leases", body), 400)
+    assert not Queue.objects.filter(team=team_a).exclude(name="names").exists()
+
+
+def test_lease_calls_for_queues_no_definition_uses_create_no_queue_rows(api_a, team_a):
+    make_definition(team_a, "used.job", queue="used")
+    from apps.runs import activity
+
+    for index in range(30):
+        activity._last_written.clear()  # as if each call came to a fresh web process
+        queues = [f"made-up-{index}-{n}" for n in range(99)]
+        assert (
+            api_a.post(
+                "/api/v1/leases", {"queues": [*queues, "used"], "workerId": f"w{index}"}
+            ).status_code
+            == 200
+        )
+    assert list(Queue.objects.filter(team=team_a).values_list("name", flat=True)) == ["used"]
+    assert api_a.get("/api/v1/queues").status_code == 200
+
+
+# --- 4. Audit amplification ------------------------------------------------------------------
+
+
+def test_a_batch_naming_a_run_twice_is_refused(api_a, team_a):
+    definition = make_definition(team_a, "twice.job", queue="twice")
+    add_ready_runs(definition, 1)
+    (lease,) = leased(api_a, "twice")
+    item = {"runId": lease["runId"], "fencingToken": lease["fencingToken"]}
+    assert_problem(api_a.post("/api/v1/heartbeats", {"leases": [item] * 2}), 400, "leases[1].runId")
+    result = {**item, "outcome": "succeeded"}
+    assert_problem(
+        api_a.post("/api/v1/results", {"results": [result, result]}), 400, "results[1].runId"
+    )
+    assert Run.objects.get().state == "leased"
+
+
+def test_denials_are_recorded_once_per_request_however_many_runs_it_names(
+    api_a, api_b, team_a, team_b
+):
+    definition = make_definition(team_b, "their.job", queue="theirs")
+    pks = add_ready_runs(definition, 50)
+    items = [{"runId": public_run_id(pk), "fencingToken": 1} for pk in pks]
+    answer = api_a.post("/api/v1/heartbeats", {"leases": items})
+    assert [item["status"] for item in answer.json()["leases"]] == [404] * 50
+    (event,) = AuditEvent.objects.filter(team=team_b, action="access.denied")
+    assert event.after["count"] == 50
+    assert len(event.after["targets"]) == 20
+    # The DLQ actions by id too.
+    Run.objects.filter(pk__in=pks).update(state="dead")
+    ids = [public_run_id(pk) for pk in pks]
+    assert api_a.post("/api/v1/dlq/requeue", {"runIds": ids}).json()["count"] == 0
+    assert AuditEvent.objects.filter(team=team_b, action="access.denied").count() == 2
+
+
+# --- 6. Run times ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "run_at",
+    ["0001-01-01T00:00:00Z", "1970-01-01T00:00:00Z", "9999-06-01T00:00:00Z"],
+)
+def test_a_run_time_outside_the_window_is_refused(api_a, team_a, run_at):
+    make_definition(team_a, "when.job", queue="when")
+    answer = api_a.post("/api/v1/jobs/when.job/runs", {"runAt": run_at})
+    assert_problem(answer, 400, "runAt")
+    assert not Run.objects.exists()
+
+
+def test_a_run_time_more_than_a_day_ago_is_refused_and_within_it_accepted(api_a, team_a):
+    make_definition(team_a, "when.job", queue="when")
+    now = db_now()
+    too_old = (now - timedelta(days=1, minutes=1)).isoformat()
+    recent = (now - timedelta(hours=23)).isoformat()
+    assert_problem(api_a.post("/api/v1/jobs/when.job/runs", {"runAt": too_old}), 400, "runAt")
+    assert api_a.post("/api/v1/jobs/when.job/runs", {"runAt": recent}).status_code == 201
+
+
+def test_lateness_metrics_are_labelled_by_team(api_a, api_b, team_a, team_b):
+    for team, api in ((team_a, api_a), (team_b, api_b)):
+        definition = make_definition(team, f"{team.slug}.shared", queue="shared")
+        add_ready_runs(definition, 1, age_seconds=5)
+        assert len(leased(api, "shared")) == 1
+    text = api_a.get("/metrics").text
+    for team in (team_a, team_b):
+        label = f'scheduler_due_to_start_seconds_count{{priority="default",queue="shared",team="{team.slug}"}}'
+        assert any(line.startswith(label) for line in text.splitlines()), label
+
+
+# --- 9. Small promises -----------------------------------------------------------------------
+
+
+def test_the_same_idempotency_key_with_a_different_payload_is_a_conflict_naming_the_fields(
+    api_a, team_a
+):
+    make_definition(team_a, "idem.job", queue="idem")
+    body = {"idempotencyKey": "order-991", "payload": {"amount": 10, "currency": "EUR"}}
+    first = api_a.post("/api/v1/jobs/idem.job/runs", body)
+    assert first.status_code == 201
+    again = api_a.post("/api/v1/jobs/idem.job/runs", body)
+    assert again.status_code == 200 and again.json()["runId"] == first.json()["runId"]
+    changed = {**body, "payload": {"amount": 12, "currency": "EUR"}}
+    problem = assert_problem(api_a.post("/api/v1/jobs/idem.job/runs", changed), 409)
+    assert "amount" in problem["detail"] and "currency" not in problem["detail"]
+    assert problem["type"].endswith("/idempotency-conflict")
+    assert Run.objects.count() == 1
+    assert Run.objects.get().payload == body["payload"]
+
+
+def test_a_put_without_a_queue_creates_nothing(api_a):
+    assert_problem(api_a.put("/api/v1/jobs/empty.job", {}), 400, "queue")
+    assert_problem(api_a.put("/api/v1/jobs/empty.job", None), 400)
+    assert not JobDefinition.objects.exists()
+    assert api_a.put("/api/v1/jobs/empty.job", {"queue": "default"}).status_code == 201
+
+
+def test_a_stale_token_conflict_does_not_disclose_the_current_token(api_a, team_a):
+    definition = make_definition(team_a, "stale.job", queue="stale")
+    (pk,) = add_ready_runs(definition, 1)
+    (first,) = leased(api_a, "stale")
+    Run.objects.filter(pk=pk).update(state="ready", lease_expires_at=None)
+    (second,) = leased(api_a, "stale")
+    assert second["fencingToken"] > first["fencingToken"]
+    for path, extra in (("heartbeat", {}), ("complete", {}), ("fail", {"error": {"message": "x"}})):
+        answer = api_a.post(
+            f"/api/v1/runs/{first['runId']}/{path}",
+            {"fencingToken": first["fencingToken"], **extra},
+        )
+        problem = assert_problem(answer, 409)
+        assert "stale" in problem["detail"]
+        assert str(second["fencingToken"]) not in answer.text
+    batch = api_a.post(
+        "/api/v1/heartbeats",
+        {"leases": [{"runId": first["runId"], "fencingToken": first["fencingToken"]}]},
+    )
+    assert str(second["fencingToken"]) not in batch.text
