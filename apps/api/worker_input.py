@@ -8,6 +8,7 @@ schema, and `tests/api/test_worker_input.py` holds both to the same verdicts and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -142,6 +143,12 @@ def _error(data: dict, errors: Errors, path: str) -> dict[str, str]:
     }
 
 
+def _name(value: Any, field: str, problem_of: Callable[[Any], str | None], errors: Errors) -> None:
+    problem = problem_of(value)
+    if problem is not None:
+        errors.add(field, problem)
+
+
 def lease_request(data: Any) -> dict[str, Any]:
     errors = Errors()
     body = _object(
@@ -162,25 +169,19 @@ def lease_request(data: Any) -> dict[str, Any]:
     else:
         # The rules of a definition's queue: a name stored here appears in pages and metrics.
         for index, queue in enumerate(queues):
-            problem = limits.queue_name_problem(queue)
-            if problem is not None:
-                errors.add(f"queues[{index}]", problem)
+            _name(queue, f"queues[{index}]", limits.queue_name_problem, errors)
     jobs = body.get("jobs")
     if jobs is not None:
         if not isinstance(jobs, list) or not 1 <= len(jobs) <= 1000:
             errors.add("jobs", "A list of 1 to 1000 job names, or leave it out for every job.")
         else:
             for index, job in enumerate(jobs):
-                problem = limits.job_name_problem(job)
-                if problem is not None:
-                    errors.add(f"jobs[{index}]", problem)
+                _name(job, f"jobs[{index}]", limits.job_name_problem, errors)
     worker_id = body.get("workerId")
     if "workerId" not in body:
         errors.add("workerId", REQUIRED)
     else:
-        problem = limits.worker_id_problem(worker_id)
-        if problem is not None:
-            errors.add("workerId", problem)
+        _name(worker_id, "workerId", limits.worker_id_problem, errors)
     answer = {
         "queues": queues,
         "jobs": jobs,

@@ -30,43 +30,29 @@ WORKER_ID_MAX = 200
 WORKER_ID_RULE = "Printable ASCII without leading or trailing spaces, up to 200 characters."
 
 
-def job_name_problem(value: object) -> str | None:
-    """Why `value` is not a job name, or None when it is one."""
+def _name_problem(value: object, pattern: re.Pattern, longest: int, rule: str) -> str | None:
     if not isinstance(value, str):
         return "Not a valid string."
     if not value:
         return "This field may not be blank."
-    if len(value) > JOB_NAME_MAX:
-        return f"Ensure this field has no more than {JOB_NAME_MAX} characters."
-    if not JOB_NAME_RE.match(value):
-        return JOB_NAME_RULE
-    return None
+    if len(value) > longest:
+        return f"Ensure this field has no more than {longest} characters."
+    return None if pattern.match(value) else rule
+
+
+def job_name_problem(value: object) -> str | None:
+    """Why `value` is not a job name, or None when it is one."""
+    return _name_problem(value, JOB_NAME_RE, JOB_NAME_MAX, JOB_NAME_RULE)
 
 
 def queue_name_problem(value: object) -> str | None:
     """Why `value` is not a queue name, or None when it is one."""
-    if not isinstance(value, str):
-        return "Not a valid string."
-    if not value:
-        return "This field may not be blank."
-    if len(value) > QUEUE_NAME_MAX:
-        return f"Ensure this field has no more than {QUEUE_NAME_MAX} characters."
-    if not QUEUE_NAME_RE.match(value):
-        return QUEUE_NAME_RULE
-    return None
+    return _name_problem(value, QUEUE_NAME_RE, QUEUE_NAME_MAX, QUEUE_NAME_RULE)
 
 
 def worker_id_problem(value: object) -> str | None:
     """Why `value` is not a worker id, or None when it is one."""
-    if not isinstance(value, str):
-        return "Not a valid string."
-    if not value:
-        return "This field may not be blank."
-    if len(value) > WORKER_ID_MAX:
-        return f"Ensure this field has no more than {WORKER_ID_MAX} characters."
-    if not WORKER_ID_RE.match(value):
-        return WORKER_ID_RULE
-    return None
+    return _name_problem(value, WORKER_ID_RE, WORKER_ID_MAX, WORKER_ID_RULE)
 
 
 # --- JSON ------------------------------------------------------------------------------------

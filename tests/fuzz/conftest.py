@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
@@ -112,6 +113,26 @@ class FuzzTeam:
                 )
             elif outcome == "done":
                 self.call("POST", f"{run}/complete", {"fencingToken": token, "result": {"ok": 1}})
+
+    def refused_cleanly(
+        self, method: str, path: str, *, query: Any = None, body: Any = None
+    ) -> str | None:
+        """Send the request; None if it was answered below 500 and, when refused, with problem
+        details and no row written; else what went wrong."""
+        self.ensure_objects()
+        before = row_counts()
+        answer = self.http.request(method, path, params=query, json=body)
+        after = row_counts()
+        try:
+            assert answer.status_code < 500, f"answered {answer.status_code}: {answer.text[:300]}"
+            if answer.status_code >= 400:
+                assert_problem_details(
+                    answer.status_code, answer.headers.get("content-type", ""), answer.json()
+                )
+                assert after == before, f"a {answer.status_code} wrote rows: {before} -> {after}"
+        except AssertionError as exc:
+            return str(exc)
+        return None
 
     def real_value(self, parameter: str) -> str | None:
         """Every third request for a path parameter gets a real object of the team."""
