@@ -22,6 +22,7 @@ from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any
 
+from django.conf import settings
 from django.db import DatabaseError, OperationalError, transaction
 
 from apps.jobs import schedule as sched
@@ -88,6 +89,8 @@ class Slot:
     utc: datetime
     local: datetime
     trigger: str
+    # When the run may start, if not at `utc` plus jitter (a one-off long past: see below).
+    start: datetime | None = None
 
     @cached_property
     def local_iso(self) -> str:
@@ -220,7 +223,11 @@ def plan_definition(
         )
     if isinstance(schedule, sched.OneOffSchedule | sched.DelayedSchedule):
         due = next_due_at.astimezone(UTC)
-        return Plan((Slot(due, due, Trigger.CRON),), None)
+        # A runAt further back than the run-time window (a one-off of 1970) keeps its nominal
+        # dueAt but becomes available now: counted from 1970 it would be decades late in every
+        # lateness figure of its queue.
+        floor = now - timedelta(seconds=settings.SCHEDULER_RUN_AT_PAST_SECONDS)
+        return Plan((Slot(due, due, Trigger.CRON, start=now if due < floor else None),), None)
     return Plan((), None)
 
 
@@ -263,7 +270,7 @@ def _runs_for(definition_id: int, name: str, plan: Plan) -> list[NewRun]:
             definition_id=definition_id,
             trigger=slot.trigger,
             due_at=slot.utc,
-            available_at=slot.utc + jitter,
+            available_at=slot.start or slot.utc + jitter,
             idempotency_key=sched.idempotency_key(name, slot.local_iso),
         )
         for slot in plan.slots

@@ -6,7 +6,7 @@ time below is relative to it.
 
 from __future__ import annotations
 
-from datetime import UTC, timedelta
+from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -291,3 +291,16 @@ def test_a_definition_whose_runs_cannot_be_inserted_does_not_block_the_others(mo
     for definition in healthy:
         definition.refresh_from_db()
         assert definition.next_due_at == due + timedelta(minutes=1)
+
+
+def test_a_one_off_long_past_keeps_its_due_time_but_is_available_now():
+    now = db_now()
+    run_at = datetime(1970, 1, 1, tzinfo=UTC)
+    one_off = a_definition("ops.ancient", {"runAt": run_at.isoformat()}, run_at)
+
+    a_scheduler().tick()
+
+    run = Run.objects.get(definition=one_off)
+    # Its lateness counts from now, not from 1970 (which would move every figure of its queue).
+    assert run.due_at == run_at
+    assert now - timedelta(seconds=5) <= run.available_at <= db_now()
