@@ -3,30 +3,16 @@
 from __future__ import annotations
 
 import sqlite3
-import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from cronlease_client import Worker
 
 from apps.runs.models import Run
-
-T = TypeVar("T")
-
-
-def wait_for(predicate: Callable[[], T], *, timeout: float = 20, what: str = "") -> T:
-    """Poll `predicate` until it returns something truthy; fail the test after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(0.05)
+from tests.waiting import wait_for  # noqa: F401 - shared by this package's tests
 
 
 def runs_when(ids: Iterable[int], *states: str) -> Callable[[], list[Run] | None]:

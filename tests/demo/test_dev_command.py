@@ -14,13 +14,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from scheduler_site import embedded_db
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -53,16 +53,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_run_command_brings_the_demo_up_and_stops_cleanly(tmp_path):

@@ -16,36 +16,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
+
+from tests.waiting import wait_for  # noqa: F401 - shared by this package's tests
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_DIR = ROOT / "client"
 HANDLERS = "tests.faults.handlers"
-
-T = TypeVar("T")
-
-
-# --- waiting -----------------------------------------------------------------------------------
-
-
-def wait_for(
-    predicate: Callable[[], T], timeout: float, what: str = "", interval: float = 0.05
-) -> T:
-    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(interval)
 
 
 def free_port() -> int:

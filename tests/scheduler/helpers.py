@@ -6,8 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
 from apps.teams.models import Team
 from tests.conftest import child_database_url
+from tests.waiting import wait_for  # noqa: F401 - shared by this package's tests
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,15 +116,3 @@ class SchedulerProcess:
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
-    """Poll until `predicate()` is truthy; return its value, or raise AssertionError on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)
