@@ -122,9 +122,10 @@ def load(runs: int) -> None:
     from django.contrib.auth import get_user_model
     from django.db import connection
 
-    from apps.jobs.models import PRIORITIES, JobDefinition
+    from apps.jobs.models import JobDefinition
     from apps.jobs.schedule import shard_for
     from apps.runs import counters
+    from apps.runs.models import PRIORITIES
     from apps.teams.models import Membership, Team
 
     started = time.perf_counter()

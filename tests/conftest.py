@@ -11,8 +11,9 @@ import psycopg
 import pytest
 from django.db import connection
 
-from apps.jobs.models import PRIORITIES, JobDefinition
+from apps.jobs.models import JobDefinition
 from apps.jobs.schedule import shard_for
+from apps.runs.models import PRIORITIES
 from apps.runs.store import NewRun, insert_runs
 from apps.teams.models import ApiToken, Team
 

@@ -24,8 +24,7 @@ from rest_framework import serializers
 
 from apps.api import serializers as api
 from apps.jobs import schedule as sched
-from apps.jobs.models import PRIORITIES
-from apps.runs.models import Outcome, State, Trigger
+from apps.runs.models import PRIORITIES, Outcome, State, Trigger
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 

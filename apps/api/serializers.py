@@ -12,12 +12,13 @@ from rest_framework import serializers
 from apps.api.errors import PayloadTooLarge, flatten_errors
 from apps.api.parsers import payload_size
 from apps.jobs import schedule as sched
-from apps.jobs.models import PRIORITIES, PRIORITY_NAMES, JobDefinition
-from apps.jobs.services import DefinitionSpec, database_now, snapshot
+from apps.jobs.models import JobDefinition
+from apps.jobs.services import DefinitionSpec, snapshot
 from apps.jobs.sync import InvalidEntry
 from apps.runs import filters, limits, payloads
+from apps.runs.clock import database_now
 from apps.runs.ids import public_run_id
-from apps.runs.models import reported_state
+from apps.runs.models import PRIORITIES, PRIORITY_NAMES, reported_state
 
 NAME_RE = limits.JOB_NAME_RE
 QUEUE_RE = limits.QUEUE_NAME_RE

@@ -5,7 +5,6 @@ from apps.api import views_health as health
 from apps.api import views_manage as manage
 from apps.api import views_ops as ops
 from apps.api import views_worker as worker
-from apps.ops import views as ops_views
 
 urlpatterns = [
     # Worker protocol
@@ -50,7 +49,7 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
-    path("metrics", ops_views.metrics, name="metrics"),
+    path("metrics", health.metrics, name="metrics"),
 ]
 
 

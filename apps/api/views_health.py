@@ -2,9 +2,11 @@ from __future__ import annotations
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from apps.ops.views import ops_only
+from apps.api.ops_access import ops_only
+from apps.ops.metrics import render
 
 # A scheduler node renews its row every tick; one silent this long is reported as stale.
 STALE_SCHEDULER_SECONDS = 30
@@ -55,3 +57,9 @@ def readyz(request: HttpRequest) -> JsonResponse:
         for node, seen, age, shards in nodes
     ]
     return JsonResponse({"status": "ok", "schedulers": schedulers, "unownedShards": unowned})
+
+
+@ops_only
+def metrics(request: HttpRequest) -> HttpResponse:
+    """Prometheus text format, for the monitoring networks (ops_only)."""
+    return HttpResponse(render(), content_type=CONTENT_TYPE_LATEST)

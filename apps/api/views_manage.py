@@ -28,10 +28,11 @@ from apps.api.serializers import (
     run_json,
 )
 from apps.audit.record import Actor, record_denied
+from apps.jobs import enqueue, services, sync
 from apps.jobs import schedule as sched
-from apps.jobs import services, sync
 from apps.jobs.models import JobDefinition
 from apps.runs import filters, transitions
+from apps.runs.clock import database_now
 from apps.runs.ids import parse_run_id
 from apps.runs.models import WAITING_STATES, Run, State
 from apps.teams import access
@@ -341,12 +342,10 @@ class JobTriggerView(ManageView):
     )
     def post(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
-        created = transitions.create_run(
+        created = enqueue.create_run(
             definition, self.actor(request), idempotency_key=None, trigger="api"
         )
-        return Response(
-            run_json(created.run, services.database_now()), status=status.HTTP_201_CREATED
-        )
+        return Response(run_json(created.run, database_now()), status=status.HTTP_201_CREATED)
 
 
 class JobRunsView(ManageView):
@@ -378,7 +377,7 @@ class JobRunsView(ManageView):
         body.is_valid(raise_exception=True)
         data = body.validated_data
         try:
-            created = transitions.create_run(
+            created = enqueue.create_run(
                 definition,
                 self.actor(request),
                 idempotency_key=data["idempotencyKey"],
@@ -386,15 +385,15 @@ class JobRunsView(ManageView):
                 run_at=data["runAt"],
                 payload=data["payload"],
             )
-        except transitions.IdempotencyConflict as exc:
+        except enqueue.IdempotencyConflict as exc:
             raise Conflict(str(exc), code="idempotency-conflict") from exc
         code = status.HTTP_201_CREATED if created.created else status.HTTP_200_OK
-        return Response(run_json(created.run, services.database_now()), status=code)
+        return Response(run_json(created.run, database_now()), status=code)
 
 
 def _parse_from(raw: str | None) -> datetime:
     if raw is None or raw == "":
-        return services.database_now()
+        return database_now()
     try:
         value = parse_datetime(raw.replace(" ", "+")) if isinstance(raw, str) else None
     except ValueError:  # well formed but not a time, e.g. 12:99
@@ -540,7 +539,7 @@ class RunsView(ManageView):
         responses=doc.responses({200: doc.RunPageSerializer}, 400),
     )
     def get(self, request: Request) -> Response:
-        now = services.database_now()
+        now = database_now()
         return paginate(
             request, filter_runs(team_runs(self, request), request.query_params, now), now
         )
@@ -557,7 +556,7 @@ class RunDetailView(ManageView):
     )
     def get(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
-        body = run_json(run, services.database_now())
+        body = run_json(run, database_now())
         body["attempts"] = [attempt_json(a) for a in run.attempts.order_by("fencing_token")]
         return Response(body)
 
@@ -588,7 +587,7 @@ class RunCancelView(ManageView):
             )
         except transitions.TransitionError as exc:
             raise Conflict(str(exc)) from exc
-        return Response(run_json(run, services.database_now()))
+        return Response(run_json(run, database_now()))
 
 
 class RunRetryView(ManageView):
@@ -617,7 +616,7 @@ class RunRetryView(ManageView):
             )
         except transitions.TransitionError as exc:
             raise Conflict(str(exc)) from exc
-        return Response(run_json(run, services.database_now()))
+        return Response(run_json(run, database_now()))
 
 
 # --- dead-letter queue ---------------------------------------------------------------------
@@ -636,7 +635,7 @@ class DlqView(ManageView):
         responses=doc.responses({200: doc.RunPageSerializer}, 400),
     )
     def get(self, request: Request) -> Response:
-        now = services.database_now()
+        now = database_now()
         params = {key: value for key, value in request.query_params.items() if key != "state"}
         queryset = filter_runs(team_runs(self, request).filter(state=State.DEAD), params, now)
         return paginate(request, queryset, now)

@@ -11,8 +11,8 @@ from rest_framework.response import Response
 from apps.api import schema as doc
 from apps.api.serializers import QUEUE_RE
 from apps.api.views_manage import ManageView
-from apps.jobs import backfill, services
-from apps.runs import alerts, diagnosis, queues
+from apps.jobs import alerts, backfill, diagnosis, queues, services
+from apps.runs.clock import database_now
 
 
 class RunWhyView(ManageView):
@@ -25,7 +25,7 @@ class RunWhyView(ManageView):
     )
     def get(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
-        reasons = diagnosis.why_run(run, services.database_now())
+        reasons = diagnosis.why_run(run, database_now())
         return Response(
             {"subject": run_id, "state": run.state, "reasons": [r.as_json() for r in reasons]}
         )
@@ -41,7 +41,7 @@ class JobWhyView(ManageView):
     )
     def get(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
-        reasons = diagnosis.why_definition(definition, services.database_now())
+        reasons = diagnosis.why_definition(definition, database_now())
         return Response({"subject": name, "reasons": [r.as_json() for r in reasons]})
 
 
@@ -157,5 +157,5 @@ class AlertsView(ManageView):
         responses=doc.responses({200: doc.AlertListSerializer}),
     )
     def get(self, request: Request) -> Response:
-        found = alerts.alerts_for(self.team(request), services.database_now())
+        found = alerts.alerts_for(self.team(request), database_now())
         return Response({"results": [alert.as_json() for alert in found]})

@@ -24,9 +24,9 @@ from apps.api.serializers import (
     iso,
 )
 from apps.audit.record import Actor, record_denied
-from apps.jobs.models import PRIORITY_NAMES
 from apps.runs import leasing, store
 from apps.runs.ids import parse_run_id, public_run_id
+from apps.runs.models import PRIORITY_NAMES
 from apps.teams import access
 from apps.teams.models import Team
 

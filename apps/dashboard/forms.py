@@ -14,10 +14,11 @@ from apps.api.serializers import DefinitionSerializer
 from apps.audit.models import Source
 from apps.jobs import schedule as sched
 from apps.jobs import services
-from apps.jobs.models import PRIORITIES, JobDefinition
+from apps.jobs.models import JobDefinition
 from apps.jobs.services import DefinitionSpec
 from apps.runs import limits
 from apps.runs.ids import parse_run_id
+from apps.runs.models import PRIORITIES
 from apps.teams.models import Role, Scope
 
 RANGES = {

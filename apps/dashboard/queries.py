@@ -14,9 +14,16 @@ from django.db import connection
 from django.db.models import Q, QuerySet
 
 from apps.audit.models import AuditEvent
-from apps.jobs.models import PRIORITY_NAMES, JobDefinition, Queue
+from apps.jobs.models import JobDefinition, Queue
 from apps.runs import counters
-from apps.runs.models import FINISHED_STATES, WAITING_STATES, Run, State, reported_state
+from apps.runs.models import (
+    FINISHED_STATES,
+    PRIORITY_NAMES,
+    WAITING_STATES,
+    Run,
+    State,
+    reported_state,
+)
 
 PAGE_SIZE = 50
 
@@ -177,6 +184,7 @@ FROM runs_run
 WHERE state = 'leased' AND team_id = ANY(%(teams)s::bigint[])
 GROUP BY team_id, queue, priority
 """
+
 
 @dataclass
 class Overview:

@@ -10,7 +10,8 @@ from django.utils import timezone
 
 from apps.audit.record import Actor
 from apps.jobs import services
-from apps.jobs.models import PRIORITIES, JobDefinition
+from apps.jobs.models import JobDefinition
+from apps.runs.models import PRIORITIES
 from apps.teams.models import ApiToken, Membership, Role, Team
 
 TEAM_SLUG = "demo"
@@ -65,7 +66,7 @@ DEMO_JOBS = [
 
 def seed_runs(team: Team) -> None:
     """Runs to watch at once, rather than at the next minute: one that succeeds, one for the DLQ."""
-    from apps.runs.transitions import create_run
+    from apps.jobs.enqueue import create_run
 
     actor = Actor.cli("demo")
     create_run(

@@ -9,6 +9,7 @@ from django.conf import settings
 from django.db import transaction
 
 from apps.audit.record import Actor, record
+from apps.jobs import firetimes
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
 from apps.runs.models import Run
@@ -25,7 +26,7 @@ class BackfillError(ValueError):
 
 @dataclass(frozen=True)
 class BackfillPlan:
-    times: list[sched.FireTime]
+    times: list[firetimes.FireTime]
     existing: int  # cron times in the range that already have a run
     capped: bool
 
@@ -49,7 +50,7 @@ def plan(definition: JobDefinition, start: datetime, end: datetime) -> BackfillP
     if end <= start:
         raise BackfillError({"to": "Must be after from."})
     cap = settings.SCHEDULER_BACKFILL_CAP
-    times = sched.fire_times_between(schedule, start - timedelta(microseconds=1), end, cap + 1)
+    times = firetimes.fire_times_between(schedule, start - timedelta(microseconds=1), end, cap + 1)
     capped = len(times) > cap
     times = times[:cap]
     # The trigger filter lets the partial unique index on (definition, due time) answer this.

@@ -2,9 +2,7 @@ from __future__ import annotations
 
 from django.db import models
 
-# Priorities are stored as small integers so "ORDER BY priority" serves critical first.
-PRIORITIES = {"critical": 0, "default": 1, "bulk": 2}
-PRIORITY_NAMES = {value: name for name, value in PRIORITIES.items()}
+from apps.runs.models import PRIORITIES, PRIORITY_NAMES
 
 
 class JobDefinitionQuerySet(models.QuerySet):

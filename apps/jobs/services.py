@@ -9,20 +9,16 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import transaction
 
 from apps.audit.record import Actor, record
+from apps.jobs import firetimes
 from apps.jobs import schedule as sched
-from apps.jobs.models import PRIORITY_NAMES, JobDefinition, Queue
+from apps.jobs.models import JobDefinition, Queue
 from apps.runs import payloads
+from apps.runs.clock import database_now
+from apps.runs.models import PRIORITY_NAMES
 from apps.runs.store import notify_ready
-
-
-def database_now() -> datetime:
-    """Read the database clock, the only clock the scheduler trusts."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now()")
-        return cursor.fetchone()[0]
 
 
 def initial_next_due_at(schedule_json: dict, now: datetime) -> datetime | None:
@@ -33,7 +29,7 @@ def initial_next_due_at(schedule_json: dict, now: datetime) -> datetime | None:
     """
     parsed = sched.parse_schedule(schedule_json)
     if isinstance(parsed, sched.CronSchedule):
-        return sched.next_fire_times(parsed, now, 1)[0].utc
+        return firetimes.next_fire_times(parsed, now, 1)[0].utc
     if isinstance(parsed, sched.OneOffSchedule):
         return parsed.run_at
     if isinstance(parsed, sched.DelayedSchedule):

@@ -13,7 +13,7 @@ from datetime import datetime
 
 from django.db import connection, transaction
 
-from apps.ops.metrics import LATENCY_BUCKETS
+from apps.runs.metrics import LATENCY_BUCKETS
 
 # Rows per (minute, team, queue, priority): each database session adds to the one its backend
 # pid picks, so batches committing at the same moment rarely wait for one another's row lock.

@@ -7,6 +7,10 @@ from django.db import models
 
 from apps.runs.ids import public_run_id
 
+# Priorities are stored as small integers so "ORDER BY priority" serves critical first.
+PRIORITIES = {"critical": 0, "default": 1, "bulk": 2}
+PRIORITY_NAMES = {value: name for name, value in PRIORITIES.items()}
+
 
 class State(models.TextChoices):
     SCHEDULED = "scheduled"

@@ -22,11 +22,10 @@ from django.db import connection, transaction
 from django.db.backends.utils import CursorWrapper
 from psycopg.types.datetime import TimestamptzLoader
 
-from apps.ops import logs, metrics
-from apps.ops.logs import run_event
-from apps.runs import counters, payloads
+from apps.runs import counters, logs, metrics, payloads
 from apps.runs.fairness import interleave_teams, slot_priorities
 from apps.runs.ids import public_run_id
+from apps.runs.logs import run_event
 
 WAITING = "('scheduled', 'ready', 'retrying')"
 READY_CHANNEL = "runs_ready"

@@ -25,6 +25,7 @@ from typing import Any
 from django.conf import settings
 from django.db import DatabaseError, OperationalError, transaction
 
+from apps.jobs import firetimes
 from apps.jobs import schedule as sched
 from apps.runs.models import Trigger
 from apps.runs.store import NewRun, array_literal, insert_runs, server_cursor
@@ -99,7 +100,7 @@ class Slot:
         return self.local.isoformat()
 
 
-def _slot(fire: sched.FireTime, trigger: str) -> Slot:
+def _slot(fire: firetimes.FireTime, trigger: str) -> Slot:
     return Slot(fire.utc, fire.local, trigger)
 
 
@@ -126,7 +127,7 @@ class BatchResult:
 
 def _latest(
     schedule: sched.CronSchedule, after: datetime, until: datetime, n: int
-) -> tuple[list[sched.FireTime], bool]:
+) -> tuple[list[firetimes.FireTime], bool]:
     """Return the latest `n` fire times in (after, until] and whether earlier ones exist.
 
     1. Look back from `until` over a window of one hour, doubling it until the window holds more
@@ -137,10 +138,10 @@ def _latest(
     span = timedelta(hours=1)
     while True:
         start = max(after, until - span)
-        window: deque[sched.FireTime] = deque(maxlen=n + 1)
+        window: deque[firetimes.FireTime] = deque(maxlen=n + 1)
         cursor = start
         while True:
-            chunk = sched.fire_times_between(schedule, cursor, until, SCAN_CHUNK)
+            chunk = firetimes.fire_times_between(schedule, cursor, until, SCAN_CHUNK)
             window.extend(chunk)
             if len(chunk) < SCAN_CHUNK:
                 break
@@ -186,12 +187,12 @@ def plan_cron(
     upcoming_after = max(start, cutoff - TINY)
     # Lookahead is seconds to minutes and cron fires at most once a minute: the limit never binds
     # in practice, and if it did the rest would simply come next tick.
-    upcoming = sched.fire_times_between(schedule, upcoming_after, horizon, SCAN_CHUNK)
+    upcoming = firetimes.fire_times_between(schedule, upcoming_after, horizon, SCAN_CHUNK)
     slots.extend(_slot(f, Trigger.CRON) for f in upcoming)
     if len(upcoming) == SCAN_CHUNK:
         following = upcoming[-1].utc + TINY
     else:
-        nxt = sched.next_fire_times(schedule, horizon, 1)
+        nxt = firetimes.next_fire_times(schedule, horizon, 1)
         following = nxt[0].utc if nxt else None
     return Plan(tuple(slots), following, schedule.jitter_seconds, note)
 

@@ -139,8 +139,8 @@ def test_a_lost_lease_is_signalled_and_the_late_result_not_sent(
     )
     # Heartbeats are held back (a stalled worker) until another claimer has the run.
     heartbeats_on = threading.Event()
-    real_heartbeat = worker._heartbeat_once
-    worker._heartbeat_once = lambda: real_heartbeat() if heartbeats_on.is_set() else None
+    real_heartbeat = worker.heartbeat_once
+    worker.heartbeat_once = lambda: real_heartbeat() if heartbeats_on.is_set() else None
     sent: list[str] = []
     real_send = worker._send_results
     worker._send_results = lambda batch: (sent.extend(r.run_id for r, _ in batch), real_send(batch))
@@ -340,7 +340,9 @@ def test_leases_wait_for_results_when_reporting_is_slower_than_leasing(
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        make_worker(["slowresults"], handlers={"demo.fast": lambda ctx: None}, concurrency=5).start()
+        make_worker(
+            ["slowresults"], handlers={"demo.fast": lambda ctx: None}, concurrency=5
+        ).start()
         wait_for(runs_when(ids, "succeeded"), what="all runs succeeded", timeout=60)
     finally:
         done.set()

@@ -1,6 +1,6 @@
 """The operations pages: why a run or a job is not running, lateness, backfill, owner and runbook
 beside every failure, late and missed runs. The answers come from the domain functions
-(apps.runs.diagnosis, apps.jobs.backfill, apps.runs.alerts); these tests check that the dashboard
+(apps.jobs.diagnosis, apps.jobs.backfill, apps.jobs.alerts); these tests check that the dashboard
 shows exactly those answers, to the right people, escaped, and that backfill needs the operator role
 and a confirmation."""
 
@@ -17,9 +17,10 @@ from django.test.utils import CaptureQueriesContext
 from playwright.sync_api import expect
 
 from apps.audit.models import AuditEvent
+from apps.jobs import alerts, diagnosis
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
-from apps.runs import alerts, diagnosis, store
+from apps.runs import store
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run
 from apps.runs.store import NewRun, insert_runs

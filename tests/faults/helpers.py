@@ -331,6 +331,7 @@ def snapshot(db: Db) -> Iterator[psycopg.Connection]:
 def every_fire_time_once(db: Db, definition_id: int, first_due: Any, schedule: Any) -> None:
     """Assert that the definition's runs are exactly its fire times from `first_due` up to (not
     including) its next_due_at, one run each."""
+    from apps.jobs import firetimes
     from apps.jobs import schedule as sched
 
     with psycopg.connect(db.url, application_name="faults:check") as conn:
@@ -342,7 +343,7 @@ def every_fire_time_once(db: Db, definition_id: int, first_due: Any, schedule: A
         ).fetchone()
     expected = [
         f.utc
-        for f in sched.fire_times_between(
+        for f in firetimes.fire_times_between(
             sched.parse_schedule(schedule),
             first_due - timedelta(seconds=1),
             next_due - timedelta(seconds=1),

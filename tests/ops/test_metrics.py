@@ -109,7 +109,7 @@ def test_an_open_transaction_shows_its_age(api_a):
 def test_observing_many_amounts_at_once_equals_observing_each():
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from apps.ops.metrics import LATENCY_BUCKETS, observe_many
+    from apps.runs.metrics import LATENCY_BUCKETS, observe_many
 
     amounts = [0.0, 0.01, 0.0100001, 0.3, 0.3, 2.5, 59.9, 3600, 3600.5, 1e9]
     exposed = []

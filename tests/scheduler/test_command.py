@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import pytest
 
+from apps.jobs import firetimes
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
 from apps.runs.models import Run
@@ -57,7 +58,7 @@ def assert_every_fire_time_has_exactly_one_run(initial: dict[int, object]) -> No
         parsed = sched.parse_schedule(definition.schedule)
         expected = [
             f.utc
-            for f in sched.fire_times_between(
+            for f in firetimes.fire_times_between(
                 parsed,
                 initial[definition.pk] - timedelta(seconds=1),
                 definition.next_due_at - timedelta(seconds=1),

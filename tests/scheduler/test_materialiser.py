@@ -12,6 +12,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from django.db import DatabaseError
 
+from apps.jobs import firetimes
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
 from apps.runs import store
@@ -43,7 +44,7 @@ def hourly_stopped_three_hours(policy: str) -> tuple[JobDefinition, list]:
         "missedRunPolicy": policy,
     }
     parsed = sched.parse_schedule(schedule)
-    missed = sched.fire_times_between(parsed, now - timedelta(hours=3), now, 10)
+    missed = firetimes.fire_times_between(parsed, now - timedelta(hours=3), now, 10)
     assert len(missed) == 3
     definition = a_definition(f"reports.hourly-{policy}", schedule, missed[0].utc)
     return definition, missed

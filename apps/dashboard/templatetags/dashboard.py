@@ -12,8 +12,8 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 
-from apps.jobs.models import PRIORITY_NAMES
 from apps.runs.ids import public_run_id
+from apps.runs.models import PRIORITY_NAMES
 from apps.teams import access
 
 register = template.Library()

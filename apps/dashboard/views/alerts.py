@@ -1,4 +1,4 @@
-"""Late and missed runs (`apps.runs.alerts`) of every team the user sees: a page, and the panel
+"""Late and missed runs (`apps.jobs.alerts`) of every team the user sees: a page, and the panel
 the overview loads into itself."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from django.http import HttpResponse
 
 from apps.dashboard.http import HtmxHttpRequest, render_page, signed_in
-from apps.jobs.services import database_now
-from apps.runs import alerts as late_and_missed
+from apps.jobs import alerts as late_and_missed
+from apps.runs.clock import database_now
 from apps.teams import access
 
 # The page lists this many, the overview's panel fewer (`?limit=`); the rest are counted.

@@ -7,7 +7,7 @@ from django.http import HttpResponse
 from apps.dashboard import queries
 from apps.dashboard.forms import RANGES, AuditFilterForm
 from apps.dashboard.http import HtmxHttpRequest, render_page, signed_in
-from apps.jobs.services import database_now
+from apps.runs.clock import database_now
 from apps.teams import access
 
 

@@ -22,10 +22,10 @@ from apps.dashboard.forms import (
     schedule_from,
 )
 from apps.dashboard.http import HtmxHttpRequest, actor, done, plural, render_page, signed_in
-from apps.jobs import backfill, services
+from apps.jobs import backfill, diagnosis, enqueue, services
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
-from apps.runs import diagnosis, transitions
+from apps.runs.clock import database_now
 from apps.runs.models import Trigger
 from apps.teams import access
 from apps.teams.models import Role
@@ -50,7 +50,7 @@ def _definition(request: HtmxHttpRequest, name: str) -> JobDefinition:
 
 @signed_in
 def jobs(request: HtmxHttpRequest) -> HttpResponse:
-    now = services.database_now()
+    now = database_now()
     teams = list(access.visible_teams(request.user))
     chosen = request.GET.get("team", "")
     team_ids = [t.pk for t in teams if not chosen or t.slug == chosen]
@@ -88,7 +88,7 @@ def _preview(definition: JobDefinition, after) -> tuple[list[dict], str, bool]:
 
 @signed_in
 def job_detail(request: HtmxHttpRequest, name: str) -> HttpResponse:
-    now = services.database_now()
+    now = database_now()
     definition = _definition(request, name)
     times, problem, is_cron = _preview(definition, now)
     context = {
@@ -151,7 +151,7 @@ def job_backfill(request: HtmxHttpRequest, name: str) -> HttpResponse:
 
 
 def _form_page(request: HtmxHttpRequest, form: DefinitionForm, definition=None) -> HttpResponse:
-    now = services.database_now()
+    now = database_now()
     times: list[dict] = []
     errors: dict[str, str] = {}
     if form.is_bound or definition is not None:
@@ -219,7 +219,7 @@ def job_edit(request: HtmxHttpRequest, name: str) -> HttpResponse:
 @signed_in
 def job_preview(request: HtmxHttpRequest) -> HttpResponse:
     """The form's live preview: schedule errors beside their fields, or the next fire times."""
-    now = services.database_now()
+    now = database_now()
     times, errors = _schedule_preview(request.GET, now)
     context = {
         "now": now,
@@ -250,7 +250,7 @@ def job_pause(request: HtmxHttpRequest, name: str, paused: bool) -> HttpResponse
 @signed_in
 def job_trigger(request: HtmxHttpRequest, name: str) -> HttpResponse:
     definition = _changeable(request, name, Role.OPERATOR)
-    created = transitions.create_run(
+    created = enqueue.create_run(
         definition, actor(request), idempotency_key=None, trigger=Trigger.MANUAL
     )
     return done(

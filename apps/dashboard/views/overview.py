@@ -6,7 +6,7 @@ from django.http import HttpResponse
 
 from apps.dashboard import charts, queries
 from apps.dashboard.http import HtmxHttpRequest, render_page, signed_in
-from apps.jobs.services import database_now
+from apps.runs.clock import database_now
 from apps.teams import access
 
 STATE_ORDER = ["ready", "scheduled", "leased", "retrying", "dead", "succeeded", "cancelled"]

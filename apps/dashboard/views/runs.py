@@ -15,9 +15,10 @@ from apps.audit.record import Actor
 from apps.dashboard import queries
 from apps.dashboard.forms import RunFilterForm
 from apps.dashboard.http import HtmxHttpRequest, actor, done, plural, render_page, signed_in
+from apps.jobs import diagnosis
 from apps.jobs.models import JobDefinition
-from apps.jobs.services import database_now
-from apps.runs import diagnosis, payloads, transitions
+from apps.runs import payloads, transitions
+from apps.runs.clock import database_now
 from apps.runs.ids import parse_run_id
 from apps.runs.models import WAITING_STATES, Run, State
 from apps.teams import access

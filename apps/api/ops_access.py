@@ -1,3 +1,6 @@
+"""Who may read the operations endpoints (/metrics, /readyz): the monitoring networks, and the
+operations token when one is set. /healthz stays open for load balancers."""
+
 from __future__ import annotations
 
 import hmac
@@ -7,10 +10,8 @@ from ipaddress import IPv4Network, IPv6Address, IPv6Network, ip_address, ip_netw
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from apps.api.errors import json_problem
-from apps.ops.metrics import render
 from apps.teams.lockout import client_address
 
 
@@ -66,9 +67,3 @@ def ops_only(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
         return view(request, *args, **kwargs)
 
     return guarded
-
-
-@ops_only
-def metrics(request: HttpRequest) -> HttpResponse:
-    """Prometheus text format, for the monitoring networks (ops_only)."""
-    return HttpResponse(render(), content_type=CONTENT_TYPE_LATEST)

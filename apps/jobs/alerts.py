@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from apps.jobs import firetimes
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
 from apps.runs.ids import public_run_id
@@ -71,7 +72,7 @@ def _missed(definition: JobDefinition, since: datetime, now: datetime) -> list[A
     grace = timedelta(seconds=definition.lateness_slo_seconds + definition.timeout_seconds)
     # Only times whose grace has passed can be judged, and none before the definition existed.
     start = max(since, definition.created_at)
-    times = sched.fire_times_between(schedule, start, now - grace, MAX_TIMES_PER_DEFINITION)
+    times = firetimes.fire_times_between(schedule, start, now - grace, MAX_TIMES_PER_DEFINITION)
     if not times:
         return []
     succeeded = set(

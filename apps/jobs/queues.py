@@ -8,7 +8,8 @@ from typing import Any
 
 from django.db import connection
 
-from apps.jobs.models import PRIORITY_NAMES, Queue
+from apps.jobs.models import Queue
+from apps.runs.models import PRIORITY_NAMES
 
 
 @dataclass

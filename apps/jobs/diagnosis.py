@@ -8,9 +8,9 @@ from typing import Any
 
 from django.db import connection
 
-from apps.jobs.models import PRIORITY_NAMES, JobDefinition, Queue
+from apps.jobs.models import JobDefinition, Queue
 from apps.runs.ids import public_run_id
-from apps.runs.models import WAITING_STATES, Run
+from apps.runs.models import PRIORITY_NAMES, WAITING_STATES, Run
 
 # A queue that no worker asked for work within this long has "no worker".
 WORKER_SILENCE = timedelta(seconds=60)

@@ -12,7 +12,7 @@ import pytest
 from apps.teams.models import ApiToken, Membership, Team
 from tests.conftest import child_database_url
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -6,9 +6,9 @@ from datetime import timedelta
 
 import pytest
 
+from apps.jobs.diagnosis import why_definition, why_run
 from apps.jobs.models import Queue
 from apps.runs import store
-from apps.runs.diagnosis import why_definition, why_run
 from apps.runs.models import Run
 from tests.conftest import add_ready_runs, db_now, make_definition
 

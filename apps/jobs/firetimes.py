@@ -1,0 +1,299 @@
+"""Cron fire times: walk a cron's matches on a time zone's wall clock, as UTC instants.
+
+Daylight-saving rules (DESIGN.md, "Schedules"); this module is the only place that applies them:
+
+- Cron fields are matched against the wall clock of the schedule's time zone.
+- A cron whose hour field names hours (``30 2 * * *``, ``0 1,13 * * *``) means "once at this
+  local time": a local time skipped by spring-forward runs at the next valid local time, and a
+  local time repeated by fall-back runs once, at its first occurrence.
+- A cron whose hour field is a wildcard or a step (``0 * * * *``, ``*/15 * * * *``) follows the
+  wall clock: a skipped slot does not run and a repeated slot runs in both passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from functools import lru_cache
+from typing import Protocol
+from zoneinfo import ZoneInfo
+
+from apps.jobs.cron import Cron, compile_cron
+
+# A wall-clock run reports the slots a spring-forward gap dropped only if the gap is this recent,
+# which covers the next slot after any gap for every cron whose hour field steps.
+DROP_LOOKBACK = timedelta(hours=48)
+ONE_SECOND = timedelta(seconds=1)
+ONE_MINUTE = timedelta(minutes=1)
+
+
+@dataclass(frozen=True)
+class FireTime:
+    """A cron fire time: nominal local time, the same instant in UTC, and a DST note or ""."""
+
+    local: datetime
+    utc: datetime
+    note: str
+
+
+class ZonedCron(Protocol):
+    """What fire-time iteration reads from a schedule: a cron expression and its time zone."""
+
+    @property
+    def cron(self) -> str: ...
+
+    @property
+    def time_zone(self) -> str: ...
+
+
+# --- time zones -----------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1024)
+def load_zone(name: str) -> ZoneInfo:
+    """Return the IANA zone, or raise ValueError naming it."""
+    # These files sit in the zoneinfo tree but are host settings or helpers, not IANA zones.
+    if not name or name in {"localtime", "posixrules", "Factory"} or name.startswith(("/", ".")):
+        raise ValueError(f"unknown time zone '{name}'")
+    try:
+        return ZoneInfo(name)
+    # ZoneInfoNotFoundError is a KeyError; malformed keys and odd files raise the others.
+    except (KeyError, ValueError, OSError) as exc:
+        raise ValueError(f"unknown time zone '{name}'") from exc
+
+
+def _offset_at(instant: datetime, zone: ZoneInfo) -> timedelta:
+    offset = instant.astimezone(zone).utcoffset()
+    assert offset is not None
+    return offset
+
+
+def _transition(zone: ZoneInfo, before: datetime, after: datetime) -> datetime:
+    """Return the first UTC instant in (before, after] that has ``after``'s offset.
+
+    Binary search to the second; callers bracket exactly one transition.
+    """
+    target = _offset_at(after, zone)
+    while after - before > ONE_SECOND:
+        middle = before + (after - before) // 2
+        middle = middle.replace(microsecond=0)
+        if middle <= before:
+            middle = before + ONE_SECOND
+        if _offset_at(middle, zone) == target:
+            after = middle
+        else:
+            before = middle
+    return after
+
+
+@lru_cache(maxsize=65536)
+def _plain_day(zone: ZoneInfo, year: int, month: int, day: int) -> tuple[timedelta | None, bool]:
+    """Return (the day's only UTC offset or None, whether the offset changed shortly before).
+
+    The offset is None when a transition may touch the local day; such days take the careful
+    path. The flag also covers the 48 hours before the day, where a spring-forward gap could have
+    dropped slots that a wall-clock run on this day reports.
+
+    Offsets are sampled every 3 hours over a window wide enough for any zone's offset (-12 h to
+    +14 h); real transitions are weeks apart, so none can hide between two samples.
+    """
+    midnight = datetime(year, month, day, tzinfo=UTC)
+    # Local midnight at +14 h is 14 h before UTC midnight; 23:59 at -12 h is 36 h after it.
+    day_hours = range(-16, 40, 3)
+    lookback_hours = range(-16 - 48, -16, 3)
+    day_offsets = {_offset_at(midnight + timedelta(hours=h), zone) for h in day_hours}
+    earlier_offsets = {_offset_at(midnight + timedelta(hours=h), zone) for h in lookback_hours}
+    plain = next(iter(day_offsets)) if len(day_offsets) == 1 else None
+    return plain, len(day_offsets | earlier_offsets) > 1
+
+
+@lru_cache(maxsize=65536)
+def compile_in_zone(expression: str, time_zone: str) -> tuple[Cron, ZoneInfo]:
+    """Return the compiled cron and its zone; raise CronSyntaxError or ValueError."""
+    return compile_cron(expression), load_zone(time_zone)
+
+
+# --- fire times -----------------------------------------------------------------------------
+
+
+def _hhmm(naive: datetime) -> str:
+    return naive.strftime("%H:%M")
+
+
+def _skipped_note(slots: list[datetime]) -> str:
+    if len(slots) == 1:
+        return f"{_hhmm(slots[0])} does not exist on this day (DST); that run is skipped"
+    if len(slots) <= 4:
+        listed = ", ".join(_hhmm(s) for s in slots[:-1]) + f" and {_hhmm(slots[-1])}"
+    else:
+        listed = f"{_hhmm(slots[0])} to {_hhmm(slots[-1])} ({len(slots)} times)"
+    return f"{listed} do not exist on this day (DST); those runs are skipped"
+
+
+def _dropped_before(cron: Cron, zone: ZoneInfo, run: datetime, offset: timedelta) -> str:
+    """Return a note if a spring-forward gap dropped wall-clock slots just before ``run``.
+
+    ``run`` is the naive local slot and ``offset`` its UTC offset.
+    Computed from the run alone (not from where iteration started) so that every caller gets the
+    same note for the same run.
+
+    1. Find an offset increase in the lookback window; none means nothing was dropped.
+    2. Binary-search its instant and derive the skipped wall-clock interval [start, end).
+    3. Collect the cron's slots in that interval.
+    4. Attach them only if this run is the first slot at or after the interval's end.
+    """
+    utc = (run - offset).replace(tzinfo=UTC)
+    earlier = utc - DROP_LOOKBACK
+    if _offset_at(earlier, zone) >= offset:
+        return ""
+    moment = _transition(zone, earlier, utc)
+    before, after = _offset_at(moment - ONE_SECOND, zone), _offset_at(moment, zone)
+    if after <= before:
+        return ""
+    gap_start = (moment + before).replace(tzinfo=None)
+    gap_end = (moment + after).replace(tzinfo=None)
+    slots: list[datetime] = []
+    slot = cron.first_after(gap_start - ONE_MINUTE)
+    while slot is not None and slot < gap_end:
+        slots.append(slot)
+        slot = cron.first_after(slot)
+    if not slots or slot != run:
+        return ""
+    return _skipped_note(slots)
+
+
+def iter_fire_times(cron: Cron, zone: ZoneInfo, after: datetime) -> Iterator[FireTime]:
+    """Yield fire times strictly after ``after``, ascending, with the DST rules applied.
+
+    1. Walk the cron's naive wall-clock slots from the local time of ``after`` (from the start
+       of a repeated hour if ``after`` falls inside one, since its second pass is still ahead).
+    2. On a day with one UTC offset (nearly every day), a slot is an ordinary time.
+    3. Otherwise compare the zone's offsets for fold 0 and fold 1: equal means an ordinary time,
+       fold 0 smaller means the slot falls in a spring-forward gap, larger means it occurs twice.
+    4. Ordinary: yield it (wall-clock crons note slots a gap just dropped).
+       Gap: named hours run at the gap's end (the next valid time); wall-clock skips it.
+       Repeated: named hours run at the first pass; wall-clock yields every slot of the
+       repeated hour in the first pass, then all of them again in the second.
+    5. Never yield an instant at or before the last one: moved slots can land on the same time.
+    """
+    if after.utcoffset() is None:
+        raise ValueError("after must be an aware datetime")
+    last = after.astimezone(UTC)
+    here = last.astimezone(zone)
+    slot = cron.first_at_or_after(here.year, here.month, here.day, here.hour, here.minute + 1)
+    if _plain_day(zone, here.year, here.month, here.day)[0] is None:
+        start = here.replace(tzinfo=None)
+        early, late = _offsets(zone, start)
+        if early > late:
+            start -= early - late
+            slot = cron.first_at_or_after(
+                start.year, start.month, start.day, start.hour, start.minute + 1
+            )
+    while slot is not None:
+        y, mo, d, h, mi = slot
+        offset, changed_lately = _plain_day(zone, y, mo, d)
+        if offset is not None:
+            utc = datetime(y, mo, d, h, mi, 0, 0, UTC) - offset
+            if utc > last:
+                note = ""
+                if changed_lately and cron.wall_clock:
+                    note = _dropped_before(cron, zone, datetime(*slot), offset)
+                yield FireTime(datetime(y, mo, d, h, mi, 0, 0, zone), utc, note)
+                last = utc
+            slot = cron.first_at_or_after(y, mo, d, h, mi + 1)
+            continue
+
+        naive = datetime(*slot)
+        first, second = _offsets(zone, naive)
+        if first == second:
+            utc = (naive - first).replace(tzinfo=UTC)
+            if utc > last:
+                note = _dropped_before(cron, zone, naive, first) if cron.wall_clock else ""
+                yield FireTime(naive.replace(tzinfo=zone), utc, note)
+                last = utc
+        elif first < second:
+            if not cron.wall_clock:
+                moment = _transition(
+                    zone, (naive - second).replace(tzinfo=UTC), (naive - first).replace(tzinfo=UTC)
+                )
+                if moment > last:
+                    note = (
+                        f"{_hhmm(naive)} does not exist on this day (DST); "
+                        "runs at the next valid time"
+                    )
+                    yield FireTime(moment.astimezone(zone), moment, note)
+                    last = moment
+        elif not cron.wall_clock:
+            utc = (naive - first).replace(tzinfo=UTC)
+            if utc > last:
+                note = (
+                    f"{_hhmm(naive)} occurs twice on this day (DST); "
+                    "runs once, at the first occurrence"
+                )
+                yield FireTime(naive.replace(tzinfo=zone), utc, note)
+                last = utc
+        else:
+            moment = _transition(
+                zone, (naive - first).replace(tzinfo=UTC), (naive - second).replace(tzinfo=UTC)
+            )
+            repeat_end = (moment + first).replace(tzinfo=None)
+            repeated = [naive]
+            following = cron.first_after(naive)
+            while following is not None and following < repeat_end:
+                repeated.append(following)
+                following = cron.first_after(following)
+            for candidate in repeated:
+                utc = (candidate - first).replace(tzinfo=UTC)
+                if utc > last:
+                    yield FireTime(candidate.replace(tzinfo=zone), utc, "")
+                    last = utc
+            for candidate in repeated:
+                utc = (candidate - second).replace(tzinfo=UTC)
+                if utc > last:
+                    note = (
+                        f"{_hhmm(candidate)} occurs twice on this day (DST); "
+                        "this is the second pass"
+                    )
+                    yield FireTime(candidate.replace(tzinfo=zone, fold=1), utc, note)
+                    last = utc
+            naive = repeated[-1]
+        slot = cron.first_at_or_after(
+            naive.year, naive.month, naive.day, naive.hour, naive.minute + 1
+        )
+
+
+def _offsets(zone: ZoneInfo, naive: datetime) -> tuple[timedelta, timedelta]:
+    """Return the zone's UTC offsets for a wall-clock time's first and second occurrence."""
+    local = naive.replace(tzinfo=zone)
+    first, second = local.utcoffset(), local.replace(fold=1).utcoffset()
+    assert first is not None and second is not None
+    return first, second
+
+
+def next_fire_times(schedule: ZonedCron, after: datetime, count: int) -> list[FireTime]:
+    """Return the next ``count`` fire times strictly after ``after``, ascending."""
+    cron, zone = compile_in_zone(schedule.cron, schedule.time_zone)
+    times: list[FireTime] = []
+    if count <= 0:
+        return times
+    for fire in iter_fire_times(cron, zone, after):
+        times.append(fire)
+        if len(times) >= count:
+            break
+    return times
+
+
+def fire_times_between(
+    schedule: ZonedCron, after: datetime, until: datetime, limit: int
+) -> list[FireTime]:
+    """Return up to ``limit`` fire times in (after, until], ascending."""
+    cron, zone = compile_in_zone(schedule.cron, schedule.time_zone)
+    times: list[FireTime] = []
+    if limit <= 0 or until <= after:
+        return times
+    for fire in iter_fire_times(cron, zone, after):
+        if fire.utc > until or len(times) >= limit:
+            break
+        times.append(fire)
+    return times

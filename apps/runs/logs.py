@@ -1,0 +1,20 @@
+"""Events of single runs, one JSON line each (apps/ops/logs.py formats them): leased, succeeded,
+failed, reaped, each with the run id, job, attempt and fencing token."""
+
+from __future__ import annotations
+
+import logging
+
+# Events of single runs, one line each: leased, succeeded, failed, reaped. At tens of thousands
+# of runs a second, set this logger to WARNING and rely on the metrics.
+run_log = logging.getLogger("scheduler.runs")
+
+
+def runs_logged() -> bool:
+    """Whether run events are written: callers skip formatting their fields when not."""
+    return run_log.isEnabledFor(logging.INFO)
+
+
+def run_event(message: str, *, run_id: str, **fields) -> None:
+    if run_log.isEnabledFor(logging.INFO):
+        run_log.info(message, extra={"run_id": run_id, **fields})

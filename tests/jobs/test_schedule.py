@@ -1,0 +1,464 @@
+"""Tests for apps/jobs/schedule.py: the JSON form and its validation, preview, jitter, shards, keys.
+
+Pure functions: no database, no Django settings needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import time_machine
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from apps.jobs.firetimes import next_fire_times
+from apps.jobs.schedule import (
+    CronSchedule,
+    DelayedSchedule,
+    NoSchedule,
+    OneOffSchedule,
+    ScheduleError,
+    format_utc,
+    idempotency_key,
+    jitter_offset,
+    parse_schedule,
+    preview,
+    schedule_to_json,
+    shard_for,
+)
+
+
+def at(text: str) -> datetime:
+    return datetime.fromisoformat(text)
+
+
+# --- jitter and shards -------------------------------------------------------------------------
+
+NAMES = [f"team-{i % 37}.job-{i}" for i in range(10_000)]
+
+
+def _expected_jitter(name: str, jitter_seconds: int) -> int:
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    return int.from_bytes(digest[8:16], byteorder="big") % jitter_seconds
+
+
+def _expected_shard(name: str, shard_count: int) -> int:
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], byteorder="big") % shard_count
+
+
+def _chi_square(counts: list[int]) -> float:
+    expected = sum(counts) / len(counts)
+    return sum((c - expected) ** 2 / expected for c in counts)
+
+
+@pytest.mark.parametrize(
+    ("name", "jitter_seconds"),
+    [
+        ("billing.export-invoices", 60),
+        ("billing.export-invoices", 3600),
+        ("search.reindex", 60),
+        ("ünïcode.jöb", 900),
+        ("a", 1),
+    ],
+)
+def test_jitter_is_stable_and_matches_the_documented_hash(name, jitter_seconds):
+    offset = jitter_offset(name, jitter_seconds)
+
+    assert offset == _expected_jitter(name, jitter_seconds)
+    assert offset == jitter_offset(name, jitter_seconds)
+    assert 0 <= offset < jitter_seconds
+
+
+@pytest.mark.parametrize("jitter_seconds", [0, -5])
+def test_zero_jitter_means_no_offset(jitter_seconds):
+    assert {jitter_offset(name, jitter_seconds) for name in NAMES[:500]} == {0}
+
+
+def test_jitter_spreads_names_uniformly():
+    offsets = [jitter_offset(name, 60) for name in NAMES]
+    counts = Counter(offsets)
+
+    assert all(0 <= o < 60 for o in offsets)
+    assert len(counts) == 60
+    # 59 degrees of freedom: the 99.9th percentile of chi-square is about 98.3.
+    assert _chi_square([counts[o] for o in range(60)]) < 98.3
+
+
+def test_jitter_spreads_names_across_a_long_window():
+    buckets = Counter(jitter_offset(name, 3600) // 360 for name in NAMES)
+
+    # Each tenth of the hour should hold about 1 000 names; 4 standard deviations is 120.
+    assert all(abs(buckets[b] - 1000) < 120 for b in range(10)), buckets
+
+
+@pytest.mark.parametrize("name", ["billing.export-invoices", "search.reindex", "ünïcode.jöb"])
+@pytest.mark.parametrize("shard_count", [1, 16, 7])
+def test_shard_is_stable_and_matches_the_documented_hash(name, shard_count):
+    shard = shard_for(name, shard_count)
+
+    assert shard == _expected_shard(name, shard_count)
+    assert 0 <= shard < shard_count
+
+
+def test_shard_defaults_to_16_and_spreads_names_uniformly():
+    shards = [shard_for(name) for name in NAMES]
+    counts = Counter(shards)
+
+    assert set(counts) == set(range(16))
+    # 15 degrees of freedom: the 99.9th percentile of chi-square is about 37.7.
+    assert _chi_square([counts[s] for s in range(16)]) < 37.7
+
+
+def test_shard_count_must_be_positive():
+    with pytest.raises(ValueError):
+        shard_for("billing.export-invoices", 0)
+
+
+# --- validation --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "path", "reason"),
+    [
+        pytest.param(None, "schedule", "must be an object", id="null"),
+        pytest.param("0 2 * * *", "schedule", "must be an object", id="bare-string"),
+        pytest.param([], "schedule", "must be an object", id="list"),
+        pytest.param({"cron": "0 2 * * *", "tz": "UTC"}, "schedule", "unknown field 'tz'", id="unknown-key"),
+        pytest.param({"cron": "0 2 * * *", "runAt": "2026-12-01T10:00:00Z"}, "schedule", "mixes", id="cron-and-runAt"),
+        pytest.param({"runAt": "2026-12-01T10:00:00Z", "delaySeconds": 5}, "schedule", "mixes", id="runAt-and-delay"),
+        pytest.param({"delaySeconds": 5, "timeZone": "UTC"}, "schedule", "mixes", id="delay-with-zone"),
+        pytest.param({"timeZone": "UTC"}, "schedule.cron", "required", id="zone-without-cron"),
+        pytest.param({"cron": ""}, "schedule.cron", "must be a cron expression", id="empty-cron"),
+        pytest.param({"cron": 5}, "schedule.cron", "must be a cron expression", id="cron-not-string"),
+        pytest.param({"cron": "61 * * * *"}, "schedule.cron", "minute field: 61 is out of range 0-59", id="minute-range"),
+        pytest.param({"cron": "0 24 * * *"}, "schedule.cron", "hour field: 24 is out of range 0-23", id="hour-range"),
+        pytest.param({"cron": "0 0 0 * *"}, "schedule.cron", "day-of-month field: 0 is out of range", id="dom-range"),
+        pytest.param({"cron": "0 0 * 13 *"}, "schedule.cron", "month field: 13 is out of range", id="month-range"),
+        pytest.param({"cron": "0 0 * * 8"}, "schedule.cron", "day-of-week field: 8 is out of range", id="dow-range"),
+        pytest.param({"cron": "0 0 * FOO *"}, "schedule.cron", "'FOO' is not a number or a month name", id="bad-name"),
+        pytest.param({"cron": "5-1 * * * *"}, "schedule.cron", "runs backwards", id="backwards-range"),
+        pytest.param({"cron": "*/0 * * * *"}, "schedule.cron", "step '0'", id="zero-step"),
+        pytest.param({"cron": "1,,2 * * * *"}, "schedule.cron", "empty item", id="empty-list-item"),
+        pytest.param({"cron": "0 0 L * *"}, "schedule.cron", "'L' is not supported", id="quartz-L"),
+        pytest.param({"cron": "0 0 * * MON#2"}, "schedule.cron", "not supported", id="quartz-hash"),
+        pytest.param({"cron": "* * *"}, "schedule.cron", "has 3 fields; expected 5", id="too-few-fields"),
+        pytest.param({"cron": "0 0 2 * * *"}, "schedule.cron", "seconds and year fields are not supported", id="six-fields"),
+        pytest.param({"cron": "@reboot"}, "schedule.cron", "@reboot is not supported", id="reboot"),
+        pytest.param({"cron": "@every 5m"}, "schedule.cron", "unknown macro", id="unknown-macro"),
+        pytest.param({"cron": "0 0 30 2 *"}, "schedule.cron", "never fires: day 30 does not occur in February", id="never-fires"),
+        pytest.param({"cron": "0 0 31 4,6 *"}, "schedule.cron", "never fires: day 31 does not occur in April or June", id="never-fires-31"),
+        pytest.param({"cron": "0 2 * * *", "timeZone": "Mars/Base"}, "schedule.timeZone", "unknown time zone 'Mars/Base'", id="unknown-zone"),
+        pytest.param({"cron": "0 2 * * *", "timeZone": "localtime"}, "schedule.timeZone", "unknown time zone", id="host-localtime"),
+        pytest.param({"cron": "0 2 * * *", "timeZone": "../etc/passwd"}, "schedule.timeZone", "unknown time zone", id="path-zone"),
+        pytest.param({"cron": "0 2 * * *", "timeZone": 1}, "schedule.timeZone", "IANA", id="zone-not-string"),
+        pytest.param({"cron": "0 2 * * *", "jitterSeconds": "60"}, "schedule.jitterSeconds", "whole number", id="jitter-string"),
+        pytest.param({"cron": "0 2 * * *", "jitterSeconds": 1.5}, "schedule.jitterSeconds", "whole number", id="jitter-float"),
+        pytest.param({"cron": "0 2 * * *", "jitterSeconds": True}, "schedule.jitterSeconds", "whole number", id="jitter-bool"),
+        pytest.param({"cron": "0 2 * * *", "jitterSeconds": -1}, "schedule.jitterSeconds", "negative", id="jitter-negative"),
+        pytest.param({"cron": "*/15 * * * *", "jitterSeconds": 901}, "schedule.jitterSeconds", "(900 seconds)", id="jitter-over-period"),
+        pytest.param({"cron": "0 1,23 * * *", "jitterSeconds": 7201}, "schedule.jitterSeconds", "(7200 seconds)", id="jitter-over-overnight-gap"),
+        pytest.param({"cron": "0 2 * * *", "missedRunPolicy": "sometimes"}, "schedule.missedRunPolicy", "run_once, run_all, skip", id="bad-policy"),
+        pytest.param({"cron": "0 2 * * *", "missedRunPolicy": None}, "schedule.missedRunPolicy", "must be one of", id="null-policy"),
+        pytest.param({"runAt": "2026-12-01T10:00:00"}, "schedule.runAt", "no UTC offset", id="naive-runAt"),
+        pytest.param({"runAt": "2026-12-01"}, "schedule.runAt", "no UTC offset", id="date-only-runAt"),
+        pytest.param({"runAt": "next tuesday"}, "schedule.runAt", "ISO-8601", id="prose-runAt"),
+        pytest.param({"runAt": 1764583200}, "schedule.runAt", "ISO-8601", id="epoch-runAt"),
+        pytest.param({"delaySeconds": -1}, "schedule.delaySeconds", "negative", id="delay-negative"),
+        pytest.param({"delaySeconds": "300"}, "schedule.delaySeconds", "whole number", id="delay-string"),
+        pytest.param({"delaySeconds": 1.5}, "schedule.delaySeconds", "whole number", id="delay-float"),
+        pytest.param({"delaySeconds": False}, "schedule.delaySeconds", "whole number", id="delay-bool"),
+        pytest.param({"delaySeconds": 10**12}, "schedule.delaySeconds", "at most", id="delay-huge"),
+    ],
+)  # fmt: skip
+def test_bad_schedule_names_the_field_and_why(raw, path, reason):
+    with pytest.raises(ScheduleError) as caught:
+        parse_schedule(raw)
+
+    assert list(caught.value.errors) == [path]
+    assert reason in caught.value.errors[path]
+    assert isinstance(caught.value, ValueError)
+
+
+def test_every_bad_cron_field_is_reported_at_once():
+    with pytest.raises(ScheduleError) as caught:
+        parse_schedule(
+            {
+                "cron": "61 25 * * *",
+                "timeZone": "Mars/Base",
+                "jitterSeconds": -1,
+                "missedRunPolicy": "maybe",
+            }
+        )
+
+    errors = caught.value.errors
+    assert set(errors) == {
+        "schedule.cron",
+        "schedule.timeZone",
+        "schedule.jitterSeconds",
+        "schedule.missedRunPolicy",
+    }
+    assert "minute field" in errors["schedule.cron"] and "hour field" in errors["schedule.cron"]
+    assert errors["schedule.timeZone"] == "unknown time zone 'Mars/Base'"
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected", "canonical"),
+    [
+        pytest.param(
+            {"cron": "0 2 * * *"},
+            CronSchedule("0 2 * * *", "UTC", 60, "run_once"),
+            {"cron": "0 2 * * *", "timeZone": "UTC", "jitterSeconds": 60, "missedRunPolicy": "run_once"},
+            id="cron-defaults",
+        ),
+        pytest.param(
+            {"cron": "  30  2 * *   * ", "timeZone": "Europe/Berlin", "jitterSeconds": 0, "missedRunPolicy": "skip"},
+            CronSchedule("30 2 * * *", "Europe/Berlin", 0, "skip"),
+            {"cron": "30 2 * * *", "timeZone": "Europe/Berlin", "jitterSeconds": 0, "missedRunPolicy": "skip"},
+            id="cron-whitespace-normalised",
+        ),
+        pytest.param(
+            {"cron": "*/15 * * * *", "jitterSeconds": 900, "missedRunPolicy": "run_all"},
+            CronSchedule("*/15 * * * *", "UTC", 900, "run_all"),
+            {"cron": "*/15 * * * *", "timeZone": "UTC", "jitterSeconds": 900, "missedRunPolicy": "run_all"},
+            id="jitter-equal-to-period",
+        ),
+        pytest.param(
+            {"cron": "@weekly", "timeZone": "Asia/Kolkata", "jitterSeconds": 3600},
+            CronSchedule("@weekly", "Asia/Kolkata", 3600, "run_once"),
+            {"cron": "@weekly", "timeZone": "Asia/Kolkata", "jitterSeconds": 3600, "missedRunPolicy": "run_once"},
+            id="macro",
+        ),
+        pytest.param(
+            {"runAt": "2026-12-01T11:00:00+01:00"},
+            OneOffSchedule(datetime(2026, 12, 1, 10, tzinfo=UTC)),
+            {"runAt": "2026-12-01T10:00:00Z"},
+            id="one-off-normalised-to-utc",
+        ),
+        pytest.param(
+            {"runAt": "2026-12-01T10:00:00Z"},
+            OneOffSchedule(datetime(2026, 12, 1, 10, tzinfo=UTC)),
+            {"runAt": "2026-12-01T10:00:00Z"},
+            id="one-off-z",
+        ),
+        pytest.param({"delaySeconds": 300}, DelayedSchedule(300), {"delaySeconds": 300}, id="delayed"),
+        pytest.param({"delaySeconds": 0}, DelayedSchedule(0), {"delaySeconds": 0}, id="delayed-now"),
+        pytest.param({}, NoSchedule(), {}, id="none"),
+    ],
+)  # fmt: skip
+def test_good_schedule_normalises_with_defaults_and_round_trips(raw, expected, canonical):
+    schedule = parse_schedule(raw)
+
+    assert schedule == expected
+    assert schedule_to_json(schedule) == canonical
+    assert parse_schedule(schedule_to_json(schedule)) == schedule
+
+
+def test_one_off_keeps_utc_and_sub_second_precision_through_json():
+    schedule = parse_schedule({"runAt": "2026-12-01T10:00:00.250+02:00"})
+
+    assert schedule.run_at.tzinfo is UTC
+    assert schedule_to_json(schedule) == {"runAt": "2026-12-01T08:00:00.250000Z"}
+    assert parse_schedule(schedule_to_json(schedule)) == schedule
+
+
+@pytest.mark.parametrize("today", ["2026-03-29T01:30:00Z", "2031-10-26T01:30:00Z"])
+def test_validation_does_not_depend_on_today(today):
+    with time_machine.travel(at(today), tick=False):
+        accepted = parse_schedule({"cron": "0 1,23 * * *", "jitterSeconds": 7200})
+        with pytest.raises(ScheduleError) as caught:
+            parse_schedule({"cron": "0 1,23 * * *", "jitterSeconds": 7201})
+
+    assert accepted.jitter_seconds == 7200
+    assert "(7200 seconds)" in caught.value.errors["schedule.jitterSeconds"]
+
+
+# --- hostile input: random text and JSON values --------------------------------------------------
+
+
+CRON_PIECES = st.sampled_from(
+    ["*", "/", "-", ",", " ", "0", "1", "5", "7", "12", "59", "60", "9" * 30, "SUN", "mon",
+     "JAN", "L", "W", "#", "?", "@daily", "@", "TZ=", "=", "\t", "\n", "\u00a0", "ſ", "٣"]
+)  # fmt: skip
+CRON_TEXT = st.one_of(
+    st.lists(CRON_PIECES, max_size=40).map("".join),
+    st.text(max_size=300),
+    st.text(alphabet="0123456789*/-, ", min_size=150, max_size=400),
+)
+SCHEDULE_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=40), CRON_TEXT
+)
+
+
+@given(
+    cron=CRON_TEXT,
+    extra=st.dictionaries(
+        st.sampled_from(["timeZone", "jitterSeconds", "missedRunPolicy"]), SCHEDULE_VALUES
+    ),
+)
+@example(cron="1" * 5000 + " * * * *", extra={})
+@example(cron="TZ=Europe/Berlin 0 0 * * *", extra={"timeZone": "Europe/Berlin"})
+@settings(max_examples=400, deadline=None)
+def test_parse_schedule_on_random_text_returns_or_raises_schedule_error(cron, extra):
+    try:
+        schedule = parse_schedule({"cron": cron, **extra})
+    except ScheduleError as exc:
+        assert exc.errors and all(isinstance(reason, str) for reason in exc.errors.values())
+    else:
+        assert isinstance(schedule, CronSchedule)
+        assert parse_schedule(schedule_to_json(schedule)) == schedule
+        next_fire_times(schedule, at("2026-01-04T00:00:00Z"), 2)
+
+
+@given(raw=st.one_of(SCHEDULE_VALUES, st.dictionaries(
+    st.sampled_from(["cron", "runAt", "delaySeconds", "timeZone", "jitterSeconds", "x"]),
+    SCHEDULE_VALUES,
+)))  # fmt: skip
+@settings(max_examples=300, deadline=None)
+def test_parse_schedule_on_any_json_value_returns_or_raises_schedule_error(raw):
+    try:
+        parse_schedule(raw)
+    except ScheduleError as exc:
+        assert exc.errors
+
+
+# --- idempotency keys and formatting -------------------------------------------------------------
+
+
+def test_idempotency_key_is_name_at_local_time_with_offset():
+    (fire,) = next_fire_times(
+        CronSchedule("0 2 * * *", "Europe/Berlin"), at("2026-03-14T12:00:00Z"), 1
+    )
+
+    assert idempotency_key("billing.export-invoices", fire.local) == (
+        "billing.export-invoices@2026-03-15T02:00:00+01:00"
+    )
+
+
+def test_idempotency_keys_differ_between_the_two_passes_of_a_repeated_hour():
+    times = next_fire_times(
+        CronSchedule("0 * * * *", "Europe/Berlin"), at("2026-10-24T23:30:00Z"), 2
+    )
+
+    assert [idempotency_key("ops.ping", t.local) for t in times] == [
+        "ops.ping@2026-10-25T02:00:00+02:00",
+        "ops.ping@2026-10-25T02:00:00+01:00",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (datetime(2026, 3, 29, 1, 0, tzinfo=UTC), "2026-03-29T01:00:00Z"),
+        (at("2026-03-29T03:00:00.999+02:00"), "2026-03-29T01:00:00Z"),
+        (at("2026-03-28T20:00:00-05:00"), "2026-03-29T01:00:00Z"),
+    ],
+)
+def test_format_utc_renders_seconds_with_z(value, expected):
+    assert format_utc(value) == expected
+
+
+def test_format_utc_rejects_naive_times():
+    with pytest.raises(ValueError):
+        format_utc(datetime(2026, 3, 29, 1))
+
+
+# --- preview -----------------------------------------------------------------------------------
+
+LOCAL_ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d$")
+UTC_ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
+
+
+def test_preview_of_the_design_example():
+    name = "billing.export-invoices"
+    schedule = parse_schedule({"cron": "30 2 * * *", "timeZone": "Europe/Berlin"})
+    jitter = _expected_jitter(name, 60)
+
+    items = preview(name, schedule, at("2026-03-27T12:00:00Z"), 3)
+
+    assert items[1] == {
+        "local": "2026-03-29T03:00:00+02:00",
+        "utc": "2026-03-29T01:00:00Z",
+        "start": format_utc(at("2026-03-29T01:00:00Z") + timedelta(seconds=jitter)),
+        "note": "02:30 does not exist on this day (DST); runs at the next valid time",
+    }
+    assert [item["local"] for item in items] == [
+        "2026-03-28T02:30:00+01:00",
+        "2026-03-29T03:00:00+02:00",
+        "2026-03-30T02:30:00+02:00",
+    ]
+    assert [item["note"] for item in items] == ["", items[1]["note"], ""]
+    for item in items:
+        assert set(item) == {"local", "utc", "start", "note"}
+        assert LOCAL_ISO.match(item["local"]) and UTC_ISO.match(item["utc"])
+        assert UTC_ISO.match(item["start"])
+
+
+def test_preview_without_jitter_starts_on_time():
+    schedule = parse_schedule(
+        {"cron": "0 2 * * *", "timeZone": "Europe/Berlin", "jitterSeconds": 0}
+    )
+
+    items = preview("billing.export-invoices", schedule, at("2026-03-14T12:00:00Z"), 2)
+
+    assert items == [
+        {"local": "2026-03-15T02:00:00+01:00", "utc": "2026-03-15T01:00:00Z", "start": "2026-03-15T01:00:00Z", "note": ""},
+        {"local": "2026-03-16T02:00:00+01:00", "utc": "2026-03-16T01:00:00Z", "start": "2026-03-16T01:00:00Z", "note": ""},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("schedule", "after", "created_at", "expected"),
+    [
+        pytest.param(
+            OneOffSchedule(datetime(2026, 12, 1, 10, tzinfo=UTC)),
+            "2026-11-30T00:00:00Z",
+            None,
+            [{"local": "2026-12-01T10:00:00+00:00", "utc": "2026-12-01T10:00:00Z", "start": "2026-12-01T10:00:00Z", "note": ""}],
+            id="one-off-ahead",
+        ),
+        pytest.param(
+            OneOffSchedule(datetime(2026, 12, 1, 10, tzinfo=UTC)),
+            "2026-12-01T10:00:00Z",
+            None,
+            [],
+            id="one-off-at-from-is-excluded",
+        ),
+        pytest.param(
+            DelayedSchedule(300),
+            "2026-05-01T10:00:00Z",
+            "2026-05-01T11:58:00+02:00",
+            [{"local": "2026-05-01T10:03:00+00:00", "utc": "2026-05-01T10:03:00Z", "start": "2026-05-01T10:03:00Z", "note": ""}],
+            id="delayed-from-creation",
+        ),
+        pytest.param(
+            DelayedSchedule(300),
+            "2026-05-01T12:00:00Z",
+            None,
+            [{"local": "2026-05-01T12:05:00+00:00", "utc": "2026-05-01T12:05:00Z", "start": "2026-05-01T12:05:00Z", "note": ""}],
+            id="delayed-from-now",
+        ),
+        pytest.param(NoSchedule(), "2026-05-01T12:00:00Z", None, [], id="none"),
+    ],
+)  # fmt: skip
+def test_preview_of_one_off_delayed_and_none(schedule, after, created_at, expected):
+    items = preview(
+        "orders.refund",
+        schedule,
+        at(after),
+        10,
+        created_at=at(created_at) if created_at else None,
+    )
+
+    assert items == expected
+
+
+def test_preview_returns_exactly_count_items():
+    items = preview("ops.ping", CronSchedule("*/5 * * * *"), at("2026-05-01T12:00:00Z"), 1000)
+
+    assert len(items) == 1000
+    assert items[-1]["utc"] == "2026-05-04T23:20:00Z"
