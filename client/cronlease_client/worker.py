@@ -18,100 +18,43 @@ answered its result, so a slow report cannot let the lease expire under it.
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 import os
 import pickle
 import queue
 import signal
-import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from multiprocessing.managers import SyncManager
 from typing import Any, Literal, Protocol
 
 from cronlease_client.context import Context, LeaseFlag
-from cronlease_client.errors import ApiError, HandlerError
+from cronlease_client.errors import ApiError
+from cronlease_client.lifecycle import Daemon
 from cronlease_client.registry import HandlerFunc, HandlerSpec, spec_for
-from cronlease_client.transport import Transport, backoff_delay, heartbeat_leases
+from cronlease_client.reporting import (
+    MAX_BATCH,
+    SKIPPED_DRY_RUN,
+    Batch,
+    LeasedRun,
+    Report,
+    describe_failure,
+    describe_result,
+    log_failure,
+    send_results,
+)
+from cronlease_client.transport import backoff_delay
 
 logger = logging.getLogger("cronlease_client")
 
-MAX_BATCH = 1000  # the server's limit on items in one batch request
-MAX_ERROR_MESSAGE = 10000
-MAX_ERROR_TYPE = 200
 RESULTS_WINDOW_SECONDS = 0.05
 # After a full batch (more work is probably waiting) the next lease call waits up to this long
 # for half the slots to free: fewer, fuller requests instead of one per freed slot.
 FILL_WAIT_SECONDS = 0.05
 SHUTDOWN_ERROR = "WorkerShutdown"
-
-
-@dataclass(frozen=True)
-class Report:
-    """What one attempt came to, ready for `POST /api/v1/results`."""
-
-    outcome: Literal["succeeded", "failed"]
-    result: Any = None
-    error_type: str = ""
-    message: str = ""
-    retryable: bool = True
-    traceback: str = ""
-
-    def item(self, run_id: str, fencing_token: int) -> dict[str, Any]:
-        if self.outcome == "succeeded":
-            return {
-                "runId": run_id,
-                "fencingToken": fencing_token,
-                "outcome": "succeeded",
-                "result": self.result,
-            }
-        return {
-            "runId": run_id,
-            "fencingToken": fencing_token,
-            "outcome": "failed",
-            # Truncated here: one oversized message must not get the whole batch refused.
-            "error": {
-                "type": self.error_type[:MAX_ERROR_TYPE],
-                "message": self.message[:MAX_ERROR_MESSAGE],
-            },
-            "retryable": self.retryable,
-        }
-
-
-SKIPPED_DRY_RUN = Report("succeeded", {"dryRun": True, "skipped": True})
-
-
-def describe_failure(exc: BaseException, ctx_retryable: bool | None = None) -> Report:
-    """Turn a handler's exception into a failed Report.
-
-    Retryable/NonRetryable decide for themselves; any other exception is retried unless the
-    handler set `ctx.retryable = False`.
-    """
-    if isinstance(exc, HandlerError):
-        cause = exc.__cause__
-        error_type = exc.error_type or type(cause if cause is not None else exc).__name__
-        message = exc.message or (str(cause) if cause is not None else "")
-        retryable = exc.retryable
-        # A deliberate Retryable/NonRetryable is an answer, not a bug: no traceback in the log.
-        trace = ""
-    else:
-        error_type = type(exc).__name__
-        message = str(exc)
-        retryable = ctx_retryable is not False
-        trace = "".join(traceback.format_exception(exc))
-    return Report(
-        "failed",
-        error_type=error_type,
-        message=message or error_type,
-        retryable=retryable,
-        traceback=trace,
-    )
 
 
 def invoke(
@@ -126,15 +69,7 @@ def invoke(
         value = func(ctx)
     except BaseException as exc:  # a handler's sys.exit() must not take a slot thread down
         return describe_failure(exc, ctx.retryable)
-    if value is None or type(value) in (str, int, float, bool):
-        return Report("succeeded", value)
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        # The handler's work is done; failing now would only run it again for nothing.
-        ctx.logger.warning("handler result is not JSON; storing its repr")
-        value = {"unserializable": repr(value)[:1000]}
-    return Report("succeeded", value)
+    return describe_result(value, ctx.logger, "handler")
 
 
 def _init_child(parent_pid: int) -> None:
@@ -162,35 +97,20 @@ def _init_pool_process(parent_pid: int, log_level: int) -> None:
         )
 
 
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}/{os.getpid()}"
-
-
 class _Flag(LeaseFlag, Protocol):
     def set(self) -> None: ...
 
 
-class _Run:
+class _Run(LeasedRun):
     """The worker's record of one lease, from the claim until the scheduler answers its result."""
 
     def __init__(self, lease: Mapping[str, Any], flag: _Flag) -> None:
+        super().__init__(lease["runId"], lease["job"], lease["attempt"], lease["fencingToken"])
         self.lease = lease
-        self.run_id: str = lease["runId"]
-        self.job: str = lease["job"]
-        self.attempt: int = lease["attempt"]
-        self.token: int = lease["fencingToken"]
         self.flag = flag  # the handler's ctx.lease_lost
         self.lost = False  # the scheduler answered 409/404 to a heartbeat
         self.finished = False  # the handler returned; its report is queued
         self.abandoned = False  # failed by the shutdown; the handler's own outcome is dropped
-
-    def fields(self) -> dict[str, Any]:
-        return {
-            "run_id": self.run_id,
-            "job": self.job,
-            "attempt": self.attempt,
-            "fencing_token": self.token,
-        }
 
     def set_flag(self) -> None:
         try:
@@ -199,12 +119,14 @@ class _Run:
             logger.debug("could not set lease_lost run_id=%s", self.run_id, exc_info=True)
 
 
-class Worker:
+class Worker(Daemon):
     """Lease runs of `queues` and run them with handlers registered by job name.
 
     `run()` blocks (SIGTERM or Ctrl-C stop it gracefully, a second Ctrl-C at once); `start()`
     runs in background threads and `stop()` ends it.
     """
+
+    kind = "worker"
 
     def __init__(
         self,
@@ -223,46 +145,36 @@ class Worker:
         heartbeat_interval: float | None = None,
         http_timeout: float = 10.0,
     ) -> None:
-        self.queues = [queues] if isinstance(queues, str) else list(queues)
-        if not self.queues:
-            raise ValueError("give at least one queue")
+        super().__init__(
+            base_url,
+            token,
+            queues,
+            lease_seconds=lease_seconds,
+            wait_seconds=wait_seconds,
+            worker_id=worker_id,
+            grace_seconds=grace_seconds,
+            # A third of the lease leaves two more chances before it runs out.
+            heartbeat_interval=heartbeat_interval or max(0.2, lease_seconds / 3),
+            http_timeout=http_timeout,
+        )
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if pool not in ("thread", "process"):
             raise ValueError("pool must be 'thread' or 'process'")
         if lease_seconds < 1 or wait_seconds < 0 or grace_seconds < 0:
             raise ValueError("lease_seconds must be >= 1, wait_seconds and grace_seconds >= 0")
-        self.base_url = base_url
-        self.token = token
         self.concurrency = concurrency
         self.pool = pool
         self.batch_size = max(1, min(batch_size or concurrency, MAX_BATCH))
-        self.lease_seconds = lease_seconds
-        self.wait_seconds = wait_seconds
-        self.worker_id = worker_id or default_worker_id()
-        self.grace_seconds = grace_seconds
-        # A third of the lease leaves two more chances before it runs out.
-        self.heartbeat_interval = heartbeat_interval or max(0.2, lease_seconds / 3)
-        self.http_timeout = http_timeout
         self.handlers: dict[str, HandlerSpec] = {}
         for job, func in (handlers or {}).items():
             self.add_handler(job, func)
 
-        # Set by a fatal answer (401, 403, 400) to a lease request; run() raises it.
-        self.error: ApiError | None = None
-        self._lock = threading.Condition()
         self._inflight: dict[str, _Run] = {}
         self._busy = 0  # leases handed to the slots whose handler has not returned
         self._abandoning = False
         self._tasks: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[tuple[_Run, Report] | None] = queue.SimpleQueue()
-        self._stopping = threading.Event()
-        self._forced = threading.Event()
-        self._stopped = threading.Event()
-        self._heartbeats_stop = threading.Event()
-        self._lease_done = threading.Event()
-        self._threads: dict[str, threading.Thread] = {}
-        self._started = False
         self._executor: ProcessPoolExecutor | None = None
         self._manager: SyncManager | None = None
 
@@ -285,15 +197,6 @@ class Worker:
 
     # -- life cycle -------------------------------------------------------------------------
 
-    @property
-    def stopping(self) -> bool:
-        return self._stopping.is_set()
-
-    @property
-    def forced(self) -> bool:
-        """Whether the worker was told to exit at once (a second Ctrl-C, or stop(force=True))."""
-        return self._forced.is_set()
-
     def start(self) -> Worker:
         """Start leasing in background threads and return at once."""
         if self._started:
@@ -304,7 +207,7 @@ class Worker:
             self._check_picklable()
             self._start_process_pool()
         self._started = True
-        self._lease_http = self._transport(cancel=self._stopping)
+        self._lease_http = self._transport(cancel=self.shutdown)
         self._heartbeat_http = self._transport(cancel=self._forced, attempts=3)
         self._results_http = self._transport(cancel=self._forced, attempts=10)
         self._spawn("cronlease-lease", self._lease_loop)
@@ -323,69 +226,6 @@ class Worker:
             extra={"worker_id": self.worker_id, "queues": self.queues},
         )
         return self
-
-    def run(self) -> None:
-        """Start and block until stopped; raise ApiError when the scheduler refused the worker.
-
-        In the main thread, SIGTERM and SIGINT stop the worker gracefully and a second SIGINT
-        makes it exit at once.
-        """
-        previous: dict[signal.Signals, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                previous[signum] = signal.signal(signum, self._on_signal)
-        try:
-            self.start()
-            # Short waits so the main thread gets back to the interpreter to run signal handlers.
-            while not self._stopped.wait(0.2):
-                pass
-        finally:
-            for signum, handler in previous.items():
-                # None: a handler installed outside Python, which cannot be put back.
-                if handler is not None:
-                    signal.signal(signum, handler)
-        if self.error is not None:
-            raise self.error
-
-    def stop(self, *, force: bool = False, timeout: float | None = None) -> bool:
-        """Stop leasing, let in-flight handlers finish (up to grace_seconds) and wait for the end.
-
-        `force=True` abandons in-flight runs at once (their leases expire on the server). Return
-        whether the worker has stopped within `timeout` (default: the grace period plus 30 s).
-        """
-        if force:
-            self._forced.set()
-        self._stopping.set()
-        if not self._started:
-            self._stopped.set()
-            return True
-        return self.join(self.grace_seconds + 30 if timeout is None else timeout)
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait until the worker has stopped; return whether it has."""
-        return self._stopped.wait(timeout)
-
-    def __enter__(self) -> Worker:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        if signum == signal.SIGINT and self._stopping.is_set():
-            self._forced.set()
-        self._stopping.set()
-
-    def _spawn(self, name: str, target: Callable[[], None]) -> None:
-        # Daemon threads: a handler stuck past the grace period must not keep the process alive.
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        self._threads[name] = thread
-        thread.start()
-
-    def _transport(self, *, cancel: threading.Event, attempts: int = 5) -> Transport:
-        return Transport(
-            self.base_url, self.token, timeout=self.http_timeout, attempts=attempts, cancel=cancel
-        )
 
     def _check_picklable(self) -> None:
         for job, spec in self.handlers.items():
@@ -422,15 +262,15 @@ class Worker:
         """Block until a slot is free (or the worker stops), then up to FILL_WAIT_SECONDS more
         until `wanted` are; return how many are free."""
         with self._lock:
-            while self._free() <= 0 and not self._stopping.is_set():
+            while self._free() <= 0 and not self.shutdown.is_set():
                 self._lock.wait(0.5)
             deadline = time.monotonic() + FILL_WAIT_SECONDS
-            while self._free() < wanted and not self._stopping.is_set():
+            while self._free() < wanted and not self.shutdown.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._lock.wait(left)
-            return 0 if self._stopping.is_set() else self._free()
+            return 0 if self.shutdown.is_set() else self._free()
 
     def _free(self) -> int:
         """Slots free to lease into; call with the lock held.
@@ -447,7 +287,7 @@ class Worker:
         failures = 0
         wanted = 1
         try:
-            while not self._stopping.is_set():
+            while not self.shutdown.is_set():
                 free = self._free_slots(wanted)
                 if not free:
                     continue
@@ -470,7 +310,7 @@ class Worker:
                     failures += 1
                     delay = backoff_delay(failures, base=0.5, cap=30.0)
                     logger.warning("leasing failed; retrying in %.1fs: %s", delay, exc)
-                    self._stopping.wait(delay)
+                    self.shutdown.wait(delay)
                     continue
                 failures = 0
                 leases = answer.get("leases", [])
@@ -483,25 +323,19 @@ class Worker:
                 )
                 if not leases and not self.wait_seconds:
                     # Without a long poll an empty answer comes back at once: do not spin.
-                    self._stopping.wait(1.0)
+                    self.shutdown.wait(1.0)
                 # Leases that arrive after stop() are still ours: run them within the grace.
                 refused = [lease for lease in leases if not self._dispatch(lease)]
                 if refused:
                     self._refuse(refused)
         except Exception:
             logger.exception("lease loop crashed; stopping the worker")
-            self._stopping.set()
+            self.shutdown.set()
         finally:
             self._lease_done.set()
             with self._lock:
                 self._lock.notify_all()
             self._lease_http.close()
-
-    def _fail_fatally(self, exc: ApiError) -> None:
-        # 401/403/400 will not get better by asking again: stop, and let run() raise it.
-        self.error = exc
-        logger.error("the scheduler refused this worker (%s); stopping", exc)
-        self._stopping.set()
 
     def _dispatch(self, lease: Mapping[str, Any]) -> bool:
         run = _Run(lease, self._new_flag())
@@ -589,38 +423,15 @@ class Worker:
                 extra=run.fields(),
             )
         elif report.outcome == "failed":
-            logger.warning(
-                "run failed run_id=%s job=%s attempt=%s error_type=%s retryable=%s: %s%s",
-                run.run_id,
-                run.job,
-                run.attempt,
-                report.error_type,
-                report.retryable,
-                report.message,
-                "\n" + report.traceback.rstrip() if report.traceback else "",
-                extra={**run.fields(), "error_type": report.error_type},
-            )
+            log_failure(run, report)
 
     # -- heartbeats -------------------------------------------------------------------------
 
-    def _heartbeat_loop(self) -> None:
-        while not self._heartbeats_stop.wait(self.heartbeat_interval):
-            try:
-                self._heartbeat_once()
-            except Exception:
-                logger.exception("heartbeat round failed")
-        self._heartbeat_http.close()
-
-    def _heartbeat_once(self) -> None:
+    def heartbeat_once(self) -> None:
         """Extend every held lease in one request; mark the ones the scheduler says are gone."""
         with self._lock:
             runs = [r for r in self._inflight.values() if not r.lost and not r.abandoned]
-        lost = heartbeat_leases(
-            self._heartbeat_http,
-            [(run.run_id, run.token) for run in runs],
-            timeout=max(1.0, min(self.http_timeout, self.heartbeat_interval)),
-            batch=MAX_BATCH,
-        )
+        lost = self._extend([(run.run_id, run.token) for run in runs])
         for run in runs:
             if run.run_id in lost:
                 self._mark_lost(run, lost[run.run_id])
@@ -677,54 +488,10 @@ class Worker:
         self._results_http.close()
 
     def _send_results(self, batch: list[tuple[_Run, Report]]) -> None:
-        items = [report.item(run.run_id, run.token) for run, report in batch]
-        try:
-            answer = self._results_http.post("/api/v1/results", {"results": items})
-        except ApiError as exc:
-            if exc.status in (400, 413) and len(batch) > 1:
-                # One bad item (say, a result over the size limit) must not sink its neighbours.
-                for one in batch:
-                    self._send_results([one])
-                return
-            if exc.status == 413 and batch[0][1].outcome == "succeeded":
-                run, _ = batch[0]
-                logger.warning("result too large run_id=%s; completing without it", run.run_id)
-                self._send_results([(run, Report("succeeded", {"resultTooLarge": True}))])
-                return
-            logger.error(
-                "could not report %d results (%s); their leases will expire and the runs be "
-                "retried",
-                len(batch),
-                exc,
-            )
-            self._forget(batch)
-            return
-        statuses = {item["runId"]: item for item in answer.get("results", [])}
-        for run, report in batch:
-            item = statuses.get(run.run_id, {})
-            if item.get("status") == 200:
-                if not logger.isEnabledFor(logging.DEBUG):
-                    continue
-                logger.debug(
-                    "reported run_id=%s outcome=%s state=%s",
-                    run.run_id,
-                    report.outcome,
-                    item.get("state"),
-                    extra=run.fields(),
-                )
-            else:
-                logger.warning(
-                    "result refused run_id=%s job=%s attempt=%s status=%s: %s",
-                    run.run_id,
-                    run.job,
-                    run.attempt,
-                    item.get("status"),
-                    item.get("detail", "no answer for this run"),
-                    extra=run.fields(),
-                )
-        self._forget(batch)
+        # A run is forgotten (no longer heartbeated) once the scheduler has answered its result.
+        send_results(self._results_http, batch, settled=self._forget)
 
-    def _forget(self, batch: list[tuple[_Run, Report]]) -> None:
+    def _forget(self, batch: Batch) -> None:
         with self._lock:
             for run, _ in batch:
                 self._inflight.pop(run.run_id, None)
@@ -732,19 +499,10 @@ class Worker:
 
     # -- shutdown ---------------------------------------------------------------------------
 
-    def _supervise(self) -> None:
-        self._stopping.wait()
-        try:
-            self._shut_down()
-        except Exception:
-            logger.exception("shutdown failed")
-        finally:
-            self._stopped.set()
-
     def _shut_down(self) -> None:
         """Wait out the grace period, fail what is left, flush the results, close.
 
-        1. No new lease requests (the lease loop has seen `_stopping`); one already waiting on
+        1. No new lease requests (the lease loop has seen `shutdown`); one already waiting on
            the server may still bring runs, which run like the others.
         2. Wait until every handler has returned and the lease loop has ended, at most
            `grace_seconds` (not at all when forced).
@@ -797,7 +555,7 @@ class Worker:
             self._tasks.put(None)
         if not self._forced.is_set():
             self._threads["cronlease-results"].join(timeout=max(5.0, self.http_timeout * 3))
-        self._heartbeats_stop.set()
+        self._threads_stop.set()
         self._stop_pool(kill=bool(abandoned) or self._forced.is_set())
         logger.info(
             "worker stopped worker_id=%s abandoned=%d forced=%s",

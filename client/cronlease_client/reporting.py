@@ -1,0 +1,213 @@
+"""Outcomes: what an attempt came to, and how the scheduler is told with its fencing token.
+
+The worker and the Celery bridge's tasks report the same way: one Report per attempt, sent in
+`POST /api/v1/results` under the lease's fencing token (a batch at a time for the worker, one for a
+Celery task); the transport retries what may pass (network errors, 429, 5xx).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from cronlease_client.errors import ApiError, HandlerError
+from cronlease_client.transport import Transport
+
+logger = logging.getLogger("cronlease_client")
+
+MAX_BATCH = 1000  # the server's limit on items in one batch request
+MAX_ERROR_MESSAGE = 10000
+MAX_ERROR_TYPE = 200
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one attempt came to, ready for `POST /api/v1/results`."""
+
+    outcome: Literal["succeeded", "failed"]
+    result: Any = None
+    error_type: str = ""
+    message: str = ""
+    retryable: bool = True
+    traceback: str = ""
+
+    def item(self, run_id: str, fencing_token: int) -> dict[str, Any]:
+        if self.outcome == "succeeded":
+            return {
+                "runId": run_id,
+                "fencingToken": fencing_token,
+                "outcome": "succeeded",
+                "result": self.result,
+            }
+        return {
+            "runId": run_id,
+            "fencingToken": fencing_token,
+            "outcome": "failed",
+            # Truncated here: one oversized message must not get the whole batch refused.
+            "error": {
+                "type": self.error_type[:MAX_ERROR_TYPE],
+                "message": self.message[:MAX_ERROR_MESSAGE],
+            },
+            "retryable": self.retryable,
+        }
+
+
+SKIPPED_DRY_RUN = Report("succeeded", {"dryRun": True, "skipped": True})
+# A success whose result the scheduler refused as too large (413) is completed with this instead.
+RESULT_TOO_LARGE = Report("succeeded", {"resultTooLarge": True})
+
+
+@dataclass(eq=False)
+class LeasedRun:
+    """One attempt as this process holds it: what its result is sent under, what its logs carry."""
+
+    run_id: str
+    job: str
+    attempt: int
+    token: int  # the lease's fencing token
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "job": self.job,
+            "attempt": self.attempt,
+            "fencing_token": self.token,
+        }
+
+
+def describe_failure(exc: BaseException, ctx_retryable: bool | None = None) -> Report:
+    """Turn a handler's exception into a failed Report.
+
+    Retryable/NonRetryable decide for themselves; any other exception is retried unless the
+    handler set `ctx.retryable = False`.
+    """
+    if isinstance(exc, HandlerError):
+        cause = exc.__cause__
+        error_type = exc.error_type or type(cause if cause is not None else exc).__name__
+        message = exc.message or (str(cause) if cause is not None else "")
+        retryable = exc.retryable
+        # A deliberate Retryable/NonRetryable is an answer, not a bug: no traceback in the log.
+        trace = ""
+    else:
+        error_type = type(exc).__name__
+        message = str(exc)
+        retryable = ctx_retryable is not False
+        trace = "".join(traceback.format_exception(exc))
+    return Report(
+        "failed",
+        error_type=error_type,
+        message=message or error_type,
+        retryable=retryable,
+        traceback=trace,
+    )
+
+
+def describe_result(value: Any, log: logging.LoggerAdapter[logging.Logger], source: str) -> Report:
+    """Turn what a handler (`source`) returned into a succeeded Report; its repr if not JSON."""
+    if value is None or type(value) in (str, int, float, bool):
+        return Report("succeeded", value)
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        # The work is done; failing now would only run it again for nothing.
+        log.warning("%s result is not JSON; storing its repr", source)
+        value = {"unserializable": repr(value)[:1000]}
+    return Report("succeeded", value)
+
+
+def log_failure(run: LeasedRun, report: Report) -> None:
+    logger.warning(
+        "run failed run_id=%s job=%s attempt=%s error_type=%s retryable=%s: %s%s",
+        run.run_id,
+        run.job,
+        run.attempt,
+        report.error_type,
+        report.retryable,
+        report.message,
+        "\n" + report.traceback.rstrip() if report.traceback else "",
+        extra={**run.fields(), "error_type": report.error_type},
+    )
+
+
+Batch = Sequence[tuple[LeasedRun, Report]]
+
+
+def send_results(
+    http: Transport,
+    batch: Batch,
+    *,
+    attempts: int = 0,
+    settled: Callable[[Batch], None] | None = None,
+) -> dict[str, str]:
+    """Report outcomes in `POST /api/v1/results`; return {run id: new state} of those accepted.
+
+    1. A 400 or 413 for several outcomes: one bad item (say, a result over the size limit) must
+       not sink its neighbours, so each is sent again on its own.
+    2. A 413 for one success: the run is completed without its result.
+    3. Any other failure is logged: the leases expire and the scheduler retries the runs.
+    `attempts` is the transport's (its default when 0). Each part of the batch goes to `settled`
+    once the scheduler has answered it, or could not be reached.
+    """
+    items = [report.item(run.run_id, run.token) for run, report in batch]
+    try:
+        answer = http.post("/api/v1/results", {"results": items}, attempts=attempts)
+    except ApiError as exc:
+        if exc.status in (400, 413) and len(batch) > 1:
+            states: dict[str, str] = {}
+            for one in batch:
+                states.update(send_results(http, [one], attempts=attempts, settled=settled))
+            return states
+        if exc.status == 413 and batch[0][1].outcome == "succeeded":
+            run, _ = batch[0]
+            logger.warning("result too large run_id=%s; completing without it", run.run_id)
+            return send_results(http, [(run, RESULT_TOO_LARGE)], attempts=attempts, settled=settled)
+        if len(batch) == 1:
+            run, _ = batch[0]
+            logger.error(
+                "could not report run_id=%s (%s); its lease will expire and the scheduler retry it",
+                run.run_id,
+                exc,
+                extra=run.fields(),
+            )
+        else:
+            logger.error(
+                "could not report %d results (%s); their leases will expire and the runs be "
+                "retried",
+                len(batch),
+                exc,
+            )
+        if settled is not None:
+            settled(batch)
+        return {}
+    answered = {item["runId"]: item for item in answer.get("results", [])}
+    states = {}
+    for run, report in batch:
+        item = answered.get(run.run_id, {})
+        if item.get("status") == 200:
+            states[run.run_id] = str(item.get("state", ""))
+            if not logger.isEnabledFor(logging.DEBUG):
+                continue
+            logger.debug(
+                "reported run_id=%s outcome=%s state=%s",
+                run.run_id,
+                report.outcome,
+                item.get("state"),
+                extra=run.fields(),
+            )
+        else:
+            logger.warning(
+                "result refused run_id=%s job=%s attempt=%s status=%s: %s",
+                run.run_id,
+                run.job,
+                run.attempt,
+                item.get("status"),
+                item.get("detail", "no answer for this run"),
+                extra=run.fields(),
+            )
+    if settled is not None:
+        settled(batch)
+    return states

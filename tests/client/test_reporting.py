@@ -1,0 +1,100 @@
+"""Reporting outcomes (the worker's and the Celery tasks'), against a scripted scheduler."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import httpx
+from cronlease_client.reporting import (
+    RESULT_TOO_LARGE,
+    LeasedRun,
+    Report,
+    send_results,
+)
+from cronlease_client.transport import Transport
+
+Answer = Callable[[list[dict]], httpx.Response]
+
+
+def scheduler(answer: Answer) -> tuple[Transport, list[list[dict]]]:
+    """A Transport whose results requests get `answer(items)`; the items of each request."""
+    requests: list[list[dict]] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        items = json.loads(request.content)["results"]
+        requests.append(items)
+        return answer(items)
+
+    transport = Transport(
+        "http://scheduler.test/", "jst_token", http_transport=httpx.MockTransport(handle)
+    )
+    return transport, requests
+
+
+def accepted(items: list[dict]) -> httpx.Response:
+    return httpx.Response(
+        200,
+        json={"results": [{"runId": i["runId"], "status": 200, "state": "done"} for i in items]},
+    )
+
+
+def problem(code: int) -> httpx.Response:
+    return httpx.Response(code, json={"status": code, "detail": f"answer {code}"})
+
+
+def run(number: int) -> LeasedRun:
+    return LeasedRun(f"run_{number}", "billing.export", 1, 10 + number)
+
+
+def test_outcomes_go_in_one_request_with_their_fencing_tokens():
+    http, requests = scheduler(accepted)
+    settled: list = []
+    batch = [(run(1), Report("succeeded", {"rows": 3})), (run(2), Report("failed", message="x"))]
+
+    assert send_results(http, batch, settled=settled.append) == {"run_1": "done", "run_2": "done"}
+    assert [[(i["runId"], i["fencingToken"], i["outcome"]) for i in r] for r in requests] == [
+        [("run_1", 11, "succeeded"), ("run_2", 12, "failed")]
+    ]
+    assert settled == [batch]
+
+
+def test_a_refused_batch_is_sent_again_one_outcome_at_a_time():
+    http, requests = scheduler(lambda items: problem(400) if len(items) > 1 else accepted(items))
+    settled: list = []
+    batch = [(run(1), Report("succeeded")), (run(2), Report("succeeded"))]
+
+    assert send_results(http, batch, settled=settled.append) == {"run_1": "done", "run_2": "done"}
+    assert [[i["runId"] for i in r] for r in requests] == [["run_1", "run_2"], ["run_1"], ["run_2"]]
+    assert settled == [[batch[0]], [batch[1]]]
+
+
+def test_a_success_too_large_to_store_completes_without_its_result():
+    def answer(items: list[dict]) -> httpx.Response:
+        return accepted(items) if items[0]["result"] == RESULT_TOO_LARGE.result else problem(413)
+
+    http, requests = scheduler(answer)
+
+    assert send_results(http, [(run(1), Report("succeeded", "x" * 100))]) == {"run_1": "done"}
+    assert [r[0]["result"] for r in requests] == ["x" * 100, {"resultTooLarge": True}]
+
+
+def test_a_request_the_scheduler_refuses_leaves_the_leases_to_expire():
+    http, requests = scheduler(lambda items: problem(409))
+    settled: list = []
+    batch = [(run(1), Report("succeeded"))]
+
+    assert send_results(http, batch, settled=settled.append) == {}
+    assert len(requests) == 1
+    assert settled == [batch]
+
+
+def test_an_outcome_the_scheduler_refuses_has_no_new_state():
+    def answer(items: list[dict]) -> httpx.Response:
+        return httpx.Response(
+            200, json={"results": [{"runId": "run_1", "status": 409, "detail": "stale token"}]}
+        )
+
+    http, _ = scheduler(answer)
+
+    assert send_results(http, [(run(1), Report("succeeded"))]) == {}
