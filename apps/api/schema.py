@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
 from drf_spectacular.extensions import (
     OpenApiAuthenticationExtension,
     OpenApiSerializerExtension,
@@ -305,89 +304,6 @@ class RunPageSerializer(serializers.Serializer):
     next = serializers.URLField(allow_null=True, help_text="The next page, or null on the last.")
 
 
-@extend_schema_serializer(component_name="Lease")
-class LeaseResponseSerializer(serializers.Serializer):
-    """A leased run, handed to a worker."""
-
-    runId = serializers.CharField()
-    job = serializers.CharField()
-    attempt = serializers.IntegerField(min_value=1)
-    idempotencyKey = serializers.CharField(allow_blank=True)
-    fencingToken = serializers.IntegerField(
-        help_text="Carry it on heartbeat, complete and fail; an older token gets a 409."
-    )
-    leaseExpiresAt = serializers.DateTimeField()
-    payload = AnyJSONField(allow_null=True)
-    queue = serializers.CharField()
-    priority = serializers.ChoiceField(choices=PRIORITY_CHOICES)
-    maxAttempts = serializers.IntegerField(min_value=1)
-    dueAt = serializers.DateTimeField()
-    dryRun = serializers.BooleanField()
-
-
-@extend_schema_serializer(component_name="LeaseList")
-class LeaseListSerializer(serializers.Serializer):
-    leases = LeaseResponseSerializer(many=True)
-
-
-@extend_schema_serializer(component_name="HeartbeatAnswer")
-class HeartbeatAnswerSerializer(serializers.Serializer):
-    runId = serializers.CharField()
-    leaseExpiresAt = serializers.DateTimeField()
-
-
-@extend_schema_serializer(component_name="CompleteAnswer")
-class CompleteAnswerSerializer(serializers.Serializer):
-    runId = serializers.CharField()
-    state = serializers.ChoiceField(choices=STATE_CHOICES, help_text="`succeeded`.")
-
-
-@extend_schema_serializer(component_name="FailAnswer")
-class FailAnswerSerializer(serializers.Serializer):
-    runId = serializers.CharField()
-    state = serializers.ChoiceField(
-        choices=STATE_CHOICES, help_text="`retrying` (attempts left) or `dead` (the DLQ)."
-    )
-    availableAt = serializers.DateTimeField(
-        allow_null=True, help_text="When the retry may be claimed; null unless `retrying`."
-    )
-
-
-@extend_schema_serializer(component_name="HeartbeatItemAnswer")
-class HeartbeatItemAnswerSerializer(serializers.Serializer):
-    """The answer for one lease of a batch: 200 with `leaseExpiresAt`, or 404/409 with `detail`."""
-
-    runId = serializers.CharField()
-    status = serializers.ChoiceField(choices=ITEM_STATUS_CHOICES)
-    leaseExpiresAt = serializers.DateTimeField(required=False)
-    detail = serializers.CharField(required=False)
-
-
-@extend_schema_serializer(component_name="HeartbeatBatchAnswer")
-class HeartbeatBatchAnswerSerializer(serializers.Serializer):
-    leases = HeartbeatItemAnswerSerializer(many=True, help_text="One answer per item, in order.")
-
-
-@extend_schema_serializer(component_name="ResultItemAnswer")
-class ResultItemAnswerSerializer(serializers.Serializer):
-    """The answer for one result of a batch: 200 with the new state, or 404/409 with `detail`."""
-
-    runId = serializers.CharField()
-    status = serializers.ChoiceField(choices=ITEM_STATUS_CHOICES)
-    state = serializers.ChoiceField(
-        choices=STATE_CHOICES, required=False, help_text="`succeeded`, `retrying` or `dead`."
-    )
-    availableAt = serializers.DateTimeField(
-        allow_null=True, required=False, help_text="When the retry may be claimed."
-    )
-    detail = serializers.CharField(required=False)
-
-
-@extend_schema_serializer(component_name="ResultBatchAnswer")
-class ResultBatchAnswerSerializer(serializers.Serializer):
-    results = ResultItemAnswerSerializer(many=True, help_text="One answer per item, in order.")
-
-
 @extend_schema_serializer(component_name="FireTime")
 class FireTimeSerializer(serializers.Serializer):
     local = serializers.CharField(
@@ -422,26 +338,12 @@ class DefinitionPutSerializer(api.DefinitionSerializer):
 
 # Component names (before drf-spectacular's `Request` suffix) of the request serializers.
 REQUEST_NAMES: dict[type, str] = {
-    api.LeaseRequestSerializer: "Claim",
-    api.TokenSerializer: "Heartbeat",
-    api.ErrorSerializer: "WorkerError",
     api.RunIdsOrFilterSerializer: "DlqSelection",
     api.PreviewSerializer: "SchedulePreview",
     DefinitionPutSerializer: "DefinitionReplace",
 }
 
 REQUEST_DESCRIPTIONS: dict[type, str] = {
-    api.LeaseRequestSerializer: "Which queues to lease from, how many runs at most, for how long, "
-    "and how long to wait for work.",
-    api.TokenSerializer: "The fencing token of the lease.",
-    api.CompleteSerializer: "The fencing token of the lease and an optional result.",
-    api.FailSerializer: "The fencing token of the lease, the error, and whether to retry.",
-    api.ErrorSerializer: "What went wrong.",
-    api.BatchHeartbeatItem: "One lease to extend.",
-    api.BatchHeartbeatSerializer: "Leases to extend.",
-    api.BatchResultItem: "One result: `succeeded` with an optional `result`, or `failed` with "
-    "`error` and `retryable`.",
-    api.BatchResultSerializer: "Results to report.",
     api.DefinitionSerializer: "A job definition; omitted fields take their defaults.",
     api.RetrySerializer: "The retry policy: attempts, and the full-jitter exponential backoff "
     "between them (`maxSeconds` ≥ `baseSeconds`).",
@@ -460,11 +362,6 @@ def _extra_properties(target: serializers.Serializer) -> dict[str, dict[str, Any
     """Fields a request serializer accepts beyond its declared fields (see `ignored_fields`)."""
     if isinstance(target, api.DefinitionSerializer):
         return {name: dict(IGNORED_DEFINITION_FIELD) for name in sorted(target.ignored_fields)}
-    if isinstance(target, api.ErrorSerializer):
-        return {
-            "traceback": {"description": "Accepted and ignored."},
-            "details": {"description": "Accepted and ignored."},
-        }
     if isinstance(target, api.PreviewSerializer):
         return {
             "from": {
@@ -483,11 +380,6 @@ def _constraints(target: serializers.Serializer) -> dict[str, dict[str, Any]]:
         return {
             "name": {"pattern": api.NAME_RE.pattern},
             "queue": {"pattern": api.QUEUE_RE.pattern},
-        }
-    if isinstance(target, api.LeaseRequestSerializer):
-        return {
-            "max": {"maximum": settings.SCHEDULER_MAX_CLAIM},
-            "waitSeconds": {"maximum": settings.SCHEDULER_MAX_WAIT_SECONDS},
         }
     return {}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.http import HttpRequest, HttpResponse
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework.exceptions import NotFound
@@ -9,20 +11,14 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from apps.api import fastpath, worker_input
+from apps.api import fastpath
 from apps.api import schema as doc
 from apps.api.errors import Conflict
 from apps.api.fastpath import Call
 from apps.api.renderers import Rendered, render_json
-from apps.api.serializers import (
-    BatchHeartbeatSerializer,
-    BatchResultSerializer,
-    CompleteSerializer,
-    FailSerializer,
-    LeaseRequestSerializer,
-    TokenSerializer,
-    iso,
-)
+from apps.api.serializers import iso
+from apps.api.shapes import M, parse
+from apps.api.shapes import worker as shape
 from apps.audit.record import Actor, record_denied
 from apps.runs import leasing, store
 from apps.runs.ids import parse_run_id, public_run_id
@@ -53,6 +49,13 @@ class WorkerView(APIView):
         raise NotImplementedError
 
     @staticmethod
+    def body(call: Call, model: type[M]) -> M:
+        # The declared length (under DRF's dispatch the body has been read as a stream); a body
+        # of unknown length has its values measured.
+        size = call.request.META.get("CONTENT_LENGTH") or ""
+        return parse(model, call.data, body_size=int(size) if size.isdigit() else 2**62)
+
+    @staticmethod
     def team_ids(call: Call) -> list[int]:
         return access.visible_team_ids(call.user)
 
@@ -75,21 +78,21 @@ class WorkerView(APIView):
         return outcomes
 
 
-def lease_json(lease: store.Lease) -> dict:
-    return {
-        "runId": public_run_id(lease.id),
-        "job": lease.job,
-        "attempt": lease.attempt,
-        "idempotencyKey": lease.idempotency_key,
-        "fencingToken": lease.fencing_token,
-        "leaseExpiresAt": iso(lease.lease_expires_at),
-        "payload": lease.payload,
-        "queue": lease.queue,
-        "priority": PRIORITY_NAMES[lease.priority],
-        "maxAttempts": lease.max_attempts,
-        "dueAt": iso(lease.due_at),
-        "dryRun": lease.dry_run,
-    }
+def lease_json(lease: store.Lease) -> shape.Lease:
+    return shape.Lease(
+        runId=public_run_id(lease.id),
+        job=lease.job,
+        attempt=lease.attempt,
+        idempotencyKey=lease.idempotency_key,
+        fencingToken=lease.fencing_token,
+        leaseExpiresAt=iso(lease.lease_expires_at),
+        payload=lease.payload,
+        queue=lease.queue,
+        priority=PRIORITY_NAMES[lease.priority],
+        maxAttempts=lease.max_attempts,
+        dueAt=iso(lease.due_at),
+        dryRun=lease.dry_run,
+    )
 
 
 @extend_schema_view(
@@ -103,24 +106,24 @@ def lease_json(lease: store.Lease) -> dict:
             "Needs the `worker` scope."
         ),
         tags=["worker"],
-        request=LeaseRequestSerializer,
-        responses=doc.responses({200: doc.LeaseListSerializer}, *doc.BODY_PROBLEMS),
+        request=shape.LeaseRequest,
+        responses=doc.responses({200: shape.LeaseList}, *doc.BODY_PROBLEMS),
     )
 )
 class LeasesView(WorkerView):
     """Claim up to `max` runs; with `waitSeconds`, wait for work (woken by NOTIFY) before answering empty."""
 
     def answer(self, call: Call) -> Rendered:
-        args = worker_input.lease_request(call.data)
+        args = self.body(call, shape.LeaseRequest)
         request = leasing.LeaseRequest(
             team_id=call.token.team_id,
             team_ids=self.team_ids(call),
-            queues=args["queues"],
-            jobs=args["jobs"],
-            max_runs=args["max"],
-            worker_id=args["workerId"],
-            lease_seconds=args["leaseSeconds"],
-            wait_seconds=args["waitSeconds"],
+            queues=args.queues,
+            jobs=args.jobs,
+            max_runs=args.max,
+            worker_id=args.workerId,
+            lease_seconds=args.leaseSeconds,
+            wait_seconds=args.waitSeconds,
         )
         # Set by the ASGI handler when the worker hangs up (absent under WSGI and in tests).
         gone = getattr(call.request, "client_gone", None)
@@ -128,7 +131,7 @@ class LeasesView(WorkerView):
 
 
 def render_leases(leases: list[store.Lease]) -> Rendered:
-    return Rendered(render_json({"leases": [lease_json(lease) for lease in leases]}))
+    return Rendered(render_json(shape.LeaseList(leases=[lease_json(lease) for lease in leases])))
 
 
 def _run_pk(run_id: str) -> int:
@@ -152,9 +155,9 @@ def _single(outcome: store.Outcome) -> None:
         description="Extend the run's lease by its `leaseSeconds`. Needs the `worker` scope.",
         tags=["worker"],
         parameters=[doc.RUN_ID],
-        request=TokenSerializer,
+        request=shape.TokenBody,
         responses=doc.responses(
-            {200: doc.HeartbeatAnswerSerializer},
+            {200: shape.HeartbeatAnswer},
             *doc.BODY_PROBLEMS,
             404,
             409,
@@ -163,14 +166,14 @@ def _single(outcome: store.Outcome) -> None:
     )
 )
 class HeartbeatView(WorkerView):
-    def answer(self, call: Call, run_id: str) -> dict:
+    def answer(self, call: Call, run_id: str) -> shape.HeartbeatAnswer:
         pk = _run_pk(run_id)
-        body = worker_input.token_body(call.data)
+        body = self.body(call, shape.TokenBody)
         (outcome,) = self.checked(
-            call, store.heartbeat([(pk, body["fencingToken"])], team_ids=self.team_ids(call))
+            call, store.heartbeat([(pk, body.fencingToken)], team_ids=self.team_ids(call))
         )
         _single(outcome)
-        return {"runId": run_id, "leaseExpiresAt": iso(outcome.lease_expires_at)}
+        return shape.HeartbeatAnswer(runId=run_id, leaseExpiresAt=iso(outcome.lease_expires_at))
 
 
 @extend_schema_view(
@@ -181,9 +184,9 @@ class HeartbeatView(WorkerView):
         "Needs the `worker` scope.",
         tags=["worker"],
         parameters=[doc.RUN_ID],
-        request=CompleteSerializer,
+        request=shape.CompleteBody,
         responses=doc.responses(
-            {200: doc.CompleteAnswerSerializer},
+            {200: shape.CompleteAnswer},
             *doc.BODY_PROBLEMS,
             404,
             409,
@@ -192,17 +195,15 @@ class HeartbeatView(WorkerView):
     )
 )
 class CompleteView(WorkerView):
-    def answer(self, call: Call, run_id: str) -> dict:
+    def answer(self, call: Call, run_id: str) -> shape.CompleteAnswer:
         pk = _run_pk(run_id)
-        data = worker_input.complete_body(call.data)
+        data = self.body(call, shape.CompleteBody)
         (outcome,) = self.checked(
             call,
-            store.complete(
-                [(pk, data["fencingToken"], data["result"])], team_ids=self.team_ids(call)
-            ),
+            store.complete([(pk, data.fencingToken, data.result)], team_ids=self.team_ids(call)),
         )
         _single(outcome)
-        return {"runId": run_id, "state": outcome.state}
+        return shape.CompleteAnswer(runId=run_id, state=outcome.state)
 
 
 @extend_schema_view(
@@ -216,9 +217,9 @@ class CompleteView(WorkerView):
         ),
         tags=["worker"],
         parameters=[doc.RUN_ID],
-        request=FailSerializer,
+        request=shape.FailBody,
         responses=doc.responses(
-            {200: doc.FailAnswerSerializer},
+            {200: shape.FailAnswer},
             *doc.BODY_PROBLEMS,
             404,
             409,
@@ -227,37 +228,41 @@ class CompleteView(WorkerView):
     )
 )
 class FailView(WorkerView):
-    def answer(self, call: Call, run_id: str) -> dict:
+    def answer(self, call: Call, run_id: str) -> shape.FailAnswer:
         pk = _run_pk(run_id)
-        data = worker_input.fail_body(call.data)
+        data = self.body(call, shape.FailBody)
         (outcome,) = self.checked(
             call,
             store.fail(
-                [(pk, data["fencingToken"], dict(data["error"]), data["retryable"])],
+                [(pk, data.fencingToken, _error(data.error), data.retryable)],
                 team_ids=self.team_ids(call),
             ),
         )
         _single(outcome)
-        return {"runId": run_id, "state": outcome.state, "availableAt": _retry_at(outcome)}
+        return shape.FailAnswer(runId=run_id, state=outcome.state, availableAt=_retry_at(outcome))
+
+
+def _error(error: shape.ErrorBody) -> dict[str, str]:
+    return {"message": error.message, "type": error.type}
 
 
 def _retry_at(outcome: store.Outcome) -> str | None:
     return iso(outcome.available_at) if outcome.state == "retrying" else None
 
 
-def _item_json(run_id: str, outcome: store.Outcome, extra: dict) -> dict:
-    if outcome.status != 200:
-        return {
-            "runId": run_id,
-            "status": outcome.status,
-            "detail": outcome.detail or "No such run.",
-        }
-    return {"runId": run_id, "status": 200, **extra}
+def _refused(run_id: str, outcome: store.Outcome | None) -> shape.ItemRefused:
+    if outcome is None:
+        return shape.ItemRefused(runId=run_id, status=404, detail="No such run.")
+    return shape.ItemRefused(
+        runId=run_id, status=outcome.status, detail=outcome.detail or "No such run."
+    )
 
 
-def _parsed(items: list[dict]) -> list[tuple[int | None, dict]]:
+def _parsed(
+    items: list[shape.HeartbeatItem] | list[shape.ResultItem],
+) -> list[tuple[int | None, Any]]:
     """Each item with its run's primary key (None: not a run id, answered 404 without a query)."""
-    return [(parse_run_id(item["runId"]), item) for item in items]
+    return [(parse_run_id(item.runId), item) for item in items]
 
 
 @extend_schema_view(
@@ -269,38 +274,32 @@ def _parsed(items: list[dict]) -> list[tuple[int | None, dict]]:
             "item is answered with its own `status` (200, 404 or 409). Needs the `worker` scope."
         ),
         tags=["worker"],
-        request=BatchHeartbeatSerializer,
-        responses=doc.responses({200: doc.HeartbeatBatchAnswerSerializer}, *doc.BODY_PROBLEMS),
+        request=shape.HeartbeatBatch,
+        responses=doc.responses({200: shape.HeartbeatBatchAnswer}, *doc.BODY_PROBLEMS),
     )
 )
 class BatchHeartbeatsView(WorkerView):
-    def answer(self, call: Call) -> dict:
-        parsed = _parsed(worker_input.batch_heartbeats(call.data))
-        known = [(pk, item) for pk, item in parsed if pk is not None]
+    def answer(self, call: Call) -> shape.HeartbeatBatchAnswer:
+        parsed = _parsed(self.body(call, shape.HeartbeatBatch).leases)
+        known = [(pk, item.fencingToken) for pk, item in parsed if pk is not None]
         outcomes = (
-            self.checked(
-                call,
-                store.heartbeat(
-                    [(pk, item["fencingToken"]) for pk, item in known],
-                    team_ids=self.team_ids(call),
-                ),
-            )
+            self.checked(call, store.heartbeat(known, team_ids=self.team_ids(call)))
             if known
             else []
         )
         by_pk = {outcome.id: outcome for outcome in outcomes}
-        answer = []
+        answer: list[shape.HeartbeatDone | shape.ItemRefused] = []
         for pk, item in parsed:
             outcome = by_pk.get(pk) if pk is not None else None
-            if outcome is None:
-                answer.append({"runId": item["runId"], "status": 404, "detail": "No such run."})
+            if outcome is None or outcome.status != 200:
+                answer.append(_refused(item.runId, outcome))
             else:
                 answer.append(
-                    _item_json(
-                        item["runId"], outcome, {"leaseExpiresAt": iso(outcome.lease_expires_at)}
+                    shape.HeartbeatDone(
+                        runId=item.runId, status=200, leaseExpiresAt=iso(outcome.lease_expires_at)
                     )
                 )
-        return {"leases": answer}
+        return shape.HeartbeatBatchAnswer(leases=answer)
 
 
 @extend_schema_view(
@@ -313,24 +312,24 @@ class BatchHeartbeatsView(WorkerView):
             "Needs the `worker` scope."
         ),
         tags=["worker"],
-        request=BatchResultSerializer,
-        responses=doc.responses({200: doc.ResultBatchAnswerSerializer}, *doc.BODY_PROBLEMS),
+        request=shape.ResultBatch,
+        responses=doc.responses({200: shape.ResultBatchAnswer}, *doc.BODY_PROBLEMS),
     )
 )
 class BatchResultsView(WorkerView):
-    def answer(self, call: Call) -> dict:
-        parsed = _parsed(worker_input.batch_results(call.data))
+    def answer(self, call: Call) -> shape.ResultBatchAnswer:
+        parsed = _parsed(self.body(call, shape.ResultBatch).results)
         known = [(pk, item) for pk, item in parsed if pk is not None]
         team_ids = self.team_ids(call)
         succeeded = [
-            (pk, item["fencingToken"], item["result"])
+            (pk, item.fencingToken, item.result)
             for pk, item in known
-            if item["outcome"] == "succeeded"
+            if item.outcome == "succeeded"
         ]
         failed = [
-            (pk, item["fencingToken"], dict(item["error"]), item["retryable"])
+            (pk, item.fencingToken, _error(item.error), item.retryable)
             for pk, item in known
-            if item["outcome"] == "failed"
+            if item.outcome == "failed"
         ]
         by_pk: dict[int, store.Outcome] = {}
         for outcome in self.checked(
@@ -339,17 +338,18 @@ class BatchResultsView(WorkerView):
             + (store.fail(failed, team_ids=team_ids) if failed else []),
         ):
             by_pk[outcome.id] = outcome
-        answer = []
+        answer: list[shape.ResultDone | shape.ItemRefused] = []
         for pk, item in parsed:
             outcome = by_pk.get(pk) if pk is not None else None
-            if outcome is None:
-                answer.append({"runId": item["runId"], "status": 404, "detail": "No such run."})
+            if outcome is None or outcome.status != 200:
+                answer.append(_refused(item.runId, outcome))
             else:
                 answer.append(
-                    _item_json(
-                        item["runId"],
-                        outcome,
-                        {"state": outcome.state, "availableAt": _retry_at(outcome)},
+                    shape.ResultDone(
+                        runId=item.runId,
+                        status=200,
+                        state=outcome.state,
+                        availableAt=_retry_at(outcome),
                     )
                 )
-        return {"results": answer}
+        return shape.ResultBatchAnswer(results=answer)
