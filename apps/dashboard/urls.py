@@ -1,4 +1,4 @@
-"""Bookmarkable addresses (DESIGN.md, "Dashboard"): filters travel in the query string."""
+"""Bookmarkable addresses (README, "Dashboard"): filters travel in the query string."""
 
 from __future__ import annotations
 

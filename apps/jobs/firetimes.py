@@ -1,6 +1,6 @@
 """Cron fire times: walk a cron's matches on a time zone's wall clock, as UTC instants.
 
-Daylight-saving rules (DESIGN.md, "Schedules"); this module is the only place that applies them:
+Daylight-saving rules (README.md, "DST rules"); this module is the only place that applies them:
 
 - Cron fields are matched against the wall clock of the schedule's time zone.
 - A cron whose hour field names hours (``30 2 * * *``, ``0 1,13 * * *``) means "once at this

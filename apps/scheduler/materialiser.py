@@ -209,7 +209,7 @@ def plan_definition(
 ) -> Plan:
     """Return what to insert for one due definition (see plan_cron for cron schedules).
 
-    One-off and delayed schedules have a single run at next_due_at (even if late: DESIGN says a
+    One-off and delayed schedules have a single run at next_due_at (even if late: the README says a
     past runAt runs at once), then nothing more; no schedule means nothing to insert.
     """
     if isinstance(schedule, sched.CronSchedule):

@@ -1,4 +1,4 @@
-"""Server time of every dashboard address (DESIGN.md, "Addresses") with N runs stored.
+"""Server time of every dashboard address (README, "Dashboard") with N runs stored.
 
     DATABASE_URL=… python -m bench.workers.dashboard_pages --runs 100000 --requests 10 --out FILE
 

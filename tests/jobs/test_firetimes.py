@@ -331,7 +331,7 @@ def _minutes(zone_name: str, start: datetime, end: datetime) -> tuple[list, list
 
 
 def _brute_force(cron: str, zone_name: str, start: datetime, end: datetime) -> list[tuple]:
-    """Apply the DESIGN.md rules minute by minute; cronsim only says which wall times match.
+    """Apply the DST rules (README, "DST rules") minute by minute; cronsim only says which wall times match.
 
     Return (utc, has_note) for every expected fire time in (start, end].
     """
