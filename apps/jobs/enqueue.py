@@ -1,22 +1,29 @@
-"""Creating runs of a definition: delayed, one-off and immediate runs asked for through the API,
-the dashboard's "trigger now", and the demo. The same idempotency key returns the existing run.
+"""Creating runs of definitions: delayed, one-off and immediate runs asked for through the API
+(one or a batch), the dashboard's "trigger now", and the demo.
+
+A batch is one statement (`insert_keyed`: set-based, ON CONFLICT DO NOTHING on definition +
+idempotency key) and one NOTIFY per queue, whatever its size. Each item ends on its own:
+201 created, 200 the run its key already names (same payload, or none given), 409 that run has
+another payload, 404 no such job for the caller's teams. The same key is taken for as long as its
+run is kept (retention), and concurrent batches naming it create it once (the unique index).
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
 
-from apps.audit.record import Actor, record
+from apps.audit.record import DENIED_TARGETS_SHOWN, Actor, record, record_denied
 from apps.jobs.models import JobDefinition
 from apps.runs import payloads
 from apps.runs.clock import database_now
 from apps.runs.models import Run, Trigger
-from apps.runs.store import NewRun, insert_runs
+from apps.runs.store import NewRun, insert_keyed
 from apps.runs.transitions import TransitionError
 
 
@@ -53,6 +60,137 @@ def payload_difference(existing: Any, asked: Any) -> list[str] | None:
 _MISSING = object()
 
 
+@dataclass(frozen=True)
+class Wanted:
+    """One run asked for: of which job, under which key, when, with what."""
+
+    job: str
+    idempotency_key: str | None = None
+    delay_seconds: int | None = None
+    run_at: datetime | None = None
+    payload: Any = None  # None: the definition's payload
+    priority: int | None = None  # None: the definition's priority
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    """What one item came to: 201, 200, 404 or 409 (with `run` for 201, 200 and 409)."""
+
+    status: int
+    run: Run | None = None
+    detail: str = ""
+    fields: tuple[str, ...] = ()  # for a 409: the payload's top-level fields that differ
+
+
+def enqueue_many(
+    team_ids: Sequence[int],
+    items: Sequence[Wanted],
+    actor: Actor,
+    *,
+    trigger: str = Trigger.API,
+) -> list[Enqueued]:
+    """Create the runs asked for, in one statement; answer each item in order.
+
+    1. Find the items' definitions by name (one query); a job not of `team_ids` is a 404 for its
+       items (another team's is audited once per team, as a denial).
+    2. Insert every run at once; the new ones are audited (one event per job).
+    3. Read the runs the others' keys name (one query), and compare payloads.
+    """
+    definitions = {
+        d.name: d
+        for d in JobDefinition.objects.select_related("team").filter(
+            name__in={item.job for item in items}
+        )
+    }
+    foreign: dict[Any, list[str]] = {}
+    now = database_now()
+    wanted: list[tuple[Wanted, NewRun] | None] = []
+    for item in items:
+        definition = definitions.get(item.job)
+        if definition is None or definition.team_id not in team_ids:
+            if definition is not None:
+                foreign.setdefault(definition.team, []).append(item.job)
+            wanted.append(None)
+            continue
+        due = item.run_at or now + timedelta(seconds=item.delay_seconds or 0)
+        key = item.idempotency_key or f"{definition.name}@{trigger}-{uuid.uuid4().hex}"
+        new = NewRun(definition.pk, trigger, due, due, key, item.payload, item.priority)
+        wanted.append((item, new))
+    for team, names in foreign.items():
+        record_denied(actor, "enqueue", team=team, target_type="job", target=names)
+    with transaction.atomic():
+        created = insert_keyed([pair[1] for pair in wanted if pair is not None])
+        runs = _runs_named([pair[1] for pair in wanted if pair is not None])
+        _audit_created(actor, [runs[pk] for pk in created.values()], trigger)
+    answers = []
+    seen: set[tuple[int, str]] = set()
+    for pair in wanted:
+        if pair is None:
+            answers.append(Enqueued(404, detail="No such job."))
+            continue
+        item, new = pair
+        name = (new.definition_id, new.idempotency_key)
+        run = runs[created[name]] if name in created else runs.get(name)
+        if name in created and name not in seen:
+            answers.append(Enqueued(201, run))
+        else:
+            answers.append(_existing(run, item.payload))
+        seen.add(name)
+    return answers
+
+
+def _runs_named(new: Sequence[NewRun]) -> dict[Any, Run]:
+    """The runs of these (definition, key) pairs, by pair and by id (served by the unique
+    (definition, idempotency_key) index)."""
+    pairs = {(run.definition_id, run.idempotency_key) for run in new}
+    found: dict[Any, Run] = {}
+    candidates = Run.objects.select_related("definition", "team").filter(
+        definition_id__in={pair[0] for pair in pairs},
+        idempotency_key__in={pair[1] for pair in pairs},
+    )
+    for run in candidates:
+        name = (run.definition_id, run.idempotency_key)
+        if name in pairs:
+            found[name] = found[run.pk] = run
+    return found
+
+
+def _existing(run: Run, payload: Any) -> Enqueued:
+    # The same key with another payload is a different request: answering the old run as if it
+    # were this one would drop the new payload without a word. A request without a payload
+    # asks for none in particular.
+    if payload is not None:
+        difference = payload_difference(payloads.load(run.payload, run.payload_key), payload)
+        if difference is not None:
+            return Enqueued(409, run, str(IdempotencyConflict(run, difference)), tuple(difference))
+    return Enqueued(200, run)
+
+
+def _audit_created(actor: Actor, runs: list[Run], trigger: str) -> None:
+    """One event per job: the run itself when it is one, else the count and the first ids."""
+    action = "run.create" if trigger == Trigger.API else "job.trigger"
+    by_job: dict[int, list[Run]] = {}
+    for run in runs:
+        by_job.setdefault(run.definition_id, []).append(run)
+    for group in by_job.values():
+        first = group[0]
+        if len(group) == 1:
+            after = {
+                "job": first.definition.name,
+                "idempotencyKey": first.idempotency_key,
+                "dueAt": first.due_at.isoformat(),
+            }
+            target = first.run_id
+        else:
+            after = {
+                "job": first.definition.name,
+                "count": len(group),
+                "runIds": [run.run_id for run in group[:DENIED_TARGETS_SHOWN]],
+            }
+            target = f"{len(group)} runs"
+        record(actor, action, team=first.team, target_type="run", target=target, after=after)
+
+
 def create_run(
     definition: JobDefinition,
     actor: Actor,
@@ -63,30 +201,9 @@ def create_run(
     payload: Any = None,
     trigger: str = Trigger.API,
 ) -> Created:
-    """Create a delayed, one-off or immediate run; the same idempotency key returns the existing one."""
-    due = run_at if run_at is not None else database_now() + timedelta(seconds=delay_seconds or 0)
-    key = idempotency_key or f"{definition.name}@{trigger}-{uuid.uuid4().hex}"
-    with transaction.atomic():
-        new_ids = insert_runs([NewRun(definition.pk, trigger, due, due, key, payload)])
-        if new_ids:
-            run = Run.objects.get(pk=new_ids[0])
-            record(
-                actor,
-                "run.create" if trigger == Trigger.API else "job.trigger",
-                team=definition.team,
-                target_type="run",
-                target=run.run_id,
-                after={"job": definition.name, "idempotencyKey": key, "dueAt": due.isoformat()},
-            )
-            return Created(run, True)
-    run = Run.objects.select_related("definition", "team").get(
-        definition=definition, idempotency_key=key
-    )
-    # The same key with another payload is a different request: answering the old run as if it
-    # were this one would drop the new payload without a word. A request without a payload
-    # asks for none in particular.
-    if payload is not None:
-        difference = payload_difference(payloads.load(run.payload, run.payload_key), payload)
-        if difference is not None:
-            raise IdempotencyConflict(run, difference)
-    return Created(run, False)
+    """Create one delayed, one-off or immediate run: a batch of one (enqueue_many)."""
+    wanted = Wanted(definition.name, idempotency_key, delay_seconds, run_at, payload)
+    (answer,) = enqueue_many([definition.team_id], [wanted], actor, trigger=trigger)
+    if answer.status == 409:
+        raise IdempotencyConflict(answer.run, list(answer.fields))
+    return Created(answer.run, answer.status == 201)

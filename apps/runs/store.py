@@ -95,19 +95,19 @@ INSERT INTO runs_run (
     attempt, max_attempts, idempotency_key, lease_seconds, worker_id, dry_run, payload,
     payload_key, created_at
 )
-SELECT i.definition_id, d.team_id, d.queue, d.priority, d.shard, 'scheduled', i.trigger, i.due_at,
+SELECT i.definition_id, d.team_id, d.queue, coalesce(i.priority, d.priority), d.shard, 'scheduled', i.trigger, i.due_at,
        i.available_at, 0, d.retry_max_attempts, i.idempotency_key, 60, '', d.dry_run,
        CASE WHEN i.own THEN i.payload ELSE d.payload END,
        CASE WHEN i.own THEN i.payload_key ELSE d.payload_key END, now()
 FROM json_to_recordset(%(rows)s::json)
      AS i(definition_id bigint, trigger text, due_at timestamptz, available_at timestamptz,
-          idempotency_key text, own boolean, payload jsonb, payload_key text)
+          idempotency_key text, own boolean, payload jsonb, payload_key text, priority smallint)
 JOIN jobs_jobdefinition d ON d.id = i.definition_id
 -- Repeating the ids as a filter lets the planner probe the definitions' primary key instead of
 -- walking the whole index.
 WHERE d.id = ANY(%(definition_ids)s::bigint[])
 ON CONFLICT DO NOTHING
-RETURNING id, queue, available_at <= now() AS ready_now
+RETURNING id, queue, available_at <= now() AS ready_now, definition_id, idempotency_key
 """
 
 
@@ -119,16 +119,23 @@ class NewRun:
     available_at: datetime
     idempotency_key: str
     payload: Any = None  # None: the definition's payload
+    priority: int | None = None  # None: the definition's priority
 
 
 def insert_runs(runs: Sequence[NewRun]) -> list[int]:
-    """Insert runs, skipping any that already exist; return the ids of the new ones.
+    """Insert runs, skipping any that already exist; return the ids of the new ones."""
+    return list(insert_keyed(runs).values())
+
+
+def insert_keyed(runs: Sequence[NewRun]) -> dict[tuple[int, str], int]:
+    """Insert runs, skipping any that already exist; the new ones' ids by (definition id,
+    idempotency key), in the order the statement returned them.
 
     A payload over 4 KB goes to object storage first and the run keeps its key. Runs already
     claimable wake the queue's waiting workers with one NOTIFY per queue.
     """
     if not runs:
-        return []
+        return {}
     # One JSON document instead of eight arrays: json.dumps runs in C, while adapting arrays
     # element by element in Python took longer than the insert itself. Scheduled runs share a
     # few due times (a fleet's "0 * * * *"), so each distinct time is formatted once.
@@ -153,6 +160,7 @@ def insert_runs(runs: Sequence[NewRun]) -> list[int]:
                 "own": run.payload is not None,
                 "payload": inline,
                 "payload_key": key,
+                "priority": run.priority,
             }
         )
     params = {
@@ -162,8 +170,8 @@ def insert_runs(runs: Sequence[NewRun]) -> list[int]:
     with transaction.atomic(), server_cursor() as cursor:
         cursor.execute(INSERT_RUNS, params)
         inserted = cursor.fetchall()
-        notify_ready(queue for _, queue, ready_now in inserted if ready_now)
-    return [row[0] for row in inserted]
+        notify_ready(queue for _, queue, ready_now, _, _ in inserted if ready_now)
+    return {(definition_id, key): pk for pk, _, _, definition_id, key in inserted}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""Creating runs in batches: one statement, a status per item, each key created once."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+
+from apps.audit.models import AuditEvent
+from apps.audit.record import Actor
+from apps.jobs.enqueue import Wanted, enqueue_many
+from apps.runs.models import PRIORITIES, Run
+from tests.conftest import db_now, make_definition
+
+
+@pytest.fixture
+def jobs(team_a, team_b):
+    return (
+        make_definition(team_a, "billing.send-invoice", queue="billing", payload={"kind": "x"}),
+        make_definition(team_a, "billing.remind", queue="billing"),
+        make_definition(team_b, "other.secret", queue="other"),
+    )
+
+
+def test_a_mixed_batch_answers_each_item_in_order_and_writes_only_the_good_ones(
+    team_a, team_b, jobs
+):
+    actor = Actor.system()
+    enqueue_many([team_a.pk], [Wanted("billing.send-invoice", "order-1", payload={"n": 1})], actor)
+    answers = enqueue_many(
+        [team_a.pk],
+        [
+            Wanted("billing.send-invoice", "order-2", delay_seconds=300, payload={"n": 2}),
+            Wanted("billing.send-invoice", "order-1", payload={"n": 1}),  # the same again
+            Wanted("billing.send-invoice", "order-1", payload={"n": 9}),  # another payload
+            Wanted("no.such-job", "x"),
+            Wanted("other.secret", "y"),  # another team's
+            Wanted("billing.remind", "r-1", priority=PRIORITIES["critical"]),
+            Wanted("billing.remind", "r-1"),  # twice in one batch
+        ],
+        actor,
+    )
+    assert [a.status for a in answers] == [201, 200, 409, 404, 404, 201, 200]
+    assert answers[1].run.pk == answers[2].run.pk
+    assert answers[2].fields == ("n",)
+    assert answers[5].run.pk == answers[6].run.pk
+    assert Run.objects.filter(team=team_b).count() == 0
+    assert Run.objects.count() == 3
+    delayed = Run.objects.get(idempotency_key="order-2")
+    assert delayed.due_at - db_now() > timedelta(seconds=290)
+    assert delayed.payload == {"n": 2}
+    reminder = Run.objects.get(idempotency_key="r-1")
+    assert reminder.priority == PRIORITIES["critical"]
+    assert reminder.payload == {}  # the definition's
+    # One audit event per job for the new runs, one denial for the other team's job.
+    assert AuditEvent.objects.filter(action="run.create").count() == 3
+    assert AuditEvent.objects.filter(team=team_b, action="access.denied").count() == 1
+
+
+def test_a_large_batch_is_one_insert(team_a, jobs, django_assert_max_num_queries):
+    items = [Wanted("billing.send-invoice", f"k-{i}", payload={"i": i}) for i in range(500)]
+    # definitions, the clock, the insert (with its NOTIFY), the runs, audit: a handful, not 500.
+    with django_assert_max_num_queries(12):
+        answers = enqueue_many([team_a.pk], items, Actor.system())
+    assert {a.status for a in answers} == {201}
+    assert Run.objects.count() == 500
+    assert AuditEvent.objects.get(action="run.create").after["count"] == 500
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_batches_with_overlapping_keys_create_each_key_once(team_a, jobs):
+    keys = [f"shared-{i}" for i in range(200)]
+    results: list[list[int]] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(20)
+
+    def producer(offset: int) -> None:
+        try:
+            start.wait()
+            mine = keys[offset * 5 :] + keys[: offset * 5]  # every batch, another order
+            answers = enqueue_many(
+                [team_a.pk], [Wanted("billing.send-invoice", key) for key in mine], Actor.system()
+            )
+            results.append([a.status for a in answers])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=producer, args=(i,)) for i in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert Run.objects.filter(idempotency_key__in=keys).count() == 200
+    created = sum(status == 201 for statuses in results for status in statuses)
+    assert created == 200
+    assert all(set(statuses) <= {200, 201} for statuses in results)
