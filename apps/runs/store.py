@@ -106,6 +106,9 @@ JOIN jobs_jobdefinition d ON d.id = i.definition_id
 -- Repeating the ids as a filter lets the planner probe the definitions' primary key instead of
 -- walking the whole index.
 WHERE d.id = ANY(%(definition_ids)s::bigint[])
+-- One order for every inserter: two batches naming the same keys in different orders would
+-- otherwise each wait on the other's uncommitted row (a deadlock).
+ORDER BY i.definition_id, i.idempotency_key
 ON CONFLICT DO NOTHING
 RETURNING id, queue, available_at <= now() AS ready_now, definition_id, idempotency_key
 """
