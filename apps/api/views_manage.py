@@ -17,16 +17,10 @@ from rest_framework.views import APIView
 
 from apps.api import schema as doc
 from apps.api.errors import Conflict
-from apps.api.serializers import (
-    CreateRunSerializer,
-    DefinitionSerializer,
-    PreviewSerializer,
-    RunIdsOrFilterSerializer,
-    attempt_json,
-    definition_json,
-    parse_definition,
-    run_json,
-)
+from apps.api.serializers import definition_json, run_detail_json, run_json
+from apps.api.shapes import M, parse
+from apps.api.shapes import jobs as job_shape
+from apps.api.shapes import runs as run_shape
 from apps.audit.record import Actor, record_denied
 from apps.jobs import enqueue, services, sync
 from apps.jobs import schedule as sched
@@ -43,6 +37,18 @@ PAGE_MAX = 500
 
 class ManageView(APIView):
     required_scope = "manage"
+
+    @staticmethod
+    def body(request: Request, model: type[M], data: Any = None) -> M:
+        """The request's body (or `data` made from it) validated as `model`; a 400 otherwise.
+        The declared length (the body has been read as a stream); a body of unknown length has
+        its values measured."""
+        size = request.META.get("CONTENT_LENGTH") or ""
+        return parse(
+            model,
+            request.data if data is None else data,
+            body_size=int(size) if size.isdigit() else 2**62,
+        )
 
     def actor(self, request: Request) -> Actor:
         return Actor.for_token(request.auth)
@@ -92,14 +98,13 @@ class ManageView(APIView):
         return run
 
 
-def _validated_definition(data: Any, *, name: str | None = None) -> services.DefinitionSpec:
-    if name is not None and isinstance(data, dict):
-        if "name" in data and data["name"] != name:
-            raise ValidationError({"name": [f"Does not match the name in the path ('{name}')."]})
-        data = {**data, "name": name}
-    serializer = DefinitionSerializer(data=data)
-    serializer.is_valid(raise_exception=True)
-    return serializer.to_spec()
+def _named(data: Any, name: str) -> Any:
+    """The body with the name of the path (a name in the body must be the same)."""
+    if not isinstance(data, dict):
+        return data
+    if "name" in data and data["name"] != name:
+        raise ValidationError({"name": [f"Does not match the name in the path ('{name}')."]})
+    return {**data, "name": name}
 
 
 def _name_taken_elsewhere(name: str, team) -> bool:
@@ -112,7 +117,7 @@ class JobsView(ManageView):
         summary="List job definitions",
         description="Every definition of the token's team, by name. Needs the `manage` scope.",
         tags=["jobs"],
-        responses=doc.responses({200: doc.DefinitionListSerializer}),
+        responses=doc.responses({200: job_shape.DefinitionList}),
     )
     def get(self, request: Request) -> Response:
         definitions = (
@@ -120,7 +125,7 @@ class JobsView(ManageView):
             .filter(team=self.team(request))
             .order_by("name")
         )
-        return Response({"results": [definition_json(d) for d in definitions]})
+        return Response(job_shape.DefinitionList(results=[definition_json(d) for d in definitions]))
 
     @extend_schema(
         operation_id="createJob",
@@ -131,9 +136,9 @@ class JobsView(ManageView):
             "Needs the `manage` scope."
         ),
         tags=["jobs"],
-        request=DefinitionSerializer,
+        request=job_shape.Definition,
         responses=doc.responses(
-            {201: doc.DefinitionResponseSerializer},
+            {201: job_shape.DefinitionAnswer},
             *doc.BODY_PROBLEMS,
             409,
             e403="The token lacks the `manage` scope, or the name belongs to another team.",
@@ -141,7 +146,7 @@ class JobsView(ManageView):
         ),
     )
     def post(self, request: Request) -> Response:
-        spec = _validated_definition(request.data)
+        spec = self.body(request, job_shape.Definition).to_spec()
         team = self.team(request)
         if _name_taken_elsewhere(spec.name, team):
             raise PermissionDenied(f"The job name '{spec.name}' belongs to another team.")
@@ -162,39 +167,35 @@ class JobsView(ManageView):
             "diff is answered. Each change is audited. Needs the `manage` scope."
         ),
         tags=["jobs"],
-        request=doc.SyncRequestSerializer,
-        responses=doc.responses({200: doc.SyncAnswerSerializer}, *doc.BODY_PROBLEMS),
+        request=job_shape.SyncRequest,
+        responses=doc.responses({200: job_shape.SyncAnswer}, *doc.BODY_PROBLEMS),
     )
     def put(self, request: Request) -> Response:
-        data = request.data if isinstance(request.data, dict) else None
-        if data is None:
-            raise ValidationError({"body": ["Expected a JSON object with a `jobs` list."]})
-        unknown = set(data) - {"jobs", "prune", "dryRun"}
-        flags = {key: data.get(key, False) for key in ("prune", "dryRun")}
-        errors = {key: ["Unknown field."] for key in sorted(unknown)}
-        errors.update(
-            {
-                key: ["Must be true or false."]
-                for key, value in flags.items()
-                if not isinstance(value, bool)
-            }
-        )
-        if errors:
-            raise ValidationError(errors)
+        body = self.body(request, job_shape.SyncRequest)
         try:
-            specs = sync.validate(data.get("jobs"), parse_definition)
-            plan = sync.plan_sync(self.team(request), specs, prune=flags["prune"])
+            specs = sync.validate(body.jobs, job_shape.Definition.to_spec)
+            plan = sync.plan_sync(self.team(request), specs, prune=body.prune)
         except sync.SyncError as exc:
             raise ValidationError(exc.errors) from exc
-        if not flags["dryRun"]:
+        if not body.dryRun:
             sync.apply_sync(plan, self.actor(request))
         return Response(
-            {
-                "changes": [change.as_json() for change in plan.changes],
-                "summary": plan.summary(),
-                "applied": not flags["dryRun"],
-            }
+            job_shape.SyncAnswer(
+                changes=[sync_change_json(change) for change in plan.changes],
+                summary=job_shape.SyncSummary(**plan.summary()),
+                applied=not body.dryRun,
+            )
         )
+
+
+def sync_change_json(change: sync.Change) -> job_shape.SyncChange:
+    answer = job_shape.SyncChange(action=change.action, name=change.name)
+    if change.action == "update":
+        answer["fields"] = {
+            key: job_shape.FieldChange(before=change.before[key], after=change.after[key])
+            for key in change.changed_fields()
+        }
+    return answer
 
 
 class JobDetailView(ManageView):
@@ -204,7 +205,7 @@ class JobDetailView(ManageView):
         description="Needs the `manage` scope.",
         tags=["jobs"],
         parameters=[doc.JOB_NAME],
-        responses=doc.responses({200: doc.DefinitionResponseSerializer}, 404),
+        responses=doc.responses({200: job_shape.DefinitionAnswer}, 404),
     )
     def get(self, request: Request, name: str) -> Response:
         return Response(definition_json(self.definition(request, name)))
@@ -218,9 +219,9 @@ class JobDetailView(ManageView):
         ),
         tags=["jobs"],
         parameters=[doc.JOB_NAME],
-        request=doc.DefinitionPutSerializer,
+        request=job_shape.DefinitionReplace,
         responses=doc.responses(
-            {200: doc.DefinitionResponseSerializer, 201: doc.DefinitionResponseSerializer},
+            {200: job_shape.DefinitionAnswer, 201: job_shape.DefinitionAnswer},
             *doc.BODY_PROBLEMS,
             409,
             e403="The token lacks the `manage` scope, or the name belongs to another team.",
@@ -232,13 +233,9 @@ class JobDetailView(ManageView):
         team = self.team(request)
         if _name_taken_elsewhere(name, team):
             raise PermissionDenied(f"The job name '{name}' belongs to another team.")
-        # A replacement states the definition: an empty body would otherwise create (or reset
-        # a job to) every default, which is never what a jobs-as-code file means.
-        if isinstance(request.data, dict) and "queue" not in request.data:
-            raise ValidationError(
-                {"queue": ["This field is required when a definition is put in place."]}
-            )
-        spec = _validated_definition(request.data, name=name)
+        # A replacement states its queue (DefinitionReplace): an empty body would otherwise
+        # create (or reset a job to) every default, never what a jobs-as-code file means.
+        spec = self.body(request, job_shape.DefinitionReplace, _named(request.data, name)).to_spec()
         existing = JobDefinition.objects.select_related("team").filter(name=name, team=team).first()
         if existing is None:
             try:
@@ -258,8 +255,8 @@ class JobDetailView(ManageView):
         ),
         tags=["jobs"],
         parameters=[doc.JOB_NAME],
-        request=DefinitionSerializer(partial=True),
-        responses=doc.responses({200: doc.DefinitionResponseSerializer}, *doc.BODY_PROBLEMS, 404),
+        request=job_shape.DefinitionPatch,
+        responses=doc.responses({200: job_shape.DefinitionAnswer}, *doc.BODY_PROBLEMS, 404),
     )
     def patch(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
@@ -271,7 +268,7 @@ class JobDetailView(ManageView):
                 merged["retry"] = {**merged["retry"], **value}
             else:
                 merged[key] = value
-        spec = _validated_definition(merged, name=name)
+        spec = self.body(request, job_shape.Definition, _named(merged, name)).to_spec()
         return Response(
             definition_json(services.update_definition(definition, spec, self.actor(request)))
         )
@@ -303,7 +300,7 @@ class JobPauseView(ManageView):
         tags=["jobs"],
         parameters=[doc.JOB_NAME],
         request=None,
-        responses=doc.responses({200: doc.DefinitionResponseSerializer}, 404),
+        responses=doc.responses({200: job_shape.DefinitionAnswer}, 404),
     )
     def post(self, request: Request, name: str) -> Response:
         definition = services.set_paused(
@@ -323,7 +320,7 @@ class JobPauseView(ManageView):
         tags=["jobs"],
         parameters=[doc.JOB_NAME],
         request=None,
-        responses=doc.responses({200: doc.DefinitionResponseSerializer}, 404),
+        responses=doc.responses({200: job_shape.DefinitionAnswer}, 404),
     )
 )
 class JobResumeView(JobPauseView):
@@ -338,7 +335,7 @@ class JobTriggerView(ManageView):
         tags=["jobs"],
         parameters=[doc.JOB_NAME],
         request=None,
-        responses=doc.responses({201: doc.RunResponseSerializer}, 404),
+        responses=doc.responses({201: run_shape.Run}, 404),
     )
     def post(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
@@ -359,13 +356,13 @@ class JobRunsView(ManageView):
         ),
         tags=["jobs"],
         parameters=[doc.JOB_NAME],
-        request=CreateRunSerializer,
+        request=run_shape.CreateRun,
         responses=doc.responses(
             {
                 200: OpenApiResponse(
-                    doc.RunResponseSerializer, description="The run with this idempotency key."
+                    run_shape.Run, description="The run with this idempotency key."
                 ),
-                201: OpenApiResponse(doc.RunResponseSerializer, description="A new run."),
+                201: OpenApiResponse(run_shape.Run, description="A new run."),
             },
             *doc.BODY_PROBLEMS,
             404,
@@ -373,17 +370,15 @@ class JobRunsView(ManageView):
     )
     def post(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
-        body = CreateRunSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
+        body = self.body(request, run_shape.CreateRun)
         try:
             created = enqueue.create_run(
                 definition,
                 self.actor(request),
-                idempotency_key=data["idempotencyKey"],
-                delay_seconds=data["delaySeconds"],
-                run_at=data["runAt"],
-                payload=data["payload"],
+                idempotency_key=body.idempotencyKey,
+                delay_seconds=body.delaySeconds,
+                run_at=body.runAt,
+                payload=body.payload,
             )
         except enqueue.IdempotencyConflict as exc:
             raise Conflict(str(exc), code="idempotency-conflict") from exc
@@ -426,7 +421,7 @@ class JobPreviewView(ManageView):
         ),
         tags=["jobs"],
         parameters=[doc.JOB_NAME, *doc.PREVIEW_QUERY],
-        responses=doc.responses({200: doc.PreviewAnswerSerializer}, 400, 404),
+        responses=doc.responses({200: job_shape.Preview}, 400, 404),
     )
     def get(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
@@ -436,7 +431,7 @@ class JobPreviewView(ManageView):
         times = sched.preview(
             definition.name, schedule, after, count, created_at=definition.created_at
         )
-        return Response({"times": times})
+        return Response(preview_json(times))
 
 
 class PreviewView(ManageView):
@@ -450,18 +445,26 @@ class PreviewView(ManageView):
             "`name` sets the jitter. Needs the `manage` scope."
         ),
         tags=["jobs"],
-        request=PreviewSerializer,
-        responses=doc.responses({200: doc.PreviewAnswerSerializer}, *doc.BODY_PROBLEMS),
+        request=job_shape.SchedulePreview,
+        responses=doc.responses({200: job_shape.Preview}, *doc.BODY_PROBLEMS),
     )
     def post(self, request: Request) -> Response:
-        body = PreviewSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
-        after = _parse_from(request.data.get("from") if isinstance(request.data, dict) else None)
-        schedule = sched.parse_schedule(data["schedule"])
-        return Response(
-            {"times": sched.preview(data["name"], schedule, after, data["count"], created_at=after)}
-        )
+        body = self.body(request, job_shape.SchedulePreview)
+        after = body.after or database_now()
+        schedule = sched.parse_schedule(body.schedule)
+        times = sched.preview(body.name, schedule, after, body.count, created_at=after)
+        return Response(preview_json(times))
+
+
+def preview_json(times: list[dict[str, str]]) -> job_shape.Preview:
+    return job_shape.Preview(
+        times=[
+            job_shape.FireTime(
+                local=time["local"], utc=time["utc"], start=time["start"], note=time["note"]
+            )
+            for time in times
+        ]
+    )
 
 
 # --- runs ---------------------------------------------------------------------------------
@@ -517,7 +520,7 @@ def paginate(request: Request, queryset: QuerySet, now: datetime) -> Response:
         query = request.query_params.copy()
         query["cursor"] = page[-1].run_id
         next_url = request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
-    return Response({"results": [run_json(run, now) for run in page], "next": next_url})
+    return Response(run_shape.RunPage(results=[run_json(run, now) for run in page], next=next_url))
 
 
 def team_runs(view: ManageView, request: Request) -> QuerySet:
@@ -536,7 +539,7 @@ class RunsView(ManageView):
         ),
         tags=["runs"],
         parameters=[doc.RUN_STATE, *doc.RUN_FILTERS],
-        responses=doc.responses({200: doc.RunPageSerializer}, 400),
+        responses=doc.responses({200: run_shape.RunPage}, 400),
     )
     def get(self, request: Request) -> Response:
         now = database_now()
@@ -552,13 +555,10 @@ class RunDetailView(ManageView):
         description="Needs the `manage` scope.",
         tags=["runs"],
         parameters=[doc.RUN_ID],
-        responses=doc.responses({200: doc.RunDetailResponseSerializer}, 404),
+        responses=doc.responses({200: run_shape.RunDetail}, 404),
     )
     def get(self, request: Request, run_id: str) -> Response:
-        run = self.run(request, run_id)
-        body = run_json(run, database_now())
-        body["attempts"] = [attempt_json(a) for a in run.attempts.order_by("fencing_token")]
-        return Response(body)
+        return Response(run_detail_json(self.run(request, run_id), database_now()))
 
 
 class RunCancelView(ManageView):
@@ -573,7 +573,7 @@ class RunCancelView(ManageView):
         parameters=[doc.RUN_ID],
         request=None,
         responses=doc.responses(
-            {200: doc.RunResponseSerializer},
+            {200: run_shape.Run},
             404,
             409,
             e409="The run is in a state that cannot be cancelled.",
@@ -602,7 +602,7 @@ class RunRetryView(ManageView):
         parameters=[doc.RUN_ID],
         request=None,
         responses=doc.responses(
-            {200: doc.RunResponseSerializer},
+            {200: run_shape.Run},
             404,
             409,
             e409="The run is in a state that cannot be retried.",
@@ -632,7 +632,7 @@ class DlqView(ManageView):
         ),
         tags=["dlq"],
         parameters=doc.RUN_FILTERS,
-        responses=doc.responses({200: doc.RunPageSerializer}, 400),
+        responses=doc.responses({200: run_shape.RunPage}, 400),
     )
     def get(self, request: Request) -> Response:
         now = database_now()
@@ -652,16 +652,14 @@ class DlqActionView(ManageView):
             "that are not dead or not the team's are left out. Needs the `manage` scope."
         ),
         tags=["dlq"],
-        request=RunIdsOrFilterSerializer,
-        responses=doc.responses({200: doc.DlqActionAnswerSerializer}, *doc.BODY_PROBLEMS),
+        request=run_shape.DlqSelection,
+        responses=doc.responses({200: run_shape.DlqActionAnswer}, *doc.BODY_PROBLEMS),
     )
     def post(self, request: Request) -> Response:
-        body = RunIdsOrFilterSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
+        body = self.body(request, run_shape.DlqSelection)
         dead = team_runs(self, request).filter(state=State.DEAD)
-        if "runIds" in data:
-            pks = [pk for pk in map(parse_run_id, data["runIds"]) if pk is not None]
+        if body.runIds is not None:
+            pks = [pk for pk in map(parse_run_id, body.runIds) if pk is not None]
             dead = dead.filter(pk__in=pks)
             foreign: dict = {}
             others = Run.objects.filter(pk__in=pks).exclude(team_id__in=self.team_ids(request))
@@ -670,11 +668,13 @@ class DlqActionView(ManageView):
             for team, run_ids in foreign.items():
                 self._deny(request, team, "run", run_ids)
         else:
-            dead = filters.apply(dead, data["filter"])
+            dead = filters.apply(dead, body.filter)
         runs = list(dead.order_by("pk")[:10000])
         action = transitions.requeue if self.action_name == "requeue" else transitions.discard
         changed = action(runs, self.actor(request))
-        return Response({"count": len(changed), "runIds": [run.run_id for run in changed]})
+        return Response(
+            run_shape.DlqActionAnswer(count=len(changed), runIds=[run.run_id for run in changed])
+        )
 
 
 @extend_schema_view(
@@ -687,8 +687,8 @@ class DlqActionView(ManageView):
             "Needs the `manage` scope."
         ),
         tags=["dlq"],
-        request=RunIdsOrFilterSerializer,
-        responses=doc.responses({200: doc.DlqActionAnswerSerializer}, *doc.BODY_PROBLEMS),
+        request=run_shape.DlqSelection,
+        responses=doc.responses({200: run_shape.DlqActionAnswer}, *doc.BODY_PROBLEMS),
     )
 )
 class DlqDiscardView(DlqActionView):

@@ -1,18 +1,74 @@
-"""Operations: why a run or a job is not running, and the team's queues (depth, pause, resume)."""
+"""Operations: why a run or a job is not running, the team's queues (depth, pause, resume),
+backfill and alerts."""
 
 from __future__ import annotations
 
-from django.utils.dateparse import parse_datetime
+from datetime import datetime
+
 from drf_spectacular.utils import extend_schema
 from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.api import schema as doc
-from apps.api.serializers import QUEUE_RE
+from apps.api.shapes import ops as shape
+from apps.api.shapes import parse
 from apps.api.views_manage import ManageView
 from apps.jobs import alerts, backfill, diagnosis, queues, services
+from apps.runs import limits
 from apps.runs.clock import database_now
+
+
+def instant(value: datetime) -> str:
+    # To the microsecond, as these answers have always been written (serializers.iso, which
+    # the runs' answers use, stops at the millisecond).
+    return value.isoformat().replace("+00:00", "Z")
+
+
+def reason_json(reason: diagnosis.Reason) -> shape.Reason:
+    answer = shape.Reason(code=reason.code, message=reason.message)
+    if reason.detail:
+        answer["detail"] = reason.detail
+    return answer
+
+
+def queue_json(queue: queues.QueueView) -> shape.Queue:
+    return shape.Queue(
+        name=queue.name,
+        paused=queue.paused,
+        depth=queue.depth,
+        oldestReadyAt=instant(queue.oldest_ready_at) if queue.oldest_ready_at else None,
+        lastLeasedAt=instant(queue.last_leased_at) if queue.last_leased_at else None,
+        lastWorkerId=queue.last_worker_id,
+    )
+
+
+def backfill_json(
+    plan: backfill.BackfillPlan, created: int, confirmed: bool
+) -> shape.BackfillAnswer:
+    return shape.BackfillAnswer(
+        count=len(plan.times),
+        existing=plan.existing,
+        new=plan.new,
+        created=created,
+        capped=plan.capped,
+        confirmed=confirmed,
+        sample=[t.local.isoformat() for t in plan.times[:20]],
+    )
+
+
+def alert_json(alert: alerts.Alert) -> shape.Alert:
+    return shape.Alert(
+        kind=alert.kind,
+        job=alert.definition.name,
+        runId=alert.run_id,
+        dueAt=instant(alert.due_at),
+        lateBySeconds=alert.late_by,
+        sloSeconds=alert.definition.lateness_slo_seconds,
+        owner=alert.definition.owner,
+        runbookUrl=alert.definition.runbook_url,
+        message=alert.message,
+    )
 
 
 class RunWhyView(ManageView):
@@ -21,13 +77,15 @@ class RunWhyView(ManageView):
         summary="Why is this run not running?",
         tags=["operations"],
         parameters=[doc.RUN_ID],
-        responses=doc.responses({200: doc.WhyAnswerSerializer}, 404),
+        responses=doc.responses({200: shape.WhyAnswer}, 404),
     )
     def get(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
         reasons = diagnosis.why_run(run, database_now())
         return Response(
-            {"subject": run_id, "state": run.state, "reasons": [r.as_json() for r in reasons]}
+            shape.WhyAnswer(
+                subject=run_id, state=run.state, reasons=[reason_json(r) for r in reasons]
+            )
         )
 
 
@@ -37,12 +95,12 @@ class JobWhyView(ManageView):
         summary="Why is this job not running?",
         tags=["operations"],
         parameters=[doc.JOB_NAME],
-        responses=doc.responses({200: doc.WhyAnswerSerializer}, 404),
+        responses=doc.responses({200: shape.WhyAnswer}, 404),
     )
     def get(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
         reasons = diagnosis.why_definition(definition, database_now())
-        return Response({"subject": name, "reasons": [r.as_json() for r in reasons]})
+        return Response(shape.WhyAnswer(subject=name, reasons=[reason_json(r) for r in reasons]))
 
 
 class QueuesView(ManageView):
@@ -50,10 +108,11 @@ class QueuesView(ManageView):
         operation_id="listQueues",
         summary="The team's queues with depth and activity",
         tags=["operations"],
-        responses=doc.responses({200: doc.QueueListSerializer}),
+        responses=doc.responses({200: shape.QueueList}),
     )
     def get(self, request: Request) -> Response:
-        return Response({"results": [q.as_json() for q in queues.overview(self.team(request))]})
+        found = queues.overview(self.team(request))
+        return Response(shape.QueueList(results=[queue_json(q) for q in found]))
 
 
 class QueuePauseView(ManageView):
@@ -65,14 +124,15 @@ class QueuePauseView(ManageView):
         tags=["operations"],
         parameters=[doc.QUEUE_NAME],
         request=None,
-        responses=doc.responses({200: doc.QueueSerializer}, 400),
+        responses=doc.responses({200: shape.Queue}, 400),
     )
     def post(self, request: Request, name: str) -> Response:
-        if not QUEUE_RE.match(name) or len(name) > 100:
-            raise ValidationError({"name": ["Use letters, digits, '.', ':', '-' and '_'."]})
+        reason = limits.queue_name_problem(name)
+        if reason is not None:
+            raise ValidationError({"name": [reason]})
         services.set_queue_paused(self.team(request), name, self.paused, self.actor(request))
         (answer,) = [q for q in queues.overview(self.team(request)) if q.name == name]
-        return Response(answer.as_json())
+        return Response(queue_json(answer))
 
 
 class QueueResumeView(QueuePauseView):
@@ -84,7 +144,7 @@ class QueueResumeView(QueuePauseView):
         tags=["operations"],
         parameters=[doc.QUEUE_NAME],
         request=None,
-        responses=doc.responses({200: doc.QueueSerializer}, 400),
+        responses=doc.responses({200: shape.Queue}, 400),
     )
     def post(self, request: Request, name: str) -> Response:
         return super().post(request, name)
@@ -96,57 +156,26 @@ class JobBackfillView(ManageView):
         summary="Run a cron job for every fire time of a past range (preview unless confirmed)",
         tags=["operations"],
         parameters=[doc.JOB_NAME],
-        request=doc.BackfillRequestSerializer,
-        responses=doc.responses({200: doc.BackfillAnswerSerializer}, 400, 404, 413, 415),
+        request=shape.BackfillRequest,
+        responses=doc.responses({200: shape.BackfillAnswer}, 400, 404, 413, 415),
     )
     def post(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
-        data = request.data if isinstance(request.data, dict) else {}
-        errors: dict[str, list[str]] = {}
-        bounds = {}
-        for key in ("from", "to"):
-            try:
-                value = (
-                    parse_datetime(str(data.get(key, "")).replace(" ", "+"))
-                    if data.get(key)
-                    else None
-                )
-            except ValueError:  # well formed but not a time, e.g. 12:99
-                value = None
-            if value is None or value.tzinfo is None:
-                errors[key] = ["Give an ISO 8601 time with an offset or Z."]
-            bounds[key] = value
-        confirm = data.get("confirm", False)
-        if not isinstance(confirm, bool):
-            errors["confirm"] = ["Must be true or false."]
-        unknown = set(data) - {"from", "to", "confirm"}
-        errors.update({key: ["Unknown field."] for key in sorted(unknown)})
-        if errors or not isinstance(request.data, dict):
-            raise ValidationError(errors or {"body": ["Expected a JSON object."]})
+        args = parse(shape.BackfillRequest, request.data)
         try:
-            if confirm:
+            if args.confirm:
                 plan, created = backfill.run_backfill(
-                    definition, bounds["from"], bounds["to"], self.actor(request)
+                    definition, args.from_, args.to, self.actor(request)
                 )
             else:
-                plan, created = backfill.plan(definition, bounds["from"], bounds["to"]), 0
+                plan, created = backfill.plan(definition, args.from_, args.to), 0
         except backfill.BackfillError as exc:
             raise ValidationError({key: [reason] for key, reason in exc.errors.items()}) from exc
         except OverflowError as exc:  # a bound at the very ends of datetime's range
             raise ValidationError(
                 {"from": ["The range reaches past the years 1 to 9999."]}
             ) from exc
-        return Response(
-            {
-                "count": len(plan.times),
-                "existing": plan.existing,
-                "new": plan.new,
-                "created": created,
-                "capped": plan.capped,
-                "confirmed": confirm,
-                "sample": [t.local.isoformat() for t in plan.times[:20]],
-            }
-        )
+        return Response(backfill_json(plan, created, args.confirm))
 
 
 class AlertsView(ManageView):
@@ -154,8 +183,8 @@ class AlertsView(ManageView):
         operation_id="listAlerts",
         summary="Late and missed runs of the last 24 h (definitions with a lateness SLO)",
         tags=["operations"],
-        responses=doc.responses({200: doc.AlertListSerializer}),
+        responses=doc.responses({200: shape.AlertList}),
     )
     def get(self, request: Request) -> Response:
         found = alerts.alerts_for(self.team(request), database_now())
-        return Response({"results": [alert.as_json() for alert in found]})
+        return Response(shape.AlertList(results=[alert_json(alert) for alert in found]))

@@ -1,4 +1,4 @@
-"""Forms: list filters, the definition form (validated by the API's own serializer), team admin."""
+"""Forms: list filters, the definition form (validated by the API's own definition model), team admin."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from zoneinfo import available_timezones
 
 from django import forms
 
-from apps.api.errors import PayloadTooLarge, flatten_errors
-from apps.api.serializers import DefinitionSerializer
+from apps.api.errors import PayloadTooLarge
+from apps.api.shapes.jobs import parse_definition
 from apps.audit.models import Source
 from apps.jobs import schedule as sched
 from apps.jobs import services
 from apps.jobs.models import JobDefinition
 from apps.jobs.services import DefinitionSpec
+from apps.jobs.sync import InvalidEntry
 from apps.runs import limits
 from apps.runs.ids import parse_run_id
 from apps.runs.models import PRIORITIES
@@ -119,7 +120,7 @@ SCHEDULE_KINDS = [
 ]
 TIME_ZONES = sorted(available_timezones())
 
-# Serializer error paths → the form field that shows them.
+# Error paths of the API's definition → the form field that shows them.
 FIELD_FOR_PATH = {
     "name": "name",
     "schedule": "kind",
@@ -192,7 +193,7 @@ def schedule_errors(schedule: dict[str, Any]) -> dict[str, str]:
 
 class DefinitionForm(forms.Form):
     """The edit form. Its fields are the API's definition JSON spread out for people; `clean`
-    hands that JSON to the API's DefinitionSerializer, so both validate by the same rules."""
+    hands that JSON to the API's definition model, so both validate by the same rules."""
 
     team = forms.ChoiceField()
     name = forms.CharField(
@@ -302,13 +303,13 @@ class DefinitionForm(forms.Form):
             return json.loads(raw)
         except json.JSONDecodeError as exc:
             raise forms.ValidationError(f"Not valid JSON: {exc.msg} (line {exc.lineno}).") from exc
-        except RecursionError as exc:  # nested far past the limit DefinitionSerializer states
+        except RecursionError as exc:  # nested far past the limit the definition states
             raise forms.ValidationError(
                 f"Nested deeper than {limits.json_max_depth()} levels of objects and lists."
             ) from exc
 
     def clean(self) -> dict[str, Any]:
-        """Hand the fields, as the API's JSON, to DefinitionSerializer; put each reason beside
+        """Hand the fields, as the API's JSON, to the API's definition; put each reason beside
         its field. A field that failed its own parsing is sent as its default, so the other
         fields still get their reasons in the same answer."""
         data = super().clean()
@@ -334,21 +335,21 @@ class DefinitionForm(forms.Form):
             "runbookUrl": data.get("runbook_url", ""),
             "latenessSloSeconds": data.get("lateness_slo_seconds"),
         }
-        serializer = DefinitionSerializer(data=body)
         try:
-            valid = serializer.is_valid()
+            spec = parse_definition(body)
         except PayloadTooLarge as exc:
             self.add_error("payload", str(exc.detail))
             return data
-        if not valid:
-            for path, reasons in flatten_errors(serializer.errors).items():
+        except InvalidEntry as exc:
+            for path, reasons in exc.errors.items():
                 name = FIELD_FOR_PATH.get(path)
                 if name in self.errors:
                     continue
                 for reason in reasons:
                     self.add_error(name, reason if name else f"{path}: {reason}")
-        elif not self.errors:
-            self.spec = serializer.to_spec()
+            return data
+        if not self.errors:
+            self.spec = spec
         return data
 
 

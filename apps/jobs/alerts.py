@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
@@ -29,22 +28,21 @@ class Alert:
     run_id: str | None = None
     late_by: float | None = None
 
-    def as_json(self) -> dict[str, Any]:
+    @property
+    def message(self) -> str:
+        """The alert in plain words."""
         slo = self.definition.lateness_slo_seconds
         if self.kind == "late":
-            message = f"{self.run_id} started {self.late_by:.1f} s after it was due (SLO {slo} s)."
-        else:
-            message = f"No successful run for the cron time {self.due_at.isoformat()}."
+            return f"{self.run_id} started {self.late_by:.1f} s after it was due (SLO {slo} s)."
+        return f"No successful run for the cron time {self.due_at.isoformat()}."
+
+    def as_json(self) -> dict[str, str]:
+        """What the alerts page shows beside the alert's own fields: the words, whom to tell, and
+        the runbook."""
         return {
-            "kind": self.kind,
-            "job": self.definition.name,
-            "runId": self.run_id,
-            "dueAt": self.due_at.isoformat().replace("+00:00", "Z"),
-            "lateBySeconds": self.late_by,
-            "sloSeconds": slo,
+            "message": self.message,
             "owner": self.definition.owner,
             "runbookUrl": self.definition.runbook_url,
-            "message": message,
         }
 
 

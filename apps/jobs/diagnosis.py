@@ -24,13 +24,6 @@ class Reason:
     message: str
     detail: dict[str, Any] = field(default_factory=dict)
 
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "code": self.code,
-            "message": self.message,
-            **({"detail": self.detail} if self.detail else {}),
-        }
-
 
 def _iso(value: datetime) -> str:
     return value.isoformat().replace("+00:00", "Z")

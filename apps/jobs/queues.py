@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from django.db import connection
 
@@ -20,19 +19,6 @@ class QueueView:
     oldest_ready_at: datetime | None = None
     last_leased_at: datetime | None = None
     last_worker_id: str = ""
-
-    def as_json(self) -> dict[str, Any]:
-        def iso(value: datetime | None) -> str | None:
-            return value.isoformat().replace("+00:00", "Z") if value else None
-
-        return {
-            "name": self.name,
-            "paused": self.paused,
-            "depth": self.depth,
-            "oldestReadyAt": iso(self.oldest_ready_at),
-            "lastLeasedAt": iso(self.last_leased_at),
-            "lastWorkerId": self.last_worker_id,
-        }
 
 
 # Served by the partial index run_claimable, whose leading columns are (team_id, queue, priority):

@@ -126,8 +126,11 @@ class NewRun:
 
 
 def insert_runs(runs: Sequence[NewRun]) -> list[int]:
-    """Insert runs, skipping any that already exist; return the ids of the new ones."""
-    return list(insert_keyed(runs).values())
+    """Insert runs, skipping any that already exist; return the ids of the new ones, in the
+    order of `runs` (the statement inserts them in key order)."""
+    keyed = insert_keyed(runs)
+    names = dict.fromkeys((run.definition_id, run.idempotency_key) for run in runs)
+    return [keyed[name] for name in names if name in keyed]
 
 
 def insert_keyed(runs: Sequence[NewRun]) -> dict[tuple[int, str], int]:

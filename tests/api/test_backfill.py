@@ -18,12 +18,19 @@ def test_backfill_across_a_dst_change_creates_each_time_once(api_a):
     preview = api_a.post("/api/v1/jobs/etl.hourly/backfill", window)
     assert preview.status_code == 200, preview.text
     # 22:30Z … 03:30Z: six instants, 02:30 local twice (fall back), so six runs.
-    assert preview.json()["count"] == 6 and preview.json()["new"] == 6 and preview.json()["created"] == 0
+    assert (
+        preview.json()["count"] == 6
+        and preview.json()["new"] == 6
+        and preview.json()["created"] == 0
+    )
     assert Run.objects.count() == 0
     done = api_a.post("/api/v1/jobs/etl.hourly/backfill", {**window, "confirm": True}).json()
     assert done["created"] == 6
     keys = sorted(Run.objects.values_list("idempotency_key", flat=True))
-    assert "etl.hourly@2026-10-25T02:30:00+02:00" in keys and "etl.hourly@2026-10-25T02:30:00+01:00" in keys
+    assert (
+        "etl.hourly@2026-10-25T02:30:00+02:00" in keys
+        and "etl.hourly@2026-10-25T02:30:00+01:00" in keys
+    )
     assert set(Run.objects.values_list("trigger", flat=True)) == {"backfill"}
     again = api_a.post("/api/v1/jobs/etl.hourly/backfill", {**window, "confirm": True}).json()
     assert again["created"] == 0 and again["existing"] == 6
@@ -32,20 +39,80 @@ def test_backfill_across_a_dst_change_creates_each_time_once(api_a):
 
 
 def test_spring_forward_range(api_a):
-    api_a.post("/api/v1/jobs", {"name": "etl.nightly", "queue": "etl", "schedule": {"cron": "30 2 * * *", "timeZone": "Europe/Berlin", "jitterSeconds": 0}})
+    api_a.post(
+        "/api/v1/jobs",
+        {
+            "name": "etl.nightly",
+            "queue": "etl",
+            "schedule": {"cron": "30 2 * * *", "timeZone": "Europe/Berlin", "jitterSeconds": 0},
+        },
+    )
     done = api_a.post(
-        "/api/v1/jobs/etl.nightly/backfill", {"from": "2026-03-28T00:00:00Z", "to": "2026-03-30T23:00:00Z", "confirm": True}
+        "/api/v1/jobs/etl.nightly/backfill",
+        {"from": "2026-03-28T00:00:00Z", "to": "2026-03-30T23:00:00Z", "confirm": True},
     ).json()
     assert done["created"] == 3
-    assert done["sample"] == ["2026-03-28T02:30:00+01:00", "2026-03-29T03:00:00+02:00", "2026-03-30T02:30:00+02:00"]
+    assert done["sample"] == [
+        "2026-03-28T02:30:00+01:00",
+        "2026-03-29T03:00:00+02:00",
+        "2026-03-30T02:30:00+02:00",
+    ]
 
 
 def test_backfill_refuses_bad_ranges_and_non_cron_jobs(api_a):
     api_a.post("/api/v1/jobs", {"name": "etl.manual", "queue": "etl"})
-    answer = api_a.post("/api/v1/jobs/etl.manual/backfill", {"from": "2026-01-01T00:00:00Z", "to": "2026-01-02T00:00:00Z"})
+    answer = api_a.post(
+        "/api/v1/jobs/etl.manual/backfill",
+        {"from": "2026-01-01T00:00:00Z", "to": "2026-01-02T00:00:00Z"},
+    )
     assert answer.status_code == 400 and "schedule" in answer.json()["errors"]
     api_a.post("/api/v1/jobs", {"name": "etl.cron", "queue": "etl", "schedule": HOURLY_BERLIN})
-    bad = api_a.post("/api/v1/jobs/etl.cron/backfill", {"from": "nope", "to": "2026-01-02T00:00:00Z", "extra": 1})
+    bad = api_a.post(
+        "/api/v1/jobs/etl.cron/backfill", {"from": "nope", "to": "2026-01-02T00:00:00Z", "extra": 1}
+    )
     assert bad.status_code == 400 and {"from", "extra"} <= set(bad.json()["errors"])
-    reversed_range = api_a.post("/api/v1/jobs/etl.cron/backfill", {"from": "2026-01-02T00:00:00Z", "to": "2026-01-01T00:00:00Z"})
+    reversed_range = api_a.post(
+        "/api/v1/jobs/etl.cron/backfill",
+        {"from": "2026-01-02T00:00:00Z", "to": "2026-01-01T00:00:00Z"},
+    )
     assert reversed_range.status_code == 400 and "to" in reversed_range.json()["errors"]
+
+
+def test_backfill_reads_times_with_offsets_and_names_every_bad_field(api_a):
+    api_a.post("/api/v1/jobs", {"name": "etl.cron", "queue": "etl", "schedule": HOURLY_BERLIN})
+    # A space stands for the "+" of an offset that a form or a query string turned into one.
+    spaced = api_a.post(
+        "/api/v1/jobs/etl.cron/backfill",
+        {"from": "2026-01-01T00:00:00 01:00", "to": "2026-01-01T03:00:00+01:00"},
+    )
+    assert spaced.status_code == 200, spaced.text
+    assert spaced.json()["sample"] == [
+        "2026-01-01T00:30:00+01:00",
+        "2026-01-01T01:30:00+01:00",
+        "2026-01-01T02:30:00+01:00",
+    ]
+    bad = api_a.post(
+        "/api/v1/jobs/etl.cron/backfill",
+        {"from": "2026-01-01T00:00:00", "to": "2026-01-01T12:99:00Z", "confirm": "yes"},
+    )
+    assert bad.status_code == 400 and set(bad.json()["errors"]) == {"from", "to", "confirm"}
+    assert bad.json()["errors"]["from"] == ["Give an ISO 8601 time with an offset or Z."]
+    missing = api_a.post("/api/v1/jobs/etl.cron/backfill", {"confirm": True})
+    assert missing.status_code == 400 and set(missing.json()["errors"]) == {"from", "to"}
+    not_an_object = api_a.post("/api/v1/jobs/etl.cron/backfill", ["2026-01-01T00:00:00Z"])
+    assert not_an_object.status_code == 400 and set(not_an_object.json()["errors"]) == {"body"}
+    assert Run.objects.count() == 0
+
+
+def test_a_range_past_the_cap_creates_only_the_cap(api_a, settings):
+    settings.SCHEDULER_BACKFILL_CAP = 4
+    api_a.post("/api/v1/jobs", {"name": "etl.cron", "queue": "etl", "schedule": HOURLY_BERLIN})
+    done = api_a.post(
+        "/api/v1/jobs/etl.cron/backfill",
+        {"from": "2026-01-01T00:00:00Z", "to": "2026-01-02T00:00:00Z", "confirm": True},
+    )
+    assert done.status_code == 200, done.text
+    assert (
+        done.json()["count"] == 4 and done.json()["capped"] is True and done.json()["created"] == 4
+    )
+    assert Run.objects.count() == 4

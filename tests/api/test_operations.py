@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from apps.audit.models import AuditEvent
+from apps.jobs.models import Queue
+from apps.runs import limits
 from tests.conftest import add_ready_runs, make_definition
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -14,7 +16,9 @@ def test_why_names_the_paused_queue_and_the_silent_workers(api_a, team_a):
     definition = make_definition(team_a, "ops.report", queue="reports")
     add_ready_runs(definition, 1)
     run_id = api_a.get("/api/v1/runs").json()["results"][0]["runId"]
-    assert [r["code"] for r in api_a.get(f"/api/v1/runs/{run_id}/why").json()["reasons"]] == ["no_worker"]
+    assert [r["code"] for r in api_a.get(f"/api/v1/runs/{run_id}/why").json()["reasons"]] == [
+        "no_worker"
+    ]
     paused = api_a.post("/api/v1/queues/reports/pause")
     assert paused.status_code == 200 and paused.json()["paused"] is True
     assert api_a.lease(["reports"], 5) == []
@@ -22,7 +26,11 @@ def test_why_names_the_paused_queue_and_the_silent_workers(api_a, team_a):
     assert codes == ["queue_paused"]  # the lease call above counts as a worker asking
     assert api_a.post("/api/v1/queues/reports/resume").json()["paused"] is False
     assert len(api_a.lease(["reports"], 5)) == 1
-    actions = list(AuditEvent.objects.filter(target_type="queue").values_list("action", flat=True).order_by("id"))
+    actions = list(
+        AuditEvent.objects.filter(target_type="queue")
+        .values_list("action", flat=True)
+        .order_by("id")
+    )
     assert actions == ["queue.pause", "queue.resume"]
 
 
@@ -45,3 +53,13 @@ def test_other_teams_queue_pause_does_not_touch_ours(api_a, api_b, team_a):
     add_ready_runs(make_definition(team_a, "mine.job", queue="shared-name"), 1)
     api_b.post("/api/v1/queues/shared-name/pause")
     assert len(api_a.lease(["shared-name"], 5)) == 1
+
+
+def test_a_queue_name_outside_the_queue_rule_is_refused(api_a):
+    for name in ("-starts-with-a-dash", "has%20space", "q" * 101):
+        answer = api_a.post(f"/api/v1/queues/{name}/pause")
+        assert answer.status_code == 400 and list(answer.json()["errors"]) == ["name"], name
+    assert api_a.post("/api/v1/queues/-x/resume").json()["errors"]["name"] == [
+        limits.QUEUE_NAME_RULE
+    ]
+    assert not Queue.objects.exists()

@@ -190,12 +190,14 @@ def test_request_bodies_are_strict_and_bounded(schema):
     assert definition["properties"]["priority"]["allOf"][0]["$ref"].endswith("/PriorityEnum")
     assert components["PriorityEnum"]["enum"] == ["critical", "default", "bulk"]
     schedule = components["Schedule"]
-    assert {option["title"] for option in schedule["oneOf"]} == {
-        "Cron",
-        "OneOff",
-        "Delayed",
-        "None",
-    }
+    # Cron, one-off, delayed, none (named in their descriptions: the 3.0 conversion drops titles).
+    assert [option.get("required") for option in schedule["oneOf"]] == [
+        ["cron"],
+        ["runAt"],
+        ["delaySeconds"],
+        None,
+    ]
+    assert all(option["additionalProperties"] is False for option in schedule["oneOf"])
     run = components["Run"]
     assert {
         "runId",

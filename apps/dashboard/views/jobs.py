@@ -11,7 +11,7 @@ from django.shortcuts import redirect
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
-from apps.api.serializers import DefinitionSerializer
+from apps.api.shapes.jobs import parse_definition
 from apps.dashboard import queries
 from apps.dashboard.forms import (
     SCHEDULE_FIELDS,
@@ -25,6 +25,7 @@ from apps.dashboard.http import HtmxHttpRequest, actor, done, plural, render_pag
 from apps.jobs import backfill, diagnosis, enqueue, services
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
+from apps.jobs.sync import InvalidEntry
 from apps.runs.clock import database_now
 from apps.runs.models import Trigger
 from apps.teams import access
@@ -265,15 +266,16 @@ def job_trigger(request: HtmxHttpRequest, name: str) -> HttpResponse:
 def job_dry_run(request: HtmxHttpRequest, name: str) -> HttpResponse:
     definition = _changeable(request, name, Role.EDITOR)
     body = {**services.snapshot(definition), "dryRun": not definition.dry_run}
-    serializer = DefinitionSerializer(data=body)
-    if not serializer.is_valid():
+    try:
+        spec = parse_definition(body)
+    except InvalidEntry:
         return done(
             request,
             reverse("dashboard:job", args=[name]),
             "The stored definition no longer validates; edit it first.",
             messages.ERROR,
         )
-    updated = services.update_definition(definition, serializer.to_spec(), actor(request))
+    updated = services.update_definition(definition, spec, actor(request))
     state = "on" if updated.dry_run else "off"
     return done(request, reverse("dashboard:job", args=[name]), f"Dry run {state} for {name}.")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.api.serializers import parse_definition
+from apps.api.shapes.jobs import parse_definition
 from apps.audit.record import Actor
 from apps.jobs import sync
 from apps.teams.models import Team

@@ -1,0 +1,498 @@
+"""The management API's job shapes: definitions (POST, PUT, PATCH, jobs as code), previews and
+the sync of a team's definitions. The same models validate the dashboard's edit form and the
+`apply` command's files."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal, NotRequired
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.core.validators import URLValidator
+from django.utils.dateparse import parse_datetime
+from drf_spectacular.drainage import set_override
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    create_model,
+    field_validator,
+)
+from pydantic import ValidationError as PydanticError
+from pydantic import with_config as typed_config
+from pydantic_core import InitErrorDetails
+from typing_extensions import TypeAliasType, TypedDict
+
+from apps.api.shapes import ANSWER, Body, Instant, field_errors, json_value, name_check, problem
+from apps.api.shapes.worker import JobName, QueueName
+from apps.jobs import schedule as sched
+from apps.jobs.services import DefinitionSpec
+from apps.jobs.sync import InvalidEntry
+from apps.runs import limits
+from apps.runs.models import PRIORITIES
+
+# Every value of a body parsed outside a request (the edit form, an `apply` file) is measured
+# against the payload cap: there is no body size to spare the walk.
+UNMEASURED = 2**62
+
+PriorityEnum = TypeAliasType("PriorityEnum", Literal["critical", "default", "bulk"])
+
+
+def _ref_beside_siblings(schema: dict[str, Any]) -> None:
+    """OpenAPI 3.0 ignores the siblings of a $ref (a default, a description): wrap it."""
+    if "$ref" in schema:
+        schema["allOf"] = [{"$ref": schema.pop("$ref")}]
+
+
+def no_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
+SCHEDULE_SCHEMA: dict[str, Any] = {
+    "description": (
+        "One of: cron (`cron` with optional `timeZone`, `jitterSeconds`, `missedRunPolicy`), "
+        "one-off (`runAt`), delayed (`delaySeconds`), or `{}` for runs only triggered through "
+        "the API or the dashboard."
+    ),
+    "oneOf": [
+        {
+            "type": "object",
+            "description": "Cron: at each time a 5-field expression matches, in a time zone.",
+            "properties": {
+                "cron": {
+                    "type": "string",
+                    "minLength": 1,
+                    "description": "5 fields (minute hour day-of-month month day-of-week) "
+                    "or a macro such as `@daily`.",
+                    "example": "0 2 * * *",
+                },
+                "timeZone": {
+                    "type": "string",
+                    "default": "UTC",
+                    "description": "An IANA time zone name.",
+                    "example": "Europe/Berlin",
+                },
+                "jitterSeconds": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "default": 60,
+                    "description": "Spread the start by a stable per-job offset below this "
+                    "many seconds; 0 turns it off. At most the shortest gap between fire times.",
+                },
+                "missedRunPolicy": {
+                    "type": "string",
+                    "enum": list(sched.MISSED_RUN_POLICIES),
+                    "default": sched.DEFAULT_MISSED_RUN_POLICY,
+                    "description": "What to do with fire times missed during an outage.",
+                },
+            },
+            "required": ["cron"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "description": "One-off: one run at a time.",
+            "properties": {
+                "runAt": {
+                    "type": "string",
+                    "format": "date-time",
+                    "description": "One run at this time (with an offset or Z).",
+                }
+            },
+            "required": ["runAt"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "description": "Delayed: one run, some time after the definition's creation.",
+            "properties": {
+                "delaySeconds": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "maximum": sched.MAX_DELAY_SECONDS,
+                    "description": "One run, this long after the definition's creation.",
+                }
+            },
+            "required": ["delaySeconds"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "description": "None: runs only when triggered.",
+            "properties": {},
+            "maxProperties": 0,
+            "additionalProperties": False,
+        },
+    ],
+}
+# The schedule's rules live in apps.jobs.schedule (parse_schedule); this names its JSON form.
+ScheduleJSON = TypeAliasType("Schedule", Annotated[Any, WithJsonSchema(SCHEDULE_SCHEMA)])
+
+
+def schedule_value(value: Any) -> dict:
+    """A schedule in its canonical JSON form, or its reasons as errors under `schedule.…`."""
+    try:
+        parsed = sched.parse_schedule(value)
+    except sched.ScheduleError as exc:
+        raise errors_within(
+            {key.removeprefix("schedule").lstrip("."): [r] for key, r in exc.errors.items()},
+            value,
+        ) from None
+    if isinstance(parsed, sched.OneOffSchedule) and parsed.run_at > limits.LATEST_RUN_TIME:
+        raise errors_within({"runAt": ["Later than 9999-01-01T00:00:00Z."]}, value)
+    return sched.schedule_to_json(parsed)
+
+
+def errors_within(errors: dict[str, list[str]], value: Any) -> PydanticError:
+    """Errors at paths inside the field being validated ("" for the field itself)."""
+    return PydanticError.from_exception_data(
+        "field",
+        [
+            InitErrorDetails(
+                type=problem("invalid", reason), loc=(path,) if path else (), input=value
+            )
+            for path, reasons in errors.items()
+            for reason in reasons
+        ],
+    )
+
+
+def _text(value: str) -> str:
+    # PostgreSQL text cannot hold NUL, and a lone surrogate cannot be encoded.
+    if "\x00" in value:
+        raise problem("null_characters", "Null characters are not allowed.")
+    if any("\ud800" <= char <= "\udfff" for char in value):
+        raise problem("surrogates", "Surrogate characters are not allowed.")
+    return value
+
+
+Checked = AfterValidator(_text)
+Text = Annotated[str, Checked]
+_url = URLValidator()
+
+
+def _url_or_blank(value: str) -> str:
+    if value:
+        try:
+            _url(value)
+        except DjangoValidationError:
+            raise problem("url", "Enter a valid URL.") from None
+    return value
+
+
+READ_ONLY = "Read-only: accepted and ignored, so a fetched definition can be sent back."
+Ignored = Annotated[Any, Field(None, description=READ_ONLY)]
+
+
+def _instant(value: Any) -> Any:
+    """An ISO 8601 time with an offset or Z, e.g. 2026-12-01T10:00:00Z (a datetime passes)."""
+    if value is None or isinstance(value, datetime):
+        return value
+    parsed = None
+    if isinstance(value, str) and "\x00" not in value and len(value) <= 64:
+        try:
+            parsed = parse_datetime(value)
+        except ValueError:  # well formed but not a time, e.g. 12:99
+            parsed = None
+    if parsed is None:
+        raise problem("datetime", "Give an ISO 8601 time with an offset or Z.")
+    if parsed.tzinfo is None:
+        raise problem("datetime", "Give an offset or Z, e.g. 2026-12-01T10:00:00Z.")
+    return parsed
+
+
+AwareTime = Annotated[datetime | None, BeforeValidator(_instant)]
+# A blank `from` means now, as when it is left out.
+After = Annotated[
+    datetime | None, BeforeValidator(lambda value: _instant(None if value == "" else value))
+]
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+class Retry(Body):
+    """The retry policy: attempts, and the full-jitter exponential backoff between them
+    (`maxSeconds` ≥ `baseSeconds`)."""
+
+    maxAttempts: int = Field(3, ge=1, le=1000)
+    baseSeconds: int = Field(30, ge=0, le=86400)
+    maxSeconds: int = Field(1800, ge=0, le=7 * 86400, validate_default=True)
+
+    @field_validator("maxSeconds")
+    @classmethod
+    def _at_least_base(cls, value: int, info: ValidationInfo) -> int:
+        base = info.data.get("baseSeconds")
+        if base is not None and value < base:
+            raise problem("backoff", "Must be at least baseSeconds.")
+        return value
+
+
+class Definition(Body):
+    """A job definition; omitted fields take their defaults."""
+
+    name: JobName
+    schedule: ScheduleJSON = Field(default_factory=dict)
+    queue: QueueName = "default"
+    priority: PriorityEnum = Field("default", json_schema_extra=_ref_beside_siblings)
+    timeoutSeconds: int = Field(3600, ge=1, le=7 * 86400)
+    retry: Retry = Field(default_factory=Retry)
+    concurrency: int | None = Field(None, ge=1, le=100000)
+    payload: Any = Field(
+        default_factory=dict,
+        json_schema_extra=lambda schema: schema.update(
+            anyOf=[
+                {"type": "object", "additionalProperties": True},
+                {"type": "array", "items": {}},
+                {"type": "string"},
+                {"type": "number"},
+                {"type": "boolean"},
+            ],
+            description="Any JSON value except null; over the payload cap it is a 413.",
+        ),
+    )
+    paused: bool = False
+    dryRun: bool = False
+    latenessSloSeconds: int | None = Field(None, ge=1, le=7 * 86400)
+    owner: Text = Field("", max_length=200)
+    runbookUrl: Annotated[
+        str,
+        AfterValidator(_url_or_blank),
+        WithJsonSchema(
+            {
+                "oneOf": [
+                    {"type": "string", "format": "uri", "maxLength": 500},
+                    {"type": "string", "maxLength": 0},
+                ],
+                "default": "",
+            }
+        ),
+    ] = Field("", max_length=500)
+    # What a fetched definition carries besides: accepted, so it can be sent back, and ignored.
+    team: Ignored
+    nextDueAt: Ignored
+    shard: Ignored
+    createdAt: Ignored
+    updatedAt: Ignored
+    missedRunsNote: Ignored
+
+    _schedule = field_validator("schedule")(schedule_value)
+
+    @field_validator("payload")
+    @classmethod
+    def _payload(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            raise problem("null", "This field may not be null.")
+        return json_value(value, info)
+
+    def to_spec(self) -> DefinitionSpec:
+        return DefinitionSpec(
+            name=self.name,
+            schedule=self.schedule,
+            queue=self.queue,
+            priority=PRIORITIES[self.priority],
+            timeout_seconds=self.timeoutSeconds,
+            retry_max_attempts=self.retry.maxAttempts,
+            retry_base_seconds=self.retry.baseSeconds,
+            retry_max_seconds=self.retry.maxSeconds,
+            concurrency=self.concurrency,
+            payload=self.payload,
+            paused=self.paused,
+            dry_run=self.dryRun,
+            lateness_slo_seconds=self.latenessSloSeconds,
+            owner=self.owner,
+            runbook_url=self.runbookUrl,
+        )
+
+
+class DefinitionReplace(Definition):
+    """The definition for PUT: the name comes from the path (a name in the body must match it),
+    and the queue is stated (an empty body would otherwise reset a job to every default)."""
+
+    name: Annotated[str, AfterValidator(name_check(limits.job_name_problem))] = Field(  # type: ignore[assignment]
+        None,
+        json_schema_extra=lambda schema: (
+            no_default(schema),
+            schema.update(pattern=limits.JOB_NAME_RE.pattern, maxLength=limits.JOB_NAME_MAX),
+        ),
+    )
+    queue: QueueName  # type: ignore[assignment]
+
+
+def _patch_of(model: type[Body], name: str, doc: str) -> type[Body]:
+    """`model`'s fields, each optional and without a default: the body of a PATCH, which the
+    view merges into the stored definition and then validates whole as `model`."""
+    fields: dict[str, Any] = {}
+    for key, info in model.model_fields.items():
+        annotation = info.rebuild_annotation()
+        if isinstance(info.annotation, type) and issubclass(info.annotation, Body):
+            annotation = _patch_of(info.annotation, f"{info.annotation.__name__}Patch", "")
+        extra = info.json_schema_extra
+
+        def schema_extra(schema: dict[str, Any], extra=extra) -> None:
+            if callable(extra):
+                extra(schema)
+            elif extra:
+                schema.update(extra)
+            schema.pop("default", None)
+            _ref_beside_siblings(schema)
+
+        fields[key] = (
+            annotation,
+            Field(None, description=info.description, json_schema_extra=schema_extra),
+        )
+    return create_model(name, __base__=Body, __doc__=doc or model.__doc__, **fields)
+
+
+# Named after the model it loosens: drf-spectacular calls the body of a PATCH
+# "Patched<name>Request", here PatchedDefinitionRequest.
+DefinitionPatch = _patch_of(
+    Definition,
+    "Definition",
+    "The fields to change; the others keep their values (`retry` is merged field by field).",
+)
+
+
+def parse_definition(entry: Any) -> DefinitionSpec:
+    """Validate one definition (jobs as code, the edit form); raise InvalidEntry naming every
+    bad field, or PayloadTooLarge."""
+    try:
+        body = Definition.model_validate(entry, context={"body_size": UNMEASURED})
+    except PydanticError as exc:
+        raise InvalidEntry(field_errors(exc)) from None
+    return body.to_spec()
+
+
+class SyncRequest(Body):
+    """The team's definitions, as kept in its repository."""
+
+    jobs: list[Definition]
+    prune: bool = Field(False, description="Delete the team's definitions not listed.")
+    dryRun: bool = Field(False, description="Answer the diff; change nothing.")
+
+
+class SchedulePreview(Body):
+    """A schedule to preview; `name` sets the jitter."""
+
+    name: Text = Field("preview", min_length=1, max_length=200)
+    schedule: ScheduleJSON
+    count: int = Field(10, ge=1, le=1000)
+    after: After = Field(
+        None,
+        alias="from",
+        description="Show fire times strictly after this time (with an offset or Z); default now.",
+    )
+
+    _schedule = field_validator("schedule")(schedule_value)
+
+
+# --- answers ----------------------------------------------------------------------------------
+
+
+@typed_config(ANSWER)
+class RetryPolicy(TypedDict):
+    maxAttempts: Annotated[int, Field(ge=1, le=1000)]
+    baseSeconds: Annotated[int, Field(ge=0, le=86400)]
+    maxSeconds: Annotated[int, Field(ge=0, le=7 * 86400)]
+
+
+@typed_config(ANSWER)
+class DefinitionAnswer(TypedDict):
+    """A job definition."""
+
+    name: str
+    schedule: Annotated[
+        ScheduleJSON,
+        Field(
+            description="The schedule, with its defaults filled in.",
+            json_schema_extra=_ref_beside_siblings,
+        ),
+    ]
+    queue: str
+    priority: PriorityEnum
+    timeoutSeconds: Annotated[int, Field(ge=1)]
+    retry: RetryPolicy
+    concurrency: Annotated[
+        int | None, Field(ge=1, description="Max leased runs at once; null = unlimited.")
+    ]
+    payload: Any
+    paused: bool
+    dryRun: bool
+    latenessSloSeconds: Annotated[int | None, Field(ge=1)]
+    owner: Annotated[str, Field(description="Who to contact when it fails.")]
+    runbookUrl: str
+    team: Annotated[str, Field(description="The slug of the owning team.")]
+    nextDueAt: Instant | None
+    shard: Annotated[int, Field(ge=0)]
+    missedRunsNote: Annotated[
+        str, Field(description="What the last catch-up after an outage did, if anything.")
+    ]
+    createdAt: Instant
+    updatedAt: Instant
+
+
+@typed_config(ANSWER)
+class DefinitionList(TypedDict):
+    results: list[DefinitionAnswer]
+
+
+def answered_alone_and_nested(shape: type) -> type:
+    """An answer that is also part of another: the schema extension registers it once under
+    its class and once, from the other's sub-schemas, under its name; both are the same
+    schema, so drf-spectacular need not warn of two components of one name."""
+    return set_override(shape, "suppress_collision_warning", True)
+
+
+answered_alone_and_nested(DefinitionAnswer)
+
+
+@typed_config(ANSWER)
+class FireTime(TypedDict):
+    local: Annotated[
+        str,
+        Field(
+            description="The nominal fire time in the definition's zone, ISO 8601 with its offset."
+        ),
+    ]
+    utc: Annotated[Instant, Field(description="The same instant in UTC.")]
+    start: Annotated[Instant, Field(description="The instant after the job's jitter.")]
+    note: Annotated[
+        str, Field(description="Empty unless a DST change moved or repeated this time.")
+    ]
+
+
+@typed_config(ANSWER)
+class Preview(TypedDict):
+    times: list[FireTime]
+
+
+@typed_config(ANSWER)
+class FieldChange(TypedDict):
+    before: Any
+    after: Any
+
+
+@typed_config(ANSWER)
+class SyncChange(TypedDict):
+    action: Literal["create", "update", "delete"]
+    name: str
+    fields: NotRequired[
+        Annotated[dict[str, FieldChange], Field(description="For updates: what changed.")]
+    ]
+
+
+@typed_config(ANSWER)
+class SyncSummary(TypedDict):
+    create: int
+    update: int
+    delete: int
+    unchanged: int
+
+
+@typed_config(ANSWER)
+class SyncAnswer(TypedDict):
+    changes: list[SyncChange]
+    summary: SyncSummary
+    applied: bool

@@ -1,0 +1,139 @@
+"""The operations API's shapes: why a run or a job is not running, queues, backfill, alerts."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal, NotRequired
+
+from django.utils.dateparse import parse_datetime
+from drf_spectacular.drainage import set_override
+from pydantic import Field, PlainValidator, WithJsonSchema
+from pydantic import with_config as typed_config
+from typing_extensions import TypedDict  # pydantic reads only this one on Python 3.11
+
+from apps.api.shapes import ANSWER, Body, Instant, problem
+from apps.api.shapes.worker import RunState
+from apps.runs.filters import ISO_RULE
+
+
+def offset_time(value: object) -> datetime:
+    """An ISO 8601 time with an offset or Z, as given (not moved to UTC: the audit keeps it).
+
+    A space stands for the `+` that a form or a query string turned into one."""
+    try:
+        parsed = parse_datetime(value.replace(" ", "+")) if isinstance(value, str) else None
+    except ValueError:  # well formed but not a time, e.g. 12:99
+        parsed = None
+    if parsed is None or parsed.tzinfo is None:
+        raise problem("datetime", ISO_RULE)
+    return parsed
+
+
+OffsetTime = Annotated[
+    datetime,
+    PlainValidator(offset_time),
+    WithJsonSchema({"type": "string", "format": "date-time"}),
+]
+ReasonCode = Literal[
+    "running",
+    "finished",
+    "backoff",
+    "scheduled",
+    "definition_paused",
+    "queue_paused",
+    "concurrency_limit",
+    "no_worker",
+    "behind_higher_priority",
+    "queued",
+    "no_schedule",
+    "schedule_done",
+    "next_fire",
+]
+AlertKind = Literal["late", "missed"]
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+class BackfillRequest(Body):
+    """A past range of a cron job's fire times: previewed, or created when `confirm` is true."""
+
+    from_: OffsetTime = Field(
+        alias="from", description="Start of the range (inclusive), ISO 8601 with an offset."
+    )
+    to: OffsetTime = Field(description="End of the range (inclusive), ISO 8601 with an offset.")
+    confirm: bool = Field(False, description="false: preview only; true: create.")
+
+
+# --- answers ----------------------------------------------------------------------------------
+
+
+@typed_config(ANSWER)
+class Reason(TypedDict):
+    """One thing that holds a run or a job, in plain words."""
+
+    code: ReasonCode
+    message: str
+    detail: NotRequired[
+        Annotated[dict[str, Any], Field(description="The facts behind it; absent when none.")]
+    ]
+
+
+@typed_config(ANSWER)
+class WhyAnswer(TypedDict):
+    subject: Annotated[str, Field(description="The run id or the job name.")]
+    state: NotRequired[Annotated[RunState, Field(description="The run's state (runs only).")]]
+    reasons: Annotated[list[Reason], Field(description="Empty when nothing holds it.")]
+
+
+@typed_config(ANSWER)
+class Queue(TypedDict):
+    name: str
+    paused: bool
+    depth: Annotated[dict[str, int], Field(description="Ready runs by priority.")]
+    oldestReadyAt: Instant | None
+    lastLeasedAt: Instant | None
+    lastWorkerId: str
+
+
+# A Queue is an answer of its own (pause, resume) and an item of QueueList, whose schema brings
+# it along as a sub-schema of the same name: one component, reached both ways.
+set_override(Queue, "suppress_collision_warning", True)
+
+
+@typed_config(ANSWER)
+class QueueList(TypedDict):
+    results: list[Queue]
+
+
+@typed_config(ANSWER)
+class BackfillAnswer(TypedDict):
+    count: Annotated[int, Field(description="Cron times in the range (up to the cap).")]
+    existing: Annotated[int, Field(description="Of those, times that already have a run.")]
+    new: Annotated[int, Field(description="Runs a confirmed backfill creates.")]
+    created: Annotated[int, Field(description="Runs created (0 for a preview).")]
+    capped: Annotated[bool, Field(description="The range has more cron times than the cap.")]
+    confirmed: bool
+    sample: Annotated[
+        list[str], Field(description="The first local times, ISO 8601 with their offsets.")
+    ]
+
+
+@typed_config(ANSWER)
+class Alert(TypedDict):
+    """A run that started later than its job's lateness SLO, or a cron time without a success."""
+
+    kind: AlertKind
+    job: str
+    runId: Annotated[str | None, Field(description="The late run; null for a missed time.")]
+    dueAt: Instant
+    lateBySeconds: Annotated[float | None, Field(description="null for a missed time.")]
+    sloSeconds: int
+    owner: str
+    runbookUrl: str
+    message: str
+
+
+@typed_config(ANSWER)
+class AlertList(TypedDict):
+    results: list[Alert]

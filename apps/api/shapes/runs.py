@@ -1,0 +1,179 @@
+"""The management API's run shapes: one-off runs, runs with their attempts, and the DLQ."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field, field_validator
+from pydantic import with_config as typed_config
+from typing_extensions import TypedDict
+
+from apps.api.shapes import ANSWER, STRICT, Body, Instant, json_value
+from apps.api.shapes.jobs import (
+    AwareTime,
+    Checked,
+    PriorityEnum,
+    answered_alone_and_nested,
+    errors_within,
+    no_default,
+)
+from apps.api.shapes.worker import RunState
+from apps.runs import filters, limits
+from apps.runs.clock import database_now
+
+Trigger = Literal["cron", "catch_up", "api", "manual", "backfill"]
+Outcome = Literal["succeeded", "failed", "lease_expired", "timed_out"]
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+class CreateRun(Body):
+    """A delayed (`delaySeconds`) or one-off (`runAt`) run, at most one of the two; neither
+    means now."""
+
+    idempotencyKey: Annotated[str, Field(min_length=1, max_length=300), Checked] | None = None
+    delaySeconds: int | None = Field(None, ge=0, le=366 * 86400)
+    runAt: AwareTime = Field(None, description="With an offset or Z.")
+    payload: Any = Field(None, description="Any JSON value; over the payload cap it is a 413.")
+
+    _payload = field_validator("payload")(json_value)
+
+    def problems(self) -> dict[str, list[str]]:
+        if self.delaySeconds is not None and self.runAt is not None:
+            return {"runAt": ["Give either delaySeconds or runAt, not both."]}
+        if self.runAt is not None:
+            # A run due decades ago would start at once and count as decades late in every
+            # lateness figure of its queue: the past is for backfills.
+            reason = limits.run_time_problem(self.runAt, database_now())
+            if reason is not None:
+                return {"runAt": [reason]}
+        return {}
+
+
+def _bulk_filter(value: Any) -> filters.BulkFilter:
+    try:
+        return filters.parse_bulk_filter(value)
+    except filters.FilterError as exc:
+        raise errors_within(
+            {key.removeprefix("filter").lstrip("."): r for key, r in exc.errors.items()}, value
+        ) from None
+
+
+FILTER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "job": {"type": "string", "minLength": 1, "description": "Only runs of this job."},
+        "queue": {"type": "string", "minLength": 1, "description": "Only runs of this queue."},
+        "since": {
+            "type": "string",
+            "format": "date-time",
+            "description": "Only runs created at or after this time.",
+        },
+        "all": {"type": "boolean", "enum": [True], "description": "Every dead run, said outright."},
+    },
+    "minProperties": 1,
+    "additionalProperties": False,
+    "description": (
+        "Non-empty `job`, `queue` (strings) and `since` (ISO time) fields, all of which a run "
+        'must match; or `{"all": true}` for every run. An empty filter is a 400.'
+    ),
+}
+
+
+class DlqSelection(Body):
+    """Give either `runIds` or `filter`, not both."""
+
+    model_config = ConfigDict(
+        **STRICT, json_schema_extra={"oneOf": [{"required": ["runIds"]}, {"required": ["filter"]}]}
+    )
+
+    # Left out is not null: a null is refused like any other wrong type.
+    runIds: list[Annotated[str, Field(min_length=1, max_length=40), Checked]] = Field(
+        None, max_length=10000, json_schema_extra=no_default
+    )
+    filter: Annotated[Any, AfterValidator(_bulk_filter)] = Field(
+        None, json_schema_extra=lambda schema: (schema.update(FILTER_SCHEMA), no_default(schema))
+    )
+
+    def problems(self) -> dict[str, list[str]]:
+        if ("runIds" in self.model_fields_set) == ("filter" in self.model_fields_set):
+            return {"runIds": ["Give either runIds or filter."]}
+        return {}
+
+
+# --- answers ----------------------------------------------------------------------------------
+
+
+@typed_config(ANSWER)
+class RunError(TypedDict, total=False):
+    """The error a worker reported, or the reaper's reason (`lease_expired`, `timed_out`)."""
+
+    message: str
+    type: str
+
+
+@typed_config(ANSWER)
+class Run(TypedDict):
+    """A run: one concrete execution of a definition."""
+
+    runId: Annotated[str, Field(description="The public id, `run_…`.")]
+    job: str
+    team: str | None
+    queue: str
+    priority: PriorityEnum
+    state: RunState
+    attempt: Annotated[int, Field(ge=0)]
+    maxAttempts: Annotated[int, Field(ge=0)]
+    dueAt: Annotated[Instant, Field(description="The nominal time.")]
+    availableAt: Annotated[Instant, Field(description="When it may be claimed.")]
+    idempotencyKey: str
+    fencingToken: int | None
+    leaseExpiresAt: Instant | None
+    workerId: str | None
+    trigger: Trigger
+    dryRun: bool
+    payload: Any
+    result: Any
+    lastError: RunError | None
+    createdAt: Instant
+    startedAt: Instant | None
+    finishedAt: Instant | None
+
+
+answered_alone_and_nested(Run)
+
+
+@typed_config(ANSWER)
+class Attempt(TypedDict):
+    """One lease of a run."""
+
+    attempt: Annotated[int, Field(ge=1)]
+    fencingToken: int
+    workerId: str
+    leasedAt: Instant
+    lastHeartbeatAt: Instant | None
+    endedAt: Instant | None
+    outcome: Outcome | None
+    error: RunError | None
+
+
+@typed_config(ANSWER)
+class RunDetail(Run):
+    """A run with its attempts, oldest first."""
+
+    attempts: list[Attempt]
+
+
+@typed_config(ANSWER)
+class RunPage(TypedDict):
+    """A page of runs, newest first."""
+
+    results: list[Run]
+    next: Annotated[str | None, Field(description="The next page, or null on the last.")]
+
+
+@typed_config(ANSWER)
+class DlqActionAnswer(TypedDict):
+    count: Annotated[int, Field(ge=0, description="How many runs changed.")]
+    runIds: Annotated[list[str], Field(description="The runs changed.")]
