@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Self
 
@@ -142,6 +143,16 @@ class Daemon:
         if signum == signal.SIGINT and self.shutdown.is_set():
             self._forced.set()
         self.shutdown.set()
+
+    def _wait_for_drain(self, busy: Callable[[], bool]) -> None:
+        """Wait, holding `_lock`, until the lease loop has ended and `busy()` is false, the grace
+        period is over, or a second signal forces the stop."""
+        deadline = time.monotonic() + self.grace_seconds
+        while not self._forced.is_set() and (busy() or not self._lease_done.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._lock.wait(min(left, 0.1))
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         # Daemon threads: a handler stuck past the grace period must not keep the process alive.

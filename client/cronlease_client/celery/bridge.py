@@ -438,13 +438,8 @@ class Bridge(Daemon):
             queued,
             self.grace_seconds,
         )
-        deadline = time.monotonic() + self.grace_seconds
         with self._lock:
-            while not self._forced.is_set() and (self._pending or not self._lease_done.is_set()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._lock.wait(min(left, 0.1))
+            self._wait_for_drain(lambda: bool(self._pending))
             self._closing = True
             left_behind = list(self._pending.values())
             self._pending.clear()
