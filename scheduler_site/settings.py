@@ -245,7 +245,11 @@ SCHEDULER_RUN_AT_PAST_SECONDS = env_int("SCHEDULER_RUN_AT_PAST_SECONDS", 86400)
 SCHEDULER_API_RATES = {
     "worker": env_str("SCHEDULER_API_RATE_WORKER", "3000/s"),
     "manage": env_str("SCHEDULER_API_RATE_MANAGE", "20/s"),
+    # Counted per run created, not per request (apps/api/throttling.py, charge_enqueue).
+    "enqueue": env_str("SCHEDULER_API_RATE_ENQUEUE", "5000/s"),
 }
+# Most runs one POST /api/v1/runs may create.
+SCHEDULER_MAX_ENQUEUE = env_int("SCHEDULER_MAX_ENQUEUE", 1000)
 
 # Failed sign-ins (apps/teams/lockout.py): a user name, or a client address, with this many
 # failures within the window is refused, even the right password, until the oldest of them leaves

@@ -16,11 +16,12 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.api import schema as doc
-from apps.api.errors import Conflict
+from apps.api.errors import Conflict, PayloadTooLarge, flatten_errors, problem
 from apps.api.serializers import definition_json, run_detail_json, run_json
 from apps.api.shapes import M, parse
 from apps.api.shapes import jobs as job_shape
 from apps.api.shapes import runs as run_shape
+from apps.api.throttling import charge_enqueue
 from apps.audit.record import Actor, record_denied
 from apps.jobs import enqueue, services, sync
 from apps.jobs import schedule as sched
@@ -28,7 +29,7 @@ from apps.jobs.models import JobDefinition
 from apps.runs import filters, transitions
 from apps.runs.clock import database_now
 from apps.runs.ids import parse_run_id
-from apps.runs.models import WAITING_STATES, Run, State
+from apps.runs.models import PRIORITIES, WAITING_STATES, Run, State
 from apps.teams import access
 
 PAGE_DEFAULT = 50
@@ -346,6 +347,8 @@ class JobTriggerView(ManageView):
 
 
 class JobRunsView(ManageView):
+    enqueue_methods = ("POST",)
+
     @extend_schema(
         operation_id="createJobRun",
         summary="Create a delayed or one-off run",
@@ -369,21 +372,80 @@ class JobRunsView(ManageView):
         ),
     )
     def post(self, request: Request, name: str) -> Response:
-        definition = self.definition(request, name)
+        self.definition(request, name)  # another team's job: a 404, audited
         body = self.body(request, run_shape.CreateRun)
+        item = {**body.model_dump(exclude_unset=True, mode="json"), "job": name}
+        (answer,) = enqueue_items(self, request, [item])
+        if answer["status"] in (200, 201):
+            return Response(answer["run"], status=answer["status"])
+        if answer["status"] == 409:
+            raise Conflict(answer["detail"], code="idempotency-conflict")
+        if answer["status"] == 400:
+            raise ValidationError(answer.get("errors") or {"body": [answer["detail"]]})
+        raise NotFound(answer["detail"])
+
+
+def enqueue_items(
+    view: ManageView, request: Request, items: list[Any]
+) -> list[run_shape.EnqueueDone | run_shape.EnqueueRefused]:
+    """Create the runs `items` ask for; one answer per item, in order (the bulk endpoint, and
+    the single one as a batch of one).
+
+    1. Validate each item alone: a bad item is a 400 for that item, not for the batch.
+    2. Charge the token's enqueue budget for the valid items (429 for all, nothing created).
+    3. enqueue_many: one statement for the batch, each item 201, 200, 404 or 409.
+    """
+    size = request.META.get("CONTENT_LENGTH") or ""
+    body_size = int(size) if size.isdigit() else 2**62
+    now = database_now()
+    answers: list[Any] = [None] * len(items)
+    wanted: list[tuple[int, enqueue.Wanted]] = []
+    for index, raw in enumerate(items):
         try:
-            created = enqueue.create_run(
-                definition,
-                self.actor(request),
-                idempotency_key=body.idempotencyKey,
-                delay_seconds=body.delaySeconds,
-                run_at=body.runAt,
-                payload=body.payload,
+            item = parse(run_shape.EnqueueItem, raw, body_size=body_size)
+            faults = item.time_problems(now)
+            if faults:
+                raise ValidationError(faults)
+        except (ValidationError, PayloadTooLarge) as exc:
+            answers[index] = refused_item(exc)
+            continue
+        wanted.append(
+            (
+                index,
+                enqueue.Wanted(
+                    item.job,
+                    item.idempotencyKey,
+                    item.delaySeconds,
+                    item.runAt,
+                    item.payload,
+                    PRIORITIES[item.priority] if item.priority else None,
+                ),
             )
-        except enqueue.IdempotencyConflict as exc:
-            raise Conflict(str(exc), code="idempotency-conflict") from exc
-        code = status.HTTP_201_CREATED if created.created else status.HTTP_200_OK
-        return Response(run_json(created.run, database_now()), status=code)
+        )
+    charge_enqueue(request.auth, len(wanted))
+    results = enqueue.enqueue_many(
+        view.team_ids(request), [w for _, w in wanted], view.actor(request)
+    )
+    shown_at = database_now() if results else now  # a run due now is shown ready
+    for (index, _), result in zip(wanted, results, strict=True):
+        if result.status in (200, 201):
+            answers[index] = run_shape.EnqueueDone(
+                status=result.status, run=run_json(result.run, shown_at)
+            )
+        else:
+            code = "idempotency-conflict" if result.status == 409 else None
+            answers[index] = problem(result.status, result.detail, code=code)
+    return answers
+
+
+def refused_item(exc: ValidationError | PayloadTooLarge) -> run_shape.EnqueueRefused:
+    """A bad item's answer: the problem details a single call would have had."""
+    if isinstance(exc, PayloadTooLarge):
+        return problem(413, str(exc.detail))
+    errors = flatten_errors(exc.detail)
+    return problem(
+        400, f"Invalid input: {', '.join(sorted(errors))}.", code="invalid-input", errors=errors
+    )
 
 
 def _parse_from(raw: str | None) -> datetime:
@@ -530,6 +592,8 @@ def team_runs(view: ManageView, request: Request) -> QuerySet:
 
 
 class RunsView(ManageView):
+    enqueue_methods = ("POST",)
+
     @extend_schema(
         operation_id="listRuns",
         summary="List runs",
@@ -546,6 +610,24 @@ class RunsView(ManageView):
         return paginate(
             request, filter_runs(team_runs(self, request), request.query_params, now), now
         )
+
+    @extend_schema(
+        operation_id="enqueueRuns",
+        summary="Create runs in bulk",
+        description=(
+            "Create up to SCHEDULER_MAX_ENQUEUE runs of any jobs of the token's team in one "
+            "request: each item is answered on its own, in order (201 created, 200 the run its "
+            "idempotency key already names, 400 a bad item, 404 no such job, 409 the key names "
+            "a run with another payload). One statement and one NOTIFY per queue for the batch. "
+            "Limited per run created (SCHEDULER_API_RATE_ENQUEUE). Needs the `manage` scope."
+        ),
+        tags=["runs"],
+        request=run_shape.EnqueueBatch,
+        responses=doc.responses({200: run_shape.EnqueueAnswer}, *doc.BODY_PROBLEMS),
+    )
+    def post(self, request: Request) -> Response:
+        body = self.body(request, run_shape.EnqueueBatch)
+        return Response(run_shape.EnqueueAnswer(runs=enqueue_items(self, request, body.runs)))
 
 
 class RunDetailView(ManageView):

@@ -139,7 +139,12 @@ def openapi_30(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     # Titles pydantic derives from field names ("Runid") say nothing the name does not.
-    schema = {key: openapi_30(value) for key, value in schema.items() if key != "title"}
+    # (A property named "title", as in problem details, has a schema, not a string, as value.)
+    schema = {
+        key: openapi_30(value)
+        for key, value in schema.items()
+        if not (key == "title" and isinstance(value, str))
+    }
     if "const" in schema:
         schema["enum"] = [schema.pop("const")]
     options = schema.get("anyOf")

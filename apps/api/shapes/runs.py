@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
+from django.conf import settings
 from pydantic import AfterValidator, ConfigDict, Field, field_validator
 from pydantic import with_config as typed_config
 from typing_extensions import TypedDict
 
-from apps.api.shapes import ANSWER, STRICT, Body, Instant, json_value
+from apps.api.shapes import ANSWER, STRICT, Body, Instant, json_value, problem
 from apps.api.shapes.jobs import (
     AwareTime,
     Checked,
@@ -17,7 +19,7 @@ from apps.api.shapes.jobs import (
     errors_within,
     no_default,
 )
-from apps.api.shapes.worker import RunState
+from apps.api.shapes.worker import ItemStatus, JobName, RunState
 from apps.runs import filters, limits
 from apps.runs.clock import database_now
 
@@ -42,13 +44,53 @@ class CreateRun(Body):
     def problems(self) -> dict[str, list[str]]:
         if self.delaySeconds is not None and self.runAt is not None:
             return {"runAt": ["Give either delaySeconds or runAt, not both."]}
-        if self.runAt is not None:
-            # A run due decades ago would start at once and count as decades late in every
-            # lateness figure of its queue: the past is for backfills.
-            reason = limits.run_time_problem(self.runAt, database_now())
-            if reason is not None:
-                return {"runAt": [reason]}
+        return self.time_problems(database_now()) if self.runAt is not None else {}
+
+    def time_problems(self, now: datetime) -> dict[str, list[str]]:
+        """A run due decades ago would start at once and count as decades late in every
+        lateness figure of its queue: the past is for backfills."""
+        reason = limits.run_time_problem(self.runAt, now) if self.runAt is not None else None
+        return {"runAt": [reason]} if reason is not None else {}
+
+
+class EnqueueItem(CreateRun):
+    """One run to create: of which job (of the caller's team), under which key, when."""
+
+    job: JobName
+    priority: PriorityEnum | None = Field(None, description="Default: the job's priority.")
+
+    def problems(self) -> dict[str, list[str]]:
+        # The time window is checked by the batch, against one reading of the clock.
+        if self.delaySeconds is not None and self.runAt is not None:
+            return {"runAt": ["Give either delaySeconds or runAt, not both."]}
         return {}
+
+
+class EnqueueBatch(Body):
+    """Runs to create, of any jobs of the caller's team; each item is answered on its own."""
+
+    # Validated item by item (enqueue_items), so that one bad item fails alone: the schema
+    # still says what an item is.
+    runs: list[Any] = Field(
+        min_length=1,
+        json_schema_extra=lambda schema: schema.update(maxItems=settings.SCHEDULER_MAX_ENQUEUE),
+    )
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        schema["properties"]["runs"]["items"] = handler(EnqueueItem.__pydantic_core_schema__)
+        return schema
+
+    @field_validator("runs")
+    @classmethod
+    def _at_most(cls, value: list[Any]) -> list[Any]:
+        if len(value) > settings.SCHEDULER_MAX_ENQUEUE:
+            raise problem(
+                "too_long",
+                f"Ensure this field has no more than {settings.SCHEDULER_MAX_ENQUEUE} elements.",
+            )
+        return value
 
 
 def _bulk_filter(value: Any) -> filters.BulkFilter:
@@ -177,3 +219,31 @@ class RunPage(TypedDict):
 class DlqActionAnswer(TypedDict):
     count: Annotated[int, Field(ge=0, description="How many runs changed.")]
     runIds: Annotated[list[str], Field(description="The runs changed.")]
+
+
+@typed_config(ANSWER)
+class EnqueueDone(TypedDict):
+    """An item that named a run: 201 created, or 200 the run its key already named."""
+
+    status: Annotated[ItemStatus, Field(description="201 created, 200 existing.")]
+    run: Run
+
+
+@typed_config(ANSWER)
+class EnqueueRefused(TypedDict, total=False):
+    """An item that created nothing, as problem details: 400 bad item, 404 no such job of the
+    caller's team, 409 its key names a run with another payload."""
+
+    status: Annotated[ItemStatus, Field(description="400, 404, 409 or 413.")]
+    type: str
+    title: str
+    detail: str
+    errors: dict[str, list[str]]
+    run: Run
+
+
+@typed_config(ANSWER)
+class EnqueueAnswer(TypedDict):
+    runs: Annotated[
+        list[EnqueueDone | EnqueueRefused], Field(description="One answer per item, in order.")
+    ]

@@ -42,8 +42,9 @@ FencingToken = Annotated[
 ]
 Priority = Literal["critical", "default", "bulk"]
 RunState = Literal["scheduled", "ready", "leased", "succeeded", "retrying", "dead", "cancelled"]
-# One set of item statuses for every batch answer (the schema names each choice set once).
-ItemStatus = Literal[200, 404, 409]
+# One set of item statuses for every batch answer, worker and enqueue alike (the schema names
+# each choice set once); each answer's description says which it uses.
+ItemStatus = Literal[200, 201, 400, 404, 409, 413]
 
 
 # --- requests ---------------------------------------------------------------------------------

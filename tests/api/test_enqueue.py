@@ -1,0 +1,99 @@
+"""POST /api/v1/runs: bulk enqueue with a status per item, and the per-run rate limit."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.cache import cache
+
+from apps.runs.models import Run
+from tests.conftest import make_definition
+
+
+@pytest.fixture(autouse=True)
+def _fresh_limits(settings):
+    settings.SCHEDULER_API_RATES = {"worker": "", "manage": "20/s", "enqueue": "5000/s"}
+    cache.clear()
+
+
+@pytest.fixture
+def jobs(team_a, team_b):
+    make_definition(team_a, "billing.send-invoice", queue="billing", payload={"kind": "x"})
+    make_definition(team_a, "billing.remind", queue="billing")
+    make_definition(team_b, "other.secret", queue="other")
+
+
+def test_each_item_is_answered_in_order_and_nothing_half_written(api_a, jobs):
+    assert (
+        api_a.post(
+            "/api/v1/runs", {"runs": [{"job": "billing.send-invoice", "idempotencyKey": "o-1"}]}
+        ).json()["runs"][0]["status"]
+        == 201
+    )
+    items = [
+        {"job": "billing.send-invoice", "idempotencyKey": "o-2", "delaySeconds": 300,
+         "payload": {"n": 2}},
+        {"job": "billing.send-invoice", "idempotencyKey": "o-1"},  # existing, no payload asked
+        {"job": "billing.send-invoice", "idempotencyKey": "o-1", "payload": {"other": 1}},
+        {"job": "billing.remind", "runAt": "1970-01-01T00:00:00Z"},  # bad: long past
+        {"job": "billing.remind", "delaySeconds": "soon"},  # bad type
+        {"job": "no.such-job"},
+        {"job": "other.secret"},  # another team's
+        {"job": "billing.remind", "priority": "critical", "unknown": 1},  # unknown field
+        {"job": "billing.remind", "priority": "critical"},
+    ]  # fmt: skip
+    answer = api_a.post("/api/v1/runs", {"runs": items})
+    assert answer.status_code == 200, answer.text
+    runs = answer.json()["runs"]
+    assert [item["status"] for item in runs] == [201, 200, 409, 400, 400, 404, 404, 400, 201]
+    assert (
+        runs[0]["run"]["job"] == "billing.send-invoice" and runs[0]["run"]["state"] == "scheduled"
+    )
+    assert runs[1]["run"]["idempotencyKey"] == "o-1"
+    assert runs[2]["type"].endswith("/idempotency-conflict")
+    assert "runAt" in runs[3]["errors"] and "delaySeconds" in runs[4]["errors"]
+    assert "unknown" in runs[7]["errors"]
+    assert runs[8]["run"]["priority"] == "critical"
+    for refused in (runs[3], runs[5]):
+        assert {"type", "title", "status", "detail"} <= set(refused)
+    assert Run.objects.count() == 3
+    assert not Run.objects.filter(definition__name="other.secret").exists()
+
+
+def test_the_single_create_is_a_batch_of_one(api_a, jobs):
+    first = api_a.post("/api/v1/jobs/billing.remind/runs", {"idempotencyKey": "k"})
+    again = api_a.post("/api/v1/jobs/billing.remind/runs", {"idempotencyKey": "k"})
+    bulk = api_a.post("/api/v1/runs", {"runs": [{"job": "billing.remind", "idempotencyKey": "k"}]})
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json() == again.json() == bulk.json()["runs"][0]["run"]
+    assert api_a.post("/api/v1/jobs/billing.remind/runs", {"job": "x"}).status_code == 400
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{}, {"runs": []}, {"runs": {}}, {"runs": [1] * 1001}, {"runs": [{"job": "a"}], "extra": 1}],
+)
+def test_a_bad_batch_is_refused_whole(api_a, jobs, body):
+    answer = api_a.post("/api/v1/runs", body)
+    assert answer.status_code == 400, answer.text
+    assert not Run.objects.exists()
+
+
+def test_enqueue_is_limited_per_run_created_not_per_request(api_a, jobs, settings):
+    settings.SCHEDULER_API_RATES = {"worker": "", "manage": "20/s", "enqueue": "1500/min"}
+    batch = [{"job": "billing.remind"} for _ in range(1000)]
+    assert api_a.post("/api/v1/runs", {"runs": batch}).status_code == 200
+    refused = api_a.post("/api/v1/runs", {"runs": batch})
+    assert refused.status_code == 429
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert Run.objects.count() == 1000  # the refused batch created nothing
+    # 500 more fit the budget; management calls have their own.
+    assert api_a.post("/api/v1/runs", {"runs": batch[:500]}).status_code == 200
+    assert api_a.get("/api/v1/jobs").status_code == 200
+    assert Run.objects.count() == 1500
+
+
+def test_many_small_enqueues_are_not_held_to_the_management_rate(api_a, jobs):
+    # 20 requests/s is the management budget; 40 single creates in a row stay within the
+    # enqueue budget (runs per second), so none is refused.
+    codes = [api_a.post("/api/v1/jobs/billing.remind/runs", {}).status_code for _ in range(40)]
+    assert codes == [201] * 40
