@@ -1,10 +1,16 @@
-"""cronlease worker SDK: lease runs over REST, run handlers, heartbeat, report, stop gracefully.
+"""cronlease SDK: workers lease runs over REST, run handlers, heartbeat, report, stop gracefully;
+producers create runs and manage jobs with `Client` / `AsyncClient`.
 
     from cronlease_client import Worker, handler
 
     @handler("billing.export-invoices")
     def export(ctx):
         ...
+
+    from cronlease_client import Client
+
+    with Client(url, token) as client:
+        client.enqueue("billing.export-invoices", payload={"format": "csv"}, delay=60)
 
 No Django here: this package talks to the scheduler only over HTTP.
 """
@@ -14,8 +20,38 @@ from __future__ import annotations
 import logging
 
 from cronlease_client._version import __version__
+from cronlease_client.client import AsyncClient, Client
 from cronlease_client.context import Context
-from cronlease_client.errors import ApiError, HandlerError, NonRetryable, Retryable
+from cronlease_client.errors import (
+    ApiError,
+    BadRequest,
+    Conflict,
+    Forbidden,
+    HandlerError,
+    IdempotencyConflict,
+    NetworkError,
+    NonRetryable,
+    NotFound,
+    PayloadTooLarge,
+    RateLimited,
+    Retryable,
+    ServerError,
+    Unauthorized,
+    Unavailable,
+)
+from cronlease_client.models import (
+    Attempt,
+    DlqResult,
+    Enqueue,
+    EnqueueResult,
+    FireTime,
+    Job,
+    Page,
+    Queue,
+    Run,
+    SyncChange,
+    SyncResult,
+)
 from cronlease_client.registry import (
     HandlerSpec,
     handler,
@@ -30,11 +66,35 @@ logging.getLogger("cronlease_client").addHandler(logging.NullHandler())
 __all__ = [
     "SHUTDOWN_ERROR",
     "ApiError",
+    "AsyncClient",
+    "Attempt",
+    "BadRequest",
+    "Client",
+    "Conflict",
     "Context",
+    "DlqResult",
+    "Enqueue",
+    "EnqueueResult",
+    "FireTime",
+    "Forbidden",
     "HandlerError",
     "HandlerSpec",
+    "IdempotencyConflict",
+    "Job",
+    "NetworkError",
     "NonRetryable",
+    "NotFound",
+    "Page",
+    "PayloadTooLarge",
+    "Queue",
+    "RateLimited",
     "Retryable",
+    "Run",
+    "ServerError",
+    "SyncChange",
+    "SyncResult",
+    "Unauthorized",
+    "Unavailable",
     "Worker",
     "__version__",
     "handler",

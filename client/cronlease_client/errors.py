@@ -42,7 +42,14 @@ class NonRetryable(HandlerError):
 
 
 class ApiError(Exception):
-    """The scheduler answered with an error, or could not be reached (`status` None)."""
+    """The scheduler answered with an error, or could not be reached (`status` None).
+
+    `problem` is the answer's problem details (`type`, `title`, `status`, `detail`, `errors`);
+    the subclasses below name each kind, chosen by `error_for`.
+    """
+
+    # Set when `enqueue_many` fails part way: the results of the batches created before.
+    enqueued: list[Any] | None = None
 
     def __init__(
         self, status: int | None, detail: str, *, problem: dict[str, Any] | None = None
@@ -53,6 +60,124 @@ class ApiError(Exception):
         self.problem = problem or {}
 
     @property
+    def type(self) -> str:
+        """The problem type, a URL ending in a slug (`…/problems/idempotency-conflict`)."""
+        return str(self.problem.get("type") or "")
+
+    @property
+    def title(self) -> str:
+        return str(self.problem.get("title") or "")
+
+    @property
+    def errors(self) -> dict[str, list[str]]:
+        """Reasons by field (`retry.maxAttempts`, `runs[3].runAt`); empty unless a 400."""
+        errors = self.problem.get("errors")
+        return errors if isinstance(errors, dict) else {}
+
+    @property
     def transient(self) -> bool:
         """Whether trying again later may succeed: no answer, throttled, or a server error."""
         return self.status is None or self.status == 429 or self.status >= 500
+
+
+class NetworkError(ApiError):
+    """No answer: the connection failed or timed out. `sent` is False when the request surely
+    never reached the scheduler (it could not connect), so even a call that is not idempotent
+    may be sent again."""
+
+    def __init__(self, detail: str, *, sent: bool = True) -> None:
+        super().__init__(None, detail)
+        self.sent = sent
+
+
+class BadRequest(ApiError):
+    """400: the input is invalid; `errors` has every field's reasons."""
+
+
+class Unauthorized(ApiError):
+    """401: no token, or one the scheduler does not know (revoked, mistyped)."""
+
+
+class Forbidden(ApiError):
+    """403: the token lacks the scope, or the name belongs to another team."""
+
+
+class NotFound(ApiError):
+    """404: no such job or run for this token's team."""
+
+
+class Conflict(ApiError):
+    """409: the state does not allow the change (a run that cannot be cancelled, a stale token)."""
+
+
+class IdempotencyConflict(Conflict):
+    """409: the idempotency key is taken by a run with another payload."""
+
+
+class PayloadTooLarge(ApiError):
+    """413: the payload, or the whole body, is over the scheduler's limit."""
+
+
+class RateLimited(ApiError):
+    """429: the token is over its rate; `retry_after` is the wait the scheduler asked for."""
+
+    def __init__(
+        self,
+        status: int | None,
+        detail: str,
+        *,
+        problem: dict[str, Any] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(status, detail, problem=problem)
+        self.retry_after = retry_after
+
+
+class ServerError(ApiError):
+    """5xx: the scheduler failed."""
+
+
+class Unavailable(ServerError):
+    """503: the scheduler (or the database of the run's shard) is down for now."""
+
+    def __init__(
+        self,
+        status: int | None,
+        detail: str,
+        *,
+        problem: dict[str, Any] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(status, detail, problem=problem)
+        self.retry_after = retry_after
+
+
+_BY_STATUS: dict[int, type[ApiError]] = {
+    400: BadRequest,
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    429: RateLimited,
+    503: Unavailable,
+}
+
+
+def error_for(
+    status: int,
+    problem: dict[str, Any] | None = None,
+    *,
+    detail: str | None = None,
+    retry_after: float | None = None,
+) -> ApiError:
+    """The exception for an error answer (or one item of a batch answer): by its status, and
+    by its problem `type` where one status covers several problems."""
+    problem = problem or {}
+    detail = detail or str(problem.get("detail") or problem.get("title") or f"HTTP {status}")
+    cls = _BY_STATUS.get(status) or (ServerError if status >= 500 else ApiError)
+    if cls is Conflict and str(problem.get("type", "")).endswith("/idempotency-conflict"):
+        cls = IdempotencyConflict
+    if cls is RateLimited or cls is Unavailable:
+        return cls(status, detail, problem=problem, retry_after=retry_after)
+    return cls(status, detail, problem=problem)

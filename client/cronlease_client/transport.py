@@ -6,6 +6,8 @@ import json
 import logging
 import random
 import threading
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
@@ -17,7 +19,7 @@ except ImportError:  # pragma: no cover - exercised where orjson is not installe
     orjson = None
 
 from cronlease_client._version import __version__
-from cronlease_client.errors import ApiError
+from cronlease_client.errors import ApiError, NetworkError, error_for
 
 logger = logging.getLogger("cronlease_client")
 JSON_BODY = {"Content-Type": "application/json"}
@@ -33,12 +35,21 @@ def backoff_delay(failures: int, *, base: float, cap: float) -> float:
     return ceiling / 2 + random.uniform(0, ceiling / 2)
 
 
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("Retry-After", "")
+def retry_after_seconds(value: str | None) -> float | None:
+    """A Retry-After header in seconds: a number of seconds, or an HTTP date."""
+    if not value:
+        return None
     try:
         return max(0.0, float(value))
     except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
         return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
 
 
 def encode(body: Any) -> bytes:
@@ -141,7 +152,7 @@ class Transport:
                     timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
                 )
             except httpx.TransportError as exc:
-                error = ApiError(None, f"{type(exc).__name__}: {exc}")
+                error = NetworkError(f"{type(exc).__name__}: {exc}")
             else:
                 if response.status_code < 400:
                     try:
@@ -149,10 +160,10 @@ class Transport:
                     except ValueError as exc:
                         raise ApiError(response.status_code, "the answer is not JSON") from exc
                 detail, problem = _problem(response)
-                error = ApiError(response.status_code, detail, problem=problem)
+                wait = retry_after_seconds(response.headers.get("Retry-After"))
+                error = error_for(response.status_code, problem, detail=detail, retry_after=wait)
                 if not error.transient:
                     raise error
-                wait = _retry_after(response)
             if attempt == tries or self.cancel.is_set():
                 raise error
             if wait is None:

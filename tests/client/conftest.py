@@ -8,8 +8,9 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from cronlease_client import Worker
+from cronlease_client import Client, Worker
 
 from apps.runs.models import Run
 from tests.waiting import wait_for  # noqa: F401 - shared by this package's tests
@@ -66,3 +67,31 @@ def make_worker(live_server, worker_token_a) -> Iterator[Callable[..., Worker]]:
     for worker in workers:
         if not worker.stop(timeout=15):
             worker.stop(force=True, timeout=5)
+
+
+class CountingTransport(httpx.HTTPTransport):
+    """A real HTTP transport that keeps each request's method, path and answer status."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str, int]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        self.seen.append((request.method, request.url.path, response.status_code))
+        return response
+
+
+@pytest.fixture
+def wire() -> CountingTransport:
+    """The requests of the `producer` fixture's client, as they went out."""
+    return CountingTransport()
+
+
+@pytest.fixture
+def producer(live_server, token_a, ready_listener, wire) -> Iterator[Client]:
+    """Team A's producer client against the live server, with short backoffs."""
+    with Client(
+        live_server.url, token_a, backoff_base=0.01, backoff_cap=0.1, http_transport=wire
+    ) as client:
+        yield client

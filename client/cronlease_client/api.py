@@ -1,0 +1,426 @@
+"""The producer client without I/O: each call as a request to send and a parser of its answer.
+
+`Api`'s methods build `Call`s (or, for `enqueue_many`, a `Plan`: a generator that yields one
+call per chunk and receives each answer); `answer` turns a response into a value or the
+`ApiError` it stands for; `RetryPolicy` says whether and when to send a call again. The drivers
+in client.py (`Client` on httpx.Client, `AsyncClient` on httpx.AsyncClient) only send, sleep and
+loop, so both speak the API through this one module.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Generator, Iterable, Mapping
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Any, Generic, TypeVar, Union
+from urllib.parse import parse_qsl, quote, urlsplit
+
+import httpx
+
+from cronlease_client.errors import (
+    ApiError,
+    NetworkError,
+    RateLimited,
+    ServerError,
+    Unavailable,
+    error_for,
+)
+from cronlease_client.models import (
+    DlqResult,
+    Enqueue,
+    EnqueueResult,
+    FireTime,
+    Job,
+    Page,
+    Queue,
+    Run,
+    SyncResult,
+)
+from cronlease_client.transport import backoff_delay, decode, encode, retry_after_seconds
+
+T = TypeVar("T")
+
+# The server's default batch limit (SCHEDULER_MAX_ENQUEUE).
+MAX_ENQUEUE = 1000
+# Gateway errors: the request may or may not have been handled, so only idempotent calls retry.
+GATEWAY_ERRORS = (502, 504)
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request and how to read its answer. `idempotent`: sending it twice does what sending
+    it once does, so a retry after an answer was lost is safe."""
+
+    method: str
+    path: str
+    parse: Callable[[Any], T]
+    body: Any = None
+    params: Mapping[str, Any] | None = None
+    idempotent: bool = False
+
+    def request(self) -> dict[str, Any]:
+        """The keyword arguments of httpx's `request` for this call."""
+        return {
+            "method": self.method,
+            "url": self.path,
+            "params": {k: v for k, v in (self.params or {}).items() if v is not None},
+            "content": None if self.body is None else encode(self.body),
+            "headers": None if self.body is None else {"Content-Type": "application/json"},
+        }
+
+
+# An operation of several requests: yields each call, is sent its parsed answer, returns the value.
+Plan = Generator[Call[Any], Any, T]
+Op = Union[Call[T], Plan[T]]  # noqa: UP007 - a generic alias; `|` cannot be subscripted
+
+
+def answer(call: Call[T], response: httpx.Response) -> T:
+    """The value of `call`'s answer; raise the ApiError it stands for."""
+    if response.status_code >= 400:
+        raise response_error(response)
+    try:
+        data = decode(response.content) if response.content else None
+    except ValueError as exc:
+        raise ApiError(response.status_code, "the answer is not JSON") from exc
+    return call.parse(data)
+
+
+def response_error(response: httpx.Response) -> ApiError:
+    try:
+        problem = decode(response.content)
+    except ValueError:
+        problem = None
+    if not isinstance(problem, dict):
+        problem = {}
+    detail = str(
+        problem.get("detail")
+        or problem.get("title")
+        or response.text[:500]
+        or response.reason_phrase
+    )
+    wait = retry_after_seconds(response.headers.get("Retry-After"))
+    return error_for(response.status_code, problem, detail=detail, retry_after=wait)
+
+
+def network_error(exc: httpx.TransportError) -> NetworkError:
+    # These fail before the request is written: nothing reached the scheduler.
+    unsent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+    return NetworkError(f"{type(exc).__name__}: {exc}", sent=not unsent)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Which failures are tried again, how often and after how long.
+
+    1. 429 and 503 always: the scheduler did nothing. It says how long to wait in Retry-After;
+       without one, the wait is a capped, jittered exponential backoff.
+    2. A failed connection always (the request never left); a lost answer, or a 502 or 504 from
+       a gateway, only for idempotent calls.
+    3. At most `retries` times; a Retry-After longer than `max_wait` is not waited out, and
+       the error (RateLimited or Unavailable, with `retry_after`) is raised at once.
+    """
+
+    retries: int = 3
+    backoff_base: float = 0.5
+    backoff_cap: float = 10.0
+    max_wait: float = 60.0
+
+    def wait(self, call: Call[Any], error: ApiError, failures: int) -> float | None:
+        """The seconds to wait before sending `call` again after its `failures`-th failure,
+        or None to raise `error`."""
+        if failures > self.retries:
+            return None
+        if isinstance(error, RateLimited | Unavailable):
+            if error.retry_after:  # 0 says nothing: back off as without one
+                return error.retry_after if error.retry_after <= self.max_wait else None
+        elif isinstance(error, NetworkError):
+            if error.sent and not call.idempotent:
+                return None
+        elif not (
+            isinstance(error, ServerError) and error.status in GATEWAY_ERRORS and call.idempotent
+        ):
+            return None
+        return backoff_delay(failures, base=self.backoff_base, cap=self.backoff_cap)
+
+
+def next_page(call: Call[Page[T]], page: Page[T]) -> Call[Page[T]] | None:
+    """The call for the page after `page`: the same path with the query of its `next` link
+    (followed by its query only, so a proxy in front of the scheduler does not matter)."""
+    if not page.next:
+        return None
+    return replace(call, params=dict(parse_qsl(urlsplit(page.next).query)))
+
+
+# --- parsers ---------------------------------------------------------------------------------
+
+
+def _list(cls: Callable[[Mapping[str, Any]], T], key: str = "results") -> Callable[[Any], list[T]]:
+    return lambda data: [cls(item) for item in data[key]]
+
+
+def _runs_page(data: Any) -> Page[Run]:
+    return Page(
+        items=tuple(Run.from_dict(item) for item in data["results"]),
+        next=data.get("next"),
+        raw=data,
+    )
+
+
+def enqueue_result(item: Mapping[str, Any], key: str) -> EnqueueResult:
+    status = int(item.get("status") or 0)
+    run = Run.from_dict(item["run"]) if isinstance(item.get("run"), Mapping) else None
+    if status in (200, 201) and run is not None:
+        return EnqueueResult(status, key, run=run)
+    return EnqueueResult(status, key, run=run, error=error_for(status, dict(item)))
+
+
+def _enqueue_answer(sent: list[dict[str, Any]]) -> Callable[[Any], list[EnqueueResult]]:
+    def parse(data: Any) -> list[EnqueueResult]:
+        items = data.get("runs") if isinstance(data, dict) else None
+        if not isinstance(items, list) or len(items) != len(sent):
+            raise ApiError(None, f"the scheduler answered {len(sent)} runs with {data!r:.200}")
+        pairs = zip(items, sent, strict=True)
+        return [enqueue_result(item, body["idempotencyKey"]) for item, body in pairs]
+
+    return parse
+
+
+def _first_run(results: list[EnqueueResult]) -> Run:
+    (result,) = results
+    if result.error is not None:
+        raise result.error
+    assert result.run is not None
+    return result.run
+
+
+# --- the calls -------------------------------------------------------------------------------
+
+
+def _name(name: str) -> str:
+    return quote(name, safe="")
+
+
+def _instant(value: datetime | str | None, what: str) -> str | None:
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValueError(f"{what} must be an aware datetime (with a time zone)")
+        return value.isoformat()
+    return value
+
+
+def _definition(definition: Mapping[str, Any] | Job) -> dict[str, Any]:
+    return dict(definition.raw if isinstance(definition, Job) else definition)
+
+
+def _dlq_selection(run_ids: Iterable[str] | None, filter: Mapping[str, Any] | None) -> dict:
+    if (run_ids is None) == (filter is None):
+        raise ValueError("give either run_ids or filter")
+    if run_ids is not None:
+        return {"runIds": list(run_ids)}
+    selection = dict(filter or {})
+    if "since" in selection:
+        selection["since"] = _instant(selection["since"], "since")
+    return {"filter": selection}
+
+
+class Api:
+    """Every call of the producer client, as requests: the drivers send them."""
+
+    def __init__(self, *, batch_size: int = MAX_ENQUEUE) -> None:
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        self.batch_size = batch_size
+
+    @staticmethod
+    def new_key() -> str:
+        return str(uuid.uuid4())
+
+    # Runs -----------------------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        job: str,
+        *,
+        payload: Any = None,
+        delay: float | timedelta | None = None,
+        run_at: datetime | str | None = None,
+        idempotency_key: str | None = None,
+        priority: str | None = None,
+        concurrency_key: str | None = None,
+    ) -> Call[Run]:
+        """Create a run of `job` (`POST /api/v1/runs`) and return it.
+
+        `delay` (seconds or a timedelta) or `run_at` (an aware datetime or an ISO string) sets
+        when it is due; neither means now. The same `idempotency_key` again returns the run it
+        made (with a different payload: IdempotencyConflict). Without a key one is made up, so
+        a retry of this request cannot create a second run.
+        """
+        item = Enqueue(job, payload, delay, run_at, idempotency_key, priority, concurrency_key)
+        sent = [item.to_json(idempotency_key or self.new_key())]
+        parse = _enqueue_answer(sent)
+        return Call(
+            "POST",
+            "/api/v1/runs",
+            lambda data: _first_run(parse(data)),
+            {"runs": sent},
+            idempotent=True,
+        )
+
+    def enqueue_many(
+        self, items: Iterable[Enqueue | Mapping[str, Any]]
+    ) -> Plan[list[EnqueueResult]]:
+        """Create many runs, `batch_size` a request, and return a result per item in order.
+
+        An item is an `Enqueue` or a dict of its fields (`{"job": …, "delay": 60}`). An item the
+        scheduler refuses (400, 404, 409) has its `error` in its result; only a failure of a
+        whole request raises, with the results of the batches before it as `error.enqueued`.
+        """
+        bodies = []
+        for item in items:
+            entry = item if isinstance(item, Enqueue) else Enqueue(**item)
+            bodies.append(entry.to_json(entry.idempotency_key or self.new_key()))
+        return self._enqueue_chunks(bodies)
+
+    def _enqueue_chunks(self, bodies: list[dict[str, Any]]) -> Plan[list[EnqueueResult]]:
+        results: list[EnqueueResult] = []
+        for start in range(0, len(bodies), self.batch_size):
+            chunk = bodies[start : start + self.batch_size]
+            try:
+                answers = yield Call(
+                    "POST",
+                    "/api/v1/runs",
+                    _enqueue_answer(chunk),
+                    {"runs": chunk},
+                    idempotent=True,  # every item has its key
+                )
+            except ApiError as error:
+                # The batches before this one were created: say which, so nothing is lost.
+                error.enqueued = results
+                raise
+            results += answers
+        return results
+
+    def get_run(self, run_id: str) -> Call[Run]:
+        """The run with its attempts (`Run.attempts`, oldest first)."""
+        return Call("GET", f"/api/v1/runs/{_name(run_id)}", Run.from_dict, idempotent=True)
+
+    def runs(
+        self,
+        *,
+        state: str | None = None,
+        job: str | None = None,
+        queue: str | None = None,
+        since: datetime | str | None = None,
+        page_size: int = 50,
+    ) -> Call[Page[Run]]:
+        """The team's runs, newest first, every page (`page_size` runs a request)."""
+        params = {
+            "state": state,
+            "job": job,
+            "queue": queue,
+            "since": _instant(since, "since"),
+            "limit": page_size,
+        }
+        return Call("GET", "/api/v1/runs", _runs_page, params=params, idempotent=True)
+
+    def cancel_run(self, run_id: str) -> Call[Run]:
+        """Cancel a scheduled, ready or retrying run (a leased one: when its worker reports)."""
+        return Call("POST", f"/api/v1/runs/{_name(run_id)}/cancel", Run.from_dict)
+
+    def retry_run(self, run_id: str) -> Call[Run]:
+        """Make a retrying run ready now."""
+        return Call("POST", f"/api/v1/runs/{_name(run_id)}/retry", Run.from_dict)
+
+    # Dead-letter queue -----------------------------------------------------------------------
+
+    def dlq(
+        self,
+        *,
+        job: str | None = None,
+        queue: str | None = None,
+        since: datetime | str | None = None,
+        page_size: int = 50,
+    ) -> Call[Page[Run]]:
+        """The team's dead runs, newest first, every page."""
+        params = {"job": job, "queue": queue, "since": _instant(since, "since"), "limit": page_size}
+        return Call("GET", "/api/v1/dlq", _runs_page, params=params, idempotent=True)
+
+    def requeue(
+        self, run_ids: Iterable[str] | None = None, *, filter: Mapping[str, Any] | None = None
+    ) -> Call[DlqResult]:
+        """Make dead runs ready again, by id or by `filter` (`{"job", "queue", "since"}`, or
+        `{"all": True}`)."""
+        body = _dlq_selection(run_ids, filter)
+        return Call("POST", "/api/v1/dlq/requeue", DlqResult.from_dict, body)
+
+    def discard(
+        self, run_ids: Iterable[str] | None = None, *, filter: Mapping[str, Any] | None = None
+    ) -> Call[DlqResult]:
+        """Take dead runs out of the DLQ (they become cancelled), by id or by `filter`."""
+        body = _dlq_selection(run_ids, filter)
+        return Call("POST", "/api/v1/dlq/discard", DlqResult.from_dict, body)
+
+    # Jobs -----------------------------------------------------------------------------------
+
+    def get_job(self, name: str) -> Call[Job]:
+        return Call("GET", f"/api/v1/jobs/{_name(name)}", Job.from_dict, idempotent=True)
+
+    def list_jobs(self) -> Call[list[Job]]:
+        """The team's job definitions, by name."""
+        return Call("GET", "/api/v1/jobs", _list(Job.from_dict), idempotent=True)
+
+    def put_job(self, name: str, definition: Mapping[str, Any] | Job) -> Call[Job]:
+        """Create or replace the definition `name` (it states at least its `queue`)."""
+        body = _definition(definition)
+        return Call("PUT", f"/api/v1/jobs/{_name(name)}", Job.from_dict, body, idempotent=True)
+
+    def apply_jobs(
+        self,
+        jobs: Iterable[Mapping[str, Any] | Job],
+        *,
+        prune: bool = False,
+        dry_run: bool = False,
+    ) -> Call[SyncResult]:
+        """Make the team's definitions these (jobs as code): create and update them, and with
+        `prune` delete the others. `dry_run` answers the changes and makes none."""
+        body = {"jobs": [_definition(job) for job in jobs], "prune": prune, "dryRun": dry_run}
+        return Call("PUT", "/api/v1/jobs", SyncResult.from_dict, body, idempotent=True)
+
+    def pause_job(self, name: str) -> Call[Job]:
+        return Call("POST", f"/api/v1/jobs/{_name(name)}/pause", Job.from_dict, idempotent=True)
+
+    def resume_job(self, name: str) -> Call[Job]:
+        return Call("POST", f"/api/v1/jobs/{_name(name)}/resume", Job.from_dict, idempotent=True)
+
+    def trigger_job(self, name: str) -> Call[Run]:
+        """Create a run of the job due now."""
+        return Call("POST", f"/api/v1/jobs/{_name(name)}/trigger", Run.from_dict)
+
+    def preview(
+        self, name: str, count: int = 10, from_: datetime | str | None = None
+    ) -> Call[list[FireTime]]:
+        """The job's next `count` fire times after `from_` (default now)."""
+        params = {"count": count, "from": _instant(from_, "from_")}
+        return Call(
+            "GET",
+            f"/api/v1/jobs/{_name(name)}/preview",
+            _list(FireTime.from_dict, "times"),
+            params=params,
+            idempotent=True,
+        )
+
+    # Queues ---------------------------------------------------------------------------------
+
+    def queues(self) -> Call[list[Queue]]:
+        """The team's queues with their depth by priority."""
+        return Call("GET", "/api/v1/queues", _list(Queue.from_dict), idempotent=True)
+
+    def pause_queue(self, name: str) -> Call[Queue]:
+        """Stop the queue's runs from being leased (runs keep being created)."""
+        path = f"/api/v1/queues/{_name(name)}/pause"
+        return Call("POST", path, Queue.from_dict, idempotent=True)
+
+    def resume_queue(self, name: str) -> Call[Queue]:
+        path = f"/api/v1/queues/{_name(name)}/resume"
+        return Call("POST", path, Queue.from_dict, idempotent=True)

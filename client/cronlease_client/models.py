@@ -1,0 +1,247 @@
+"""What the producer client answers: small frozen dataclasses built from the API's JSON.
+
+Attributes are the answer's camelCase fields in snake_case (`runId` → `run_id`), instants are
+aware datetimes, and `raw` keeps the whole answer (fields newer than this package included).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from cronlease_client.errors import ApiError
+
+T = TypeVar("T")
+M = TypeVar("M", bound="Model")
+
+# Field metadata: how to turn the JSON value into the attribute.
+_CONVERT = "convert"
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def parse_time(value: Any) -> datetime | None:
+    """An ISO 8601 instant of the API (`2026-03-15T01:02:30Z`) as an aware datetime."""
+    if not value:
+        return None
+    return datetime.fromisoformat(value)
+
+
+def _time() -> Any:
+    return field(default=None, metadata={_CONVERT: parse_time})
+
+
+def _many(cls: type[Model]) -> Any:
+    return field(
+        default=(), metadata={_CONVERT: lambda items: tuple(cls.from_dict(i) for i in items or ())}
+    )
+
+
+@dataclass(frozen=True)
+class Model:
+    """An answer of the API: its fields as attributes, the JSON itself as `raw`."""
+
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls: type[M], data: Mapping[str, Any]) -> M:
+        values: dict[str, Any] = {}
+        for spec in fields(cls):
+            if spec.name == "raw":
+                continue
+            key = _camel(spec.name)
+            if key in data:
+                convert = spec.metadata.get(_CONVERT)
+                values[spec.name] = convert(data[key]) if convert else data[key]
+        return cls(raw=dict(data), **values)
+
+
+@dataclass(frozen=True)
+class Attempt(Model):
+    """One lease of a run."""
+
+    attempt: int = 0
+    fencing_token: int = 0
+    worker_id: str = ""
+    leased_at: datetime | None = _time()
+    last_heartbeat_at: datetime | None = _time()
+    ended_at: datetime | None = _time()
+    outcome: str | None = None
+    error: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Run(Model):
+    """A run: one execution of a job. `attempts` is filled by `get_run` only."""
+
+    run_id: str = ""
+    job: str = ""
+    team: str | None = None
+    queue: str = ""
+    priority: str = ""
+    state: str = ""
+    attempt: int = 0
+    max_attempts: int = 0
+    due_at: datetime | None = _time()
+    available_at: datetime | None = _time()
+    idempotency_key: str = ""
+    concurrency_key: str | None = None
+    fencing_token: int | None = None
+    lease_expires_at: datetime | None = _time()
+    worker_id: str | None = None
+    trigger: str = ""
+    dry_run: bool = False
+    payload: Any = None
+    result: Any = None
+    last_error: dict[str, Any] | None = None
+    created_at: datetime | None = _time()
+    started_at: datetime | None = _time()
+    finished_at: datetime | None = _time()
+    attempts: tuple[Attempt, ...] = _many(Attempt)
+
+
+@dataclass(frozen=True)
+class Job(Model):
+    """A job definition. `raw` is its JSON, which `put_job` and `apply_jobs` take back."""
+
+    name: str = ""
+    schedule: dict[str, Any] = field(default_factory=dict)
+    queue: str = ""
+    priority: str = ""
+    timeout_seconds: int = 0
+    retry: dict[str, int] = field(default_factory=dict)
+    concurrency: int | None = None
+    payload: Any = None
+    paused: bool = False
+    dry_run: bool = False
+    lateness_slo_seconds: int | None = None
+    owner: str = ""
+    runbook_url: str = ""
+    team: str = ""
+    next_due_at: datetime | None = _time()
+    shard: int = 0
+    missed_runs_note: str = ""
+    created_at: datetime | None = _time()
+    updated_at: datetime | None = _time()
+
+
+@dataclass(frozen=True)
+class FireTime(Model):
+    """A fire time of a preview: `local` in the job's zone, `start` after its jitter."""
+
+    local: datetime | None = _time()
+    utc: datetime | None = _time()
+    start: datetime | None = _time()
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Queue(Model):
+    name: str = ""
+    paused: bool = False
+    depth: dict[str, int] = field(default_factory=dict)
+    oldest_ready_at: datetime | None = _time()
+    last_leased_at: datetime | None = _time()
+    last_worker_id: str = ""
+
+
+@dataclass(frozen=True)
+class SyncChange(Model):
+    """One change of `apply_jobs`; `fields` ({name: {"before", "after"}}) for updates."""
+
+    action: str = ""
+    name: str = ""
+    fields: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SyncResult(Model):
+    """What `apply_jobs` changed (or, with `dry_run`, would change)."""
+
+    changes: tuple[SyncChange, ...] = _many(SyncChange)
+    summary: dict[str, int] = field(default_factory=dict)
+    applied: bool = False
+
+
+@dataclass(frozen=True)
+class DlqResult(Model):
+    """How many dead runs a requeue or discard changed, and which."""
+
+    count: int = 0
+    run_ids: tuple[str, ...] = field(default=(), metadata={_CONVERT: tuple})
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    """One page of a list; `next` is the address of the following one (None on the last)."""
+
+    items: tuple[T, ...]
+    next: str | None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Enqueue:
+    """One run to create: `delay` (seconds or a timedelta) or `run_at` (an aware datetime or an
+    ISO string), neither for now. Without an `idempotency_key` the client makes one, so a retry
+    of the request cannot create the run twice."""
+
+    job: str
+    payload: Any = None
+    delay: float | timedelta | None = None
+    run_at: datetime | str | None = None
+    idempotency_key: str | None = None
+    priority: str | None = None
+    concurrency_key: str | None = None
+
+    def to_json(self, key: str) -> dict[str, Any]:
+        """The item of `POST /api/v1/runs`, with `key` as the idempotency key."""
+        if self.delay is not None and self.run_at is not None:
+            raise ValueError("give either delay or run_at, not both")
+        item: dict[str, Any] = {"job": self.job, "idempotencyKey": key}
+        if self.delay is not None:
+            seconds = (
+                self.delay.total_seconds() if isinstance(self.delay, timedelta) else self.delay
+            )
+            if seconds < 0:
+                raise ValueError("delay cannot be negative")
+            # Whole seconds, rounded up: a run is never due before the delay asked for.
+            item["delaySeconds"] = math.ceil(seconds)
+        if isinstance(self.run_at, datetime):
+            if self.run_at.tzinfo is None:
+                raise ValueError("run_at must be an aware datetime (with a time zone)")
+            item["runAt"] = self.run_at.isoformat()
+        elif self.run_at is not None:
+            item["runAt"] = self.run_at
+        for name in ("payload", "priority", "concurrency_key"):
+            value = getattr(self, name)
+            if value is not None:
+                item[_camel(name)] = value
+        return item
+
+
+@dataclass(frozen=True)
+class EnqueueResult:
+    """One item of `enqueue_many`: `status` 201 (created) or 200 (the run that key already
+    made) with its `run`, or an error status (400, 404, 409, 413) with `error`, never raised.
+    `idempotency_key` is the key sent (the one made up when the item had none)."""
+
+    status: int
+    idempotency_key: str
+    run: Run | None = None
+    error: ApiError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def created(self) -> bool:
+        return self.status == 201
