@@ -16,7 +16,7 @@ import time
 from bench import common, report
 from bench.systems import SYSTEMS
 
-SCENARIOS = ("burndown", "openloop", "burst", "materialise", "soak", "dashboard")
+SCENARIOS = ("burndown", "openloop", "burst", "materialise", "soak", "dashboard", "enqueue")
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:

@@ -114,6 +114,8 @@ class System:
         self.monitor_commits = 0
         # Put before the web command (bench profile: py-spy record … --).
         self.web_prefix: list[str] = []
+        # Settings of the web processes (bench enqueue turns the enqueue rate limit off).
+        self.web_env: dict[str, str] = {}
 
     @property
     def label(self) -> str:
@@ -182,7 +184,7 @@ class RestSystem(System):
         super().setup()
         self.port = common.free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        env = common.django_env(self.project.url)
+        env = common.django_env(self.project.url, **self.web_env)
         self.log_path = Path(f"/tmp/bench-uvicorn-{self.scenario}.log")
         self.procs.start(
             "web",

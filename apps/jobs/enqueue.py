@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import orjson
 from django.db import transaction
 
 from apps.audit.record import DENIED_TARGETS_SHOWN, Actor, record, record_denied
 from apps.jobs.models import JobDefinition
 from apps.runs import payloads
 from apps.runs.clock import database_now
+from apps.runs.ids import public_run_id
 from apps.runs.models import Run, Trigger
 from apps.runs.store import NewRun, insert_keyed
 from apps.runs.transitions import TransitionError
@@ -42,7 +44,7 @@ class IdempotencyConflict(TransitionError):
 
 @dataclass(frozen=True)
 class Created:
-    run: Run
+    run: Run | CreatedRun
     created: bool
 
 
@@ -77,7 +79,7 @@ class Enqueued:
     """What one item came to: 201, 200, 404 or 409 (with `run` for 201, 200 and 409)."""
 
     status: int
-    run: Run | None = None
+    run: Run | CreatedRun | None = None
     detail: str = ""
     fields: tuple[str, ...] = ()  # for a 409: the payload's top-level fields that differ
 
@@ -118,10 +120,14 @@ def enqueue_many(
         wanted.append((item, new))
     for team, names in foreign.items():
         record_denied(actor, "enqueue", team=team, target_type="job", target=names)
+    by_id = {d.pk: d for d in definitions.values()}
+    asked = [pair[1] for pair in wanted if pair is not None]
     with transaction.atomic():
-        created = insert_keyed([pair[1] for pair in wanted if pair is not None])
-        runs = _runs_named([pair[1] for pair in wanted if pair is not None])
-        _audit_created(actor, [runs[pk] for pk in created.values()], trigger)
+        rows = insert_keyed(asked, full=True)
+        runs = {name: _new_run(row, by_id[row["definition_id"]]) for name, row in rows.items()}
+        # Only the keys that named an existing run are read back.
+        runs.update(_runs_named({(n.definition_id, n.idempotency_key) for n in asked} - set(rows)))
+        _audit_created(actor, [runs[name] for name in rows], trigger)
     answers = []
     seen: set[tuple[int, str]] = set()
     for pair in wanted:
@@ -130,29 +136,88 @@ def enqueue_many(
             continue
         item, new = pair
         name = (new.definition_id, new.idempotency_key)
-        run = runs[created[name]] if name in created else runs.get(name)
-        if name in created and name not in seen:
-            answers.append(Enqueued(201, run))
+        if name in rows and name not in seen:
+            answers.append(Enqueued(201, runs[name]))
         else:
-            answers.append(_existing(run, item.payload))
+            answers.append(_existing(runs[name], item.payload))
         seen.add(name)
     return answers
 
 
-def _runs_named(new: Sequence[NewRun]) -> dict[Any, Run]:
-    """The runs of these (definition, key) pairs, by pair and by id (served by the unique
-    (definition, idempotency_key) index)."""
-    pairs = {(run.definition_id, run.idempotency_key) for run in new}
-    found: dict[Any, Run] = {}
+@dataclass
+class CreatedRun:
+    """A run just inserted, read from the insert's own answer: the attributes a run's
+    representation and the audit read. Building Django model instances instead took 42 ms per
+    1 000 runs, as long as the insert itself."""
+
+    pk: int
+    definition: JobDefinition
+    queue: str
+    priority: int
+    state: str
+    trigger: str
+    due_at: datetime
+    available_at: datetime
+    attempt: int
+    max_attempts: int
+    idempotency_key: str
+    dry_run: bool
+    payload: Any
+    payload_key: str
+    created_at: datetime
+    fencing_token: None = None
+    lease_expires_at: None = None
+    worker_id: str = ""
+    result: None = None
+    last_error: None = None
+    started_at: None = None
+    finished_at: None = None
+
+    @property
+    def team(self) -> Any:
+        return self.definition.team
+
+    @property
+    def definition_id(self) -> int:
+        return self.definition.pk
+
+    @property
+    def run_id(self) -> str:
+        return public_run_id(self.pk)
+
+
+def _new_run(row: dict[str, Any], definition: JobDefinition) -> CreatedRun:
+    payload = row["payload"]
+    return CreatedRun(
+        pk=row["id"],
+        definition=definition,
+        queue=row["queue"],
+        priority=row["priority"],
+        state=row["state"],
+        trigger=row["trigger"],
+        due_at=row["due_at"],
+        available_at=row["available_at"],
+        attempt=row["attempt"],
+        max_attempts=row["max_attempts"],
+        idempotency_key=row["idempotency_key"],
+        dry_run=row["dry_run"],
+        payload=None if payload is None else orjson.loads(payload),
+        payload_key=row["payload_key"],
+        created_at=row["created_at"],
+    )
+
+
+def _runs_named(pairs: set[tuple[int, str]]) -> dict[tuple[int, str], Run]:
+    """The runs of these (definition, key) pairs (served by the unique (definition,
+    idempotency_key) index)."""
+    if not pairs:
+        return {}
     candidates = Run.objects.select_related("definition", "team").filter(
         definition_id__in={pair[0] for pair in pairs},
         idempotency_key__in={pair[1] for pair in pairs},
     )
-    for run in candidates:
-        name = (run.definition_id, run.idempotency_key)
-        if name in pairs:
-            found[name] = found[run.pk] = run
-    return found
+    found = {(run.definition_id, run.idempotency_key): run for run in candidates}
+    return {name: run for name, run in found.items() if name in pairs}
 
 
 def _existing(run: Run, payload: Any) -> Enqueued:

@@ -4,6 +4,7 @@ retry rules against a scripted transport."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 import uuid
@@ -38,6 +39,14 @@ from apps.runs.models import Run as RunRow
 from apps.teams.models import ApiToken, Team
 from tests.client.conftest import CountingTransport
 from tests.conftest import Api, add_ready_runs, make_definition
+
+
+def run_coroutine(coroutine):
+    """asyncio.run on a thread of its own: a browser test earlier in the session leaves an event
+    loop running on the main thread (Playwright's sync API), where asyncio.run refuses."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -500,7 +509,7 @@ def test_the_async_client_enqueues_manages_and_pages(live_server, token_a, team_
                 missing = exc
             return {"job": job, "run": run, "many": many, "listed": listed, "missing": missing}
 
-    done = asyncio.run(produce())
+    done = run_coroutine(produce())
 
     assert done["job"].name == "shop.restock"
     assert done["run"].state == "scheduled"
@@ -626,5 +635,5 @@ def test_the_async_client_retries_as_the_sync_one_does():
         async with producer:
             return await producer.get_run("run_1")
 
-    assert asyncio.run(fetch()).run_id == "run_1"
+    assert run_coroutine(fetch()).run_id == "run_1"
     assert len(seen) == 3

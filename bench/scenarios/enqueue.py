@@ -1,0 +1,114 @@
+"""(g) Enqueue: runs created per second by an application, through the real API, side by side
+with Procrastinate's `defer` / `batch_defer` and Celery's `apply_async` / a Redis pipeline.
+
+One producer process with 4 threads creates N runs at batch B ∈ {1, 100, 1000} (quick: N =
+2 000 at B = 1, 20 000 otherwise; full: 10× that). The product's producer is the SDK's
+`Client.enqueue_many` (bench/workers/enqueuer.py) against `manage.py web`, with the enqueue
+rate limit off. CPU per 1 000 counts the producer and, for the product, its web processes;
+commits per 1 000 are the project's database's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import psutil
+
+from bench import common
+from bench.common import PYTHON, Row, log
+from bench.systems import ProjectDatabase, make
+
+SYSTEMS = ("rest", "procrastinate", "celery")
+
+
+def commits(url: str) -> int:
+    with common.connect(url) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        return conn.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()[0]
+
+
+def cpu(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for p in [proc, *proc.children(recursive=True)]:
+                times = p.cpu_times()
+                total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def run(opts) -> list[Row]:
+    scale = 1 if opts.quick else 10
+    points = [(1, 2_000 * scale), (100, 20_000 * scale), (1000, 20_000 * scale)]
+    project = ProjectDatabase("enqueue")
+    rows: list[Row] = []
+    for name in [s for s in opts.systems if s in SYSTEMS] or list(SYSTEMS):
+        system = make(name, "enqueue", project, opts.web_workers)
+        # Limits off: the producer measures the path, not the budget.
+        extra_env = {
+            "SCHEDULER_API_RATE_ENQUEUE": "1000000000/s",
+            "SCHEDULER_API_RATE_MANAGE": "1000000000/s",
+        }
+        if name == "rest":
+            system.web_env = extra_env
+        system.setup()
+        try:
+            for batch, count in points:
+                system.reset()
+                if name == "rest":
+                    args = ["rest", "--url", system.base_url, "--token", project.token]
+                    env = common.django_env(project.url)
+                    db_url, servers = project.url, list(system.procs.pids())
+                else:
+                    args = [name]
+                    env = {**common.django_env(project.url), **system.peer_env()}
+                    db_url = getattr(system, "pq_url", None)
+                    servers = []
+                before_commits = commits(db_url) if db_url else None
+                before_cpu = cpu(servers)
+                out = subprocess.run(
+                    [
+                        PYTHON,
+                        "-m",
+                        "bench.workers.enqueuer",
+                        *args,
+                        "--count",
+                        str(count),
+                        "--batch",
+                        str(batch),
+                        "--threads",
+                        "4",
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
+                if out.returncode:
+                    raise RuntimeError(f"the producer failed:\n{out.stderr[-3000:]}")
+                answer = json.loads(out.stdout.strip().splitlines()[-1])
+                server_cpu = cpu(servers) - before_cpu
+                row = Row(
+                    scenario="enqueue",
+                    system=system.label,
+                    config=f"batch {batch}",
+                    runs=answer["count"],
+                    seconds=answer["seconds"],
+                    cpu_s=answer["cpu_s"] + server_cpu,
+                    commits=(commits(db_url) - before_commits) if db_url else None,
+                    note={
+                        "rest": "Client.enqueue_many → POST /api/v1/runs",
+                        "procrastinate": "defer" if batch == 1 else "batch_defer",
+                        "celery": "apply_async" if batch == 1 else "Redis pipeline",
+                    }[name],
+                )
+                log(f"  {system.label:<20} batch {batch:>4}: {row.rate:,.0f} runs/s")
+                rows.append(row)
+        finally:
+            system.teardown()
+    return rows
