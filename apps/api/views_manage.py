@@ -23,13 +23,13 @@ from apps.api.shapes import jobs as job_shape
 from apps.api.shapes import runs as run_shape
 from apps.api.throttling import charge_enqueue
 from apps.audit.record import Actor, record_denied
-from apps.jobs import enqueue, services, sync
+from apps.jobs import enqueue, runlist, services, sync
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
 from apps.runs import filters, transitions
 from apps.runs.clock import database_now
 from apps.runs.ids import parse_run_id
-from apps.runs.models import PRIORITIES, WAITING_STATES, Run, State
+from apps.runs.models import PRIORITIES, Run, State
 from apps.teams import access
 
 PAGE_DEFAULT = 50
@@ -532,35 +532,39 @@ def preview_json(times: list[dict[str, str]]) -> job_shape.Preview:
 # --- runs ---------------------------------------------------------------------------------
 
 
-def filter_runs(queryset: QuerySet, params: Any, now: datetime) -> QuerySet:
-    """Apply the runs filters of the query string (`state`, `job`, `queue`, `since`)."""
+# `state` of the query string: the stored states each reported state is read from.
+STATE_BRANCHES = {**runlist.REPORTED_TO_STORED, State.READY: runlist.READY_BY_CLOCK}
+
+
+def run_filter(
+    team_ids: list[int], params: Any, branches: list[runlist.Branch]
+) -> runlist.RunFilter:
+    """The runs filters of the query string (`state`, `job`, `queue`, `since`) over the
+    `branches` a list shows by default."""
     state = params.get("state")
     if state:
         if state not in State.values:
             raise ValidationError({"state": [f"One of {', '.join(State.values)}."]})
-        if state == State.READY:
-            queryset = queryset.filter(state__in=WAITING_STATES, available_at__lte=now)
-        elif state in (State.SCHEDULED, State.RETRYING):
-            queryset = queryset.filter(state=state, available_at__gt=now)
-        else:
-            queryset = queryset.filter(state=state)
+        branches = STATE_BRANCHES[state]
     for key in ("job", "queue"):
         # PostgreSQL text cannot hold NUL: no job or queue has one in its name.
         if "\x00" in str(params.get(key) or ""):
             raise ValidationError({key: ["A name cannot contain the NUL character."]})
-    if params.get("job"):
-        queryset = queryset.filter(definition__name=params["job"])
-    if params.get("queue"):
-        queryset = queryset.filter(queue=params["queue"])
+    since = None
     if params.get("since"):
         since = filters.parse_instant(str(params["since"]))
         if since is None:
             raise ValidationError({"since": [filters.ISO_RULE]})
-        queryset = queryset.filter(created_at__gte=since)
-    return queryset
+    return runlist.RunFilter(
+        team_ids=team_ids,
+        branches=list(branches),
+        queue=params.get("queue") or "",
+        job=params.get("job") or "",
+        created_from=since,
+    )
 
 
-def paginate(request: Request, queryset: QuerySet, now: datetime) -> Response:
+def run_list(request: Request, flt: runlist.RunFilter, now: datetime) -> Response:
     """Keyset pagination, newest first: `?cursor=<last runId>&limit=N`; no COUNT(*)."""
     try:
         limit = int(request.query_params.get("limit") or PAGE_DEFAULT)
@@ -568,21 +572,21 @@ def paginate(request: Request, queryset: QuerySet, now: datetime) -> Response:
         raise ValidationError({"limit": [f"A whole number from 1 to {PAGE_MAX}."]}) from None
     if not 1 <= limit <= PAGE_MAX:
         raise ValidationError({"limit": [f"A whole number from 1 to {PAGE_MAX}."]})
+    before = None
     cursor = request.query_params.get("cursor")
     if cursor:
-        pk = parse_run_id(cursor)
-        if pk is None:
+        before = parse_run_id(cursor)
+        if before is None:
             raise ValidationError({"cursor": ["Not a cursor from a previous page."]})
-        queryset = queryset.filter(pk__lt=pk)
-    page = list(queryset.order_by("-pk")[: limit + 1])
-    more = len(page) > limit
-    page = page[:limit]
+    page = runlist.run_page(flt, now, before=before, limit=limit)
     next_url = None
-    if more:
+    if page.next_cursor is not None:
         query = request.query_params.copy()
-        query["cursor"] = page[-1].run_id
+        query["cursor"] = page.runs[-1].run_id
         next_url = request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
-    return Response(run_shape.RunPage(results=[run_json(run, now) for run in page], next=next_url))
+    return Response(
+        run_shape.RunPage(results=[run_json(run, now) for run in page.runs], next=next_url)
+    )
 
 
 def team_runs(view: ManageView, request: Request) -> QuerySet:
@@ -607,9 +611,8 @@ class RunsView(ManageView):
     )
     def get(self, request: Request) -> Response:
         now = database_now()
-        return paginate(
-            request, filter_runs(team_runs(self, request), request.query_params, now), now
-        )
+        flt = run_filter(self.team_ids(request), request.query_params, runlist.ALL_STORED)
+        return run_list(request, flt, now)
 
     @extend_schema(
         operation_id="enqueueRuns",
@@ -719,8 +722,8 @@ class DlqView(ManageView):
     def get(self, request: Request) -> Response:
         now = database_now()
         params = {key: value for key, value in request.query_params.items() if key != "state"}
-        queryset = filter_runs(team_runs(self, request).filter(state=State.DEAD), params, now)
-        return paginate(request, queryset, now)
+        flt = run_filter(self.team_ids(request), params, [(State.DEAD.value, None)])
+        return run_list(request, flt, now)
 
 
 class DlqActionView(ManageView):

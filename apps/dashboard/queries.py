@@ -6,7 +6,7 @@ Every function takes the team ids the user may see (from `apps.teams.access`) an
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -15,11 +15,10 @@ from django.db.models import Q, QuerySet
 
 from apps.audit.models import AuditEvent
 from apps.jobs.models import JobDefinition, Queue
-from apps.runs import counters
+from apps.runs import counters, depth
 from apps.runs.models import (
     FINISHED_STATES,
     PRIORITY_NAMES,
-    WAITING_STATES,
     Run,
     State,
     reported_state,
@@ -39,88 +38,8 @@ def _fetch(sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
         return _rows(cursor)
 
 
-# --- runs lists -----------------------------------------------------------------------------
-
-# A reported state is one or more stored states, the waiting ones split by the clock.
-# Each entry: (stored state, "due" | "future" | None) where "due" means available_at <= now.
-REPORTED_TO_STORED: dict[str, list[tuple[str, str | None]]] = {
-    State.READY: [(State.SCHEDULED, "due"), (State.READY, None), (State.RETRYING, "due")],
-    State.SCHEDULED: [(State.SCHEDULED, "future")],
-    State.RETRYING: [(State.RETRYING, "future")],
-    State.LEASED: [(State.LEASED, None)],
-    State.SUCCEEDED: [(State.SUCCEEDED, None)],
-    State.DEAD: [(State.DEAD, None)],
-    State.CANCELLED: [(State.CANCELLED, None)],
-}
-ALL_STORED = [(state.value, None) for state in State]
-# The failures page: runs that failed and have not (yet) succeeded, whatever their backoff says.
-FAILED_STORED = [(State.RETRYING.value, None), (State.DEAD.value, None)]
-
-
-@dataclass
-class RunFilter:
-    team_ids: list[int]
-    branches: list[tuple[str, str | None]] = field(default_factory=lambda: list(ALL_STORED))
-    queue: str = ""
-    definition_id: int | None = None
-    due_from: datetime | None = None
-    due_to: datetime | None = None
-    error: str = ""
-
-
-@dataclass
-class RunPage:
-    runs: list[Run]
-    next_cursor: int | None
-
-
-def _branch(flt: RunFilter, team_id: int, state: str, clock: str | None, now: datetime):
-    queryset = Run.objects.filter(team_id=team_id, state=state)
-    if clock == "due":
-        queryset = queryset.filter(available_at__lte=now)
-    elif clock == "future":
-        queryset = queryset.filter(available_at__gt=now)
-    if flt.queue:
-        queryset = queryset.filter(queue=flt.queue)
-    if flt.definition_id is not None:
-        queryset = queryset.filter(definition_id=flt.definition_id)
-    if flt.due_from is not None:
-        queryset = queryset.filter(due_at__gte=flt.due_from)
-    if flt.due_to is not None:
-        queryset = queryset.filter(due_at__lt=flt.due_to)
-    if flt.error:
-        queryset = queryset.filter(
-            Q(last_error__message__icontains=flt.error) | Q(last_error__type__icontains=flt.error)
-        )
-    return queryset
-
-
-def run_page(
-    flt: RunFilter, now: datetime, *, before: int | None, limit: int = PAGE_SIZE
-) -> RunPage:
-    """One page of runs, newest first, older than the cursor `before` (a run pk).
-
-    One branch per (team, stored state), each an index scan on run_team_state
-    (team_id, state, -id) that stops after `limit + 1` rows, merged by id: the cost follows the
-    page size, not the table size. A job filter lets the planner take run_definition_recent.
-    """
-    if not flt.team_ids or not flt.branches:
-        return RunPage([], None)
-    branches = []
-    for team_id in flt.team_ids:
-        for state, clock in flt.branches:
-            queryset = _branch(flt, team_id, state, clock, now)
-            if before is not None:
-                queryset = queryset.filter(pk__lt=before)
-            branches.append(queryset.order_by("-pk").values_list("pk", flat=True)[: limit + 1])
-    ids_query = branches[0] if len(branches) == 1 else branches[0].union(*branches[1:], all=True)
-    ids = sorted(ids_query, reverse=True)[: limit + 1]
-    more = len(ids) > limit
-    ids = ids[:limit]
-    runs = list(Run.objects.filter(pk__in=ids).select_related("definition", "team").order_by("-pk"))
-    for run in runs:
-        run.shown_state = reported_state(run.state, run.available_at, now)
-    return RunPage(runs, ids[-1] if more and ids else None)
+# --- runs ---------------------------------------------------------------------------------
+# The lists (runs, failures, DLQ) are apps.jobs.runlist, which the API's lists share.
 
 
 def visible_run(team_ids: list[int], pk: int | None) -> Run | None:
@@ -154,28 +73,8 @@ WHERE team_id = ANY(%(teams)s::bigint[]) AND state IN ('leased', 'dead', 'cancel
 GROUP BY state
 """
 
-# The backlog: an index-only scan of the partial index run_claimable
-# (team_id, queue, priority, available_at) WHERE state is waiting.
-QUEUE_DEPTH = f"""
-SELECT team_id, queue, priority, '' AS state,
-       count(*) FILTER (WHERE available_at <= now()) AS ready,
-       count(*) FILTER (WHERE available_at > now()) AS waiting,
-       min(available_at) FILTER (WHERE available_at <= now()) AS oldest_ready
-FROM runs_run
-WHERE state IN {tuple(WAITING_STATES)} AND team_id = ANY(%(teams)s::bigint[])
-GROUP BY team_id, queue, priority
-"""
-# The same for the overview, which also splits "later" into scheduled and retrying: still
-# index-only, since run_claimable includes the stored state.
-QUEUE_DEPTH_BY_STATE = f"""
-SELECT team_id, queue, priority, state,
-       count(*) FILTER (WHERE available_at <= now()) AS ready,
-       count(*) FILTER (WHERE available_at > now()) AS waiting,
-       min(available_at) FILTER (WHERE available_at <= now()) AS oldest_ready
-FROM runs_run
-WHERE state IN {tuple(WAITING_STATES)} AND team_id = ANY(%(teams)s::bigint[])
-GROUP BY team_id, queue, priority, state
-"""
+# The backlog (by state for the overview): apps.runs.depth, index-only from the partial index
+# run_claimable, which includes the stored state.
 
 # Leased runs: the partial index run_leased_expiry holds only leased rows.
 LEASED_BY_QUEUE = """
@@ -251,7 +150,6 @@ def _queue_lanes(
 ) -> tuple[list[dict[str, Any]], list[tuple[str, int, int]]]:
     """Per (team, queue, priority): ready, waiting, leased, oldest ready age; busiest first.
     Also (stored state, due, later) per group, for the overview's state counts."""
-    params = {"teams": team_ids}
     lanes: dict[tuple[int, str, int], dict[str, Any]] = {}
 
     def lane(team_id: int, queue: str, priority: int) -> dict[str, Any]:
@@ -271,16 +169,16 @@ def _queue_lanes(
         )
 
     waiting = []
-    for row in _fetch(QUEUE_DEPTH_BY_STATE if by_state else QUEUE_DEPTH, params):
-        item = lane(row["team_id"], row["queue"], row["priority"])
-        item["ready"] += row["ready"]
-        item["waiting"] += row["waiting"]
-        oldest = row["oldest_ready"]
+    for row in depth.lanes(team_ids, by_state=by_state):
+        item = lane(row.team_id, row.queue, row.priority)
+        item["ready"] += row.ready
+        item["waiting"] += row.waiting
+        oldest = row.oldest_ready
         if oldest is not None and (item["oldest_ready"] is None or oldest < item["oldest_ready"]):
             item["oldest_ready"] = oldest
             item["oldest_age"] = (now - oldest).total_seconds()
-        waiting.append((row["state"], row["ready"], row["waiting"]))
-    for row in _fetch(LEASED_BY_QUEUE, params):
+        waiting.append((row.state, row.ready, row.waiting))
+    for row in _fetch(LEASED_BY_QUEUE, {"teams": team_ids}):
         lane(row["team_id"], row["queue"], row["priority"])["leased"] = row["leased"]
     ordered = sorted(lanes.values(), key=lambda r: (-r["ready"], r["queue"], r["priority"]))
     return ordered, waiting

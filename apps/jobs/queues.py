@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from django.db import connection
-
 from apps.jobs.models import Queue
+from apps.runs import depth
 from apps.runs.models import PRIORITY_NAMES
 
 
@@ -21,16 +20,6 @@ class QueueView:
     last_worker_id: str = ""
 
 
-# Served by the partial index run_claimable, whose leading columns are (team_id, queue, priority):
-# only the backlog is read, never the finished runs.
-DEPTH = """
-SELECT queue, priority, count(*), min(available_at)
-FROM runs_run
-WHERE team_id = %(team)s AND state IN ('scheduled', 'ready', 'retrying') AND available_at <= now()
-GROUP BY queue, priority
-"""
-
-
 def overview(team) -> list[QueueView]:
     """Every queue of the team that has a backlog, a definition, or a row (paused or leased)."""
     views: dict[str, QueueView] = {}
@@ -41,11 +30,9 @@ def overview(team) -> list[QueueView]:
         view.paused = queue.paused
         view.last_leased_at = queue.last_leased_at
         view.last_worker_id = queue.last_worker_id
-    with connection.cursor() as cursor:
-        cursor.execute(DEPTH, {"team": team.pk})
-        for name, priority, count, oldest in cursor.fetchall():
-            view = views.setdefault(name, QueueView(name))
-            view.depth[PRIORITY_NAMES[priority]] = count
-            if view.oldest_ready_at is None or oldest < view.oldest_ready_at:
-                view.oldest_ready_at = oldest
+    for lane in depth.claimable([team.pk]):
+        view = views.setdefault(lane.queue, QueueView(lane.queue))
+        view.depth[PRIORITY_NAMES[lane.priority]] = lane.ready
+        if view.oldest_ready_at is None or lane.oldest_ready < view.oldest_ready_at:
+            view.oldest_ready_at = lane.oldest_ready
     return sorted(views.values(), key=lambda view: view.name)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from django.db import connection
 
+from apps.runs import depth
+
 
 @dataclass
 class QueueRow:
@@ -28,13 +30,8 @@ class Snapshot:
     autovacuum: bool = True
 
 
-# Claimable runs: a scan of the partial index run_claimable, which holds only the backlog.
-QUEUES = """
-SELECT t.slug, r.queue, r.priority, count(*), extract(epoch FROM now() - min(r.available_at))
-FROM runs_run r JOIN teams_team t ON t.id = r.team_id
-WHERE r.state IN ('scheduled', 'ready', 'retrying') AND r.available_at <= now()
-GROUP BY t.slug, r.queue, r.priority
-"""
+# Claimable runs per (team, queue, priority): apps.runs.depth, from the partial index
+# run_claimable, which holds only the backlog.
 # Dead runs per team: served by run_team_state (team_id, state, id).
 DLQ = """
 SELECT t.slug, (SELECT count(*) FROM runs_run r WHERE r.team_id = t.id AND r.state = 'dead')
@@ -71,12 +68,11 @@ AUTOVACUUM = "SELECT current_setting('autovacuum') = 'on'"
 
 def read() -> Snapshot:
     snapshot = Snapshot()
+    snapshot.queues = [
+        QueueRow(lane.team_slug, lane.queue, lane.priority, lane.ready, lane.oldest_age)
+        for lane in depth.claimable()
+    ]
     with connection.cursor() as cursor:
-        cursor.execute(QUEUES)
-        snapshot.queues = [
-            QueueRow(team, queue, prio, count, float(age))
-            for team, queue, prio, count, age in cursor.fetchall()
-        ]
         cursor.execute(DLQ)
         snapshot.dlq = dict(cursor.fetchall())
         cursor.execute(LAG)

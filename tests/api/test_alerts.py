@@ -16,7 +16,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def test_a_run_started_ten_seconds_late_with_a_five_second_slo_is_flagged(api_a, team_a):
     definition = make_definition(
-        team_a, "slo.report", queue="slo", lateness_slo_seconds=5, owner="#billing-oncall",
+        team_a,
+        "slo.report",
+        queue="slo",
+        lateness_slo_seconds=5,
+        owner="#billing-oncall",
         runbook_url="https://runbooks.example.com/report",
     )
     add_ready_runs(definition, 1, age_seconds=10)
@@ -25,13 +29,19 @@ def test_a_run_started_ten_seconds_late_with_a_five_second_slo_is_flagged(api_a,
     before = api_a.get("/metrics").text
     api_a.lease(["slo"], 5)
     (alert,) = [a for a in api_a.get("/api/v1/alerts").json()["results"] if a["kind"] == "late"]
-    assert alert["job"] == "slo.report" and alert["lateBySeconds"] >= 10 and alert["sloSeconds"] == 5
+    assert (
+        alert["job"] == "slo.report" and alert["lateBySeconds"] >= 10 and alert["sloSeconds"] == 5
+    )
     assert alert["owner"] == "#billing-oncall" and alert["runbookUrl"].endswith("/report")
     assert alert["runId"] == Run.objects.get(definition=definition).run_id
     after = api_a.get("/metrics").text
 
     def late_count(text: str) -> float:
-        lines = [line for line in text.splitlines() if line.startswith('scheduler_late_runs_total{queue="slo",team="team-a"}')]
+        lines = [
+            line
+            for line in text.splitlines()
+            if line.startswith('scheduler_late_runs_total{queue="slo",team="team-a"}')
+        ]
         return float(lines[0].split()[-1]) if lines else 0.0
 
     assert late_count(after) - late_count(before) == 1
@@ -40,8 +50,13 @@ def test_a_run_started_ten_seconds_late_with_a_five_second_slo_is_flagged(api_a,
 def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
     api_a.post(
         "/api/v1/jobs",
-        {"name": "slo.hourly", "queue": "slo", "schedule": {"cron": "0 * * * *", "jitterSeconds": 0},
-         "latenessSloSeconds": 60, "timeoutSeconds": 60},
+        {
+            "name": "slo.hourly",
+            "queue": "slo",
+            "schedule": {"cron": "0 * * * *", "jitterSeconds": 0},
+            "latenessSloSeconds": 60,
+            "timeoutSeconds": 60,
+        },
     )
     # The definition has existed for three hours and no scheduler ran: nothing was inserted.
     with connection.cursor() as cursor:
@@ -56,11 +71,22 @@ def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
 
     due = parse_datetime(latest)
     Run.objects.create(
-        definition=definition, team=team_a, queue="slo", priority=1, shard=definition.shard, state="succeeded",
-        trigger="cron", due_at=due, available_at=due, max_attempts=3, idempotency_key=f"k@{latest}",
+        definition=definition,
+        team=team_a,
+        queue="slo",
+        priority=1,
+        shard=definition.shard,
+        state="succeeded",
+        trigger="cron",
+        due_at=due,
+        available_at=due,
+        max_attempts=3,
+        idempotency_key=f"k@{latest}",
         finished_at=db_now() - timedelta(minutes=1),
     )
-    again = [a["dueAt"] for a in api_a.get("/api/v1/alerts").json()["results"] if a["kind"] == "missed"]
+    again = [
+        a["dueAt"] for a in api_a.get("/api/v1/alerts").json()["results"] if a["kind"] == "missed"
+    ]
     assert latest not in again and len(again) == len(missed) - 1
 
 

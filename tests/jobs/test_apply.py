@@ -37,7 +37,11 @@ def apply(tmp_path, text: str, *args: str) -> str:
 def test_dry_run_prints_the_diff_and_changes_nothing(tmp_path, team_a):
     make_definition(team_a, "billing.old", queue="billing")
     out = apply(tmp_path, FILE, "--dry-run", "--prune")
-    assert "+ billing.export-invoices" in out and "+ billing.reminders" in out and "- billing.old" in out
+    assert (
+        "+ billing.export-invoices" in out
+        and "+ billing.reminders" in out
+        and "- billing.old" in out
+    )
     assert "Dry run" in out
     assert sorted(JobDefinition.objects.values_list("name", flat=True)) == ["billing.old"]
     assert AuditEvent.objects.count() == 0
@@ -50,14 +54,25 @@ def test_apply_creates_updates_and_prunes_each_audited(tmp_path, team_a):
     changed = FILE.replace('"0 9 * * 1-5"', '"0 10 * * 1-5"')
     out = apply(tmp_path, changed, "--prune")
     assert "~ billing.reminders" in out and '"0 9 * * 1-5"' in out and "- billing.old" in out
-    assert sorted(JobDefinition.objects.values_list("name", flat=True)) == ["billing.export-invoices", "billing.reminders"]
+    assert sorted(JobDefinition.objects.values_list("name", flat=True)) == [
+        "billing.export-invoices",
+        "billing.reminders",
+    ]
     actions = list(AuditEvent.objects.order_by("id").values_list("action", "source"))
-    assert actions == [("job.create", "cli"), ("job.create", "cli"), ("job.update", "cli"), ("job.delete", "cli")]
+    assert actions == [
+        ("job.create", "cli"),
+        ("job.create", "cli"),
+        ("job.update", "cli"),
+        ("job.delete", "cli"),
+    ]
     assert "0 create, 0 update, 0 delete, 2 unchanged" in apply(tmp_path, changed, "--prune")
 
 
 def test_an_invalid_entry_changes_nothing(tmp_path, team_a):
-    bad = FILE + "  - name: billing.broken\n    schedule: {cron: '99 * * * *'}\n    priority: urgent\n"
+    bad = (
+        FILE
+        + "  - name: billing.broken\n    schedule: {cron: '99 * * * *'}\n    priority: urgent\n"
+    )
     err = StringIO()
     path = tmp_path / "jobs.yaml"
     path.write_text(bad)

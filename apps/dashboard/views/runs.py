@@ -15,12 +15,11 @@ from apps.audit.record import Actor
 from apps.dashboard import queries
 from apps.dashboard.forms import RunFilterForm
 from apps.dashboard.http import HtmxHttpRequest, actor, done, plural, render_page, signed_in
-from apps.jobs import diagnosis
-from apps.jobs.models import JobDefinition
+from apps.jobs import diagnosis, runlist
 from apps.runs import payloads, transitions
 from apps.runs.clock import database_now
 from apps.runs.ids import parse_run_id
-from apps.runs.models import WAITING_STATES, Run, State
+from apps.runs.models import WAITING_STATES, Run, State, reported_state
 from apps.teams import access
 from apps.teams.models import Role
 
@@ -71,12 +70,12 @@ MODES = {
 }  # fmt: skip
 
 
-def _branches(mode: str, state: str) -> list[tuple[str, str | None]]:
+def _branches(mode: str, state: str) -> list[runlist.Branch]:
     if mode == "dlq":
         return [(State.DEAD.value, None)]
     if mode == "failures":
-        return [(state, None)] if state else list(queries.FAILED_STORED)
-    return list(queries.REPORTED_TO_STORED.get(state, queries.ALL_STORED))
+        return [(state, None)] if state else list(runlist.FAILED_STORED)
+    return list(runlist.REPORTED_TO_STORED.get(state, runlist.ALL_STORED))
 
 
 def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
@@ -84,29 +83,23 @@ def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
     now = database_now()
     teams = list(access.visible_teams(request.user))
     form = RunFilterForm(request.GET, teams=teams, states=mode.template_states)
-    page = queries.RunPage([], None)
+    page = runlist.RunPage([], None)
     cursor = None
     if form.is_valid():
         data = form.cleaned_data
         cursor = data["cursor"]
         team_ids = [t.pk for t in teams if not data["team"] or t.slug == data["team"]]
-        definition_id = None
-        if data["job"]:
-            definition = JobDefinition.objects.filter(
-                name=data["job"], team_id__in=team_ids
-            ).first()
-            definition_id = definition.pk if definition else -1
         due_from, due_to = form.window(now)
-        flt = queries.RunFilter(
+        flt = runlist.RunFilter(
             team_ids=team_ids,
             branches=_branches(mode_name, data["state"]),
             queue=data["queue"],
-            definition_id=definition_id,
+            job=data["job"],
             due_from=due_from,
             due_to=due_to,
             error=data["error"],
         )
-        page = queries.run_page(flt, now, before=cursor)
+        page = runlist.run_page(flt, now, before=cursor)
     context = {
         "now": now,
         "mode": mode,
@@ -148,7 +141,7 @@ def _visible_run(request: HtmxHttpRequest, run_id: str) -> Run:
 def run_detail(request: HtmxHttpRequest, run_id: str) -> HttpResponse:
     now = database_now()
     run = _visible_run(request, run_id)
-    run.shown_state = queries.reported_state(run.state, run.available_at, now)
+    run.shown_state = reported_state(run.state, run.available_at, now)
     attempts = list(run.attempts.order_by("fencing_token"))
     context = {
         "now": now,
