@@ -59,9 +59,9 @@ def record(
     )
 
 
-# One denial names at most this many targets: a batch naming another team's run a thousand
-# times writes one event, not a thousand (the count says how many were named).
-DENIED_TARGETS_SHOWN = 20
+# An event about many objects names at most this many of them, and counts the rest: a batch
+# naming another team's run a thousand times writes one event, not a thousand.
+TARGETS_SHOWN = 20
 
 
 def record_denied(
@@ -79,7 +79,7 @@ def record_denied(
     after: dict[str, Any] = {"attempted": attempted}
     if len(targets) > 1 or (count or 1) > 1:
         after["count"] = count if count is not None else len(targets)
-        after["targets"] = targets[:DENIED_TARGETS_SHOWN]
+        after["targets"] = targets[:TARGETS_SHOWN]
     return record(
         actor,
         "access.denied",

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 from django.db import transaction
 
-from apps.audit.record import DENIED_TARGETS_SHOWN, Actor, record, record_denied
+from apps.audit.record import TARGETS_SHOWN, Actor, record, record_denied
 from apps.jobs.models import JobDefinition
 from apps.runs import payloads
 from apps.runs.clock import database_now
@@ -250,7 +250,7 @@ def _audit_created(actor: Actor, runs: list[Run], trigger: str) -> None:
             after = {
                 "job": first.definition.name,
                 "count": len(group),
-                "runIds": [run.run_id for run in group[:DENIED_TARGETS_SHOWN]],
+                "runIds": [run.run_id for run in group[:TARGETS_SHOWN]],
             }
             target = f"{len(group)} runs"
         record(actor, action, team=first.team, target_type="run", target=target, after=after)
