@@ -243,7 +243,10 @@ class FailView(WorkerView):
 
 
 def _error(error: shape.ErrorBody) -> dict[str, str]:
-    return {"message": error.message, "type": error.type}
+    answer = {"message": error.message, "type": error.type}
+    if error.stack:
+        answer["stack"] = error.stack[-shape.STACK_MAX_CHARS :]
+    return answer
 
 
 def _retry_at(outcome: store.Outcome) -> str | None:

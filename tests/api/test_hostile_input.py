@@ -370,3 +370,23 @@ def test_a_stale_token_conflict_does_not_disclose_the_current_token(api_a, team_
     (item,) = batch.json()["leases"]
     assert item["status"] == 409
     assert not re.search(rf"\b{second['fencingToken']}\b", item["detail"])
+
+
+def test_a_failure_with_a_stack_trace_is_kept_and_a_huge_one_cut_not_refused(api_a, team_a):
+    definition = make_definition(team_a, "stack.job", queue="stack", retry_max_attempts=5)
+    add_ready_runs(definition, 2)
+    first, second = leased(api_a, "stack")
+    stack = "Traceback (most recent call last):\n" + "  frame\n" * 20 + "ValueError: boom"
+    for lease, trace in ((first, stack), (second, "x" * 200_000 + "ValueError: end")):
+        answer = api_a.post(
+            f"/api/v1/runs/{lease['runId']}/fail",
+            {
+                "fencingToken": lease["fencingToken"],
+                "error": {"message": "boom", "type": "ValueError", "stack": trace},
+            },
+        )
+        assert answer.status_code == 200, answer.text
+    kept = api_a.get(f"/api/v1/runs/{first['runId']}").json()["lastError"]
+    assert kept == {"message": "boom", "type": "ValueError", "stack": stack}
+    cut = api_a.get(f"/api/v1/runs/{second['runId']}").json()["lastError"]["stack"]
+    assert len(cut) == 64 * 1024 and cut.endswith("ValueError: end")

@@ -153,6 +153,7 @@ class RunError(TypedDict, total=False):
 
     message: str
     type: str
+    stack: Annotated[str, Field(description="The worker's stack trace, when it sent one.")]
 
 
 @typed_config(ANSWER)

@@ -12,7 +12,10 @@ from typing_extensions import TypedDict  # pydantic reads only this one on Pytho
 from apps.api.shapes import ANSWER, Body, Instant, json_value, name_check, problem
 from apps.runs import limits
 
-BIGINT = 2**63 - 1  # every integer here meets a PostgreSQL bigint (fencing tokens above all)
+BIGINT = 2**63 - 1
+STACK_MAX_CHARS = (
+    64 * 1024
+)  # every integer here meets a PostgreSQL bigint (fencing tokens above all)
 
 QueueName = Annotated[
     str,
@@ -108,6 +111,13 @@ class ErrorBody(Body):
 
     message: str = Field("", max_length=10000)
     type: str = Field("", max_length=200)
+    stack: str | None = Field(
+        None,
+        description=(
+            "The stack trace, kept with the run's last error; past STACK_MAX_CHARS (64 KB) it "
+            "is cut, keeping its end (where the error is), rather than refusing the report."
+        ),
+    )
     # Accepted and not kept: older SDKs send them.
     traceback: Any = None
     details: Any = None
