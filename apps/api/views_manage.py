@@ -18,7 +18,7 @@ from rest_framework.views import APIView
 from apps.api import schema as doc
 from apps.api.errors import Conflict, PayloadTooLarge, flatten_errors, problem
 from apps.api.serializers import definition_json, run_detail_json, run_json
-from apps.api.shapes import M, parse
+from apps.api.shapes import M, body_size, parse
 from apps.api.shapes import jobs as job_shape
 from apps.api.shapes import runs as run_shape
 from apps.api.throttling import charge_enqueue
@@ -41,15 +41,8 @@ class ManageView(APIView):
 
     @staticmethod
     def body(request: Request, model: type[M], data: Any = None) -> M:
-        """The request's body (or `data` made from it) validated as `model`; a 400 otherwise.
-        The declared length (the body has been read as a stream); a body of unknown length has
-        its values measured."""
-        size = request.META.get("CONTENT_LENGTH") or ""
-        return parse(
-            model,
-            request.data if data is None else data,
-            body_size=int(size) if size.isdigit() else 2**62,
-        )
+        """The request's body (or `data` made from it) validated as `model`; a 400 otherwise."""
+        return parse(model, request.data if data is None else data, body_size=body_size(request))
 
     def actor(self, request: Request) -> Actor:
         return Actor.for_token(request.auth)
@@ -395,14 +388,13 @@ def enqueue_items(
     2. Charge the token's enqueue budget for the valid items (429 for all, nothing created).
     3. enqueue_many: one statement for the batch, each item 201, 200, 404 or 409.
     """
-    size = request.META.get("CONTENT_LENGTH") or ""
-    body_size = int(size) if size.isdigit() else 2**62
+    size = body_size(request)
     now = database_now()
     answers: list[Any] = [None] * len(items)
     wanted: list[tuple[int, enqueue.Wanted]] = []
     for index, raw in enumerate(items):
         try:
-            item = parse(run_shape.EnqueueItem, raw, body_size=body_size)
+            item = parse(run_shape.EnqueueItem, raw, body_size=size)
             faults = item.time_problems(now)
             if faults:
                 raise ValidationError(faults)

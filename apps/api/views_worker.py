@@ -17,7 +17,7 @@ from apps.api.errors import Conflict
 from apps.api.fastpath import Call
 from apps.api.renderers import Rendered, render_json
 from apps.api.serializers import iso
-from apps.api.shapes import M, parse
+from apps.api.shapes import M, body_size, parse
 from apps.api.shapes import worker as shape
 from apps.audit.record import Actor, record_denied
 from apps.runs import leasing, store
@@ -50,10 +50,7 @@ class WorkerView(APIView):
 
     @staticmethod
     def body(call: Call, model: type[M]) -> M:
-        # The declared length (under DRF's dispatch the body has been read as a stream); a body
-        # of unknown length has its values measured.
-        size = call.request.META.get("CONTENT_LENGTH") or ""
-        return parse(model, call.data, body_size=int(size) if size.isdigit() else 2**62)
+        return parse(model, call.data, body_size=body_size(call.request))
 
     @staticmethod
     def team_ids(call: Call) -> list[int]:
