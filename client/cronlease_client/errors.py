@@ -118,8 +118,8 @@ class PayloadTooLarge(ApiError):
     """413: the payload, or the whole body, is over the scheduler's limit."""
 
 
-class RateLimited(ApiError):
-    """429: the token is over its rate; `retry_after` is the wait the scheduler asked for."""
+class _AsksToWait(ApiError):
+    """An answer that may say how long to wait before asking again (`Retry-After`)."""
 
     def __init__(
         self,
@@ -131,25 +131,18 @@ class RateLimited(ApiError):
     ) -> None:
         super().__init__(status, detail, problem=problem)
         self.retry_after = retry_after
+
+
+class RateLimited(_AsksToWait):
+    """429: the token is over its rate; `retry_after` is the wait the scheduler asked for."""
 
 
 class ServerError(ApiError):
     """5xx: the scheduler failed."""
 
 
-class Unavailable(ServerError):
+class Unavailable(_AsksToWait, ServerError):
     """503: the scheduler (or the database of the run's shard) is down for now."""
-
-    def __init__(
-        self,
-        status: int | None,
-        detail: str,
-        *,
-        problem: dict[str, Any] | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(status, detail, problem=problem)
-        self.retry_after = retry_after
 
 
 _BY_STATUS: dict[int, type[ApiError]] = {
