@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +171,7 @@ class Harness:
         self.tmp = tmp_path
         self.ledger = tmp_path / "ledger.sqlite3"
         self.procs: list[Proc] = []
+        self.last_available: datetime | None = None
         services.resume()
         self.db.conn.execute("TRUNCATE faults_lease_peak")
         self.sampler = LeaseSampler(services.database_url).start()
@@ -185,8 +186,13 @@ class Harness:
     def add_runs(
         self, definition: JobDefinition, payloads: list[dict[str, Any]], prefix: str = "r"
     ) -> list[int]:
-        """Insert one run per payload, claimable now, in this order (oldest first)."""
+        """Insert one run per payload, claimable now, in this order (oldest first), after
+        every run an earlier call added: two calls a few microseconds apart must not
+        interleave their runs' times."""
         start = db_now() - timedelta(seconds=1)
+        if self.last_available is not None:
+            start = max(start, self.last_available + timedelta(milliseconds=1))
+        self.last_available = start + timedelta(milliseconds=len(payloads) - 1)
         runs = [
             NewRun(
                 definition.pk,
