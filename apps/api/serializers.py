@@ -2,32 +2,19 @@
 
 from __future__ import annotations
 
-import functools
-from datetime import UTC, datetime
+from datetime import datetime
 
 from apps.api.shapes import jobs as job_shape
 from apps.api.shapes import runs as run_shape
 from apps.jobs.models import JobDefinition
 from apps.jobs.services import snapshot
 from apps.runs import limits, payloads
+from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import PRIORITY_NAMES, reported_state
 
 NAME_RE = limits.JOB_NAME_RE
 QUEUE_RE = limits.QUEUE_NAME_RE
-
-
-@functools.lru_cache(maxsize=4096)
-def iso(value: datetime | None) -> str | None:
-    """Render an instant in UTC with a Z, to the millisecond when it has a fraction.
-
-    Cached: the worker API formats two instants per run, and the leases of one claim share
-    their expiry (a hit costs a twentieth of formatting)."""
-    if value is None:
-        return None
-    value = value.astimezone(UTC)
-    spec = "milliseconds" if value.microsecond else "seconds"
-    return value.replace(tzinfo=None).isoformat(timespec=spec) + "Z"
 
 
 def definition_json(definition: JobDefinition) -> job_shape.DefinitionAnswer:
@@ -52,11 +39,11 @@ def definition_json(definition: JobDefinition) -> job_shape.DefinitionAnswer:
         owner=fields["owner"],
         runbookUrl=fields["runbookUrl"],
         team=definition.team.slug,
-        nextDueAt=iso(definition.next_due_at),
+        nextDueAt=format_utc(definition.next_due_at),
         shard=definition.shard,
         missedRunsNote=definition.missed_runs_note,
-        createdAt=iso(definition.created_at),
-        updatedAt=iso(definition.updated_at),
+        createdAt=format_utc(definition.created_at),
+        updatedAt=format_utc(definition.updated_at),
     )
 
 
@@ -70,20 +57,20 @@ def run_json(run, now: datetime) -> run_shape.Run:
         state=reported_state(run.state, run.available_at, now),
         attempt=run.attempt,
         maxAttempts=run.max_attempts,
-        dueAt=iso(run.due_at),
-        availableAt=iso(run.available_at),
+        dueAt=format_utc(run.due_at),
+        availableAt=format_utc(run.available_at),
         idempotencyKey=run.idempotency_key,
         fencingToken=run.fencing_token,
-        leaseExpiresAt=iso(run.lease_expires_at),
+        leaseExpiresAt=format_utc(run.lease_expires_at),
         workerId=run.worker_id or None,
         trigger=run.trigger,
         dryRun=run.dry_run,
         payload=payloads.load(run.payload, run.payload_key),
         result=run.result,
         lastError=run.last_error,
-        createdAt=iso(run.created_at),
-        startedAt=iso(run.started_at),
-        finishedAt=iso(run.finished_at),
+        createdAt=format_utc(run.created_at),
+        startedAt=format_utc(run.started_at),
+        finishedAt=format_utc(run.finished_at),
     )
 
 
@@ -103,9 +90,9 @@ def attempt_json(attempt) -> run_shape.Attempt:
         attempt=attempt.number,
         fencingToken=attempt.fencing_token,
         workerId=attempt.worker_id,
-        leasedAt=iso(attempt.leased_at),
-        lastHeartbeatAt=iso(attempt.last_heartbeat_at),
-        endedAt=iso(attempt.ended_at),
+        leasedAt=format_utc(attempt.leased_at),
+        lastHeartbeatAt=format_utc(attempt.last_heartbeat_at),
+        endedAt=format_utc(attempt.ended_at),
         outcome=attempt.outcome or None,
         error=error,
     )

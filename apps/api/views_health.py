@@ -7,6 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from apps.api.ops_access import ops_only
 from apps.ops.metrics import render
+from apps.runs.clock import format_utc
 
 # A scheduler node renews its row every tick; one silent this long is reported as stale.
 STALE_SCHEDULER_SECONDS = 30
@@ -50,7 +51,7 @@ def readyz(request: HttpRequest) -> JsonResponse:
     schedulers = [
         {
             "node": node,
-            "lastSeenAt": seen.isoformat().replace("+00:00", "Z"),
+            "lastSeenAt": format_utc(seen),
             "stale": age > STALE_SCHEDULER_SECONDS,
             "shards": shards,
         }

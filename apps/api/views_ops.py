@@ -3,8 +3,6 @@ backfill and alerts."""
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from drf_spectacular.utils import extend_schema
 from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
@@ -16,13 +14,7 @@ from apps.api.shapes import parse
 from apps.api.views_manage import ManageView
 from apps.jobs import alerts, backfill, diagnosis, queues, services
 from apps.runs import limits
-from apps.runs.clock import database_now
-
-
-def instant(value: datetime) -> str:
-    # To the microsecond, as these answers have always been written (serializers.iso, which
-    # the runs' answers use, stops at the millisecond).
-    return value.isoformat().replace("+00:00", "Z")
+from apps.runs.clock import database_now, format_utc
 
 
 def reason_json(reason: diagnosis.Reason) -> shape.Reason:
@@ -37,8 +29,8 @@ def queue_json(queue: queues.QueueView) -> shape.Queue:
         name=queue.name,
         paused=queue.paused,
         depth=queue.depth,
-        oldestReadyAt=instant(queue.oldest_ready_at) if queue.oldest_ready_at else None,
-        lastLeasedAt=instant(queue.last_leased_at) if queue.last_leased_at else None,
+        oldestReadyAt=format_utc(queue.oldest_ready_at),
+        lastLeasedAt=format_utc(queue.last_leased_at),
         lastWorkerId=queue.last_worker_id,
     )
 
@@ -62,7 +54,7 @@ def alert_json(alert: alerts.Alert) -> shape.Alert:
         kind=alert.kind,
         job=alert.definition.name,
         runId=alert.run_id,
-        dueAt=instant(alert.due_at),
+        dueAt=format_utc(alert.due_at),
         lateBySeconds=alert.late_by,
         sloSeconds=alert.definition.lateness_slo_seconds,
         owner=alert.definition.owner,

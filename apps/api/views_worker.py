@@ -16,11 +16,11 @@ from apps.api import schema as doc
 from apps.api.errors import Conflict
 from apps.api.fastpath import Call
 from apps.api.renderers import Rendered, render_json
-from apps.api.serializers import iso
 from apps.api.shapes import M, body_size, parse
 from apps.api.shapes import worker as shape
 from apps.audit.record import Actor, record_denied
 from apps.runs import leasing, store
+from apps.runs.clock import format_utc
 from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import PRIORITY_NAMES
 from apps.teams import access
@@ -82,12 +82,12 @@ def lease_json(lease: store.Lease) -> shape.Lease:
         attempt=lease.attempt,
         idempotencyKey=lease.idempotency_key,
         fencingToken=lease.fencing_token,
-        leaseExpiresAt=iso(lease.lease_expires_at),
+        leaseExpiresAt=format_utc(lease.lease_expires_at),
         payload=lease.payload,
         queue=lease.queue,
         priority=PRIORITY_NAMES[lease.priority],
         maxAttempts=lease.max_attempts,
-        dueAt=iso(lease.due_at),
+        dueAt=format_utc(lease.due_at),
         dryRun=lease.dry_run,
     )
 
@@ -170,7 +170,9 @@ class HeartbeatView(WorkerView):
             call, store.heartbeat([(pk, body.fencingToken)], team_ids=self.team_ids(call))
         )
         _single(outcome)
-        return shape.HeartbeatAnswer(runId=run_id, leaseExpiresAt=iso(outcome.lease_expires_at))
+        return shape.HeartbeatAnswer(
+            runId=run_id, leaseExpiresAt=format_utc(outcome.lease_expires_at)
+        )
 
 
 @extend_schema_view(
@@ -247,7 +249,7 @@ def _error(error: shape.ErrorBody) -> dict[str, str]:
 
 
 def _retry_at(outcome: store.Outcome) -> str | None:
-    return iso(outcome.available_at) if outcome.state == "retrying" else None
+    return format_utc(outcome.available_at) if outcome.state == "retrying" else None
 
 
 def _refused(run_id: str, outcome: store.Outcome | None) -> shape.ItemRefused:
@@ -296,7 +298,9 @@ class BatchHeartbeatsView(WorkerView):
             else:
                 answer.append(
                     shape.HeartbeatDone(
-                        runId=item.runId, status=200, leaseExpiresAt=iso(outcome.lease_expires_at)
+                        runId=item.runId,
+                        status=200,
+                        leaseExpiresAt=format_utc(outcome.lease_expires_at),
                     )
                 )
         return shape.HeartbeatBatchAnswer(leases=answer)

@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
+from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run
 
@@ -34,7 +35,7 @@ class Alert:
         slo = self.definition.lateness_slo_seconds
         if self.kind == "late":
             return f"{self.run_id} started {self.late_by:.1f} s after it was due (SLO {slo} s)."
-        return f"No successful run for the cron time {self.due_at.isoformat()}."
+        return f"No successful run for the cron time {format_utc(self.due_at)}."
 
     def as_json(self) -> dict[str, str]:
         """What the alerts page shows beside the alert's own fields: the words, whom to tell, and

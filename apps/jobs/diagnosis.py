@@ -9,6 +9,7 @@ from typing import Any
 from django.db import connection
 
 from apps.jobs.models import JobDefinition, Queue
+from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import PRIORITY_NAMES, WAITING_STATES, Run
 
@@ -23,10 +24,6 @@ class Reason:
     code: str
     message: str
     detail: dict[str, Any] = field(default_factory=dict)
-
-
-def _iso(value: datetime) -> str:
-    return value.isoformat().replace("+00:00", "Z")
 
 
 def _queue(definition: JobDefinition) -> Queue | None:
@@ -97,8 +94,8 @@ def _holds_of_definition(
             Reason(
                 "no_worker",
                 f"No worker has asked the queue {definition.queue} for work in the last minute"
-                + (f" (last at {_iso(last)})." if last else " (never)."),
-                {"lastLeasedAt": _iso(last) if last else None},
+                + (f" (last at {format_utc(last)})." if last else " (never)."),
+                {"lastLeasedAt": format_utc(last) if last else None},
             )
         )
     return reasons
@@ -110,8 +107,8 @@ def why_run(run: Run, now: datetime) -> list[Reason]:
         return [
             Reason(
                 "running",
-                f"Leased by {run.worker_id} until {_iso(run.lease_expires_at)} (attempt {run.attempt}).",
-                {"workerId": run.worker_id, "leaseExpiresAt": _iso(run.lease_expires_at)},
+                f"Leased by {run.worker_id} until {format_utc(run.lease_expires_at)} (attempt {run.attempt}).",
+                {"workerId": run.worker_id, "leaseExpiresAt": format_utc(run.lease_expires_at)},
             )
         ]
     if run.state not in WAITING_STATES:
@@ -128,7 +125,9 @@ def why_run(run: Run, now: datetime) -> list[Reason]:
         )
         reasons.append(
             Reason(
-                code, f"{what} until {_iso(run.available_at)}.", {"until": _iso(run.available_at)}
+                code,
+                f"{what} until {format_utc(run.available_at)}.",
+                {"until": format_utc(run.available_at)},
             )
         )
     reasons += _holds_of_definition(definition, _queue(definition), now)
@@ -167,8 +166,8 @@ def why_definition(definition: JobDefinition, now: datetime) -> list[Reason]:
         reasons.append(
             Reason(
                 "next_fire",
-                f"The next fire time is {_iso(definition.next_due_at)}.",
-                {"nextDueAt": _iso(definition.next_due_at)},
+                f"The next fire time is {format_utc(definition.next_due_at)}.",
+                {"nextDueAt": format_utc(definition.next_due_at)},
             )
         )
     return reasons

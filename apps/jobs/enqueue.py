@@ -22,7 +22,7 @@ from django.db import transaction
 from apps.audit.record import TARGETS_SHOWN, Actor, record, record_denied
 from apps.jobs.models import JobDefinition
 from apps.runs import payloads
-from apps.runs.clock import database_now
+from apps.runs.clock import database_now, format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run, Trigger
 from apps.runs.store import NewRun, insert_keyed
@@ -243,7 +243,7 @@ def _audit_created(actor: Actor, runs: list[Run], trigger: str) -> None:
             after = {
                 "job": first.definition.name,
                 "idempotencyKey": first.idempotency_key,
-                "dueAt": first.due_at.isoformat(),
+                "dueAt": format_utc(first.due_at),
             }
             target = first.run_id
         else:

@@ -21,6 +21,7 @@ from apps.jobs.cron import (
     shortest_gap,
 )
 from apps.jobs.firetimes import compile_in_zone, iter_fire_times, load_zone
+from apps.runs.clock import format_utc
 
 DEFAULT_TIME_ZONE = "UTC"
 DEFAULT_JITTER_SECONDS = 60
@@ -137,6 +138,9 @@ def _parse_one_off(value: object) -> OneOffSchedule:
         raise ScheduleError(
             {"schedule.runAt": f"'{value}' has no UTC offset; add one, e.g. Z or +01:00"}
         )
+    # Kept to the millisecond, the precision times are written in: the definition's JSON form
+    # then reads back as the same definition.
+    run_at = run_at.replace(microsecond=run_at.microsecond // 1000 * 1000)
     try:
         return OneOffSchedule(run_at=run_at.astimezone(UTC))
     except OverflowError:
@@ -212,11 +216,6 @@ def _parse_cron(raw: dict) -> CronSchedule:
     )
 
 
-def _format_instant(dt: datetime) -> str:
-    utc = dt.astimezone(UTC)
-    return utc.isoformat(timespec="microseconds" if utc.microsecond else "seconds")[:-6] + "Z"
-
-
 def schedule_to_json(schedule: Schedule) -> dict:
     """Return the canonical JSON form of a schedule, defaults included."""
     if isinstance(schedule, CronSchedule):
@@ -227,7 +226,7 @@ def schedule_to_json(schedule: Schedule) -> dict:
             "missedRunPolicy": schedule.missed_run_policy,
         }
     if isinstance(schedule, OneOffSchedule):
-        return {"runAt": _format_instant(schedule.run_at)}
+        return {"runAt": format_utc(schedule.run_at)}
     if isinstance(schedule, DelayedSchedule):
         return {"delaySeconds": schedule.delay_seconds}
     if isinstance(schedule, NoSchedule):
@@ -259,13 +258,6 @@ def idempotency_key(name: str, local: datetime | str) -> str:
 
     `local` may come already in ISO form (the materialiser formats a shared fire time once)."""
     return f"{name}@{local if isinstance(local, str) else local.isoformat()}"
-
-
-def format_utc(dt: datetime) -> str:
-    """Return an aware time as UTC ISO-8601 to the second, with a Z."""
-    if dt.utcoffset() is None:
-        raise ValueError("format_utc needs an aware datetime")
-    return dt.astimezone(UTC).isoformat(timespec="seconds")[:-6] + "Z"
 
 
 # --- preview --------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ import json
 import logging
 from datetime import UTC, datetime
 
+from apps.runs.clock import format_utc
+
 CONTEXT_FIELDS = (
     "run_id",
     "job",
@@ -31,9 +33,7 @@ CONTEXT_FIELDS = (
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = {
-            "ts": datetime.fromtimestamp(record.created, UTC)
-            .isoformat(timespec="milliseconds")
-            .replace("+00:00", "Z"),
+            "ts": format_utc(datetime.fromtimestamp(record.created, UTC)),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),

@@ -16,6 +16,7 @@ from django.db.models import QuerySet
 from django.utils.dateparse import parse_datetime
 
 from apps.runs import limits
+from apps.runs.clock import format_utc
 
 FIELDS = ("job", "queue", "since", "all")
 ISO_RULE = "Give an ISO 8601 time with an offset or Z."
@@ -46,7 +47,7 @@ class BulkFilter:
         if self.queue is not None:
             answer["queue"] = self.queue
         if self.since is not None:
-            answer["since"] = self.since.isoformat()
+            answer["since"] = format_utc(self.since)
         return answer
 
 

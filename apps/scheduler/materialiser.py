@@ -27,6 +27,7 @@ from django.db import DatabaseError, OperationalError, transaction
 
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
+from apps.runs.clock import format_utc
 from apps.runs.models import Trigger
 from apps.runs.store import NewRun, array_literal, insert_runs, server_cursor
 
@@ -179,9 +180,9 @@ def plan_cron(
         missed, more = _latest(schedule, start, cutoff - TINY, keep)
         if more and schedule.missed_run_policy == "run_all" and missed:
             note = (
-                f"Missed runs from {next_due_at.isoformat()} exceeded the cap of {keep}; "
+                f"Missed runs from {format_utc(next_due_at)} exceeded the cap of {keep}; "
                 f"only the latest {keep} (from {missed[0].local.isoformat()}) were inserted "
-                f"on {now.astimezone(UTC).isoformat(timespec='seconds')}."
+                f"on {format_utc(now.replace(microsecond=0))}."
             )
         slots.extend(_slot(f, Trigger.CATCH_UP) for f in missed)
     upcoming_after = max(start, cutoff - TINY)

@@ -14,7 +14,8 @@ import pytest
 from cronsim import CronSim
 
 from apps.jobs.firetimes import FireTime, fire_times_between, next_fire_times
-from apps.jobs.schedule import CronSchedule, format_utc
+from apps.jobs.schedule import CronSchedule
+from apps.runs.clock import format_utc
 
 MOVED = "{} does not exist on this day (DST); runs at the next valid time"
 FIRST_ONLY = "{} occurs twice on this day (DST); runs once, at the first occurrence"

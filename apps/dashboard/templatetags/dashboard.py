@@ -12,6 +12,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 
+from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import PRIORITY_NAMES
 from apps.teams import access
@@ -44,7 +45,7 @@ def utc(value: datetime | None) -> str:
 def iso(value: datetime | None) -> str:
     if value is None:
         return ""
-    return value.astimezone(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return format_utc(value)
 
 
 @register.simple_tag(takes_context=True)
