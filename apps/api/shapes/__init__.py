@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Any, TypeVar
 
+import typing_extensions
 from django.conf import settings
 from drf_spectacular.extensions import OpenApiSerializerExtension
 from drf_spectacular.plumbing import ResolvedComponent
@@ -185,8 +187,36 @@ class ShapeExtension(OpenApiSerializerExtension):
 
     def map_serializer(self, auto_schema, direction):
         schema, defs = schema_of(self.target)
+        classes = nested_shapes(self.target)
         for name, sub in defs.items():
+            # Registered under its class, as drf-spectacular registers a shape it meets itself:
+            # a shape that is an answer of its own and part of another (a Queue, a Run) is then
+            # one component reached both ways, not two of one name.
+            shape = classes.get(name, name)
             auto_schema.registry.register_on_missing(
-                ResolvedComponent(name=name, type=ResolvedComponent.SCHEMA, object=name, schema=sub)
+                ResolvedComponent(
+                    name=name, type=ResolvedComponent.SCHEMA, object=shape, schema=sub
+                )
             )
         return schema
+
+
+def nested_shapes(shape: Any, found: dict[str, type] | None = None) -> dict[str, type]:
+    """The models and TypedDicts a shape's fields hold, at any depth, by class name (the names
+    pydantic gives their sub-schemas)."""
+    found = {} if found is None else found
+    if isinstance(shape, type) and issubclass(shape, BaseModel):
+        hints = [field.annotation for field in shape.model_fields.values()]
+    elif typing_extensions.is_typeddict(shape):
+        hints = list(typing.get_type_hints(shape).values())
+    else:
+        hints = list(typing.get_args(shape))
+    for hint in hints:
+        if isinstance(hint, type) and (
+            issubclass(hint, BaseModel) or typing_extensions.is_typeddict(hint)
+        ):
+            if hint.__name__ in found:
+                continue
+            found[hint.__name__] = hint
+        nested_shapes(hint, found)
+    return found

@@ -10,7 +10,6 @@ from typing import Annotated, Any, Literal, NotRequired
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.validators import URLValidator
 from django.utils.dateparse import parse_datetime
-from drf_spectacular.drainage import set_override
 from pydantic import (
     AfterValidator,
     BeforeValidator,
@@ -436,16 +435,6 @@ class DefinitionAnswer(TypedDict):
 @typed_config(ANSWER)
 class DefinitionList(TypedDict):
     results: list[DefinitionAnswer]
-
-
-def answered_alone_and_nested(shape: type) -> type:
-    """An answer that is also part of another: the schema extension registers it once under
-    its class and once, from the other's sub-schemas, under its name; both are the same
-    schema, so drf-spectacular need not warn of two components of one name."""
-    return set_override(shape, "suppress_collision_warning", True)
-
-
-answered_alone_and_nested(DefinitionAnswer)
 
 
 @typed_config(ANSWER)

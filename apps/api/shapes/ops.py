@@ -6,7 +6,6 @@ from datetime import datetime
 from typing import Annotated, Any, Literal, NotRequired
 
 from django.utils.dateparse import parse_datetime
-from drf_spectacular.drainage import set_override
 from pydantic import Field, PlainValidator, WithJsonSchema
 from pydantic import with_config as typed_config
 from typing_extensions import TypedDict  # pydantic reads only this one on Python 3.11
@@ -94,11 +93,6 @@ class Queue(TypedDict):
     oldestReadyAt: Instant | None
     lastLeasedAt: Instant | None
     lastWorkerId: str
-
-
-# A Queue is an answer of its own (pause, resume) and an item of QueueList, whose schema brings
-# it along as a sub-schema of the same name: one component, reached both ways.
-set_override(Queue, "suppress_collision_warning", True)
 
 
 @typed_config(ANSWER)

@@ -15,7 +15,6 @@ from apps.api.shapes.jobs import (
     AwareTime,
     Checked,
     PriorityEnum,
-    answered_alone_and_nested,
     errors_within,
     no_default,
 )
@@ -182,9 +181,6 @@ class Run(TypedDict):
     createdAt: Instant
     startedAt: Instant | None
     finishedAt: Instant | None
-
-
-answered_alone_and_nested(Run)
 
 
 @typed_config(ANSWER)
