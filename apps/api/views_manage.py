@@ -524,10 +524,6 @@ def preview_json(times: list[dict[str, str]]) -> job_shape.Preview:
 # --- runs ---------------------------------------------------------------------------------
 
 
-# `state` of the query string: the stored states each reported state is read from.
-STATE_BRANCHES = {**runlist.REPORTED_TO_STORED, State.READY: runlist.READY_BY_CLOCK}
-
-
 def run_filter(
     team_ids: list[int], params: Any, branches: list[runlist.Branch]
 ) -> runlist.RunFilter:
@@ -537,7 +533,7 @@ def run_filter(
     if state:
         if state not in State.values:
             raise ValidationError({"state": [f"One of {', '.join(State.values)}."]})
-        branches = STATE_BRANCHES[state]
+        branches = runlist.REPORTED_TO_STORED[state]
     for key in ("job", "queue"):
         # PostgreSQL text cannot hold NUL: no job or queue has one in its name.
         if "\x00" in str(params.get(key) or ""):

@@ -13,7 +13,7 @@ from datetime import datetime
 from django.db.models import Q
 
 from apps.jobs.models import JobDefinition
-from apps.runs.models import WAITING_STATES, Run, State, reported_state
+from apps.runs.models import Run, State, reported_state
 
 PAGE_SIZE = 50
 
@@ -31,10 +31,6 @@ REPORTED_TO_STORED: dict[str, list[Branch]] = {
     State.DEAD: [(State.DEAD, None)],
     State.CANCELLED: [(State.CANCELLED, None)],
 }
-# `ready` asking the clock of runs stored as ready too, as the API's `state=ready` does (they
-# are made ready with available_at = now(): only one made ready after the request read its
-# clock is left out).
-READY_BY_CLOCK: list[Branch] = [(state, "due") for state in WAITING_STATES]
 ALL_STORED: list[Branch] = [(state.value, None) for state in State]
 # The failures page: runs that failed and have not (yet) succeeded, whatever their backoff says.
 FAILED_STORED: list[Branch] = [(State.RETRYING.value, None), (State.DEAD.value, None)]

@@ -6,6 +6,7 @@ import pytest
 
 from apps.audit.models import AuditEvent
 from apps.jobs.models import JobDefinition
+from apps.runs.ids import public_run_id
 from apps.runs.models import Run
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -161,6 +162,34 @@ def test_runs_list_filters_and_pages(api_a, team_a):
     assert api_a.get("/api/v1/runs", params={"state": "succeeded"}).json()["results"] == []
     detail = api_a.get(f"/api/v1/runs/{ids[0]}").json()
     assert detail["runId"] == ids[0] and detail["attempts"] == []
+
+
+def test_state_ready_lists_what_the_answers_show_as_ready(api_a, team_a):
+    """A run made ready (requeue, retry now) gets available_at = now() of its own transaction,
+    which may come after the list's clock: the list still shows it, as `ready`."""
+    from django.db import connection
+
+    from tests.conftest import add_ready_runs, make_definition
+
+    definition = make_definition(team_a, "ready.now", queue="rq")
+    due, just_made_ready, later = add_ready_runs(definition, 3)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE runs_run SET state = 'ready', available_at = now() + interval '2 seconds'"
+            " WHERE id = %s",
+            [just_made_ready],
+        )
+        cursor.execute(
+            "UPDATE runs_run SET available_at = now() + interval '1 hour' WHERE id = %s", [later]
+        )
+    listed = api_a.get("/api/v1/runs", params={"job": "ready.now", "state": "ready"}).json()
+    assert {run["runId"] for run in listed["results"]} == {
+        public_run_id(due),
+        public_run_id(just_made_ready),
+    }
+    assert {run["state"] for run in listed["results"]} == {"ready"}
+    scheduled = api_a.get("/api/v1/runs", params={"job": "ready.now", "state": "scheduled"})
+    assert [run["runId"] for run in scheduled.json()["results"]] == [public_run_id(later)]
 
 
 def test_preview_of_a_saved_job(api_a):
