@@ -389,15 +389,17 @@ def enqueue_items(
     3. enqueue_many: one statement for the batch, each item 201, 200, 404 or 409.
     """
     size = body_size(request)
-    now = database_now()
+    now: datetime | None = None  # read only for an item with runAt; else with the definitions
     answers: list[Any] = [None] * len(items)
     wanted: list[tuple[int, enqueue.Wanted]] = []
     for index, raw in enumerate(items):
         try:
             item = parse(run_shape.EnqueueItem, raw, body_size=size)
-            faults = item.time_problems(now)
-            if faults:
-                raise ValidationError(faults)
+            if item.runAt is not None:
+                now = now or database_now()
+                faults = item.time_problems(now)
+                if faults:
+                    raise ValidationError(faults)
         except (ValidationError, PayloadTooLarge) as exc:
             answers[index] = refused_item(exc)
             continue
@@ -415,14 +417,15 @@ def enqueue_items(
             )
         )
     charge_enqueue(request.auth, len(wanted))
-    results = enqueue.enqueue_many(
-        view.team_ids(request), [w for _, w in wanted], view.actor(request)
+    # One clock for the request: what the items were checked against is what their delays
+    # count from, and a run due now is shown ready.
+    batch = enqueue.enqueue_many(
+        view.team_ids(request), [w for _, w in wanted], view.actor(request), now=now
     )
-    shown_at = database_now() if results else now  # a run due now is shown ready
-    for (index, _), result in zip(wanted, results, strict=True):
+    for (index, _), result in zip(wanted, batch.answers, strict=True):
         if result.status in (200, 201):
             answers[index] = run_shape.EnqueueDone(
-                status=result.status, run=run_json(result.run, shown_at)
+                status=result.status, run=run_json(result.run, batch.now)
             )
         else:
             code = "idempotency-conflict" if result.status == 409 else None

@@ -18,11 +18,12 @@ from typing import Any
 
 import orjson
 from django.db import transaction
+from django.db.models.functions import Now
 
 from apps.audit.record import TARGETS_SHOWN, Actor, record, record_denied
 from apps.jobs.models import JobDefinition
 from apps.runs import payloads
-from apps.runs.clock import database_now, format_utc
+from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run, Trigger
 from apps.runs.store import NewRun, insert_keyed
@@ -84,28 +85,43 @@ class Enqueued:
     fields: tuple[str, ...] = ()  # for a 409: the payload's top-level fields that differ
 
 
+@dataclass(frozen=True)
+class Batch:
+    """A batch's answers, in order, and the database clock its delays counted from (None when
+    no item named a job of the caller's teams)."""
+
+    answers: list[Enqueued]
+    now: datetime | None
+
+
 def enqueue_many(
     team_ids: Sequence[int],
     items: Sequence[Wanted],
     actor: Actor,
     *,
     trigger: str = Trigger.API,
-) -> list[Enqueued]:
-    """Create the runs asked for, in one statement; answer each item in order.
+    now: datetime | None = None,
+) -> Batch:
+    """Create the runs asked for, in one statement; answer each item in order. Delays count
+    from `now`, the database's clock as the caller read it (read with the definitions when not
+    given).
 
     1. Find the items' definitions by name (one query); a job not of `team_ids` is a 404 for its
        items (another team's is audited once per team, as a denial).
     2. Insert every run at once; the new ones are audited (one event per job).
     3. Read the runs the others' keys name (one query), and compare payloads.
     """
+    # The clock comes with the definitions: a request of one run is then two round trips and
+    # one transaction (the lookup, and the insert with its audit event).
     definitions = {
         d.name: d
-        for d in JobDefinition.objects.select_related("team").filter(
-            name__in={item.job for item in items}
-        )
+        for d in JobDefinition.objects.select_related("team")
+        .annotate(database_now=Now())
+        .filter(name__in={item.job for item in items})
     }
     foreign: dict[Any, list[str]] = {}
-    now = database_now()
+    if now is None and definitions:
+        now = next(iter(definitions.values())).database_now
     wanted: list[tuple[Wanted, NewRun] | None] = []
     for item in items:
         definition = definitions.get(item.job)
@@ -141,7 +157,7 @@ def enqueue_many(
         else:
             answers.append(_existing(runs[name], item.payload))
         seen.add(name)
-    return answers
+    return Batch(answers, now)
 
 
 @dataclass
@@ -268,7 +284,7 @@ def create_run(
 ) -> Created:
     """Create one delayed, one-off or immediate run: a batch of one (enqueue_many)."""
     wanted = Wanted(definition.name, idempotency_key, delay_seconds, run_at, payload)
-    (answer,) = enqueue_many([definition.team_id], [wanted], actor, trigger=trigger)
+    (answer,) = enqueue_many([definition.team_id], [wanted], actor, trigger=trigger).answers
     if answer.status == 409:
         raise IdempotencyConflict(answer.run, list(answer.fields))
     return Created(answer.run, answer.status == 201)
