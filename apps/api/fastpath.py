@@ -1,6 +1,6 @@
-"""The worker endpoints' own dispatch: DRF's checks, in DRF's order, without its objects.
+"""The hot endpoints' own dispatch: DRF's checks, in DRF's order, without its objects.
 
-Workers call these endpoints thousands of times a second. DRF's dispatch (a Request wrapper,
+Workers call their endpoints thousands of times a second, and applications the bulk enqueue. DRF's dispatch (a Request wrapper,
 content negotiation, a Response and its renderer around authentication and throttling) cost
 0.1–0.2 CPU-ms of every call (bench/README.md, "Where the time goes", item 14). A call that is
 not a plain JSON POST (another method, body type or Accept header) goes through DRF's
@@ -30,17 +30,21 @@ JSON_ACCEPTS = frozenset({"", "*/*", "application/json"})
 
 @dataclass
 class Call:
-    """A worker endpoint's request, whichever path dispatched it."""
+    """A hot endpoint's request, whichever path dispatched it."""
 
     request: HttpRequest
     user: TokenUser
     token: ApiToken
     data: Any = None
 
+    # The throttles and the enqueue path read these where DRF's Request keeps them.
     @property
     def auth(self) -> ApiToken:
-        # The throttles read the token where DRF's Request keeps it.
         return self.token
+
+    @property
+    def method(self) -> str:
+        return self.request.method or ""
 
 
 def takes(request: HttpRequest) -> bool:

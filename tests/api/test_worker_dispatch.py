@@ -165,3 +165,39 @@ def test_other_methods_and_types_are_left_to_drf(api_a, drf_dispatches):
         == 406
     )
     assert drf_dispatches == ["/api/v1/leases"] * 3
+
+
+# --- the bulk enqueue takes the same fast path --------------------------------------------
+
+
+def test_enqueue_answers_agree_both_ways(api_a, team_a, drf_dispatches):
+    make_definition(team_a, "parity.enqueue", queue="q")
+    body = (
+        b'{"runs": [{"job": "parity.enqueue", "idempotencyKey": "k-1", "delaySeconds": 60},'
+        b' {"job": "no.such-job"}, {"job": "parity.enqueue", "delaySeconds": -1}]}'
+    )
+    # The first call creates k-1; then both ways answer it as the run that key names.
+    assert api_a.http.post("/api/v1/runs", content=body, headers=FAST).status_code == 200
+    drf_dispatches.clear()
+    answer = both_ways(api_a, "/api/v1/runs", body, drf_dispatches)
+    assert [item["status"] for item in answer["body"]["runs"]] == [200, 404, 400]
+    assert answer["headers"]["allow"] == "GET, POST, HEAD, OPTIONS"
+
+
+def test_enqueue_refusals_agree_both_ways(api_a, team_a, drf_dispatches, settings):
+    make_definition(team_a, "parity.enqueue", queue="q")
+    worker_only = ApiToken.issue(team_a, ["worker"])[1]
+    one = b'{"runs": [{"job": "parity.enqueue", "delaySeconds": 60}]}'
+    scope = both_ways(
+        api_a, "/api/v1/runs", one, drf_dispatches, Authorization=f"Bearer {worker_only}"
+    )
+    assert scope["status"] == 403
+    assert both_ways(api_a, "/api/v1/runs", b'{"runs": "no"}', drf_dispatches)["status"] == 400
+    cache.clear()
+    settings.SCHEDULER_API_RATES = {**settings.SCHEDULER_API_RATES, "enqueue": "1/min"}
+    assert api_a.http.post("/api/v1/runs", content=one, headers=FAST).status_code == 200
+    drf_dispatches.clear()
+    throttled = both_ways(api_a, "/api/v1/runs", one, drf_dispatches)
+    assert throttled["status"] == 429
+    assert int(throttled["headers"]["retry-after"]) > 0
+    cache.clear()
