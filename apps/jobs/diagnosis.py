@@ -95,7 +95,7 @@ def _holds_of_definition(
                 "no_worker",
                 f"No worker has asked the queue {definition.queue} for work in the last minute"
                 + (f" (last at {format_utc(last)})." if last else " (never)."),
-                {"lastLeasedAt": format_utc(last) if last else None},
+                {"lastLeasedAt": format_utc(last)},
             )
         )
     return reasons
