@@ -64,7 +64,7 @@ def pyspy_command(out: Path) -> list[str]:
     waiting on I/O are kept (py-spy's default drops idle threads). py-spy starts the process
     itself: this machine's Python is built so that py-spy cannot attach to a running one."""
     exe = shutil.which("py-spy") or str(Path(PYTHON).parent / "py-spy")
-    return [exe, "record", "--format", "raw", "--rate", "250", "--nonblocking", "--gil", "-o", str(out)]
+    return [exe, "record", "--format", "raw", "--rate", "250", "--nonblocking", "-o", str(out)]
 
 
 def pyspy(args: list[str], out: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -78,7 +78,12 @@ def test_one_delayed_run_is_three_statements(team_a, jobs, django_assert_num_que
         batch = enqueue_many(
             [team_a.pk], [Wanted("billing.send-invoice", "one", delay_seconds=60)], Actor.system()
         )
-    (answer,) = batch.answers
+        (answer,) = batch.answers
+        # What the run's answer reads was loaded with the lookup: no query per run.
+        assert (answer.run.definition.name, answer.run.team.slug) == (
+            "billing.send-invoice",
+            team_a.slug,
+        )
     assert answer.status == 201
     assert timedelta(seconds=59) < answer.run.due_at - batch.now <= timedelta(seconds=60)
 
