@@ -7,7 +7,6 @@ from typing import Any
 
 from django.db import IntegrityError
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse
 from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import status
@@ -16,10 +15,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from apps.api import fastpath
 from apps.api import schema as doc
 from apps.api.errors import Conflict, PayloadTooLarge, flatten_errors, problem
-from apps.api.fastpath import Call
+from apps.api.fastpath import Call, FastPathView
 from apps.api.serializers import definition_json, run_detail_json, run_json
 from apps.api.shapes import M, body_size, parse
 from apps.api.shapes import jobs as job_shape
@@ -588,20 +586,14 @@ def team_runs(view: ManageView, request: Request) -> QuerySet:
     )
 
 
-class RunsView(ManageView):
+class RunsView(FastPathView, ManageView):
     """The run list (DRF's dispatch) and the bulk enqueue, whose plain JSON POSTs take the
     workers' fast path (apps/api/fastpath.py): an application enqueueing one run a request
     pays for the enqueue, not for DRF's objects."""
 
     enqueue_methods = ("POST",)
 
-    def dispatch(self, request: HttpRequest, *args, **kwargs) -> HttpResponse:
-        if fastpath.takes(request):
-            self.args, self.kwargs, self.request = args, kwargs, request
-            return fastpath.dispatch(self, request, self.enqueue)
-        return super().dispatch(request, *args, **kwargs)
-
-    def enqueue(self, call: Call) -> run_shape.EnqueueAnswer:
+    def answer(self, call: Call) -> run_shape.EnqueueAnswer:
         size = body_size(call.request)
         body = parse(run_shape.EnqueueBatch, call.data, body_size=size)
         return run_shape.EnqueueAnswer(runs=enqueue_items(self, call, body.runs, size))
@@ -637,8 +629,7 @@ class RunsView(ManageView):
         responses=doc.responses({200: run_shape.EnqueueAnswer}, *doc.BODY_PROBLEMS),
     )
     def post(self, request: Request) -> Response:
-        call = Call(request._request, request.user, request.auth, request.data)
-        return Response(self.enqueue(call))
+        return Response(self.answer(Call.of(request)))
 
 
 class RunDetailView(ManageView):

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.http import HttpRequest, HttpResponse
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from apps.api import fastpath
 from apps.api import schema as doc
 from apps.api.errors import Conflict
-from apps.api.fastpath import Call
+from apps.api.fastpath import Call, FastPathView
 from apps.api.renderers import Rendered, render_json
 from apps.api.shapes import M, body_size, parse
 from apps.api.shapes import worker as shape
@@ -27,7 +25,7 @@ from apps.teams import access
 from apps.teams.models import Team
 
 
-class WorkerView(APIView):
+class WorkerView(FastPathView, APIView):
     """A worker endpoint: `answer` turns a call into the answer's JSON object.
 
     Plain JSON POSTs, the workers' calls, take the fast path (apps/api/fastpath.py); anything
@@ -35,18 +33,8 @@ class WorkerView(APIView):
 
     required_scope = "worker"
 
-    def dispatch(self, request: HttpRequest, *args, **kwargs) -> HttpResponse:
-        if fastpath.takes(request):
-            self.args, self.kwargs, self.request = args, kwargs, request
-            return fastpath.dispatch(self, request, lambda call: self.answer(call, **kwargs))
-        return super().dispatch(request, *args, **kwargs)
-
     def post(self, request: Request, **kwargs) -> Response:
-        call = Call(request._request, request.user, request.auth, request.data)
-        return Response(self.answer(call, **kwargs))
-
-    def answer(self, call: Call, **kwargs) -> dict:
-        raise NotImplementedError
+        return Response(self.answer(Call.of(request), **kwargs))
 
     @staticmethod
     def body(call: Call, model: type[M]) -> M:
