@@ -60,6 +60,7 @@ def run_json(run, now: datetime) -> run_shape.Run:
         dueAt=format_utc(run.due_at),
         availableAt=format_utc(run.available_at),
         idempotencyKey=run.idempotency_key,
+        concurrencyKey=run.concurrency_key,
         fencingToken=run.fencing_token,
         leaseExpiresAt=format_utc(run.lease_expires_at),
         workerId=run.worker_id or None,

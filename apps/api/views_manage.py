@@ -413,6 +413,7 @@ def enqueue_items(
                     item.runAt,
                     item.payload,
                     PRIORITIES[item.priority] if item.priority else None,
+                    item.concurrencyKey,
                 ),
             )
         )

@@ -73,6 +73,7 @@ class Wanted:
     run_at: datetime | None = None
     payload: Any = None  # None: the definition's payload
     priority: int | None = None  # None: the definition's priority
+    concurrency_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,10 @@ def enqueue_many(
             continue
         due = item.run_at or now + timedelta(seconds=item.delay_seconds or 0)
         key = item.idempotency_key or f"{definition.name}@{trigger}-{uuid.uuid4().hex}"
-        new = NewRun(definition.pk, trigger, due, due, key, item.payload, item.priority)
+        new = NewRun(
+            definition.pk, trigger, due, due, key, item.payload, item.priority,
+            item.concurrency_key,
+        )
         wanted.append((item, new))
     for team, names in foreign.items():
         record_denied(actor, "enqueue", team=team, target_type="job", target=names)
@@ -180,6 +184,7 @@ class CreatedRun:
     attempt: int
     max_attempts: int
     idempotency_key: str
+    concurrency_key: str | None
     dry_run: bool
     payload: Any
     payload_key: str
@@ -219,6 +224,7 @@ def _new_run(row: dict[str, Any], definition: JobDefinition) -> CreatedRun:
         attempt=row["attempt"],
         max_attempts=row["max_attempts"],
         idempotency_key=row["idempotency_key"],
+        concurrency_key=row["concurrency_key"],
         dry_run=row["dry_run"],
         payload=None if payload is None else orjson.loads(payload),
         payload_key=row["payload_key"],

@@ -69,6 +69,10 @@ class Run(models.Model):
     attempt = models.PositiveIntegerField(default=0)
     max_attempts = models.PositiveIntegerField()
     idempotency_key = models.CharField(max_length=300)
+    # The caller's grouping of runs for per-key limits ("one export per customer"). NULL, not
+    # '', when the run has none: the API refuses an empty key, and an index of keyed runs can
+    # then be partial (WHERE concurrency_key IS NOT NULL).
+    concurrency_key = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
     fencing_token = models.BigIntegerField(null=True, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     # The hard deadline of the current attempt: leased at + timeoutSeconds. Heartbeats never pass it.

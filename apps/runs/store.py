@@ -92,16 +92,18 @@ def notify_ready(queues: Iterable[str]) -> None:
 _INSERT_RUNS = """
 INSERT INTO runs_run (
     definition_id, team_id, queue, priority, shard, state, trigger, due_at, available_at,
-    attempt, max_attempts, idempotency_key, lease_seconds, worker_id, dry_run, payload,
-    payload_key, created_at
+    attempt, max_attempts, idempotency_key, concurrency_key, lease_seconds, worker_id, dry_run,
+    payload, payload_key, created_at
 )
 SELECT i.definition_id, d.team_id, d.queue, coalesce(i.priority, d.priority), d.shard, 'scheduled', i.trigger, i.due_at,
-       i.available_at, 0, d.retry_max_attempts, i.idempotency_key, 60, '', d.dry_run,
+       i.available_at, 0, d.retry_max_attempts, i.idempotency_key, i.concurrency_key, 60, '',
+       d.dry_run,
        CASE WHEN i.own THEN i.payload ELSE d.payload END,
        CASE WHEN i.own THEN i.payload_key ELSE d.payload_key END, now()
 FROM json_to_recordset(%(rows)s::json)
      AS i(definition_id bigint, trigger text, due_at timestamptz, available_at timestamptz,
-          idempotency_key text, own boolean, payload jsonb, payload_key text, priority smallint)
+          idempotency_key text, concurrency_key text, own boolean, payload jsonb,
+          payload_key text, priority smallint)
 JOIN jobs_jobdefinition d ON d.id = i.definition_id
 -- Repeating the ids as a filter lets the planner probe the definitions' primary key instead of
 -- walking the whole index.
@@ -119,7 +121,7 @@ INSERT_RUNS = _INSERT_RUNS.format(more="")
 INSERT_RUNS_RETURNING_ROWS = _INSERT_RUNS.format(
     more=(
         ", team_id, priority, state, trigger, due_at, available_at, attempt, max_attempts,"
-        " dry_run, payload::text AS payload, payload_key, created_at"
+        " dry_run, payload::text AS payload, payload_key, concurrency_key, created_at"
     )
 )
 
@@ -133,6 +135,7 @@ class NewRun:
     idempotency_key: str
     payload: Any = None  # None: the definition's payload
     priority: int | None = None  # None: the definition's priority
+    concurrency_key: str | None = None
 
 
 def insert_runs(runs: Sequence[NewRun]) -> list[int]:
@@ -174,6 +177,7 @@ def insert_keyed(runs: Sequence[NewRun], *, full: bool = False) -> dict[tuple[in
                 "due_at": text(run.due_at),
                 "available_at": text(run.available_at),
                 "idempotency_key": run.idempotency_key,
+                "concurrency_key": run.concurrency_key,
                 "own": run.payload is not None,
                 "payload": inline,
                 "payload_key": key,

@@ -68,6 +68,36 @@ def test_the_single_create_is_a_batch_of_one(api_a, jobs):
     assert api_a.post("/api/v1/jobs/billing.remind/runs", {"job": "x"}).status_code == 400
 
 
+def test_a_runs_concurrency_key_and_priority_are_kept_and_shown_by_both_endpoints(api_a, jobs):
+    bulk = api_a.post(
+        "/api/v1/runs",
+        {"runs": [
+            {"job": "billing.remind", "idempotencyKey": "a", "concurrencyKey": "customer-42"},
+            {"job": "billing.remind", "idempotencyKey": "b"},
+            {"job": "billing.remind", "idempotencyKey": "c", "concurrencyKey": ""},
+            {"job": "billing.remind", "idempotencyKey": "d", "concurrencyKey": "k" * 201},
+            {"job": "billing.remind", "idempotencyKey": "e", "concurrencyKey": 42},
+        ]},
+    ).json()["runs"]  # fmt: skip
+    assert [item["status"] for item in bulk] == [201, 201, 400, 400, 400]
+    assert [bulk[0]["run"]["concurrencyKey"], bulk[1]["run"]["concurrencyKey"]] == [
+        "customer-42",
+        None,
+    ]
+    assert all("concurrencyKey" in refused["errors"] for refused in bulk[2:])
+    single = api_a.post(
+        "/api/v1/jobs/billing.remind/runs",
+        {"idempotencyKey": "f", "concurrencyKey": "customer-7", "priority": "bulk"},
+    )
+    assert single.status_code == 201, single.text
+    assert (single.json()["concurrencyKey"], single.json()["priority"]) == ("customer-7", "bulk")
+    run = Run.objects.get(idempotency_key="f")
+    assert run.concurrency_key == "customer-7"
+    shown = api_a.get(f"/api/v1/runs/{single.json()['runId']}").json()
+    assert shown["concurrencyKey"] == "customer-7"
+    assert Run.objects.filter(idempotency_key__in=["c", "d", "e"]).count() == 0
+
+
 @pytest.mark.parametrize(
     "body",
     [{}, {"runs": []}, {"runs": {}}, {"runs": [1] * 1001}, {"runs": [{"job": "a"}], "extra": 1}],

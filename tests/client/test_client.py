@@ -85,6 +85,7 @@ def test_enqueue_creates_a_delayed_run_and_the_same_key_answers_it_again(produce
         payload={"order": 991},
         delay=timedelta(minutes=5),
         idempotency_key="order-991",
+        concurrency_key="customer-7",
     )
 
     assert isinstance(run, Run)
@@ -92,6 +93,7 @@ def test_enqueue_creates_a_delayed_run_and_the_same_key_answers_it_again(produce
     assert run.queue == "shop"
     assert run.state == "scheduled"
     assert run.idempotency_key == "order-991"
+    assert run.concurrency_key == "customer-7"
     assert run.payload == {"order": 991}
     assert run.trigger == "api"
     assert run.raw["runId"] == run.run_id

@@ -37,6 +37,10 @@ class CreateRun(Body):
     delaySeconds: int | None = Field(None, ge=0, le=366 * 86400)
     runAt: AwareTime = Field(None, description="With an offset or Z.")
     payload: Any = Field(None, description="Any JSON value; over the payload cap it is a 413.")
+    priority: PriorityEnum | None = Field(None, description="Default: the job's priority.")
+    concurrencyKey: Annotated[str, Field(min_length=1, max_length=200), Checked] | None = Field(
+        None, description="Groups runs for per-key limits, e.g. `customer-42`."
+    )
 
     _payload = field_validator("payload")(json_value)
 
@@ -56,7 +60,6 @@ class EnqueueItem(CreateRun):
     """One run to create: of which job (of the caller's team), under which key, when."""
 
     job: JobName
-    priority: PriorityEnum | None = Field(None, description="Default: the job's priority.")
 
     def problems(self) -> dict[str, list[str]]:
         # The time window is checked by the batch, against one reading of the clock.
@@ -170,6 +173,7 @@ class Run(TypedDict):
     dueAt: Annotated[Instant, Field(description="The nominal time.")]
     availableAt: Annotated[Instant, Field(description="When it may be claimed.")]
     idempotencyKey: str
+    concurrencyKey: str | None
     fencingToken: int | None
     leaseExpiresAt: Instant | None
     workerId: str | None
