@@ -157,8 +157,26 @@ class System:
             args, env = self.worker_args(batch, run_dir)
             self.procs.start("worker", args, env, run_dir.logs("workers"))
 
+    def peer_env(self) -> dict[str, str]:
+        """The environment of the system's producer process."""
+        return common.django_env(self.project.url)
+
+    def enqueuer_target(self) -> list[str]:
+        """The system's arguments of bench.workers.enqueuer."""
+        return [self.name]
+
     def producer_args(self, run_dir: RunDir, **kwargs: Any) -> list[str] | None:
-        return None
+        """A producer process: with `enqueue=True` an application creating runs through the
+        system's own producer API (bench.workers.enqueuer); otherwise the peers' timed producer
+        (the product's timed runs are inserted by the bench itself)."""
+        if not kwargs.pop("enqueue", False):
+            return None
+        args = [PYTHON, "-m", "bench.workers.enqueuer", *self.enqueuer_target(),
+                "--go", str(run_dir.go)]
+        for key, value in kwargs.items():
+            flag = "--" + key.replace("_", "-")
+            args += [flag] if value is True else [flag, str(value)]
+        return args
 
     def completed(self) -> tuple[int, float]:
         """(runs completed so far, epoch time of the last completion), as the system records it."""
@@ -218,6 +236,9 @@ class RestSystem(System):
         with concurrent.futures.ThreadPoolExecutor(8 * self.web_workers) as pool:
             list(pool.map(lambda _: httpx.get(f"{self.base_url}/readyz", timeout=30),
                           range(8 * self.web_workers)))
+
+    def enqueuer_target(self) -> list[str]:
+        return ["rest", "--url", self.base_url, "--token", self.project.token]
 
     def worker_args(self, batch: int, run_dir: RunDir) -> tuple[list[str], dict[str, str]]:
         return (
@@ -301,6 +322,8 @@ class PeerSystem(System):
             self.load(missing)
 
     def producer_args(self, run_dir: RunDir, **kwargs: Any) -> list[str]:
+        if kwargs.get("enqueue"):
+            return super().producer_args(run_dir, **kwargs)
         args = [PYTHON, "-m", "bench.workers.producer", self.name, "--go", str(run_dir.go)]
         for key, value in kwargs.items():
             flag = "--" + key.replace("_", "-")

@@ -1,6 +1,7 @@
 """ASGI entry point: HTTP (API and dashboard) and the dashboard's live-update WebSocket."""
 
 import asyncio
+import gc
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,7 @@ from django.core import signals
 from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.http import FileResponse, HttpResponse
-from django.urls import set_script_prefix
+from django.urls import get_resolver, set_script_prefix
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "scheduler_site.settings")
 if not settings.configured:
@@ -130,6 +131,23 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from apps.dashboard.routing import websocket_urlpatterns  # noqa: E402
+
+
+def _settle_garbage_collector() -> None:
+    """Load every view now, then leave what the process has built out of the collector's
+    passes, and let more objects be made between them.
+
+    What is loaded at start lives as long as the process: frozen, it is no longer walked on
+    every pass. With the first generation at 50 000 objects instead of 700, a request's
+    short-lived objects (a batch's dicts and datetimes) mostly die before a pass finds them. A
+    POST /api/v1/runs of 1 000 runs, in-process: 130 → 95 ms of CPU."""
+    get_resolver().url_patterns  # noqa: B018 - imports the views and all they use
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
+_settle_garbage_collector()
 
 application = ProtocolTypeRouter(
     {

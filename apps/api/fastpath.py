@@ -10,7 +10,7 @@ dispatch, which answers it as it always has.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse
@@ -36,6 +36,8 @@ class Call:
     user: TokenUser
     token: ApiToken
     data: Any = None
+    # Headers of the answer that the view adds (e.g. `Preference-Applied`).
+    headers: dict[str, str] = field(default_factory=dict)
 
     # The throttles and the enqueue path read these where DRF's Request keeps them.
     @property
@@ -96,8 +98,9 @@ def dispatch(view: APIView, request: HttpRequest, answer: Callable[[Call], dict]
         body = request.body
         # DRF reads an empty body as an empty object, whatever its type.
         call.data = parse_json(body) if body else {}
+        data = answer(call)
         return HttpResponse(
-            render_json(answer(call)), content_type="application/json", headers=headers
+            render_json(data), content_type="application/json", headers=headers | call.headers
         )
     except Exception as exc:
         if isinstance(exc, exceptions.NotAuthenticated | exceptions.AuthenticationFailed):

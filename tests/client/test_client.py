@@ -187,6 +187,29 @@ def test_enqueue_many_answers_every_item_in_order_across_batches(
     producer.close()
 
 
+def test_enqueue_many_can_ask_for_run_ids_alone(producer, team_a, wire):
+    make_definition(team_a, "shop.send-receipt", queue="shop")
+    producer.enqueue("shop.send-receipt", idempotency_key="order-1")
+
+    results = producer.enqueue_many(
+        [
+            Enqueue("shop.send-receipt", idempotency_key="order-1"),
+            Enqueue("shop.send-receipt", idempotency_key="order-2"),
+            Enqueue("shop.nothing-here"),
+        ],
+        runs=False,
+    )
+
+    stored = {row.idempotency_key: row.run_id for row in RunRow.objects.all()}
+    assert [(r.status, r.run_id, r.run) for r in results[:2]] == [
+        (200, stored["order-1"], None),
+        (201, stored["order-2"], None),
+    ]
+    assert isinstance(results[2].error, NotFound) and results[2].run_id is None
+    full = producer.enqueue_many([Enqueue("shop.send-receipt", idempotency_key="order-2")])
+    assert full[0].run_id == full[0].run.run_id == stored["order-2"]
+
+
 def test_enqueue_many_reports_a_bad_item_without_raising(producer, team_a):
     make_definition(team_a, "shop.send-receipt", queue="shop")
 

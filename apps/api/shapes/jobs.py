@@ -4,6 +4,7 @@ the sync of a team's definitions. The same models validate the dashboard's edit 
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal, NotRequired
 
@@ -158,11 +159,15 @@ def errors_within(errors: dict[str, list[str]], value: Any) -> PydanticError:
     )
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _text(value: str) -> str:
-    # PostgreSQL text cannot hold NUL, and a lone surrogate cannot be encoded.
+    # PostgreSQL text cannot hold NUL, and a lone surrogate cannot be encoded. (A regular
+    # expression: testing each character in Python took 8 ms of a 1 000-run enqueue.)
     if "\x00" in value:
         raise problem("null_characters", "Null characters are not allowed.")
-    if any("\ud800" <= char <= "\udfff" for char in value):
+    if not value.isascii() and _SURROGATE.search(value):
         raise problem("surrogates", "Surrogate characters are not allowed.")
     return value
 

@@ -231,6 +231,15 @@ class EnqueueDone(TypedDict):
 
 
 @typed_config(ANSWER)
+class EnqueueNamed(TypedDict):
+    """An item that named a run, by its id alone: the answer asked for with
+    `Prefer: return=minimal`."""
+
+    status: Annotated[ItemStatus, Field(description="201 created, 200 existing.")]
+    runId: Annotated[str, Field(description="The public id, `run_…`.")]
+
+
+@typed_config(ANSWER)
 class EnqueueRefused(TypedDict, total=False):
     """An item that created nothing, as problem details: 400 bad item, 404 no such job of the
     caller's team, 409 its key names a run with another payload."""
@@ -246,5 +255,6 @@ class EnqueueRefused(TypedDict, total=False):
 @typed_config(ANSWER)
 class EnqueueAnswer(TypedDict):
     runs: Annotated[
-        list[EnqueueDone | EnqueueRefused], Field(description="One answer per item, in order.")
+        list[EnqueueDone | EnqueueNamed | EnqueueRefused],
+        Field(description="One answer per item, in order."),
     ]
