@@ -9,10 +9,10 @@ commits per 1 000 are the project's database's.
 
 The product also at batch 1 000 with `runs=False` (answered by run id alone). Then
 enqueue+drain: the same producer (batch 1 000; the product's asking for ids only) creates N
-runs while W worker processes of each system (SDK workers for the product, at lease batch B)
-drain them; runs/s counts from the
-first handler start to the last completion, and due→start is from each run's creation to its
-handler (quick: N = 40 000, W = 4, B = 250).
+runs (quick: 40 000; full: 10× that) while W worker processes of each system (SDK workers for
+the product) claiming B at a time drain them (`--workers` and `--batch`: 2 and 100 by
+default); runs/s counts from the first handler start to the last completion, and due→start is
+from each run's creation to its handler.
 """
 
 from __future__ import annotations
@@ -125,10 +125,11 @@ def run(opts) -> list[Row]:
     return rows
 
 
-def drain(system, opts, scale: int, batch: int = 1000, workers: int = 4, claim: int = 250) -> Row:
+def drain(system, opts, scale: int, batch: int = 1000) -> Row:
     """Producers and workers at once: runs created through the system's producer API while its
-    workers drain them, end to end."""
+    workers (`--workers`, claiming `--batch`) drain them, end to end."""
     count = 40_000 * scale
+    workers, claim = opts.workers, opts.batch
     system.reset()
     row = measure(
         system,
