@@ -9,7 +9,7 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from scheduler_site import embedded_db
+from scheduler_site import embedded_db, shardmap
 from scheduler_site.database import config_from_url
 from scheduler_site.env import env_bool, env_int, env_list, env_str
 
@@ -112,6 +112,21 @@ DATABASES = {
         DATABASE_URL, application_name=_application_name(), pool_size=DB_POOL_SIZE
     )
 }
+# Shards on databases of their own (scheduler_site/shardmap.py; routed by apps/runs/shards.py).
+SCHEDULER_SHARD_COUNT = env_int("SCHEDULER_SHARD_COUNT", 16)
+if not 1 <= SCHEDULER_SHARD_COUNT <= 1024:  # a run id has room for 1 024 shards
+    raise ImproperlyConfigured("SCHEDULER_SHARD_COUNT must be from 1 to 1024.")
+try:
+    SHARD_MAP = shardmap.parse(
+        env_str("SCHEDULER_SHARD_DATABASES"), SCHEDULER_SHARD_COUNT, DATABASE_URL
+    )
+except shardmap.ShardMapError as exc:
+    raise ImproperlyConfigured(f"SCHEDULER_SHARD_DATABASES: {exc}") from exc
+for _alias, _url in SHARD_MAP.urls.items():
+    DATABASES[_alias] = config_from_url(
+        _url, application_name=_application_name(), pool_size=DB_POOL_SIZE
+    )
+DATABASE_ROUTERS = ["apps.runs.shards.ShardRouter"]
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -262,7 +277,6 @@ SCHEDULER_LOGIN_LOCKOUT_SECONDS = env_int("SCHEDULER_LOGIN_LOCKOUT_SECONDS", 900
 SCHEDULER_TOKEN_FAILURES_PER_ADDRESS = env_int("SCHEDULER_TOKEN_FAILURES_PER_ADDRESS", 30)
 SCHEDULER_TOKEN_FAILURE_WINDOW_SECONDS = env_int("SCHEDULER_TOKEN_FAILURE_WINDOW_SECONDS", 60)
 
-SCHEDULER_SHARD_COUNT = env_int("SCHEDULER_SHARD_COUNT", 16)
 SCHEDULER_SHARD_LEASE_SECONDS = env_int("SCHEDULER_SHARD_LEASE_SECONDS", 10)
 SCHEDULER_LOOKAHEAD_SECONDS = env_int("SCHEDULER_LOOKAHEAD_SECONDS", 60)
 SCHEDULER_TICK_SECONDS = float(env_str("SCHEDULER_TICK_SECONDS", "1.0"))

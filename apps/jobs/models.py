@@ -14,8 +14,14 @@ class JobDefinition(models.Model):
     name = models.CharField(max_length=200, unique=True)
     # No index of its own: job_team_name leads with the team. Every index here is written on
     # each advance of next_due_at (indexed, so never a HOT update), once per fire time.
+    # No constraint in the database: with shards on servers of their own, definitions live in
+    # their shard's database and teams in the control database (apps/runs/shards.py).
     team = models.ForeignKey(
-        "teams.Team", on_delete=models.CASCADE, related_name="jobs", db_index=False
+        "teams.Team",
+        on_delete=models.CASCADE,
+        related_name="jobs",
+        db_index=False,
+        db_constraint=False,
     )
     schedule = models.JSONField(default=dict)
     queue = models.CharField(max_length=100, default="default")

@@ -6,6 +6,7 @@ from django.contrib.postgres.fields import ArrayField
 from django.db import models
 
 from apps.runs.ids import public_run_id
+from apps.runs.shards import next_run_id
 
 # Priorities are stored as small integers so "ORDER BY priority" serves critical first.
 PRIORITIES = {"critical": 0, "default": 1, "bulk": 2}
@@ -153,6 +154,12 @@ class Run(models.Model):
     def __str__(self) -> str:
         return self.run_id
 
+    def save(self, *args, **kwargs) -> None:
+        # The id names the shard, as the store's insert makes it (apps/runs/shards.py).
+        if self.pk is None:
+            self.pk = next_run_id(self.shard)
+        super().save(*args, **kwargs)
+
     @property
     def run_id(self) -> str:
         return public_run_id(self.pk)
@@ -196,7 +203,10 @@ class MinuteCounts(models.Model):
     """
 
     minute = models.DateTimeField()
-    team = models.ForeignKey("teams.Team", on_delete=models.CASCADE, db_index=False)
+    # No constraint in the database: the team is in the control database (see Run.team).
+    team = models.ForeignKey(
+        "teams.Team", on_delete=models.CASCADE, db_index=False, db_constraint=False
+    )
     queue = models.CharField(max_length=200)
     priority = models.PositiveSmallIntegerField()
     slot = models.PositiveSmallIntegerField()

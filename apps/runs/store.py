@@ -26,6 +26,7 @@ from apps.runs import counters, logs, metrics, payloads
 from apps.runs.fairness import interleave_teams, slot_priorities
 from apps.runs.ids import public_run_id
 from apps.runs.logs import run_event
+from apps.runs.shards import RUN_ID_SPACE
 
 WAITING = "('scheduled', 'ready', 'retrying')"
 READY_CHANNEL = "runs_ready"
@@ -100,11 +101,13 @@ def notify_ready(queues: Iterable[str]) -> None:
 
 _INSERT_RUNS = """
 INSERT INTO runs_run (
-    definition_id, team_id, queue, priority, shard, state, trigger, due_at, available_at,
+    id, definition_id, team_id, queue, priority, shard, state, trigger, due_at, available_at,
     attempt, max_attempts, idempotency_key, concurrency_key, lease_seconds, worker_id, dry_run,
     payload, payload_key, created_at
 )
-SELECT i.definition_id, d.team_id, d.queue, coalesce(i.priority, d.priority), d.shard, 'scheduled', i.trigger, i.due_at,
+-- The id names the run's shard (apps/runs/shards.py).
+SELECT nextval('runs_run_id_seq') * {space} + d.shard, i.definition_id, d.team_id, d.queue,
+       coalesce(i.priority, d.priority), d.shard, 'scheduled', i.trigger, i.due_at,
        i.available_at, 0, d.retry_max_attempts, i.idempotency_key, i.concurrency_key, 60, '',
        d.dry_run,
        CASE WHEN i.own THEN i.payload ELSE d.payload END,
@@ -123,11 +126,12 @@ ORDER BY i.definition_id, i.idempotency_key
 ON CONFLICT DO NOTHING
 RETURNING id, queue, available_at <= now() AS ready_now, definition_id, idempotency_key{more}
 """
-INSERT_RUNS = _INSERT_RUNS.format(more="")
+INSERT_RUNS = _INSERT_RUNS.format(more="", space=RUN_ID_SPACE)
 # The same, answering every column a new run's representation needs, so that a batch created
 # through the API is answered without reading its runs back (1 000 runs read through the ORM
 # took 60 ms, more than their insert).
 INSERT_RUNS_RETURNING_ROWS = _INSERT_RUNS.format(
+    space=RUN_ID_SPACE,
     more=(
         ", team_id, priority, state, trigger, due_at, available_at, attempt, max_attempts,"
         " dry_run, payload::text AS payload, payload_key, concurrency_key, created_at"

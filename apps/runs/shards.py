@@ -1,0 +1,111 @@
+"""Where a shard's rows live: the one module that names database aliases.
+
+Definitions, runs, attempts and their minute counts live in the database of their shard
+(`settings.SHARD_MAP`, from `SCHEDULER_SHARD_DATABASES`); everything else (teams, tokens,
+audit, shard leases, queue settings) in the control database, `default`. Unset, every shard is
+on the control database and each alias below is `default`.
+
+- `alias_of_shard(n)`, `databases()`, `shards_on(alias)`: the map.
+- A run's id names its shard: ids are `sequence value × RUN_ID_SPACE + shard`, so
+  `shard_of_run(id)` needs no lookup. The sequence is per database; ids of two databases
+  never meet because their shards differ.
+- `using(alias)`: the shard database that ORM queries of sharded models go to inside the
+  block (the router below reads it), and `current()` for raw SQL.
+
+Every database holds the same schema (`manage.py migrate` migrates each); rows of a kind are
+only ever written to the database this module names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from django.conf import settings
+from django.db import connections
+
+# Shards a run id can name: ids are a multiple of this plus the shard. The shard count may not
+# exceed it (settings check it).
+RUN_ID_SPACE = 1024
+
+# Sharded models, as "app_label.model_name".
+SHARDED = frozenset({"jobs.jobdefinition", "runs.run", "runs.attempt", "runs.minutecounts"})
+
+_current: ContextVar[str | None] = ContextVar("shard_database", default=None)
+
+
+def alias_of_shard(shard: int) -> str:
+    return settings.SHARD_MAP.aliases[shard]
+
+
+def databases() -> list[str]:
+    """Every database that holds shards, in the order of their first shard."""
+    return list(dict.fromkeys(settings.SHARD_MAP.aliases))
+
+
+def shards_on(alias: str) -> list[int]:
+    return [n for n, held in enumerate(settings.SHARD_MAP.aliases) if held == alias]
+
+
+def physical() -> bool:
+    """Whether some shard lives outside the control database."""
+    return settings.SHARD_MAP.physical
+
+
+def shard_of_run(run_pk: int) -> int:
+    return run_pk % RUN_ID_SPACE
+
+
+def alias_of_run(run_pk: int) -> str:
+    shard = shard_of_run(run_pk)
+    aliases = settings.SHARD_MAP.aliases
+    # An id from before runs named their shard (or a forged one) is looked for in the control
+    # database's shards, where such runs were made.
+    return aliases[shard] if shard < len(aliases) else "default"
+
+
+def next_run_id(shard: int) -> int:
+    """A new run id of `shard`, from its database's sequence (for runs made through the ORM;
+    the store's insert computes the same in SQL)."""
+    with connections[alias_of_shard(shard)].cursor() as cursor:
+        cursor.execute(f"SELECT nextval('runs_run_id_seq') * {RUN_ID_SPACE} + %s", [shard])
+        return cursor.fetchone()[0]
+
+
+def current() -> str:
+    """The shard database of the enclosing `using` block (else the first one)."""
+    return _current.get() or settings.SHARD_MAP.aliases[0]
+
+
+@contextmanager
+def using(alias: str) -> Iterator[str]:
+    token = _current.set(alias)
+    try:
+        yield alias
+    finally:
+        _current.reset(token)
+
+
+class ShardRouter:
+    """Django's database router: sharded models to the current shard database (an instance
+    read from a database stays with it, as Django's own hint says), the rest to `default`."""
+
+    def _route(self, model, **hints) -> str | None:
+        if model._meta.label_lower not in SHARDED:
+            return None
+        instance = hints.get("instance")
+        if instance is not None and instance._state.db:
+            return instance._state.db
+        return current()
+
+    db_for_read = _route
+    db_for_write = _route
+
+    def allow_relation(self, obj1, obj2, **hints) -> bool:
+        # A run and its team live in different databases once shards are physical; the team is
+        # read from the control database by its key.
+        return True
+
+    def allow_migrate(self, db: str, app_label: str, model_name: str | None = None, **hints):
+        return True  # one schema everywhere
