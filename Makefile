@@ -19,6 +19,8 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	# The same contract again with the 16 shards on three servers (tests/shard_layout.py).
+	$(BIN)/python -m pytest --shard-servers 2 -m "shards or physical" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

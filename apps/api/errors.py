@@ -24,6 +24,7 @@ TITLES = {
     415: "Unsupported media type",
     429: "Too many requests",
     500: "Internal server error",
+    503: "Service unavailable",
 }
 
 
@@ -31,6 +32,14 @@ class Conflict(exceptions.APIException):
     status_code = status.HTTP_409_CONFLICT
     default_detail = "The request conflicts with the current state."
     default_code = "conflict"
+
+
+class ShardUnavailable(exceptions.APIException):
+    """The database of the run's shard cannot be reached (the detail names the shards)."""
+
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    default_detail = "The database of this run's shard cannot be reached."
+    default_code = "shard-unavailable"
 
 
 class PayloadTooLarge(exceptions.APIException):

@@ -69,6 +69,7 @@ PROBLEM_DESCRIPTIONS = {
     403: "The token lacks the scope this endpoint needs.",
     404: "No such resource for the token's team.",
     409: "Conflict with the current state.",
+    503: "The database of the run's shard cannot be reached; the detail names the shards.",
     413: "The payload (or the request body) is larger than the limit.",
     415: "The request body is not `application/json`.",
     429: "Too many requests (throttled); retry later.",

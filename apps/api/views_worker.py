@@ -11,7 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.api import schema as doc
-from apps.api.errors import Conflict
+from apps.api.errors import Conflict, ShardUnavailable
 from apps.api.fastpath import Call, FastPathView
 from apps.api.renderers import Rendered, render_json
 from apps.api.shapes import M, body_size, parse
@@ -137,6 +137,8 @@ def _single(outcome: store.Outcome) -> None:
         raise NotFound("No such run.")
     if outcome.status == 409:
         raise Conflict(outcome.detail)
+    if outcome.status == 503:
+        raise ShardUnavailable(outcome.detail)
 
 
 @extend_schema_view(
@@ -152,6 +154,7 @@ def _single(outcome: store.Outcome) -> None:
             *doc.BODY_PROBLEMS,
             404,
             409,
+            503,
             e409="The fencing token is stale or the run is no longer leased; nothing changed.",
         ),
     )
@@ -183,6 +186,7 @@ class HeartbeatView(WorkerView):
             *doc.BODY_PROBLEMS,
             404,
             409,
+            503,
             e409="The fencing token is stale or the run is no longer leased; nothing changed.",
         ),
     )
@@ -216,6 +220,7 @@ class CompleteView(WorkerView):
             *doc.BODY_PROBLEMS,
             404,
             409,
+            503,
             e409="The fencing token is stale or the run is no longer leased; nothing changed.",
         ),
     )
@@ -269,7 +274,8 @@ def _parsed(
         summary="Extend many leases",
         description=(
             "Heartbeat many leases in one request, with the rules of the single call; each "
-            "item is answered with its own `status` (200, 404 or 409). Needs the `worker` scope."
+            "item is answered with its own `status` (200, 404, 409, or 503 when the run's "
+            "shard is unavailable). Needs the `worker` scope."
         ),
         tags=["worker"],
         request=shape.HeartbeatBatch,
@@ -308,8 +314,8 @@ class BatchHeartbeatsView(WorkerView):
         summary="Report many results",
         description=(
             "Complete or fail many leased runs in one request, with the rules of the single "
-            "calls; each item is answered with its own `status` (200, 404 or 409). "
-            "Needs the `worker` scope."
+            "calls; each item is answered with its own `status` (200, 404, 409, or 503 when "
+            "the run's shard is unavailable). Needs the `worker` scope."
         ),
         tags=["worker"],
         request=shape.ResultBatch,

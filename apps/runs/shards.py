@@ -18,7 +18,7 @@ only ever written to the database this module names.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -63,6 +63,16 @@ def alias_of_run(run_pk: int) -> str:
     # An id from before runs named their shard (or a forged one) is looked for in the control
     # database's shards, where such runs were made.
     return aliases[shard] if shard < len(aliases) else "default"
+
+
+def runs_by_database(run_ids: Sequence[int]) -> dict[str, list[int]]:
+    """Run ids grouped by the database of their shard, in their order."""
+    if not settings.SHARD_MAP.physical:
+        return {settings.SHARD_MAP.aliases[0]: list(run_ids)}
+    groups: dict[str, list[int]] = {}
+    for run_id in run_ids:
+        groups.setdefault(alias_of_run(run_id), []).append(run_id)
+    return groups
 
 
 def next_run_id(shard: int) -> int:

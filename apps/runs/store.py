@@ -11,39 +11,50 @@ per-minute counters the overview reads (apps/runs/counters.py), in the same stat
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import psycopg
-from django.db import connection, transaction
+from django.conf import settings
+from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
 from django.db.backends.utils import CursorWrapper
 from psycopg.types.datetime import TimestamptzLoader
 
 from apps.runs import counters, logs, metrics, payloads
+from apps.runs import shards as placement
 from apps.runs.fairness import interleave_teams, slot_priorities
 from apps.runs.ids import public_run_id
 from apps.runs.logs import run_event
 from apps.runs.shards import RUN_ID_SPACE
+
+T = TypeVar("T", bound=tuple)
 
 WAITING = "('scheduled', 'ready', 'retrying')"
 READY_CHANNEL = "runs_ready"
 
 
 def server_cursor() -> CursorWrapper:
-    """A cursor on Django's connection (same transaction, same execute wrappers) that binds
-    parameters on the server, unlike Django's own: psycopg then prepares each statement on the
-    connection after its fifth execution, and a claim stops paying its planning (twice its
-    execution at batch 100) on every call. Timestamps load with psycopg's C loader, not Django's
-    Python one (a fifth of a claim's Python time): both give aware UTC datetimes."""
+    """A cursor on Django's connection to the current shard database (apps/runs/shards.py; same
+    transaction, same execute wrappers) that binds parameters on the server, unlike Django's
+    own: psycopg then prepares each statement on the connection after its fifth execution, and
+    a claim stops paying its planning (twice its execution at batch 100) on every call.
+    Timestamps load with psycopg's C loader, not Django's Python one (a fifth of a claim's
+    Python time): both give aware UTC datetimes."""
+    connection = connections[placement.current()]
     connection.close_if_health_check_failed()
     connection.ensure_connection()
     with connection.wrap_database_errors:
         raw = psycopg.Cursor(connection.connection)
     raw.adapters.register_loader("timestamptz", TimestamptzLoader)
     return connection._prepare_cursor(raw)
+
+
+def atomic(**kwargs: Any) -> transaction.Atomic:
+    """A transaction on the current shard database."""
+    return transaction.atomic(using=placement.current(), **kwargs)
 
 
 def array_literal(values: Sequence[int | str | datetime | None]) -> str:
@@ -203,7 +214,7 @@ def insert_keyed(runs: Sequence[NewRun], *, full: bool = False) -> dict[tuple[in
     }
     # Inside a caller's transaction (enqueue audits in it), no savepoint: two round trips
     # fewer, and a failed insert fails the caller's transaction all the same.
-    with transaction.atomic(savepoint=False), server_cursor() as cursor:
+    with atomic(savepoint=False), server_cursor() as cursor:
         cursor.execute(INSERT_RUNS_RETURNING_ROWS if full else INSERT_RUNS, params)
         inserted = _rows(cursor)
         notify_ready(row["queue"] for row in inserted if row["ready_now"])
@@ -405,7 +416,7 @@ def claim(
 
     Called inside a transaction (apps/runs/leasing.py builds the answer in it), the claim joins
     it without a savepoint, which would cost two more round trips per claim."""
-    with transaction.atomic(savepoint=False), server_cursor() as cursor:
+    with atomic(savepoint=False), server_cursor() as cursor:
         cursor.execute(
             CLAIM_CANDIDATES,
             {
@@ -470,7 +481,7 @@ def claim(
         for row in rows
     ]
     # Counted and logged once the claim commits: the caller may still roll it back.
-    transaction.on_commit(lambda: _claimed(leases, worker_id))
+    transaction.on_commit(lambda: _claimed(leases, worker_id), using=placement.current())
     return leases
 
 
@@ -744,28 +755,59 @@ def _diagnose(
 
 
 def _apply(
-    sql: str, params: dict[str, Any], items: Sequence[tuple[int, int]], team_ids: Sequence[int]
+    sql: str,
+    params_of: Callable[[Sequence[T]], dict[str, Any]],
+    items: Sequence[T],
+    team_ids: Sequence[int],
 ) -> list[Outcome]:
-    with transaction.atomic(), server_cursor() as cursor:
+    """Run a batch statement on each database that holds some of the items' runs (one
+    transaction each); one Outcome per item, in order. A database that cannot be reached
+    answers 503 for its items alone: the others' changes stand."""
+    groups = placement.runs_by_database([item[0] for item in items])
+    outcomes: dict[int, Outcome] = {}
+    for alias, run_ids in groups.items():
+        wanted = set(run_ids)
+        part = [item for item in items if item[0] in wanted] if len(groups) > 1 else items
+        try:
+            with placement.using(alias):
+                outcomes.update(_apply_on(sql, params_of(part), part, team_ids))
+        except (OperationalError, InterfaceError) as exc:
+            if not placement.physical():
+                raise
+            detail = unavailable(alias, exc)
+            outcomes.update((run_id, Outcome(run_id, 503, detail=detail)) for run_id in run_ids)
+    return [outcomes[item[0]] for item in items]
+
+
+def unavailable(alias: str, exc: DatabaseError) -> str:
+    """What a request is told about a shard database it could not reach."""
+    held = placement.shards_on(alias)
+    span = f"{held[0]}-{held[-1]}" if len(held) > 1 else str(held[0])
+    return f"shards {span} are unavailable (their database cannot be reached: {type(exc).__name__})"
+
+
+def _apply_on(
+    sql: str, params: dict[str, Any], items: Sequence[tuple], team_ids: Sequence[int]
+) -> dict[int, Outcome]:
+    with atomic(), server_cursor() as cursor:
         cursor.execute(sql, {**params, "team_ids": _bigints(team_ids)})
         changed = {row["id"]: row for row in _rows(cursor)}
-        missing = [(run_id, token) for run_id, token in items if run_id not in changed]
+        missing = [(item[0], item[1]) for item in items if item[0] not in changed]
         diagnosed = _diagnose(cursor, missing, team_ids) if missing else {}
-    outcomes = []
-    for run_id, _ in items:
+    outcomes = {}
+    for item in items:
+        run_id = item[0]
         row = changed.get(run_id)
         if row is None:
-            outcomes.append(diagnosed[run_id])
+            outcomes[run_id] = diagnosed[run_id]
         else:
-            outcomes.append(
-                Outcome(
-                    run_id,
-                    200,
-                    state=row.get("state", "leased"),
-                    lease_expires_at=row.get("lease_expires_at"),
-                    available_at=row.get("available_at"),
-                    queue=row.get("queue", ""),
-                )
+            outcomes[run_id] = Outcome(
+                run_id,
+                200,
+                state=row.get("state", "leased"),
+                lease_expires_at=row.get("lease_expires_at"),
+                available_at=row.get("available_at"),
+                queue=row.get("queue", ""),
             )
     return outcomes
 
@@ -791,41 +833,50 @@ def _log_outcomes(outcomes: Sequence[Outcome], items: Sequence[tuple]) -> None:
 
 def heartbeat(items: Sequence[tuple[int, int]], *, team_ids: Sequence[int]) -> list[Outcome]:
     """Extend the leases of (run id, fencing token) pairs; one Outcome per item, in order."""
-    params = {"ids": _bigints(i for i, _ in items), "tokens": _bigints(t for _, t in items)}
-    outcomes = _apply(HEARTBEAT, params, items, team_ids)
+    outcomes = _apply(HEARTBEAT, _heartbeat_params, items, team_ids)
     metrics.observe_results(outcomes, "heartbeat")
     return outcomes
 
 
+def _heartbeat_params(items: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    return {"ids": _bigints(i for i, _ in items), "tokens": _bigints(t for _, t in items)}
+
+
 def complete(items: Sequence[tuple[int, int, Any]], *, team_ids: Sequence[int]) -> list[Outcome]:
     """Mark (run id, fencing token, result) items succeeded; one Outcome per item, in order."""
+    outcomes = _apply(COMPLETE, _complete_params, items, team_ids)
+    metrics.observe_results(outcomes, "complete")
+    _log_outcomes(outcomes, items)
+    return outcomes
+
+
+def _complete_params(items: Sequence[tuple[int, int, Any]]) -> dict[str, Any]:
     results = [None if r is None else json.dumps(r) for _, _, r in items]
-    params = {
+    return {
         "ids": _bigints(i for i, _, _ in items),
         "tokens": _bigints(t for _, t, _ in items),
         # No results at all (the common case): a NULL array, which unnest pads with NULLs.
         "results": results if any(r is not None for r in results) else None,
     }
-    outcomes = _apply(COMPLETE, params, [(i, t) for i, t, _ in items], team_ids)
-    metrics.observe_results(outcomes, "complete")
-    _log_outcomes(outcomes, items)
-    return outcomes
 
 
 def fail(
     items: Sequence[tuple[int, int, dict[str, Any], bool]], *, team_ids: Sequence[int]
 ) -> list[Outcome]:
     """Fail (run id, fencing token, error, retryable) items: retrying with backoff, or dead."""
-    params = {
+    outcomes = _apply(FAIL, _fail_params, items, team_ids)
+    metrics.observe_results(outcomes, "fail")
+    _log_outcomes(outcomes, items)
+    return outcomes
+
+
+def _fail_params(items: Sequence[tuple[int, int, dict[str, Any], bool]]) -> dict[str, Any]:
+    return {
         "ids": _bigints(i for i, _, _, _ in items),
         "tokens": _bigints(t for _, t, _, _ in items),
         "errors": [json.dumps(e) for _, _, e, _ in items],
         "retryables": [bool(r) for _, _, _, r in items],
     }
-    outcomes = _apply(FAIL, params, [(i, t) for i, t, _, _ in items], team_ids)
-    metrics.observe_results(outcomes, "fail")
-    _log_outcomes(outcomes, items)
-    return outcomes
 
 
 @dataclass(frozen=True)
@@ -837,14 +888,22 @@ class Reaped:
 
 
 def reap(*, shards: Sequence[int] | None = None, batch: int = 500) -> list[Reaped]:
-    """Turn up to `batch` expired leases into failed attempts; return what was reaped."""
-    with transaction.atomic(), server_cursor() as cursor:
-        cursor.execute(
-            REAP, {"shards": list(shards) if shards is not None else None, "batch": batch}
-        )
-        reaped = [
-            Reaped(row["id"], row["state"], row["queue"], row["outcome"]) for row in _rows(cursor)
-        ]
+    """Turn up to `batch` expired leases of these shards (all: None) into failed attempts, in
+    one transaction on each of their databases; return what was reaped."""
+    owned = range(settings.SCHEDULER_SHARD_COUNT) if shards is None else shards
+    reaped: list[Reaped] = []
+    for alias in placement.databases():
+        mine = [n for n in placement.shards_on(alias) if n in owned]
+        if not mine:
+            continue
+        # Every shard of a database: no filter, as before shards had databases of their own.
+        held = None if shards is None else mine
+        with placement.using(alias), atomic(), server_cursor() as cursor:
+            cursor.execute(REAP, {"shards": held, "batch": batch})
+            reaped += [
+                Reaped(row["id"], row["state"], row["queue"], row["outcome"])
+                for row in _rows(cursor)
+            ]
     metrics.observe_reaped(reaped)
     for item in reaped if logs.runs_logged() else ():
         run_event(

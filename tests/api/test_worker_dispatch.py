@@ -7,7 +7,10 @@ answers compared: status, body, and the headers a client acts on.
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import time_machine
 from django.core.cache import cache
 from rest_framework.views import APIView
 
@@ -195,9 +198,11 @@ def test_enqueue_refusals_agree_both_ways(api_a, team_a, drf_dispatches, setting
     assert both_ways(api_a, "/api/v1/runs", b'{"runs": "no"}', drf_dispatches)["status"] == 400
     cache.clear()
     settings.SCHEDULER_API_RATES = {**settings.SCHEDULER_API_RATES, "enqueue": "1/min"}
-    assert api_a.http.post("/api/v1/runs", content=one, headers=FAST).status_code == 200
-    drf_dispatches.clear()
-    throttled = both_ways(api_a, "/api/v1/runs", one, drf_dispatches)
+    # The budget is a window of each clock minute: mid-minute, held still, all calls share one.
+    with time_machine.travel(time.time() // 60 * 60 + 90, tick=False):
+        assert api_a.http.post("/api/v1/runs", content=one, headers=FAST).status_code == 200
+        drf_dispatches.clear()
+        throttled = both_ways(api_a, "/api/v1/runs", one, drf_dispatches)
     assert throttled["status"] == 429
     assert int(throttled["headers"]["retry-after"]) > 0
     cache.clear()

@@ -101,7 +101,8 @@ def test_orm_queries_of_sharded_models_go_to_the_database_of_the_block():
 @pytest.mark.slow
 @pytest.mark.django_db
 def test_migrate_prepares_the_control_database_and_every_shard_database(team_a):
-    with postgres_servers(2) as (a, b):
+    with postgres_servers(2) as servers:
+        a, b = (server.url for server in servers)
         control = child_database_url()
         env = {
             **os.environ,

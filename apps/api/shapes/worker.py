@@ -47,7 +47,7 @@ Priority = Literal["critical", "default", "bulk"]
 RunState = Literal["scheduled", "ready", "leased", "succeeded", "retrying", "dead", "cancelled"]
 # One set of item statuses for every batch answer, worker and enqueue alike (the schema names
 # each choice set once); each answer's description says which it uses.
-ItemStatus = Literal[200, 201, 400, 404, 409, 413]
+ItemStatus = Literal[200, 201, 400, 404, 409, 413, 503]
 
 
 # --- requests ---------------------------------------------------------------------------------
@@ -226,7 +226,9 @@ class ItemRefused(TypedDict):
     """An item of a batch that changed nothing: 404 (no such run) or 409 (stale token, not leased)."""
 
     runId: str
-    status: Annotated[ItemStatus, Field(description="404 or 409.")]
+    status: Annotated[
+        ItemStatus, Field(description="404, 409, or 503 when the run's shard is unavailable.")
+    ]
     detail: str
 
 

@@ -1,0 +1,199 @@
+"""The store on shards with servers of their own: results, heartbeats and the reaper go to
+each run's database, one transaction per database, and a database that is down answers 503
+for its runs alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from django.db import connections
+
+from apps.jobs.models import JobDefinition
+from apps.jobs.schedule import shard_for
+from apps.runs import shards, store
+from apps.runs.models import Run
+from tests import shard_layout
+from tests.servers import Server
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.physical,
+    pytest.mark.django_db(transaction=True, databases="__all__"),
+]
+
+
+@dataclass
+class Layout:
+    """The session's shard databases (tests/shard_layout.py): `aliases[i]` on `servers[i]`."""
+
+    servers: list[Server]
+    aliases: list[str]
+
+    def job_on(self, alias: str, team, prefix: str) -> JobDefinition:
+        """A definition whose name hashes to a shard of `alias`, stored there."""
+        name = next(
+            f"{prefix}.{n}" for n in range(1000)
+            if shards.alias_of_shard(shard_for(f"{prefix}.{n}")) == alias
+        )  # fmt: skip
+        with shards.using(alias):
+            return JobDefinition.objects.create(
+                team=team, name=name, queue="q", shard=shard_for(name), timeout_seconds=600
+            )
+
+    def leased_runs(self, definition: JobDefinition, count: int) -> list[Run]:
+        """Runs of `definition` inserted by the store and leased (as a claim would)."""
+        alias = shards.alias_of_shard(definition.shard)
+        with shards.using(alias):
+            ids = store.insert_runs(
+                [
+                    store.NewRun(definition.pk, "api", definition.created_at,
+                                 definition.created_at, f"k{n}")
+                    for n in range(count)
+                ]
+            )  # fmt: skip
+            with connections[alias].cursor() as cursor:
+                cursor.execute(
+                    "UPDATE runs_run SET state = 'leased', attempt = 1, worker_id = 'w',"
+                    " fencing_token = nextval('runs_fencing_token'), started_at = now(),"
+                    " timeout_at = now() + interval '10 minutes',"
+                    " lease_expires_at = now() + interval '1 minute' WHERE id = ANY(%s)",
+                    [ids],
+                )
+                cursor.execute(
+                    "INSERT INTO runs_attempt (run_id, number, fencing_token, worker_id,"
+                    " leased_at, outcome, error_message, error_type)"
+                    " SELECT id, 1, fencing_token, 'w', now(), '', '', '' FROM runs_run"
+                    " WHERE id = ANY(%s)",
+                    [ids],
+                )
+            return list(Run.objects.filter(pk__in=ids).order_by("pk"))
+
+
+@pytest.fixture
+def layout() -> Iterator[Layout]:
+    servers = list(shard_layout.SERVERS)
+    aliases = [f"shards_{n + 1}" for n in range(len(servers))]
+    assert shards.physical() and set(aliases) <= set(shards.databases())
+    yield Layout(servers, aliases)
+
+
+def test_a_batch_of_results_commits_on_each_database_of_its_runs(layout, team_a):
+    first, second = layout.aliases
+    on_first = layout.leased_runs(layout.job_on(first, team_a, "alpha"), 2)
+    on_second = layout.leased_runs(layout.job_on(second, team_a, "beta"), 2)
+    items = [
+        (on_first[0].pk, on_first[0].fencing_token, {"ok": 1}),
+        (on_second[0].pk, on_second[0].fencing_token, None),
+        (on_first[1].pk, on_first[1].fencing_token - 1, None),  # stale
+        (on_second[1].pk, on_second[1].fencing_token, None),
+    ]
+
+    outcomes = store.complete(items, team_ids=[team_a.pk])
+
+    assert [(o.id, o.status) for o in outcomes] == [
+        (on_first[0].pk, 200), (on_second[0].pk, 200), (on_first[1].pk, 409),
+        (on_second[1].pk, 200),
+    ]  # fmt: skip
+    for alias, runs in ((first, on_first), (second, on_second)):
+        with shards.using(alias):
+            states = dict(
+                Run.objects.filter(pk__in=[r.pk for r in runs]).values_list("pk", "state")
+            )
+        assert shards.alias_of_run(runs[0].pk) == alias
+        expected = {on_first[0].pk: "succeeded", on_first[1].pk: "leased"} if alias == first else {
+            r.pk: "succeeded" for r in on_second
+        }  # fmt: skip
+        assert states == expected
+    # Nothing of either database's runs was written to another database.
+    for alias in shards.databases():
+        if alias not in (first, second):
+            assert not Run.objects.using(alias).exists()
+
+
+def test_another_teams_run_is_404_on_whichever_database_it_lives(layout, team_a, team_b):
+    first, second = layout.aliases
+    theirs = layout.leased_runs(layout.job_on(second, team_b, "theirs"), 1)[0]
+    mine = layout.leased_runs(layout.job_on(first, team_a, "mine"), 1)[0]
+
+    outcomes = store.heartbeat(
+        [(theirs.pk, theirs.fencing_token), (mine.pk, mine.fencing_token)], team_ids=[team_a.pk]
+    )
+
+    assert [o.status for o in outcomes] == [404, 200]
+    assert outcomes[0].denied_team_id == team_b.pk
+
+
+def test_a_database_that_is_down_answers_503_for_its_runs_and_the_others_commit(layout, team_a):
+    first, second = layout.aliases
+    alive = layout.leased_runs(layout.job_on(first, team_a, "alive"), 1)[0]
+    doomed = layout.leased_runs(layout.job_on(second, team_a, "doomed"), 1)[0]
+    layout.servers[1].kill()
+    try:
+        outcomes = store.complete(
+            [(doomed.pk, doomed.fencing_token, None), (alive.pk, alive.fencing_token, None)],
+            team_ids=[team_a.pk],
+        )
+    finally:
+        layout.servers[1].start()
+    held = shards.shards_on(second)
+    assert [o.status for o in outcomes] == [503, 200]
+    assert f"shards {held[0]}-{held[-1]} are unavailable" in outcomes[0].detail
+    with shards.using(first):
+        assert Run.objects.get(pk=alive.pk).state == "succeeded"
+
+    # Back up: the run completes with its token, as if nothing had happened.
+    connections[second].close()
+    again = store.complete([(doomed.pk, doomed.fencing_token, None)], team_ids=[team_a.pk])
+    assert [o.status for o in again] == [200]
+
+
+def test_the_reaper_reaps_each_database_of_the_shards_it_owns(layout, team_a):
+    first, second = layout.aliases
+    runs = {
+        alias: layout.leased_runs(layout.job_on(alias, team_a, f"reap{n}"), 2)
+        for n, alias in enumerate(layout.aliases)
+    }
+    for alias in layout.aliases:
+        with connections[alias].cursor() as cursor:
+            cursor.execute("UPDATE runs_run SET lease_expires_at = now() - interval '1 second'")
+
+    only_first = store.reap(shards=shards.shards_on(first))
+    assert sorted(r.id for r in only_first) == sorted(r.pk for r in runs[first])
+    everything_else = store.reap()
+    assert sorted(r.id for r in everything_else) == sorted(r.pk for r in runs[second])
+    assert {r.outcome for r in only_first + everything_else} == {"lease_expired"}
+
+
+def test_the_api_answers_503_naming_the_shards_of_a_database_that_is_down(layout, team_a, api_a):
+    first, second = layout.aliases
+    alive = layout.leased_runs(layout.job_on(first, team_a, "api-alive"), 1)[0]
+    doomed = layout.leased_runs(layout.job_on(second, team_a, "api-doomed"), 1)[0]
+    layout.servers[1].kill()
+    try:
+        single = api_a.post(
+            f"/api/v1/runs/{doomed.run_id}/complete", {"fencingToken": doomed.fencing_token}
+        )
+        batch = api_a.post(
+            "/api/v1/heartbeats",
+            {
+                "leases": [
+                    {"runId": doomed.run_id, "fencingToken": doomed.fencing_token},
+                    {"runId": alive.run_id, "fencingToken": alive.fencing_token},
+                ]
+            },
+        )
+    finally:
+        layout.servers[1].start()
+    held = shards.shards_on(second)
+    assert single.status_code == 503, single.text
+    assert single.headers["content-type"] == "application/problem+json"
+    assert single.json()["type"].endswith("/shard-unavailable")
+    assert f"shards {held[0]}-{held[-1]} are unavailable" in single.json()["detail"]
+    assert [item["status"] for item in batch.json()["leases"]] == [503, 200]
+    connections[second].close()
+    again = api_a.post(
+        f"/api/v1/runs/{doomed.run_id}/complete", {"fencingToken": doomed.fencing_token}
+    )
+    assert again.status_code == 200, again.text
