@@ -22,7 +22,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.api import schema as doc
-from apps.api.errors import Conflict, PayloadTooLarge, flatten_errors, problem
+from apps.api.errors import (
+    Conflict,
+    PayloadTooLarge,
+    ShardUnavailable,
+    flatten_errors,
+    problem,
+)
 from apps.api.fastpath import Call, FastPathView
 from apps.api.serializers import definition_json, run_detail_json, run_json
 from apps.api.shapes import M, body_size, parse
@@ -380,6 +386,8 @@ class JobRunsView(ManageView):
             return Response(answer["run"], status=answer["status"])
         if answer["status"] == 409:
             raise Conflict(answer["detail"], code="idempotency-conflict")
+        if answer["status"] == 503:
+            raise ShardUnavailable(answer["detail"])
         if answer["status"] == 400:
             raise ValidationError(answer.get("errors") or {"body": [answer["detail"]]})
         raise NotFound(answer["detail"])
@@ -437,7 +445,7 @@ def enqueue_items(
                 status=result.status, run=run_json(result.run, batch.now)
             )
         else:
-            code = "idempotency-conflict" if result.status == 409 else None
+            code = {409: "idempotency-conflict", 503: "shard-unavailable"}.get(result.status)
             answers[index] = problem(result.status, result.detail, code=code)
     return answers
 

@@ -11,22 +11,24 @@ run is kept (retention), and concurrent batches naming it create it once (the un
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 import orjson
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, transaction
 from django.db.models.functions import Now
 
 from apps.audit.record import TARGETS_SHOWN, Actor, record, record_denied
 from apps.jobs.models import JobDefinition
-from apps.runs import payloads
+from apps.jobs.schedule import shard_for
+from apps.runs import payloads, shards
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run, Trigger
-from apps.runs.store import NewRun, insert_keyed
+from apps.runs.store import NewRun, insert_keyed, unavailable
 from apps.runs.transitions import TransitionError
 
 
@@ -112,22 +114,15 @@ def enqueue_many(
     2. Insert every run at once; the new ones are audited (one event per job).
     3. Read the runs the others' keys name (one query), and compare payloads.
     """
-    # The clock comes with the definitions: a request of one run is then two round trips and
-    # one transaction (the lookup, and the insert with its audit event).
-    definitions = {
-        d.name: d
-        for d in JobDefinition.objects.select_related("team")
-        # Only what the batch reads (the insert takes the rest from the row itself): compiling
-        # and loading every column was most of a one-run request's lookup.
-        .only("id", "name", "team_id", "team__id", "team__slug")
-        .annotate(database_now=Now())
-        .filter(name__in={item.job for item in items})
-    }
+    definitions, down = _definitions({item.job for item in items})
     foreign: dict[Any, list[str]] = {}
     if now is None and definitions:
         now = next(iter(definitions.values())).database_now
-    wanted: list[tuple[Wanted, NewRun] | None] = []
+    wanted: list[tuple[Wanted, NewRun] | str | None] = []
     for item in items:
+        if item.job in down:
+            wanted.append(down[item.job])
+            continue
         definition = definitions.get(item.job)
         if definition is None or definition.team_id not in team_ids:
             if definition is not None:
@@ -137,19 +132,38 @@ def enqueue_many(
         due = item.run_at or now + timedelta(seconds=item.delay_seconds or 0)
         key = item.idempotency_key or f"{definition.name}@{trigger}-{uuid.uuid4().hex}"
         new = NewRun(
-            definition.pk, trigger, due, due, key, item.payload, item.priority,
+            definition.pk,
+            trigger,
+            due,
+            due,
+            key,
+            item.payload,
+            item.priority,
             item.concurrency_key,
         )
         wanted.append((item, new))
     for team, names in foreign.items():
         record_denied(actor, "enqueue", team=team, target_type="job", target=names)
     by_id = {d.pk: d for d in definitions.values()}
-    asked = [pair[1] for pair in wanted if pair is not None]
-    with transaction.atomic():
-        rows = insert_keyed(asked, full=True)
-        runs = {name: _new_run(row, by_id[row["definition_id"]]) for name, row in rows.items()}
-        # Only the keys that named an existing run are read back.
-        runs.update(_runs_named({(n.definition_id, n.idempotency_key) for n in asked} - set(rows)))
+    asked = [pair[1] for pair in wanted if isinstance(pair, tuple)]
+    rows: dict[tuple[int, str], Any] = {}
+    runs: dict[tuple[int, str], Any] = {}
+    failed: dict[int, str] = {}  # definition id: why its database could not take the runs
+    # The audit event commits with the runs when they share the control database; a shard
+    # database of its own commits its runs first (one transaction per database).
+    with transaction.atomic(using=shards.CONTROL):
+        for alias, part in _by_database(asked, by_id).items():
+            ids = {new.definition_id for new in part}
+            with shards.using(alias), _unless_unreachable(alias, ids, failed):
+                made = insert_keyed(part, full=True)
+                rows.update(made)
+                runs.update(
+                    (name, _new_run(row, by_id[row["definition_id"]])) for name, row in made.items()
+                )
+                # Only the keys that named an existing run are read back.
+                runs.update(
+                    _runs_named({(n.definition_id, n.idempotency_key) for n in part} - set(made))
+                )
         _audit_created(actor, [runs[name] for name in rows], trigger)
     answers = []
     seen: set[tuple[int, str]] = set()
@@ -157,7 +171,13 @@ def enqueue_many(
         if pair is None:
             answers.append(Enqueued(404, detail="No such job."))
             continue
+        if isinstance(pair, str):
+            answers.append(Enqueued(503, detail=pair))
+            continue
         item, new = pair
+        if new.definition_id in failed:
+            answers.append(Enqueued(503, detail=failed[new.definition_id]))
+            continue
         name = (new.definition_id, new.idempotency_key)
         if name in rows and name not in seen:
             answers.append(Enqueued(201, runs[name]))
@@ -165,6 +185,51 @@ def enqueue_many(
             answers.append(_existing(runs[name], item.payload))
         seen.add(name)
     return Batch(answers, now)
+
+
+@contextmanager
+def _unless_unreachable(alias: str, keys: Iterable[Any], down: dict[Any, str]) -> Iterator[None]:
+    """With shards on databases of their own, one that cannot be reached fails its items alone
+    (they answer 503: `down` gets why, for each of `keys`), not the batch."""
+    try:
+        yield
+    except (OperationalError, InterfaceError) as exc:
+        if not shards.physical():
+            raise
+        down.update(dict.fromkeys(keys, unavailable(alias, exc)))
+
+
+def _definitions(names: set[str]) -> tuple[dict[str, JobDefinition], dict[str, str]]:
+    """The definitions of these names, each read from its shard's database, with that
+    database's clock: a request of one run is then two round trips and one transaction (the
+    lookup, and the insert with its audit event). And the names whose database is down, with
+    what to tell about it."""
+    groups: dict[str, set[str]] = {}
+    for name in names:
+        groups.setdefault(shards.alias_of_shard(shard_for(name)), set()).add(name)
+    found: dict[str, JobDefinition] = {}
+    down: dict[str, str] = {}
+    for alias, part in groups.items():
+        with shards.using(alias), _unless_unreachable(alias, part, down):
+            # Only what the batch reads (the insert takes the rest from the row itself):
+            # compiling and loading every column was most of a one-run request's lookup.
+            query = (
+                JobDefinition.objects.only("id", "name", "team_id", "shard")
+                .annotate(database_now=Now())
+                .filter(name__in=part)
+            )
+            found.update((d.name, d) for d in shards.with_teams(query))
+    return found, down
+
+
+def _by_database(
+    asked: Sequence[NewRun], by_id: dict[int, JobDefinition]
+) -> dict[str, list[NewRun]]:
+    groups: dict[str, list[NewRun]] = {}
+    for new in asked:
+        alias = shards.alias_of_shard(by_id[new.definition_id].shard)
+        groups.setdefault(alias, []).append(new)
+    return groups
 
 
 @dataclass
@@ -237,11 +302,11 @@ def _runs_named(pairs: set[tuple[int, str]]) -> dict[tuple[int, str], Run]:
     idempotency_key) index)."""
     if not pairs:
         return {}
-    candidates = Run.objects.select_related("definition", "team").filter(
+    candidates = Run.objects.select_related("definition").filter(
         definition_id__in={pair[0] for pair in pairs},
         idempotency_key__in={pair[1] for pair in pairs},
     )
-    found = {(run.definition_id, run.idempotency_key): run for run in candidates}
+    found = {(run.definition_id, run.idempotency_key): run for run in shards.with_teams(candidates)}
     return {name: run for name, run in found.items() if name in pairs}
 
 

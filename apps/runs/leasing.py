@@ -8,19 +8,23 @@ rolls the claim back, so no run stays leased to a worker that never got it.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TypeVar
 
-from django.db import connection, transaction
+from django.db import InterfaceError, OperationalError, connections
 
-from apps.runs import store
+from apps.runs import shards, store
 from apps.runs.activity import note_lease_activity
 from apps.runs.waiting import listener
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 # A waiting lease call claims again at least this often: a freed concurrency slot sends no
 # NOTIFY (that would be one per completion), nor does a NOTIFY lost with a dropped connection.
@@ -66,16 +70,10 @@ def claim_or_wait(
             # A dead worker's long poll must not lease it runs that nobody would run.
             return render([])
         seen = listener.generation
+        lanes = store.control_lanes(request.queues, request.team_ids) if shards.physical() else None
         try:
-            with transaction.atomic():
-                leases = store.claim(
-                    queues=request.queues,
-                    max_runs=request.max_runs,
-                    worker_id=request.worker_id,
-                    lease_seconds=request.lease_seconds,
-                    team_ids=request.team_ids,
-                    jobs=request.jobs,
-                )
+            with ExitStack() as transactions:
+                leases = _claim_everywhere(request, lanes, transactions)
                 answer = render(leases)
                 if leases and gone is not None and gone.is_set():
                     raise _WorkerGone
@@ -84,21 +82,70 @@ def claim_or_wait(
         left = deadline - time.monotonic()
         if leases or left <= 0:
             return answer
-        alarm = min(left, _until_next_available(request.queues, request.team_ids))
-        _release_pooled_connection()
+        alarm = min(left, _until_next_available(request, lanes))
+        _release_pooled_connections()
         listener.wait(seen, alarm)
 
 
-def _until_next_available(queues: Sequence[str], team_ids: Sequence[int] | None) -> float:
+_rotation = itertools.count()
+
+
+def _claim_everywhere(
+    request: LeaseRequest, lanes: store.Lanes | None, transactions: ExitStack
+) -> list[store.Lease]:
+    """Claim from each shard database in turn, starting at a rotating one so that workers
+    spread, until the batch is full: one transaction each, all held open until the caller has
+    built its answer. A database that cannot be reached is passed over."""
+    databases = shards.databases()
+    start = next(_rotation) % len(databases)
+    leases: list[store.Lease] = []
+    for alias in databases[start:] + databases[:start]:
+        if len(leases) >= request.max_runs:
+            break
+        try:
+            with ExitStack() as mine, shards.using(alias):
+                mine.enter_context(store.atomic())
+                leases += store.claim(
+                    queues=request.queues,
+                    max_runs=request.max_runs - len(leases),
+                    worker_id=request.worker_id,
+                    lease_seconds=request.lease_seconds,
+                    team_ids=request.team_ids,
+                    jobs=request.jobs,
+                    lanes=lanes,
+                )
+                # Claimed: the transaction stays open with the others (a failed one has rolled
+                # back on its own).
+                transactions.enter_context(mine.pop_all())
+        except (OperationalError, InterfaceError):
+            if lanes is None:
+                raise
+            logger.warning("shard database %s unavailable for a claim", alias, exc_info=True)
+    return leases
+
+
+def _until_next_available(request: LeaseRequest, lanes: store.Lanes | None) -> float:
     """Seconds until the earliest waiting run of these queues becomes claimable by the clock."""
-    seconds = store.seconds_until_available(queues, team_ids)
+    found = []
+    for alias in shards.databases():
+        try:
+            with shards.using(alias):
+                found.append(
+                    store.seconds_until_available(request.queues, request.team_ids, lanes)
+                )
+        except (OperationalError, InterfaceError):
+            if lanes is None:
+                raise
+    seconds = min((s for s in found if s is not None), default=None)
     if seconds is None:
         return RECHECK_SECONDS
     return max(0.01, min(RECHECK_SECONDS, seconds))
 
 
-def _release_pooled_connection() -> None:
-    """Hand a pooled connection back while the call waits: a long poll must not hold one of the
-    pool's few connections for its whole wait. The next statement takes one again."""
-    if connection.settings_dict["OPTIONS"].get("pool") and not connection.in_atomic_block:
-        connection.close()
+def _release_pooled_connections() -> None:
+    """Hand pooled connections back while the call waits: a long poll must not hold one of the
+    pools' few connections for its whole wait. The next statement takes one again."""
+    for alias in {shards.CONTROL, *shards.databases()}:
+        connection = connections[alias]
+        if connection.settings_dict["OPTIONS"].get("pool") and not connection.in_atomic_block:
+            connection.close()

@@ -23,11 +23,15 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 from django.conf import settings
-from django.db import connections
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.models import QuerySet
 
 # Shards a run id can name: ids are a multiple of this plus the shard. The shard count may not
 # exceed it (settings check it).
 RUN_ID_SPACE = 1024
+
+# The control database: teams, tokens, audit, shard leases, queue settings.
+CONTROL = DEFAULT_DB_ALIAS
 
 # Sharded models, as "app_label.model_name".
 SHARDED = frozenset({"jobs.jobdefinition", "runs.run", "runs.attempt", "runs.minutecounts"})
@@ -73,6 +77,21 @@ def runs_by_database(run_ids: Sequence[int]) -> dict[str, list[int]]:
     for run_id in run_ids:
         groups.setdefault(alias_of_run(run_id), []).append(run_id)
     return groups
+
+
+def with_teams(queryset: QuerySet) -> list:
+    """The rows of a query of a sharded model with their `team`: joined where the teams are in
+    the same database, else read from the control database in one more query."""
+    if not physical():
+        return list(queryset.select_related("team"))
+    from apps.teams.models import Team
+
+    rows = list(queryset)
+    teams = Team.objects.using(CONTROL).in_bulk({row.team_id for row in rows})
+    for row in rows:
+        if row.team_id in teams:  # a team deleted meanwhile: its rows go with it
+            row.team = teams[row.team_id]
+    return rows
 
 
 def next_run_id(shard: int) -> int:

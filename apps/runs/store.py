@@ -231,8 +231,9 @@ def insert_keyed(runs: Sequence[NewRun], *, full: bool = False) -> dict[tuple[in
 # SKIP LOCKED lets concurrent claimers take the next rows instead of queueing behind ours.
 # The tick (a shared sequence) places this claim in the priority pattern and the team rotation.
 
-CLAIM_CANDIDATES = f"""
-WITH lane AS (
+# The lanes, read from the teams and queue settings of the same database (every shard on the
+# control database)…
+LANES_HERE = """
     SELECT t.id AS team_id, q.name AS queue, p.priority
     FROM teams_team t
     CROSS JOIN unnest(%(queues)s::text[]) AS q(name)
@@ -240,7 +241,21 @@ WITH lane AS (
     WHERE (%(team_ids)s::bigint[] IS NULL OR t.id = ANY(%(team_ids)s::bigint[]))
       AND NOT EXISTS (
           SELECT 1 FROM jobs_queue jq WHERE jq.team_id = t.id AND jq.name = q.name AND jq.paused
-      )
+      )"""
+# … or, on a shard database of its own, from the control database's answer (control_lanes):
+# the teams, and the paused queues as (team, queue) pairs.
+LANES_GIVEN = """
+    SELECT t.id AS team_id, q.name AS queue, p.priority
+    FROM unnest(%(team_ids)s::bigint[]) AS t(id)
+    CROSS JOIN unnest(%(queues)s::text[]) AS q(name)
+    CROSS JOIN (VALUES (0), (1), (2)) AS p(priority)
+    WHERE NOT EXISTS (
+        SELECT 1 FROM unnest(%(paused_teams)s::bigint[], %(paused_queues)s::text[]) AS x(t, q)
+        WHERE x.t = t.id AND x.q = q.name
+    )"""
+
+_CLAIM_CANDIDATES = f"""
+WITH lane AS ({{lanes}}
 ), candidate AS (
     -- Runs of definitions without a concurrency limit: the lane's oldest, up to max. Runs of
     -- paused or limited definitions are filtered out row by row, so a large backlog of theirs
@@ -282,6 +297,44 @@ SELECT id, team_id, priority, definition_id, concurrency,
 FROM candidate
 ORDER BY priority, available_at, id
 """
+CLAIM_CANDIDATES = _CLAIM_CANDIDATES.format(lanes=LANES_HERE)
+CLAIM_CANDIDATES_GIVEN_LANES = _CLAIM_CANDIDATES.format(lanes=LANES_GIVEN)
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """What a claim on a shard database of its own needs from the control database."""
+
+    team_ids: list[int]
+    paused: list[tuple[int, str]]  # (team, queue)
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "team_ids": _bigints(self.team_ids),
+            "paused_teams": _bigints(team for team, _ in self.paused),
+            "paused_queues": array_literal([queue for _, queue in self.paused]),
+        }
+
+
+# The control database's part of a claim with shards on databases of their own: the teams
+# (served by the primary key) and their paused queues among those asked (by the unique
+# (team_id, name) index).
+CONTROL_TEAMS = "SELECT id FROM teams_team ORDER BY id"
+CONTROL_PAUSED = """
+SELECT team_id, name FROM jobs_queue
+WHERE paused AND team_id = ANY(%(team_ids)s::bigint[]) AND name = ANY(%(queues)s::text[])
+"""
+
+
+def control_lanes(queues: Sequence[str], team_ids: Sequence[int] | None) -> Lanes:
+    with placement.using(placement.CONTROL), server_cursor() as cursor:
+        if team_ids is None:
+            cursor.execute(CONTROL_TEAMS)
+            team_ids = [row[0] for row in cursor.fetchall()]
+        cursor.execute(
+            CONTROL_PAUSED, {"team_ids": _bigints(team_ids), "queues": array_literal(queues)}
+        )
+        return Lanes(list(team_ids), [tuple(row) for row in cursor.fetchall()])
 
 # Claim, step 2, only when a candidate's definition has a concurrency limit: lock those
 # definitions (in id order, so claimers cannot deadlock), then count their leased runs in a new
@@ -411,20 +464,24 @@ def claim(
     lease_seconds: int,
     team_ids: Sequence[int] | None = None,
     jobs: Sequence[str] | None = None,
+    lanes: Lanes | None = None,
 ) -> list[Lease]:
-    """Lease up to `max_runs` claimable runs of the given queues (and jobs), in one transaction.
+    """Lease up to `max_runs` claimable runs of the given queues (and jobs), in one transaction
+    on the current shard database; on one of its own, `lanes` from `control_lanes`.
 
     Called inside a transaction (apps/runs/leasing.py builds the answer in it), the claim joins
     it without a savepoint, which would cost two more round trips per claim."""
+    params = {
+        "queues": array_literal(queues),
+        "team_ids": _bigints(team_ids) if team_ids is not None else None,
+        "jobs": array_literal(jobs) if jobs else None,
+        "max": max_runs,
+    }
+    if lanes is not None:
+        params.update(lanes.params())
     with atomic(savepoint=False), server_cursor() as cursor:
         cursor.execute(
-            CLAIM_CANDIDATES,
-            {
-                "queues": array_literal(queues),
-                "team_ids": _bigints(team_ids) if team_ids is not None else None,
-                "jobs": array_literal(jobs) if jobs else None,
-                "max": max_runs,
-            },
+            CLAIM_CANDIDATES if lanes is None else CLAIM_CANDIDATES_GIVEN_LANES, params
         )
         candidates = _rows(cursor)
         if not candidates:
@@ -503,9 +560,9 @@ def _claimed(leases: list[Lease], worker_id: str) -> None:
 # availableAt, nobody sends a NOTIFY at that moment, so the waiter sets its own alarm). Runs that
 # are already due but held (paused, at a concurrency limit) are left out: they would wake the
 # waiter at once, again and again; their release sends a NOTIFY or is caught by the re-check.
-NEXT_AVAILABLE = f"""
+_NEXT_AVAILABLE = f"""
 SELECT min(n.available_at)
-FROM teams_team t
+FROM {{teams}}
 CROSS JOIN unnest(%(queues)s::text[]) AS q(name)
 CROSS JOIN (VALUES (0), (1), (2)) AS p(priority)
 CROSS JOIN LATERAL (
@@ -518,6 +575,11 @@ CROSS JOIN LATERAL (
 ) AS n
 WHERE %(team_ids)s::bigint[] IS NULL OR t.id = ANY(%(team_ids)s::bigint[])
 """
+NEXT_AVAILABLE = _NEXT_AVAILABLE.format(teams="teams_team t")
+# On a shard database of its own, the teams are the control database's (control_lanes).
+NEXT_AVAILABLE_GIVEN_TEAMS = _NEXT_AVAILABLE.format(
+    teams="unnest(%(team_ids)s::bigint[]) AS t(id)"
+)
 
 
 # Lease activity per (team, queue): an upsert served by the unique (team_id, name) index. The
@@ -528,18 +590,35 @@ WHERE %(team_ids)s::bigint[] IS NULL OR t.id = ANY(%(team_ids)s::bigint[])
 RECORD_LEASE_ACTIVITY = """
 INSERT INTO jobs_queue (team_id, name, paused, updated_at, last_leased_at, last_worker_id)
 SELECT %(team_id)s, q, false, now(), now(), %(worker_id)s FROM unnest(%(queues)s::text[]) AS q
-WHERE EXISTS (SELECT 1 FROM jobs_jobdefinition d WHERE d.team_id = %(team_id)s AND d.queue = q)
+WHERE q = ANY(%(used)s::text[])
+   OR EXISTS (SELECT 1 FROM jobs_jobdefinition d WHERE d.team_id = %(team_id)s AND d.queue = q)
    OR EXISTS (SELECT 1 FROM jobs_queue jq WHERE jq.team_id = %(team_id)s AND jq.name = q)
 ON CONFLICT (team_id, name)
 DO UPDATE SET last_leased_at = now(), last_worker_id = EXCLUDED.last_worker_id
 """
+# With shards on databases of their own, the queues the team's definitions use are read from
+# each of them first (served by job_team_name).
+QUEUES_IN_USE = """
+SELECT DISTINCT queue FROM jobs_jobdefinition
+WHERE team_id = %(team_id)s AND queue = ANY(%(queues)s::text[])
+"""
 
 
 def record_lease_activity(team_id: int, queues: Sequence[str], worker_id: str) -> None:
-    with server_cursor() as cursor:
+    asked = sorted(set(queues))
+    used: set[str] = set()
+    for alias in placement.databases() if placement.physical() else ():
+        if alias != placement.CONTROL:
+            try:
+                with placement.using(alias), server_cursor() as cursor:
+                    cursor.execute(QUEUES_IN_USE, {"team_id": team_id, "queues": asked})
+                    used.update(row[0] for row in cursor.fetchall())
+            except (OperationalError, InterfaceError):
+                continue  # a shard database that is down: its queues are noted next time
+    with placement.using(placement.CONTROL), server_cursor() as cursor:
         cursor.execute(
             RECORD_LEASE_ACTIVITY,
-            {"team_id": team_id, "queues": sorted(set(queues)), "worker_id": worker_id},
+            {"team_id": team_id, "queues": asked, "worker_id": worker_id, "used": sorted(used)},
         )
 
 
@@ -550,12 +629,21 @@ def next_available_at(queues: Sequence[str], team_ids: Sequence[int] | None) -> 
 
 
 SECONDS_UNTIL_AVAILABLE = f"SELECT extract(epoch FROM ({NEXT_AVAILABLE}) - now())::float8"
+SECONDS_UNTIL_AVAILABLE_GIVEN_TEAMS = (
+    f"SELECT extract(epoch FROM ({NEXT_AVAILABLE_GIVEN_TEAMS}) - now())::float8"
+)
 
 
-def seconds_until_available(queues: Sequence[str], team_ids: Sequence[int] | None) -> float | None:
-    """Seconds from the database's now() to next_available_at, in one statement."""
+def seconds_until_available(
+    queues: Sequence[str], team_ids: Sequence[int] | None, lanes: Lanes | None = None
+) -> float | None:
+    """Seconds from the current shard database's now() to its next available run of these
+    lanes, in one statement (on a database of its own, with the control database's `lanes`)."""
     with server_cursor() as cursor:
-        cursor.execute(SECONDS_UNTIL_AVAILABLE, _lanes(queues, team_ids))
+        if lanes is None:
+            cursor.execute(SECONDS_UNTIL_AVAILABLE, _lanes(queues, team_ids))
+        else:
+            cursor.execute(SECONDS_UNTIL_AVAILABLE_GIVEN_TEAMS, _lanes(queues, lanes.team_ids))
         return cursor.fetchone()[0]
 
 

@@ -1,4 +1,5 @@
-"""Long-poll wake-ups: one LISTEN connection per process, shared by every waiting claim.
+"""Long-poll wake-ups: one LISTEN connection per process and shard database, shared by every
+waiting claim.
 
 A claim that finds nothing waits on a condition that the listener thread signals whenever a
 NOTIFY on `runs_ready` arrives (sent once per queue by the transaction that made runs claimable).
@@ -15,6 +16,7 @@ import time
 import psycopg
 from django.db import connections
 
+from apps.runs import shards
 from apps.runs.store import READY_CHANNEL
 
 logger = logging.getLogger(__name__)
@@ -24,33 +26,47 @@ class ReadyListener:
     def __init__(self) -> None:
         self._condition = threading.Condition()
         self._generation = 0
-        self._thread: threading.Thread | None = None
+        self._threads: dict[str, threading.Thread] = {}
         self._start_lock = threading.Lock()
-        self.connected = threading.Event()
+        self._connected: dict[str, threading.Event] = {}
         self._stopping = threading.Event()
 
     @property
     def generation(self) -> int:
         return self._generation
 
+    @property
+    def connected(self) -> bool:
+        """Whether every shard database's LISTEN connection is up."""
+        return bool(self._connected) and all(e.is_set() for e in self._connected.values())
+
     def ensure_started(self) -> None:
+        started = []
         with self._start_lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="runs-ready-listener", daemon=True
-                )
-                self._thread.start()
-        # The first claim after start-up must not miss a NOTIFY sent while we were connecting.
-        self.connected.wait(timeout=5)
+            for alias in shards.databases():
+                thread = self._threads.get(alias)
+                if thread is None or not thread.is_alive():
+                    started.append(self._connected.setdefault(alias, threading.Event()))
+                    self._threads[alias] = thread = threading.Thread(
+                        target=self._run, args=(alias,), name=f"runs-ready-listener-{alias}",
+                        daemon=True,
+                    )  # fmt: skip
+                    thread.start()
+        # The first claim after start-up must not miss a NOTIFY sent while we were connecting
+        # (a database that is down is waited for this long, once; its thread keeps trying).
+        deadline = time.monotonic() + 5
+        for event in started:
+            event.wait(timeout=max(0.0, deadline - time.monotonic()))
 
     def stop(self, timeout: float = 5) -> None:
-        """Stop listening and close the connection (tests, and processes that exit cleanly)."""
+        """Stop listening and close the connections (tests, and processes that exit cleanly)."""
         self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self._thread = None
+        for thread in self._threads.values():
+            thread.join(timeout)
+        self._threads.clear()
         self._stopping.clear()
-        self.connected.clear()
+        for event in self._connected.values():
+            event.clear()
 
     def wait(self, seen_generation: int, timeout: float) -> bool:
         """Block until a NOTIFY newer than `seen_generation` arrives or `timeout` passes."""
@@ -68,8 +84,8 @@ class ReadyListener:
             self._generation += 1
             self._condition.notify_all()
 
-    def _conninfo(self) -> dict:
-        settings = connections["default"].settings_dict
+    def _conninfo(self, alias: str) -> dict:
+        settings = connections[alias].settings_dict
         params = {
             "dbname": settings["NAME"],
             "user": settings["USER"] or None,
@@ -81,13 +97,14 @@ class ReadyListener:
         }
         return {key: value for key, value in params.items() if value is not None}
 
-    def _run(self) -> None:
+    def _run(self, alias: str) -> None:
         delay = 0.5
+        connected = self._connected[alias]
         while not self._stopping.is_set():
             try:
-                with psycopg.connect(**self._conninfo()) as conn:
+                with psycopg.connect(**self._conninfo(alias)) as conn:
                     conn.execute(f"LISTEN {READY_CHANNEL}")
-                    self.connected.set()
+                    connected.set()
                     delay = 0.5
                     # Anything may have happened while we were not listening.
                     self._wake()
@@ -95,9 +112,12 @@ class ReadyListener:
                         for _ in conn.notifies(timeout=1):
                             self._wake()
             except Exception:  # noqa: BLE001 - the listener must outlive any connection failure
-                self.connected.clear()
+                connected.clear()
                 logger.warning(
-                    "LISTEN connection lost; reconnecting in %.1fs", delay, exc_info=True
+                    "LISTEN connection to %s lost; reconnecting in %.1fs",
+                    alias,
+                    delay,
+                    exc_info=True,
                 )
                 self._wake()
                 time.sleep(delay)

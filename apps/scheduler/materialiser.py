@@ -27,9 +27,10 @@ from django.db import DatabaseError, OperationalError, transaction
 
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
+from apps.runs import shards
 from apps.runs.clock import format_utc
 from apps.runs.models import Trigger
-from apps.runs.store import NewRun, array_literal, insert_runs, server_cursor
+from apps.runs.store import NewRun, array_literal, atomic, insert_runs, server_cursor
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +290,7 @@ def _insert_isolating(groups: Sequence[tuple[int, str, list[NewRun]]]) -> tuple[
     """
     everything = [run for _, _, runs in groups for run in runs]
     try:
-        with transaction.atomic():
+        with atomic():
             return len(insert_runs(everything)), set()
     except OperationalError:
         raise
@@ -300,7 +301,7 @@ def _insert_isolating(groups: Sequence[tuple[int, str, list[NewRun]]]) -> tuple[
     inserted, failed = 0, set()
     for definition_id, name, runs in groups:
         try:
-            with transaction.atomic():
+            with atomic():
                 inserted += len(insert_runs(runs))
         except OperationalError:
             raise
@@ -332,60 +333,73 @@ def materialise_batch(
     horizon = now + lookahead
     result = BatchResult()
     plans = _PlanCache(now=now, horizon=horizon, grace=grace, missed_cap=missed_cap)
-    # Prepared statements and psycopg's C timestamp loader (see store.server_cursor).
-    with transaction.atomic(), server_cursor() as cursor:
-        cursor.execute(LOCK_LEASE, {"shard": shard, "node": node, "epoch": epoch})
-        if cursor.fetchone() is None:
+    # Prepared statements and psycopg's C timestamp loader (see store.server_cursor). The lease
+    # is checked in the control database, whose transaction stays open (and the lease locked)
+    # until the shard's database has committed.
+    with (
+        shards.using(shards.CONTROL),
+        transaction.atomic(using=shards.CONTROL),
+        server_cursor() as control,
+    ):
+        control.execute(LOCK_LEASE, {"shard": shard, "node": node, "epoch": epoch})
+        if control.fetchone() is None:
             result.lease_held = False
             return result
-        cursor.execute(SELECT_DUE, {"shard": shard, "horizon": horizon, "batch": batch})
-        rows = cursor.fetchall()
-        result.definitions = len(rows)
-        result.full = len(rows) == batch
-        if not rows:
-            return result
+        with (
+            shards.using(shards.alias_of_shard(shard)),
+            atomic(savepoint=False),
+            server_cursor() as cursor,
+        ):
+            cursor.execute(SELECT_DUE, {"shard": shard, "horizon": horizon, "batch": batch})
+            rows = cursor.fetchall()
+            result.definitions = len(rows)
+            result.full = len(rows) == batch
+            if not rows:
+                return result
 
-        groups: list[tuple[int, str, list[NewRun]]] = []
-        ids: list[int] = []
-        next_due: list[datetime | None] = []
-        notes: list[str | None] = []
-        retry_at = now + BAD_DEFINITION_RETRY
-        for definition_id, name, raw_schedule, due_at in rows:
-            try:
-                plan = plans.plan(name, raw_schedule, due_at)
-                runs = _runs_for(definition_id, name, plan)
-            except Exception:  # noqa: BLE001 - one bad definition must not stop the shard
-                log.exception(
-                    "cannot compute the schedule of %s (id %s); next try at %s",
-                    name,
-                    definition_id,
-                    retry_at.isoformat(),
-                )
-                result.bad.append(name)
+            groups: list[tuple[int, str, list[NewRun]]] = []
+            ids: list[int] = []
+            next_due: list[datetime | None] = []
+            notes: list[str | None] = []
+            retry_at = now + BAD_DEFINITION_RETRY
+            for definition_id, name, raw_schedule, due_at in rows:
+                try:
+                    plan = plans.plan(name, raw_schedule, due_at)
+                    runs = _runs_for(definition_id, name, plan)
+                except Exception:  # noqa: BLE001 - one bad definition must not stop the shard
+                    log.exception(
+                        "cannot compute the schedule of %s (id %s); next try at %s",
+                        name,
+                        definition_id,
+                        retry_at.isoformat(),
+                    )
+                    result.bad.append(name)
+                    ids.append(definition_id)
+                    next_due.append(retry_at)
+                    notes.append(None)
+                    continue
+                if plan.note:
+                    log.warning("%s: %s", name, plan.note)
+                groups.append((definition_id, name, runs))
                 ids.append(definition_id)
-                next_due.append(retry_at)
-                notes.append(None)
-                continue
-            if plan.note:
-                log.warning("%s: %s", name, plan.note)
-            groups.append((definition_id, name, runs))
-            ids.append(definition_id)
-            next_due.append(plan.next_due_at)
-            notes.append(plan.note)
+                next_due.append(plan.next_due_at)
+                notes.append(plan.note)
 
-        result.inserted, failed = _insert_isolating(groups)
-        if failed:
-            for index, definition_id in enumerate(ids):
-                if definition_id in failed:
-                    next_due[index] = retry_at
-                    notes[index] = None
-            result.bad.extend(name for definition_id, name, _ in groups if definition_id in failed)
-        cursor.execute(
-            ADVANCE,
-            {
-                "ids": array_literal(ids),
-                "next_due_ats": array_literal(next_due),
-                "notes": array_literal(notes),
-            },
-        )
+            result.inserted, failed = _insert_isolating(groups)
+            if failed:
+                for index, definition_id in enumerate(ids):
+                    if definition_id in failed:
+                        next_due[index] = retry_at
+                        notes[index] = None
+                result.bad.extend(
+                    name for definition_id, name, _ in groups if definition_id in failed
+                )
+            cursor.execute(
+                ADVANCE,
+                {
+                    "ids": array_literal(ids),
+                    "next_due_ats": array_literal(next_due),
+                    "notes": array_literal(notes),
+                },
+            )
     return result

@@ -4,6 +4,8 @@ for its runs alone."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -197,3 +199,104 @@ def test_the_api_answers_503_naming_the_shards_of_a_database_that_is_down(layout
         f"/api/v1/runs/{doomed.run_id}/complete", {"fencingToken": doomed.fencing_token}
     )
     assert again.status_code == 200, again.text
+
+
+def _jobs_everywhere(layout: Layout, team, prefix: str) -> dict[str, JobDefinition]:
+    return {alias: layout.job_on(alias, team, prefix) for alias in shards.databases()}
+
+
+def _enqueue(api, jobs: dict[str, JobDefinition], per_job: int, tag: str) -> list[dict]:
+    items = [
+        {"job": job.name, "idempotencyKey": f"{tag}-{job.name}-{n}"}
+        for job in jobs.values()
+        for n in range(per_job)
+    ]
+    answer = api.post("/api/v1/runs", {"runs": items})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["runs"]
+
+
+def test_runs_enqueued_leased_and_completed_over_the_api_stay_on_their_shards(
+    layout, team_a, api_a
+):
+    jobs = _jobs_everywhere(layout, team_a, "e2e")
+    assert len(jobs) == 3  # the control database and the two servers
+    created = _enqueue(api_a, jobs, 3, "a")
+    assert [item["status"] for item in created] == [201] * 9
+    for alias, job in jobs.items():
+        stored = Run.objects.using(alias).filter(definition_id=job.pk)
+        assert stored.count() == 3
+        assert {shards.alias_of_run(run.pk) for run in stored} == {alias}
+
+    leased = api_a.post(
+        "/api/v1/leases", {"queues": ["q"], "max": 20, "workerId": "w-1", "leaseSeconds": 60}
+    ).json()["leases"]
+    assert sorted(lease["runId"] for lease in leased) == sorted(
+        item["run"]["runId"] for item in created
+    )
+    results = api_a.post(
+        "/api/v1/results",
+        {
+            "results": [
+                {"runId": lease["runId"], "fencingToken": lease["fencingToken"],
+                 "outcome": "succeeded"}
+                for lease in leased
+            ]
+        },
+    ).json()["results"]  # fmt: skip
+    assert [item["status"] for item in results] == [200] * 9
+    for alias in jobs:
+        states = set(Run.objects.using(alias).values_list("state", flat=True))
+        assert states == {"succeeded"}
+
+
+def test_with_one_shard_database_down_the_others_enqueue_and_lease(layout, team_a, api_a):
+    jobs = _jobs_everywhere(layout, team_a, "down")
+    second = layout.aliases[1]
+    layout.servers[1].kill()
+    try:
+        created = _enqueue(api_a, jobs, 2, "b")
+        leased = api_a.post(
+            "/api/v1/leases", {"queues": ["q"], "max": 20, "workerId": "w-2", "waitSeconds": 0}
+        )
+    finally:
+        layout.servers[1].start()
+    held = shards.shards_on(second)
+    by_job = {}
+    for item, job in zip(created, [j for j in jobs.values() for _ in range(2)], strict=True):
+        by_job.setdefault(job.name, []).append(item)
+    for alias, job in jobs.items():
+        statuses = [item["status"] for item in by_job[job.name]]
+        if alias == second:
+            assert statuses == [503, 503]
+            assert by_job[job.name][0]["type"].endswith("/shard-unavailable")
+            assert f"shards {held[0]}-{held[-1]} are unavailable" in by_job[job.name][0]["detail"]
+        else:
+            assert statuses == [201, 201]
+    assert leased.status_code == 200, leased.text
+    assert len(leased.json()["leases"]) == 4  # the two live databases' runs
+    connections[second].close()  # this thread's session died with the server
+    assert not Run.objects.using(second).exists()
+
+
+def test_a_long_poll_wakes_for_a_run_enqueued_on_any_shard_database(layout, team_a, api_a):
+    jobs = _jobs_everywhere(layout, team_a, "poll")
+    last = jobs[layout.aliases[-1]]
+    got: dict = {}
+
+    def poll() -> None:
+        got["answer"] = api_a.post(
+            "/api/v1/leases",
+            {"queues": ["q"], "max": 5, "workerId": "w-3", "waitSeconds": 20},
+        )
+
+    waiter = threading.Thread(target=poll)
+    started = time.monotonic()
+    waiter.start()
+    time.sleep(1.0)  # the poll is waiting
+    _enqueue(api_a, {"only": last}, 1, "c")
+    waiter.join(25)
+    took = time.monotonic() - started
+    leases = got["answer"].json()["leases"]
+    assert [lease["job"] for lease in leases] == [last.name]
+    assert took < 1.0 + 1.9  # woken by the NOTIFY, not by the two-second re-check or the end

@@ -244,7 +244,9 @@ class EnqueueRefused(TypedDict, total=False):
     """An item that created nothing, as problem details: 400 bad item, 404 no such job of the
     caller's team, 409 its key names a run with another payload."""
 
-    status: Annotated[ItemStatus, Field(description="400, 404, 409 or 413.")]
+    status: Annotated[
+        ItemStatus, Field(description="400, 404, 409, 413, or 503 when the job's shard is down.")
+    ]
     type: str
     title: str
     detail: str
