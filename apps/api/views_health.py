@@ -7,6 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from apps.api.ops_access import ops_only
 from apps.ops.metrics import render
+from apps.runs import shards as shard_map
 from apps.runs.clock import format_utc
 
 # A scheduler node renews its row every tick; one silent this long is reported as stale.
@@ -57,7 +58,30 @@ def readyz(request: HttpRequest) -> JsonResponse:
         }
         for node, seen, age, shards in nodes
     ]
-    return JsonResponse({"status": "ok", "schedulers": schedulers, "unownedShards": unowned})
+    databases = [_shard_database(alias) for alias in shard_map.databases()]
+    # A shard database that is down leaves the others served: "degraded", still 200.
+    status = "ok" if all(d["reachable"] for d in databases) else "degraded"
+    return JsonResponse(
+        {
+            "status": status,
+            "schedulers": schedulers,
+            "unownedShards": unowned,
+            "shardDatabases": databases,
+        }
+    )
+
+
+def _shard_database(alias: str) -> dict:
+    """Whether a shard database answers, with its shards (never its URL)."""
+    held = shard_map.shards_on(alias)
+    answer = {"shards": f"{held[0]}-{held[-1]}" if len(held) > 1 else str(held[0])}
+    try:
+        with connections[alias].cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
+        connections[alias].close()
+        return {**answer, "reachable": False, "detail": type(exc).__name__}
+    return {**answer, "reachable": True}
 
 
 @ops_only

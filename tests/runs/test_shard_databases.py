@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
 from django.db import connections
 
@@ -300,3 +301,22 @@ def test_a_long_poll_wakes_for_a_run_enqueued_on_any_shard_database(layout, team
     leases = got["answer"].json()["leases"]
     assert [lease["job"] for lease in leases] == [last.name]
     assert took < 1.0 + 1.9  # woken by the NOTIFY, not by the two-second re-check or the end
+
+
+def test_readiness_names_a_shard_database_that_is_down_and_stays_serving(layout, live_server):
+    def ready() -> httpx.Response:
+        return httpx.get(f"{live_server.url}/readyz", timeout=30)
+
+    spans = [shards.shards_on(alias) for alias in shards.databases()]
+    expected = [{"shards": f"{s[0]}-{s[-1]}", "reachable": True} for s in spans]
+    assert ready().json()["shardDatabases"] == expected
+    layout.servers[1].kill()
+    try:
+        down = ready()
+    finally:
+        layout.servers[1].start()
+    assert down.status_code == 200
+    assert down.json()["status"] == "degraded"
+    assert [d["reachable"] for d in down.json()["shardDatabases"]] == [True, True, False]
+    assert down.json()["shardDatabases"][2]["shards"] == expected[2]["shards"]
+    assert ready().json()["status"] == "ok"
