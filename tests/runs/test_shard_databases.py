@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 import pytest
@@ -15,9 +16,10 @@ from django.db import connections
 
 from apps.jobs.models import JobDefinition
 from apps.jobs.schedule import shard_for
-from apps.runs import shards, store
-from apps.runs.models import Run
+from apps.runs import leasing, shards, store
+from apps.runs.models import Attempt, Run
 from tests import shard_layout
+from tests.runs.test_claim_concurrency import run_in_threads
 from tests.servers import Server
 
 pytestmark = [
@@ -320,3 +322,45 @@ def test_readiness_names_a_shard_database_that_is_down_and_stays_serving(layout,
     assert [d["reachable"] for d in down.json()["shardDatabases"]] == [True, True, False]
     assert down.json()["shardDatabases"][2]["shards"] == expected[2]["shards"]
     assert ready().json()["status"] == "ok"
+
+
+def test_eight_claimers_across_three_databases_lease_every_run_exactly_once(layout, team_a):
+    per_database = 300
+    for alias in shards.databases():
+        definition = layout.job_on(alias, team_a, "spread")
+        with shards.using(alias):
+            store.insert_runs(
+                [
+                    store.NewRun(definition.pk, "api", definition.created_at,
+                                 definition.created_at, f"s{n}")
+                    for n in range(per_database)
+                ]
+            )  # fmt: skip
+    request = partial(
+        leasing.LeaseRequest, team_id=team_a.pk, team_ids=[team_a.pk], queues=["q"], jobs=None,
+        max_runs=25, lease_seconds=60, wait_seconds=0,
+    )  # fmt: skip
+
+    def claimer(index: int) -> list[int]:
+        mine: list[int] = []
+        try:
+            while True:
+                got = leasing.claim_or_wait(
+                    request(worker_id=f"w-{index}"), lambda leases: [lease.id for lease in leases]
+                )
+                if not got:
+                    return mine
+                mine += got
+        finally:
+            connections.close_all()  # this thread's session on every database
+
+    claimed = run_in_threads(8, claimer)
+
+    everything = [run_id for ids in claimed for run_id in ids]
+    assert len(everything) == len(set(everything)) == per_database * len(shards.databases())
+    assert sum(1 for ids in claimed if ids) > 1  # the claimers shared the work
+    for alias in shards.databases():
+        leased = Run.objects.using(alias).filter(state="leased")
+        assert leased.count() == per_database
+        assert Attempt.objects.using(alias).count() == per_database
+        assert {shards.alias_of_run(pk) for pk in leased.values_list("pk", flat=True)} == {alias}
