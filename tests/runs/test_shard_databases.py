@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -35,6 +36,17 @@ class Layout:
 
     servers: list[Server]
     aliases: list[str]
+
+    @contextmanager
+    def down(self, index: int) -> Iterator[None]:
+        """Server `index` killed for the block, started again after it (its rows kept), and
+        this thread's session to it renewed."""
+        self.servers[index].kill()
+        try:
+            yield
+        finally:
+            self.servers[index].start()
+            connections[self.aliases[index]].close()
 
     def job_on(self, alias: str, team, prefix: str) -> JobDefinition:
         """A definition whose name hashes to a shard of `alias`, stored there."""
@@ -134,14 +146,11 @@ def test_a_database_that_is_down_answers_503_for_its_runs_and_the_others_commit(
     first, second = layout.aliases
     alive = layout.leased_runs(layout.job_on(first, team_a, "alive"), 1)[0]
     doomed = layout.leased_runs(layout.job_on(second, team_a, "doomed"), 1)[0]
-    layout.servers[1].kill()
-    try:
+    with layout.down(1):
         outcomes = store.complete(
             [(doomed.pk, doomed.fencing_token, None), (alive.pk, alive.fencing_token, None)],
             team_ids=[team_a.pk],
         )
-    finally:
-        layout.servers[1].start()
     held = shards.shards_on(second)
     assert [o.status for o in outcomes] == [503, 200]
     assert f"shards {held[0]}-{held[-1]} are unavailable" in outcomes[0].detail
@@ -149,7 +158,6 @@ def test_a_database_that_is_down_answers_503_for_its_runs_and_the_others_commit(
         assert Run.objects.get(pk=alive.pk).state == "succeeded"
 
     # Back up: the run completes with its token, as if nothing had happened.
-    connections[second].close()
     again = store.complete([(doomed.pk, doomed.fencing_token, None)], team_ids=[team_a.pk])
     assert [o.status for o in again] == [200]
 
@@ -175,8 +183,7 @@ def test_the_api_answers_503_naming_the_shards_of_a_database_that_is_down(layout
     first, second = layout.aliases
     alive = layout.leased_runs(layout.job_on(first, team_a, "api-alive"), 1)[0]
     doomed = layout.leased_runs(layout.job_on(second, team_a, "api-doomed"), 1)[0]
-    layout.servers[1].kill()
-    try:
+    with layout.down(1):
         single = api_a.post(
             f"/api/v1/runs/{doomed.run_id}/complete", {"fencingToken": doomed.fencing_token}
         )
@@ -189,15 +196,12 @@ def test_the_api_answers_503_naming_the_shards_of_a_database_that_is_down(layout
                 ]
             },
         )
-    finally:
-        layout.servers[1].start()
     held = shards.shards_on(second)
     assert single.status_code == 503, single.text
     assert single.headers["content-type"] == "application/problem+json"
     assert single.json()["type"].endswith("/shard-unavailable")
     assert f"shards {held[0]}-{held[-1]} are unavailable" in single.json()["detail"]
     assert [item["status"] for item in batch.json()["leases"]] == [503, 200]
-    connections[second].close()
     again = api_a.post(
         f"/api/v1/runs/{doomed.run_id}/complete", {"fencingToken": doomed.fencing_token}
     )
@@ -256,14 +260,11 @@ def test_runs_enqueued_leased_and_completed_over_the_api_stay_on_their_shards(
 def test_with_one_shard_database_down_the_others_enqueue_and_lease(layout, team_a, api_a):
     jobs = _jobs_everywhere(layout, team_a, "down")
     second = layout.aliases[1]
-    layout.servers[1].kill()
-    try:
+    with layout.down(1):
         created = _enqueue(api_a, jobs, 2, "b")
         leased = api_a.post(
             "/api/v1/leases", {"queues": ["q"], "max": 20, "workerId": "w-2", "waitSeconds": 0}
         )
-    finally:
-        layout.servers[1].start()
     held = shards.shards_on(second)
     by_job = {}
     for item, job in zip(created, [j for j in jobs.values() for _ in range(2)], strict=True):
@@ -278,7 +279,6 @@ def test_with_one_shard_database_down_the_others_enqueue_and_lease(layout, team_
             assert statuses == [201, 201]
     assert leased.status_code == 200, leased.text
     assert len(leased.json()["leases"]) == 4  # the two live databases' runs
-    connections[second].close()  # this thread's session died with the server
     assert not Run.objects.using(second).exists()
 
 
@@ -312,11 +312,8 @@ def test_readiness_names_a_shard_database_that_is_down_and_stays_serving(layout,
     spans = [shards.shards_on(alias) for alias in shards.databases()]
     expected = [{"shards": f"{s[0]}-{s[-1]}", "reachable": True} for s in spans]
     assert ready().json()["shardDatabases"] == expected
-    layout.servers[1].kill()
-    try:
+    with layout.down(1):
         down = ready()
-    finally:
-        layout.servers[1].start()
     assert down.status_code == 200
     assert down.json()["status"] == "degraded"
     assert [d["reachable"] for d in down.json()["shardDatabases"]] == [True, True, False]
