@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import datetime, timedelta
+from typing import TypeVar
 from urllib.parse import quote
 
 import httpx
 import psycopg
 import pytest
-from django.db import connection
+from django.db import connection, connections
 
 from apps.jobs.models import JobDefinition
 from apps.jobs.schedule import shard_for
-from apps.runs.models import PRIORITIES
-from apps.runs.store import NewRun, insert_runs
+from apps.runs import shards
+from apps.runs.leasing import LeaseRequest, claim_or_wait
+from apps.runs.models import PRIORITIES, Run
+from apps.runs.store import Lease, NewRun, insert_runs
 from apps.teams.models import ApiToken, Team
+
+M = TypeVar("M")
 
 
 def child_database_url() -> str:
@@ -137,17 +142,57 @@ def api_b(live_server, token_b, ready_listener) -> Iterator[Api]:
 
 
 def make_definition(team: Team, name: str, **fields) -> JobDefinition:
-    """A definition with no schedule (runs come from the test), stored directly."""
+    """A definition with no schedule (runs come from the test), stored directly in its shard's
+    database."""
     priority = fields.pop("priority", "default")
-    return JobDefinition.objects.create(
-        team=team,
-        name=name,
-        schedule=fields.pop("schedule", {}),
-        queue=fields.pop("queue", "default"),
-        priority=PRIORITIES[priority],
-        shard=shard_for(name),
-        **fields,
+    with shards.using(shards.alias_of_shard(shard_for(name))):
+        return JobDefinition.objects.create(
+            team=team,
+            name=name,
+            schedule=fields.pop("schedule", {}),
+            queue=fields.pop("queue", "default"),
+            priority=PRIORITIES[priority],
+            shard=shard_for(name),
+            **fields,
+        )
+
+
+def claim(
+    *,
+    queues: list[str],
+    max_runs: int,
+    worker_id: str,
+    lease_seconds: int = 60,
+    team_ids: list[int] | None = None,
+    jobs: list[str] | None = None,
+) -> list[Lease]:
+    """Claim as a lease request does: from every shard database (apps/runs/leasing.py)."""
+    request = LeaseRequest(
+        team_id=team_ids[0] if team_ids else 0,
+        team_ids=team_ids,
+        queues=queues,
+        jobs=jobs,
+        max_runs=max_runs,
+        worker_id=worker_id,
+        lease_seconds=lease_seconds,
+        wait_seconds=0,
     )
+    return claim_or_wait(request, lambda leases: leases)
+
+
+def stored(model: type[M], **filters) -> list[M]:
+    """The rows of a sharded model (runs, attempts, definitions) matching `filters`, from every
+    shard database, by primary key."""
+    found: list[M] = []
+    for alias in shards.databases():
+        found += model.objects.using(alias).filter(**filters)
+    return sorted(found, key=lambda row: row.pk)
+
+
+def stored_run(pk: int | None = None) -> Run:
+    """The one run (or the run `pk`), from whichever database holds it."""
+    (run,) = stored(Run, **({} if pk is None else {"pk": pk}))
+    return run
 
 
 def db_now() -> datetime:
@@ -172,14 +217,15 @@ def add_ready_runs(
         for i in range(count)
     ]
     ids: list[int] = []
-    for start in range(0, len(runs), 5000):
-        ids.extend(insert_runs(runs[start : start + 5000]))
+    with shards.using(shards.alias_of_shard(definition.shard)):
+        for start in range(0, len(runs), 5000):
+            ids.extend(insert_runs(runs[start : start + 5000]))
     return ids
 
 
 def expire_lease(run_pk: int) -> None:
     """Move a lease's expiry into the past, as if its worker stopped heartbeating."""
-    with connection.cursor() as cursor:
+    with connections[shards.alias_of_run(run_pk)].cursor() as cursor:
         cursor.execute(
             "UPDATE runs_run SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
             [run_pk],

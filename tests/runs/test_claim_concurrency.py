@@ -6,13 +6,13 @@ import threading
 from collections import Counter
 
 import pytest
-from django.db import connection
+from django.db import connections
 
 from apps.runs import store
 from apps.runs.models import Attempt, Run
-from tests.conftest import add_ready_runs, expire_lease, make_definition
+from tests.conftest import add_ready_runs, claim, expire_lease, make_definition, stored
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.shards, pytest.mark.django_db(transaction=True, databases="__all__")]
 
 
 def run_in_threads(count: int, target) -> list:
@@ -28,7 +28,7 @@ def run_in_threads(count: int, target) -> list:
         except BaseException as exc:  # noqa: BLE001 - reported to the test below
             errors.append(exc)
         finally:
-            connection.close()
+            connections.close_all()
 
     threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
     for thread in threads:
@@ -45,7 +45,7 @@ def test_eight_workers_lease_every_run_exactly_once(team_a):
 
     def worker(index: int) -> list[store.Lease]:
         taken = []
-        while batch := store.claim(
+        while batch := claim(
             queues=["load"],
             max_runs=25,
             worker_id=f"w{index}",
@@ -59,10 +59,10 @@ def test_eight_workers_lease_every_run_exactly_once(team_a):
     assert sorted(lease.id for lease in leases) == sorted(ids)
     tokens = [lease.fencing_token for lease in leases]
     assert len(set(tokens)) == len(tokens) == 2000
-    assert Run.objects.filter(state="leased").count() == 2000
-    assert Attempt.objects.count() == 2000
+    assert len(stored(Run, state="leased")) == 2000
+    assert len(stored(Attempt)) == 2000
     # Each worker got a share: SKIP LOCKED let them work side by side instead of in turn.
-    per_worker = Counter(Attempt.objects.values_list("worker_id", flat=True))
+    per_worker = Counter(attempt.worker_id for attempt in stored(Attempt))
     assert len(per_worker) >= 2
 
 
@@ -72,7 +72,7 @@ def test_concurrency_one_holds_under_eight_claimers(team_a):
 
     leases = run_in_threads(
         8,
-        lambda i: store.claim(
+        lambda i: claim(
             queues=["billing"],
             max_runs=5,
             worker_id=f"w{i}",
@@ -81,18 +81,18 @@ def test_concurrency_one_holds_under_eight_claimers(team_a):
         ),
     )
     assert sum(len(batch) for batch in leases) == 1
-    assert Run.objects.filter(definition=definition, state="leased").count() == 1
+    assert len(stored(Run, definition=definition.pk, state="leased")) == 1
 
 
 @pytest.mark.parametrize("how", ["complete", "fail", "expire"])
 def test_concurrency_slot_frees_exactly_once(team_a, how):
     definition = make_definition(team_a, "billing.single", queue="billing", concurrency=1)
     add_ready_runs(definition, 10)
-    (held,) = store.claim(
+    (held,) = claim(
         queues=["billing"], max_runs=5, worker_id="w0", lease_seconds=60, team_ids=[team_a.pk]
     )
     assert (
-        store.claim(
+        claim(
             queues=["billing"], max_runs=5, worker_id="w1", lease_seconds=60, team_ids=[team_a.pk]
         )
         == []
@@ -121,7 +121,7 @@ def test_concurrency_slot_frees_exactly_once(team_a, how):
 
     leases = run_in_threads(
         8,
-        lambda i: store.claim(
+        lambda i: claim(
             queues=["billing"],
             max_runs=5,
             worker_id=f"w{i}",
@@ -130,7 +130,7 @@ def test_concurrency_slot_frees_exactly_once(team_a, how):
         ),
     )
     assert sum(len(batch) for batch in leases) == 1
-    assert Run.objects.filter(definition=definition, state="leased").count() == 1
+    assert len(stored(Run, definition=definition.pk, state="leased")) == 1
 
 
 def test_definition_at_its_limit_is_skipped_not_waited_on(team_a):
@@ -138,7 +138,7 @@ def test_definition_at_its_limit_is_skipped_not_waited_on(team_a):
     free = make_definition(team_a, "etl.free", queue="etl")
     add_ready_runs(limited, 5, age_seconds=10)
     add_ready_runs(free, 5, age_seconds=5)
-    first = store.claim(
+    first = claim(
         queues=["etl"], max_runs=10, worker_id="w", lease_seconds=60, team_ids=[team_a.pk]
     )
     assert Counter(lease.job for lease in first) == {"etl.limited": 1, "etl.free": 5}
@@ -152,16 +152,18 @@ def test_paused_definition_and_paused_queue_are_not_claimed(team_a):
     add_ready_runs(paused, 3)
     add_ready_runs(other, 3)
     Queue.objects.create(team=team_a, name="ops-2", paused=True)
-    assert store.claim(queues=["ops", "ops-2"], max_runs=10, worker_id="w", lease_seconds=60) == []
+    assert claim(queues=["ops", "ops-2"], max_runs=10, worker_id="w", lease_seconds=60) == []
 
 
 def test_runs_not_yet_available_are_not_claimed(team_a):
     from datetime import timedelta
 
+    from apps.runs import shards
     from apps.runs.store import NewRun, insert_runs
     from tests.conftest import db_now
 
     definition = make_definition(team_a, "later.job", queue="later")
     later = db_now() + timedelta(hours=1)
-    insert_runs([NewRun(definition.pk, "api", later, later, "k")])
-    assert store.claim(queues=["later"], max_runs=10, worker_id="w", lease_seconds=60) == []
+    with shards.using(shards.alias_of_shard(definition.shard)):
+        insert_runs([NewRun(definition.pk, "api", later, later, "k")])
+    assert claim(queues=["later"], max_runs=10, worker_id="w", lease_seconds=60) == []
