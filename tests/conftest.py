@@ -180,6 +180,18 @@ def claim(
     return claim_or_wait(request, lambda leases: leases)
 
 
+def names_on_one_database(prefix: str, count: int) -> list[str]:
+    """`count` job names (`prefix.N`) whose shards share a database, whatever the layout."""
+    by_database: dict[str, list[str]] = {}
+    for n in range(10_000):
+        name = f"{prefix}.{n}"
+        group = by_database.setdefault(shards.alias_of_shard(shard_for(name)), [])
+        group.append(name)
+        if len(group) == count:
+            return group
+    raise AssertionError("no database holds enough of these names")
+
+
 def stored(model: type[M], **filters) -> list[M]:
     """The rows of a sharded model (runs, attempts, definitions) matching `filters`, from every
     shard database, by primary key."""

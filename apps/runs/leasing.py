@@ -93,35 +93,65 @@ _rotation = itertools.count()
 def _claim_everywhere(
     request: LeaseRequest, lanes: store.Lanes | None, transactions: ExitStack
 ) -> list[store.Lease]:
-    """Claim from each shard database in turn, starting at a rotating one so that workers
-    spread, until the batch is full: one transaction each, all held open until the caller has
-    built its answer. A database that cannot be reached is passed over."""
+    """Claim from every shard database, one transaction each, all held open until the caller
+    has built its answer; a database that cannot be reached is passed over.
+
+    First each database is asked for an equal share of the batch, starting at a rotating one so
+    that workers spread; then the databases that filled their share, in the same order, for
+    what is left. A batch is so shared between the teams and jobs of every database, as one
+    database shares it between its teams (one database: one claim, as before shards had
+    databases of their own)."""
     databases = shards.databases()
     start = next(_rotation) % len(databases)
-    leases: list[store.Lease] = []
-    for alias in databases[start:] + databases[:start]:
-        if len(leases) >= request.max_runs:
-            break
-        try:
-            with ExitStack() as mine, shards.using(alias):
+    order = databases[start:] + databases[:start]
+    share = -(-request.max_runs // len(order))
+    claimed: dict[str, list[store.Lease]] = {}
+
+    def wanted() -> int:
+        return request.max_runs - sum(map(len, claimed.values()))
+
+    for alias in order:
+        _claim_on(alias, request, lanes, min(share, wanted()), transactions, claimed)
+    for alias in [a for a in order if len(claimed.get(a, ())) == share]:
+        _claim_on(alias, request, lanes, wanted(), transactions, claimed)
+    return [lease for alias in order for lease in claimed.get(alias, ())]
+
+
+def _claim_on(
+    alias: str,
+    request: LeaseRequest,
+    lanes: store.Lanes | None,
+    max_runs: int,
+    transactions: ExitStack,
+    claimed: dict[str, list[store.Lease]],
+) -> None:
+    """Claim up to `max_runs` more on one database, in this request's transaction there (begun
+    by its first claim), into `claimed[alias]`."""
+    if max_runs <= 0:
+        return
+    try:
+        with ExitStack() as mine, shards.using(alias):
+            if alias not in claimed:
                 mine.enter_context(store.atomic())
-                leases += store.claim(
-                    queues=request.queues,
-                    max_runs=request.max_runs - len(leases),
-                    worker_id=request.worker_id,
-                    lease_seconds=request.lease_seconds,
-                    team_ids=request.team_ids,
-                    jobs=request.jobs,
-                    lanes=lanes,
-                )
-                # Claimed: the transaction stays open with the others (a failed one has rolled
-                # back on its own).
-                transactions.enter_context(mine.pop_all())
-        except (OperationalError, InterfaceError):
-            if lanes is None:
-                raise
-            logger.warning("shard database %s unavailable for a claim", alias, exc_info=True)
-    return leases
+            got = store.claim(
+                queues=request.queues,
+                max_runs=max_runs,
+                worker_id=request.worker_id,
+                lease_seconds=request.lease_seconds,
+                team_ids=request.team_ids,
+                jobs=request.jobs,
+                lanes=lanes,
+            )
+            # Claimed: the transaction stays open with the others.
+            transactions.enter_context(mine.pop_all())
+            claimed.setdefault(alias, []).extend(got)
+    except (OperationalError, InterfaceError):
+        if lanes is None:
+            raise
+        # Its transaction has rolled back, or will when the others commit: none of its leases
+        # may be answered.
+        claimed.pop(alias, None)
+        logger.warning("shard database %s unavailable for a claim", alias, exc_info=True)
 
 
 def _until_next_available(request: LeaseRequest, lanes: store.Lanes | None) -> float:
@@ -130,9 +160,7 @@ def _until_next_available(request: LeaseRequest, lanes: store.Lanes | None) -> f
     for alias in shards.databases():
         try:
             with shards.using(alias):
-                found.append(
-                    store.seconds_until_available(request.queues, request.team_ids, lanes)
-                )
+                found.append(store.seconds_until_available(request.queues, request.team_ids, lanes))
         except (OperationalError, InterfaceError):
             if lanes is None:
                 raise

@@ -6,14 +6,21 @@ import threading
 import time
 
 import pytest
-from django.db import connection
+from django.db import connections
 
-from apps.runs import store
+from apps.runs import shards, store
 from apps.runs.ids import public_run_id
 from apps.runs.models import Attempt, Run
-from tests.conftest import add_ready_runs, expire_lease, make_definition
+from tests.conftest import (
+    add_ready_runs,
+    claim,
+    expire_lease,
+    make_definition,
+    stored,
+    stored_run,
+)
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.shards, pytest.mark.django_db(transaction=True, databases="__all__")]
 
 LEASE_FIELDS = {
     "runId",
@@ -56,9 +63,9 @@ def test_heartbeat_extends_and_complete_finishes(api_a, team_a):
         {"fencingToken": lease["fencingToken"], "result": {"rows": 3}},
     )
     assert done.status_code == 200, done.text
-    run = Run.objects.get()
+    run = stored_run()
     assert run.state == "succeeded" and run.result == {"rows": 3} and run.finished_at is not None
-    assert Attempt.objects.get().outcome == "succeeded"
+    assert _only(stored(Attempt)).outcome == "succeeded"
 
 
 @pytest.mark.parametrize("call", ["heartbeat", "complete", "fail"])
@@ -66,14 +73,14 @@ def test_stale_token_is_rejected_and_changes_nothing(api_a, team_a, call):
     definition = make_definition(team_a, "jobs.stale", queue="q", retry_max_attempts=5)
     add_ready_runs(definition, 1)
     (first,) = api_a.lease(["q"], 1)
-    expire_lease(Run.objects.get().pk)
+    expire_lease(stored_run().pk)
     assert [r.outcome for r in store.reap()] == ["lease_expired"]
-    Run.objects.update(available_at=Run.objects.get().created_at)  # skip the backoff
+    _skip_backoff(stored_run())
     (second,) = api_a.lease(["q"], 1)
     assert second["runId"] == first["runId"]
     assert second["fencingToken"] > first["fencingToken"]
     assert second["attempt"] == 2
-    before = Run.objects.values().get()
+    before = _values(stored_run())
 
     body = {"fencingToken": first["fencingToken"]}
     if call == "fail":
@@ -83,13 +90,13 @@ def test_stale_token_is_rejected_and_changes_nothing(api_a, team_a, call):
     problem = response.json()
     assert problem["status"] == 409 and "stale" in problem["detail"]
     assert response.headers["content-type"].startswith("application/problem+json")
-    assert Run.objects.values().get() == before
+    assert _values(stored_run()) == before
     # The current holder still completes.
     ok = api_a.post(
         f"/api/v1/runs/{second['runId']}/complete", {"fencingToken": second["fencingToken"]}
     )
     assert ok.status_code == 200
-    outcomes = list(Attempt.objects.order_by("fencing_token").values_list("outcome", flat=True))
+    outcomes = [a.outcome for a in sorted(stored(Attempt), key=lambda a: a.fencing_token)]
     assert outcomes == ["lease_expired", "succeeded"]
 
 
@@ -97,7 +104,7 @@ def test_completion_committed_while_the_reaper_runs_wins(team_a):
     """The completion holds the row when the reaper looks: the reaper skips it, the run succeeds."""
     definition = make_definition(team_a, "jobs.race", queue="q")
     add_ready_runs(definition, 1)
-    (lease,) = store.claim(queues=["q"], max_runs=1, worker_id="w", lease_seconds=60)
+    (lease,) = claim(queues=["q"], max_runs=1, worker_id="w")
     expire_lease(lease.id)
     completing = threading.Event()
     release = threading.Event()
@@ -106,14 +113,14 @@ def test_completion_committed_while_the_reaper_runs_wins(team_a):
         from django.db import transaction
 
         try:
-            with transaction.atomic():
+            with transaction.atomic(using=shards.alias_of_run(lease.id)):
                 store.complete(
                     [(lease.id, lease.fencing_token, {"ok": True})], team_ids=[team_a.pk]
                 )
                 completing.set()
                 release.wait(10)
         finally:
-            connection.close()
+            connections.close_all()
 
     thread = threading.Thread(target=complete_slowly)
     thread.start()
@@ -122,18 +129,18 @@ def test_completion_committed_while_the_reaper_runs_wins(team_a):
     release.set()
     thread.join(10)
     assert store.reap() == []
-    run = Run.objects.get()
+    run = stored_run()
     assert run.state == "succeeded"
-    assert Attempt.objects.get().outcome == "succeeded"
+    assert _only(stored(Attempt)).outcome == "succeeded"
 
 
 def test_reaper_reading_before_a_completion_commits_leaves_it_succeeded(team_a):
     """The reaper's UPDATE re-checks state, token and expiry, so a read-then-write race is harmless."""
     definition = make_definition(team_a, "jobs.race2", queue="q")
     add_ready_runs(definition, 1)
-    (lease,) = store.claim(queues=["q"], max_runs=1, worker_id="w", lease_seconds=60)
+    (lease,) = claim(queues=["q"], max_runs=1, worker_id="w")
     expire_lease(lease.id)
-    with connection.cursor() as cursor:
+    with connections[shards.alias_of_run(lease.id)].cursor() as cursor:
         cursor.execute(
             "SELECT id FROM runs_run WHERE state = 'leased' AND lease_expires_at <= now()"
         )
@@ -141,7 +148,7 @@ def test_reaper_reading_before_a_completion_commits_leaves_it_succeeded(team_a):
     assert seen == [lease.id]
     store.complete([(lease.id, lease.fencing_token, None)], team_ids=[team_a.pk])
     assert store.reap() == []
-    assert Run.objects.get().state == "succeeded"
+    assert stored_run().state == "succeeded"
 
 
 def test_timeout_fails_a_run_even_while_it_heartbeats(api_a, team_a):
@@ -161,16 +168,16 @@ def test_timeout_fails_a_run_even_while_it_heartbeats(api_a, team_a):
     assert late.status_code == 409
     (reaped,) = store.reap()
     assert reaped.outcome == "timed_out" and reaped.state == "retrying"
-    attempt = Attempt.objects.get()
+    attempt = _only(stored(Attempt))
     assert attempt.outcome == "timed_out"
-    assert Run.objects.get().last_error["type"] == "timed_out"
+    assert stored_run().last_error["type"] == "timed_out"
 
 
 def test_lease_is_bounded_by_the_timeout(api_a, team_a):
     definition = make_definition(team_a, "jobs.bounded", queue="q", timeout_seconds=5)
     add_ready_runs(definition, 1)
     api_a.lease(["q"], 1, leaseSeconds=600)
-    run = Run.objects.get()
+    run = stored_run()
     assert (run.lease_expires_at - run.started_at).total_seconds() <= 5.5
 
 
@@ -219,7 +226,7 @@ def test_batch_endpoints_answer_per_item(api_a, team_a):
     items = results.json()["results"]
     assert [item["status"] for item in items] == [200, 200, 409]
     assert items[1]["state"] == "dead"  # maxAttempts 1: no attempts left
-    states = dict(Run.objects.values_list("id", "state"))
+    states = {run.pk: run.state for run in stored(Run)}
     assert sorted(states.values()) == ["dead", "leased", "succeeded"]
     assert public_run_id(next(pk for pk, s in states.items() if s == "leased")) == c["runId"]
 
@@ -231,6 +238,21 @@ def test_lease_can_ask_for_some_jobs_only(api_a, team_a):
     add_ready_runs(wanted, 2)
     leases = api_a.lease(["mixed"], 10, jobs=["jobs.wanted"])
     assert [lease["job"] for lease in leases] == ["jobs.wanted", "jobs.wanted"]
-    assert Run.objects.filter(definition=other, state="leased").count() == 0
+    assert stored(Run, definition=other.pk, state="leased") == []
     bad = api_a.post("/api/v1/leases", {"queues": ["mixed"], "workerId": "w", "jobs": []})
     assert bad.status_code == 400 and "jobs" in bad.json()["errors"]
+
+
+def _only(rows: list):
+    (row,) = rows
+    return row
+
+
+def _values(run: Run) -> dict:
+    return {field.attname: getattr(run, field.attname) for field in Run._meta.concrete_fields}
+
+
+def _skip_backoff(run: Run) -> None:
+    Run.objects.using(shards.alias_of_run(run.pk)).filter(pk=run.pk).update(
+        available_at=run.created_at
+    )

@@ -6,13 +6,13 @@ import threading
 import time
 
 import pytest
-from django.db import connection
+from django.db import connections
 
-from apps.runs.models import Run
+from apps.runs import shards
 from apps.runs.store import NewRun, insert_runs
-from tests.conftest import db_now, make_definition
+from tests.conftest import db_now, make_definition, stored_run
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.shards, pytest.mark.django_db(transaction=True, databases="__all__")]
 
 
 def test_wait_returns_soon_after_a_run_becomes_ready(api_a, team_a):
@@ -30,12 +30,13 @@ def test_wait_returns_soon_after_a_run_becomes_ready(api_a, team_a):
     time.sleep(1.5)
     inserted_at = time.monotonic()
     now = db_now()
-    insert_runs([NewRun(definition.pk, "api", now, now, "poll-1")])
-    connection.close()
+    with shards.using(shards.alias_of_shard(definition.shard)):
+        insert_runs([NewRun(definition.pk, "api", now, now, "poll-1")])
+    connections.close_all()
     thread.join(10)
     assert len(answer["leases"]) == 1
     assert answer["returned"] - inserted_at < 1.0
-    assert Run.objects.get().state == "leased"
+    assert stored_run().state == "leased"
 
 
 def test_wait_returns_empty_after_the_wait(api_a, team_a):
@@ -50,7 +51,8 @@ def test_wait_wakes_for_a_run_whose_time_comes(api_a, team_a):
 
     definition = make_definition(team_a, "poll.later", queue="later")
     soon = db_now() + timedelta(seconds=1)
-    insert_runs([NewRun(definition.pk, "api", soon, soon, "later-1")])
+    with shards.using(shards.alias_of_shard(definition.shard)):
+        insert_runs([NewRun(definition.pk, "api", soon, soon, "later-1")])
     started = time.monotonic()
     leases = api_a.lease(["later"], 5, waitSeconds=5)
     assert len(leases) == 1
