@@ -66,12 +66,12 @@ def alias_of_run(run_pk: int) -> str:
     aliases = settings.SHARD_MAP.aliases
     # An id from before runs named their shard (or a forged one) is looked for in the control
     # database's shards, where such runs were made.
-    return aliases[shard] if shard < len(aliases) else "default"
+    return aliases[shard] if shard < len(aliases) else CONTROL
 
 
 def runs_by_database(run_ids: Sequence[int]) -> dict[str, list[int]]:
     """Run ids grouped by the database of their shard, in their order."""
-    if not settings.SHARD_MAP.physical:
+    if not physical():
         return {settings.SHARD_MAP.aliases[0]: list(run_ids)}
     groups: dict[str, list[int]] = {}
     for run_id in run_ids:

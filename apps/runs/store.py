@@ -146,7 +146,7 @@ INSERT_RUNS_RETURNING_ROWS = _INSERT_RUNS.format(
     more=(
         ", team_id, priority, state, trigger, due_at, available_at, attempt, max_attempts,"
         " dry_run, payload::text AS payload, payload_key, concurrency_key, created_at"
-    )
+    ),
 )
 
 
@@ -180,8 +180,8 @@ def insert_keyed(runs: Sequence[NewRun], *, full: bool = False) -> dict[tuple[in
     """
     if not runs:
         return {}
-    # One JSON document instead of eight arrays: json.dumps runs in C, while adapting arrays
-    # element by element in Python took longer than the insert itself. Scheduled runs share a
+    # One JSON document instead of eight arrays: serialised in C (orjson, _json), while adapting
+    # arrays element by element in Python took longer than the insert itself. Scheduled runs share a
     # few due times (a fleet's "0 * * * *"), so each distinct time is formatted once.
     iso: dict[datetime, str] = {}
 
@@ -336,6 +336,7 @@ def control_lanes(queues: Sequence[str], team_ids: Sequence[int] | None) -> Lane
         )
         return Lanes(list(team_ids), [tuple(row) for row in cursor.fetchall()])
 
+
 # Claim, step 2, only when a candidate's definition has a concurrency limit: lock those
 # definitions (in id order, so claimers cannot deadlock), then count their leased runs in a new
 # statement, whose snapshot sees every lease committed before the lock was granted.
@@ -480,9 +481,7 @@ def claim(
     if lanes is not None:
         params.update(lanes.params())
     with atomic(savepoint=False), server_cursor() as cursor:
-        cursor.execute(
-            CLAIM_CANDIDATES if lanes is None else CLAIM_CANDIDATES_GIVEN_LANES, params
-        )
+        cursor.execute(CLAIM_CANDIDATES if lanes is None else CLAIM_CANDIDATES_GIVEN_LANES, params)
         candidates = _rows(cursor)
         if not candidates:
             return []
@@ -577,9 +576,7 @@ WHERE %(team_ids)s::bigint[] IS NULL OR t.id = ANY(%(team_ids)s::bigint[])
 """
 NEXT_AVAILABLE = _NEXT_AVAILABLE.format(teams="teams_team t")
 # On a shard database of its own, the teams are the control database's (control_lanes).
-NEXT_AVAILABLE_GIVEN_TEAMS = _NEXT_AVAILABLE.format(
-    teams="unnest(%(team_ids)s::bigint[]) AS t(id)"
-)
+NEXT_AVAILABLE_GIVEN_TEAMS = _NEXT_AVAILABLE.format(teams="unnest(%(team_ids)s::bigint[]) AS t(id)")
 
 
 # Lease activity per (team, queue): an upsert served by the unique (team_id, name) index. The
