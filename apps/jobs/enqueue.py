@@ -105,14 +105,15 @@ def enqueue_many(
     trigger: str = Trigger.API,
     now: datetime | None = None,
 ) -> Batch:
-    """Create the runs asked for, in one statement; answer each item in order. Delays count
-    from `now`, the database's clock as the caller read it (read with the definitions when not
-    given).
+    """Create the runs asked for, in one statement per shard database; answer each item in
+    order. Delays count from `now`, the database's clock as the caller read it (read with the
+    definitions when not given).
 
-    1. Find the items' definitions by name (one query); a job not of `team_ids` is a 404 for its
-       items (another team's is audited once per team, as a denial).
-    2. Insert every run at once; the new ones are audited (one event per job).
+    1. Find the items' definitions by name (one query per database); a job not of `team_ids` is
+       a 404 for its items (another team's is audited once per team, as a denial).
+    2. Insert each database's runs at once; the new ones are audited (one event per job).
     3. Read the runs the others' keys name (one query), and compare payloads.
+    A shard database that cannot be reached answers 503 for its items (apps/runs/shards.py).
     """
     definitions, down = _definitions({item.job for item in items})
     foreign: dict[Any, list[str]] = {}
