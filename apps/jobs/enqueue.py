@@ -1,10 +1,10 @@
 """Creating runs of definitions: delayed, one-off and immediate runs asked for through the API
 (one or a batch), the dashboard's "trigger now", and the demo.
 
-A batch is one statement (`insert_keyed`: set-based, ON CONFLICT DO NOTHING on definition +
-idempotency key) and one NOTIFY per queue, whatever its size. Each item ends on its own:
-201 created, 200 the run its key already names (same payload, or none given), 409 that run has
-another payload, 404 no such job for the caller's teams. The same key is taken for as long as its
+A batch is one statement per shard database (`insert_keyed`: set-based, ON CONFLICT DO NOTHING
+on definition + idempotency key) and one NOTIFY per queue, whatever its size. Each item ends on
+its own: 201 created, 200 the run its key already names (same payload, or none given), 409 that
+run has another payload, 404 no such job for the caller's teams, 503 its shard's database is down. The same key is taken for as long as its
 run is kept (retention), and concurrent batches naming it create it once (the unique index).
 """
 
