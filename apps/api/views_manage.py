@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from django.db import IntegrityError
+from django.db import IntegrityError, InterfaceError, OperationalError
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.dateparse import parse_datetime
@@ -39,10 +39,11 @@ from apps.audit.record import Actor, record_denied
 from apps.jobs import enqueue, runlist, services, sync
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
-from apps.runs import filters, transitions
+from apps.runs import filters, shards, transitions
 from apps.runs.clock import database_now
 from apps.runs.ids import parse_run_id
 from apps.runs.models import PRIORITIES, Run, State
+from apps.runs.store import unavailable
 from apps.teams import access
 
 PAGE_DEFAULT = 50
@@ -92,11 +93,20 @@ class ManageView(APIView):
 
     def run(self, request: Request, run_id: str) -> Run:
         pk = parse_run_id(run_id)
-        run = (
-            Run.objects.select_related("definition", "team").filter(pk=pk).first()
-            if pk is not None
-            else None
-        )
+        run = None
+        if pk is not None:
+            # From the database its id names (apps/runs/shards.py).
+            alias = shards.alias_of_run(pk)
+            try:
+                with shards.using(alias):
+                    found = shards.with_teams(
+                        Run.objects.select_related("definition").filter(pk=pk)
+                    )
+            except (OperationalError, InterfaceError) as exc:
+                if not shards.physical():
+                    raise
+                raise ShardUnavailable(unavailable(alias, exc)) from exc
+            run = found[0] if found else None
         if run is not None and access.role_in(request.user, run.team_id) is None:
             self._deny(request, run.team, "run", run_id)
             run = None

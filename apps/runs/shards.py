@@ -118,11 +118,14 @@ def using(alias: str) -> Iterator[str]:
 
 class ShardRouter:
     """Django's database router: sharded models to the current shard database (an instance
-    read from a database stays with it, as Django's own hint says), the rest to `default`."""
+    read from a database stays with it, as Django's own hint says), the rest to the control
+    database."""
 
-    def _route(self, model, **hints) -> str | None:
+    def _route(self, model, **hints) -> str:
         if model._meta.label_lower not in SHARDED:
-            return None
+            # Said outright: Django would otherwise follow an instance's database, and a run's
+            # team read from a run of a shard database must come from the control database.
+            return CONTROL
         instance = hints.get("instance")
         if instance is not None and instance._state.db:
             return instance._state.db

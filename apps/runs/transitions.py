@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from django.db import connection, transaction
+from django.db import transaction
 
 from apps.audit.record import Actor, record
+from apps.runs import shards
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run
-from apps.runs.store import notify_ready
+from apps.runs.store import atomic, notify_ready, server_cursor
 
 
 class TransitionError(Exception):
@@ -54,12 +55,17 @@ def _transition(
     by_id = {run.pk: run for run in runs}
     if not by_id:
         return []
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute(sql, {"ids": list(by_id)})
-            changed = cursor.fetchall()
-        if wakes:
-            notify_ready(queue for _, queue in changed)
+    changed: list[tuple[int, str]] = []
+    # The audit events commit with the runs where they share the control database; a shard
+    # database of its own commits its runs first (one transaction per database).
+    with transaction.atomic(using=shards.CONTROL):
+        for alias, ids in shards.runs_by_database(list(by_id)).items():
+            with shards.using(alias), atomic(savepoint=False), server_cursor() as cursor:
+                cursor.execute(sql, {"ids": ids})
+                done = cursor.fetchall()
+                if wakes:
+                    notify_ready(queue for _, queue in done)
+            changed += done
         for run_id, _ in changed:
             run = by_id[run_id]
             record(

@@ -18,8 +18,10 @@ from django.db import connections
 from apps.jobs.models import JobDefinition
 from apps.jobs.schedule import shard_for
 from apps.runs import leasing, shards, store
+from apps.runs.ids import parse_run_id
 from apps.runs.models import Attempt, Run
 from tests import shard_layout
+from tests.conftest import stored_run
 from tests.runs.test_claim_concurrency import run_in_threads
 from tests.servers import Server
 
@@ -363,3 +365,25 @@ def test_eight_claimers_across_the_shard_databases_lease_every_run_exactly_once(
         assert leased.count() == per_database
         assert Attempt.objects.using(alias).count() == per_database
         assert {shards.alias_of_run(pk) for pk in leased.values_list("pk", flat=True)} == {alias}
+
+
+def test_a_run_is_read_cancelled_and_retried_by_id_on_its_shard_database(layout, team_a, api_a):
+    from apps.audit.models import AuditEvent
+
+    jobs = _jobs_everywhere(layout, team_a, "byid")
+    created = _enqueue(api_a, {"last": jobs[layout.aliases[-1]]}, 2, "d")
+    first, second = (item["run"]["runId"] for item in created)
+
+    shown = api_a.get(f"/api/v1/runs/{first}")
+    assert shown.status_code == 200, shown.text
+    assert shown.json()["runId"] == first and shown.json()["attempts"] == []
+    cancelled = api_a.post(f"/api/v1/runs/{first}/cancel")
+    assert cancelled.status_code == 200, cancelled.text
+    assert cancelled.json()["state"] == "cancelled"
+    assert api_a.post(f"/api/v1/runs/{first}/cancel").status_code == 409
+    assert stored_run(parse_run_id(first)).state == "cancelled"
+    assert AuditEvent.objects.filter(action="run.cancel", target=first).count() == 1
+
+    with layout.down(len(layout.servers) - 1):
+        down = api_a.get(f"/api/v1/runs/{second}")
+    assert down.status_code == 503 and down.json()["type"].endswith("/shard-unavailable")
