@@ -602,9 +602,10 @@ def run_list(request: Request, flt: runlist.RunFilter, now: datetime) -> Respons
         query = request.query_params.copy()
         query["cursor"] = page.runs[-1].run_id
         next_url = request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
-    return Response(
-        run_shape.RunPage(results=[run_json(run, now) for run in page.runs], next=next_url)
-    )
+    answer = run_shape.RunPage(results=[run_json(run, now) for run in page.runs], next=next_url)
+    if page.unavailable:
+        answer["unavailableShards"] = page.unavailable
+    return Response(answer)
 
 
 def team_runs(view: ManageView, request: Request) -> QuerySet:

@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.db import models
 
 from apps.runs.models import PRIORITIES, PRIORITY_NAMES
+from apps.runs.shards import alias_of_shard, next_id
 
 
 class JobDefinitionQuerySet(models.QuerySet):
@@ -65,6 +66,17 @@ class JobDefinition(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def save(self, *args, **kwargs) -> None:
+        # Stored in its shard's database, under a key that names the shard (apps/runs/shards.py):
+        # keys of definitions on two databases never meet.
+        from apps.jobs.schedule import shard_for
+
+        self.shard = shard_for(self.name)
+        if self.pk is None:
+            self.pk = next_id(JobDefinition, self.shard)
+            kwargs["using"] = alias_of_shard(self.shard)
+        super().save(*args, **kwargs)
 
     @property
     def priority_name(self) -> str:

@@ -10,9 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from django.db import InterfaceError, OperationalError
 from django.db.models import Q
 
 from apps.jobs.models import JobDefinition
+from apps.jobs.schedule import shard_for
+from apps.runs import shards
 from apps.runs.models import Run, State, reported_state
 
 PAGE_SIZE = 50
@@ -52,6 +55,8 @@ class RunFilter:
 class RunPage:
     runs: list[Run]
     next_cursor: int | None
+    # Shards whose database could not be read for this page ("5-10"): their runs are missing.
+    unavailable: list[str] = field(default_factory=list)
 
 
 def _branch(
@@ -82,17 +87,49 @@ def _branch(
 def run_page(
     flt: RunFilter, now: datetime, *, before: int | None, limit: int = PAGE_SIZE
 ) -> RunPage:
-    """One page of runs, newest first, older than the cursor `before` (a run pk).
+    """One page of runs, newest first (by id), older than the cursor `before` (a run pk), from
+    every shard database (the job's alone when the filter names one), merged by id: consistent
+    within each database. A database that cannot be read leaves its runs out and its shards in
+    `unavailable`.
 
     1. A job filter is resolved to its definition (the unique name index) first, so that the
        planner can take run_definition_recent (definition_id, -id).
-    2. One branch per (team, stored state), each an index scan on run_team_state
-       (team_id, state, -id) that stops after `limit + 1` rows, merged by id: the cost follows
-       the page size, not the table size.
+    2. On each database, one branch per (team, stored state), each an index scan on
+       run_team_state (team_id, state, -id) that stops after `limit + 1` rows, merged by id: the
+       cost follows the page size, not the table size.
     3. The page's runs, with their definitions and teams, by primary key.
     """
     if not flt.team_ids or not flt.branches:
         return RunPage([], None)
+    databases = shards.databases()
+    if flt.job:
+        databases = [shards.alias_of_shard(shard_for(flt.job))]
+    found: list[tuple[int, str]] = []
+    unavailable: list[str] = []
+    for alias in databases:
+        try:
+            with shards.using(alias):
+                found += [(pk, alias) for pk in _page_ids(flt, now, before, limit)]
+        except (OperationalError, InterfaceError):
+            if not shards.physical():
+                raise
+            unavailable.append(shards.span(alias))
+    found.sort(reverse=True)
+    more = len(found) > limit
+    found = found[:limit]
+    runs: list[Run] = []
+    for alias in dict.fromkeys(alias for _, alias in found):
+        ids = [pk for pk, held in found if held == alias]
+        with shards.using(alias):
+            runs += shards.with_teams(Run.objects.filter(pk__in=ids).select_related("definition"))
+    runs.sort(key=lambda run: run.pk, reverse=True)
+    for run in runs:
+        run.shown_state = reported_state(run.state, run.available_at, now)
+    return RunPage(runs, found[-1][0] if more and found else None, unavailable)
+
+
+def _page_ids(flt: RunFilter, now: datetime, before: int | None, limit: int) -> list[int]:
+    """Up to `limit + 1` ids of the current shard database's runs, newest first."""
     definition_id = None
     if flt.job:
         definition_id = (
@@ -101,7 +138,7 @@ def run_page(
             .first()
         )
         if definition_id is None:
-            return RunPage([], None)
+            return []
     branches = []
     for team_id in flt.team_ids:
         for state, clock in flt.branches:
@@ -110,10 +147,4 @@ def run_page(
                 queryset = queryset.filter(pk__lt=before)
             branches.append(queryset.order_by("-pk").values_list("pk", flat=True)[: limit + 1])
     ids_query = branches[0] if len(branches) == 1 else branches[0].union(*branches[1:], all=True)
-    ids = sorted(ids_query, reverse=True)[: limit + 1]
-    more = len(ids) > limit
-    ids = ids[:limit]
-    runs = list(Run.objects.filter(pk__in=ids).select_related("definition", "team").order_by("-pk"))
-    for run in runs:
-        run.shown_state = reported_state(run.state, run.available_at, now)
-    return RunPage(runs, ids[-1] if more and ids else None)
+    return sorted(ids_query, reverse=True)[: limit + 1]

@@ -17,6 +17,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TypeVar
 
+import psycopg
 from django.db import InterfaceError, OperationalError, connections
 
 from apps.runs import shards, store
@@ -133,6 +134,8 @@ def _claim_on(
         with ExitStack() as mine, shards.using(alias):
             if alias not in claimed:
                 mine.enter_context(store.atomic())
+                if lanes is not None:
+                    store.limit_lock_waits()
             got = store.claim(
                 queues=request.queues,
                 max_runs=max_runs,
@@ -145,13 +148,16 @@ def _claim_on(
             # Claimed: the transaction stays open with the others.
             transactions.enter_context(mine.pop_all())
             claimed.setdefault(alias, []).extend(got)
-    except (OperationalError, InterfaceError):
+    except (OperationalError, InterfaceError) as exc:
         if lanes is None:
             raise
         # Its transaction has rolled back, or will when the others commit: none of its leases
         # may be answered.
         claimed.pop(alias, None)
-        logger.warning("shard database %s unavailable for a claim", alias, exc_info=True)
+        if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+            logger.info("claim on shard database %s gave up a lock wait", alias)
+        else:
+            logger.warning("shard database %s unavailable for a claim", alias, exc_info=True)
 
 
 def _until_next_available(request: LeaseRequest, lanes: store.Lanes | None) -> float:

@@ -6,7 +6,7 @@ from django.contrib.postgres.fields import ArrayField
 from django.db import models
 
 from apps.runs.ids import public_run_id
-from apps.runs.shards import next_run_id
+from apps.runs.shards import next_id
 
 # Priorities are stored as small integers so "ORDER BY priority" serves critical first.
 PRIORITIES = {"critical": 0, "default": 1, "bulk": 2}
@@ -157,7 +157,7 @@ class Run(models.Model):
     def save(self, *args, **kwargs) -> None:
         # The id names the shard, as the store's insert makes it (apps/runs/shards.py).
         if self.pk is None:
-            self.pk = next_run_id(self.shard)
+            self.pk = next_id(Run, self.shard)
         super().save(*args, **kwargs)
 
     @property

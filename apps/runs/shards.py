@@ -6,7 +6,7 @@ audit, shard leases, queue settings) in the control database, `default`. Unset, 
 on the control database and each alias below is `default`.
 
 - `alias_of_shard(n)`, `databases()`, `shards_on(alias)`: the map.
-- A run's id names its shard: ids are `sequence value × RUN_ID_SPACE + shard`, so
+- A run's id names its shard: ids are `sequence value × ID_SPACE + shard`, so
   `shard_of_run(id)` needs no lookup. The sequence is per database; ids of two databases
   never meet because their shards differ.
 - `using(alias)`: the shard database that ORM queries of sharded models go to inside the
@@ -26,9 +26,9 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.models import QuerySet
 
-# Shards a run id can name: ids are a multiple of this plus the shard. The shard count may not
-# exceed it (settings check it).
-RUN_ID_SPACE = 1024
+# Shards a key of a run or definition can name: keys are a multiple of this plus the shard. The
+# shard count may not exceed it (settings check it).
+ID_SPACE = 1024
 
 # The control database: teams, tokens, audit, shard leases, queue settings.
 CONTROL = DEFAULT_DB_ALIAS
@@ -52,13 +52,19 @@ def shards_on(alias: str) -> list[int]:
     return [n for n, held in enumerate(settings.SHARD_MAP.aliases) if held == alias]
 
 
+def span(alias: str) -> str:
+    """The shards of a database as people read them: "5-10", or "3" alone."""
+    held = shards_on(alias)
+    return f"{held[0]}-{held[-1]}" if len(held) > 1 else str(held[0])
+
+
 def physical() -> bool:
     """Whether some shard lives outside the control database."""
     return settings.SHARD_MAP.physical
 
 
 def shard_of_run(run_pk: int) -> int:
-    return run_pk % RUN_ID_SPACE
+    return run_pk % ID_SPACE
 
 
 def alias_of_run(run_pk: int) -> str:
@@ -94,11 +100,15 @@ def with_teams(queryset: QuerySet) -> list:
     return rows
 
 
-def next_run_id(shard: int) -> int:
-    """A new run id of `shard`, from its database's sequence (for runs made through the ORM;
-    the store's insert computes the same in SQL)."""
+def next_id(model: type, shard: int) -> int:
+    """A new primary key for a row of `shard` of a sharded model (a definition, or a run made
+    through the ORM; the store's insert computes the same in SQL): its database's sequence
+    value × ID_SPACE + shard, so the key names its shard and two databases' keys never meet."""
     with connections[alias_of_shard(shard)].cursor() as cursor:
-        cursor.execute(f"SELECT nextval('runs_run_id_seq') * {RUN_ID_SPACE} + %s", [shard])
+        cursor.execute(
+            "SELECT nextval(pg_get_serial_sequence(%s, 'id')) * %s + %s",
+            [model._meta.db_table, ID_SPACE, shard],
+        )
         return cursor.fetchone()[0]
 
 

@@ -387,3 +387,30 @@ def test_a_run_is_read_cancelled_and_retried_by_id_on_its_shard_database(layout,
     with layout.down(len(layout.servers) - 1):
         down = api_a.get(f"/api/v1/runs/{second}")
     assert down.status_code == 503 and down.json()["type"].endswith("/shard-unavailable")
+
+
+def test_the_run_list_merges_every_shard_database_page_by_page(layout, team_a, api_a):
+    jobs = _jobs_everywhere(layout, team_a, "list")
+    created = _enqueue(api_a, jobs, 4, "e")
+    made = {item["run"]["runId"] for item in created}
+
+    seen: list[str] = []
+    url = "/api/v1/runs?limit=5"
+    while url:
+        page = api_a.get(url).json()
+        assert "unavailableShards" not in page
+        seen += [run["runId"] for run in page["results"]]
+        url = page["next"]
+    assert len(seen) == len(set(seen)) and set(seen) == made
+    ids = [parse_run_id(run_id) for run_id in seen]
+    assert ids == sorted(ids, reverse=True)  # newest first by id, across databases
+
+    one_job = jobs[layout.aliases[0]].name
+    only = api_a.get(f"/api/v1/runs?job={one_job}").json()["results"]
+    assert {run["job"] for run in only} == {one_job} and len(only) == 4
+
+    with layout.down(len(layout.servers) - 1):
+        partial_page = api_a.get("/api/v1/runs?limit=100").json()
+    dead = shards.span(layout.aliases[-1])
+    assert partial_page["unavailableShards"] == [dead]
+    assert len(partial_page["results"]) == 4 * (len(jobs) - 1)

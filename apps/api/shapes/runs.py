@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NotRequired
 
 from django.conf import settings
 from pydantic import AfterValidator, ConfigDict, Field, field_validator
@@ -214,6 +214,15 @@ class RunPage(TypedDict):
 
     results: list[Run]
     next: Annotated[str | None, Field(description="The next page, or null on the last.")]
+    unavailableShards: NotRequired[
+        Annotated[
+            list[str],
+            Field(
+                description="Shards (e.g. `5-10`) whose database could not be read: their runs "
+                "are missing from this page."
+            ),
+        ]
+    ]
 
 
 @typed_config(ANSWER)
