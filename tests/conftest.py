@@ -201,10 +201,15 @@ def stored(model: type[M], **filters) -> list[M]:
     return sorted(found, key=lambda row: row.pk)
 
 
+def stored_one(model: type[M], **filters) -> M:
+    """The one row of a sharded model matching `filters`, from whichever database holds it."""
+    (row,) = stored(model, **filters)
+    return row
+
+
 def stored_run(pk: int | None = None) -> Run:
     """The one run (or the run `pk`), from whichever database holds it."""
-    (run,) = stored(Run, **({} if pk is None else {"pk": pk}))
-    return run
+    return stored_one(Run, **({} if pk is None else {"pk": pk}))
 
 
 def db_now() -> datetime:

@@ -17,6 +17,7 @@ from tests.conftest import (
     expire_lease,
     make_definition,
     stored,
+    stored_one,
     stored_run,
 )
 
@@ -65,7 +66,7 @@ def test_heartbeat_extends_and_complete_finishes(api_a, team_a):
     assert done.status_code == 200, done.text
     run = stored_run()
     assert run.state == "succeeded" and run.result == {"rows": 3} and run.finished_at is not None
-    assert _only(stored(Attempt)).outcome == "succeeded"
+    assert stored_one(Attempt).outcome == "succeeded"
 
 
 @pytest.mark.parametrize("call", ["heartbeat", "complete", "fail"])
@@ -131,7 +132,7 @@ def test_completion_committed_while_the_reaper_runs_wins(team_a):
     assert store.reap() == []
     run = stored_run()
     assert run.state == "succeeded"
-    assert _only(stored(Attempt)).outcome == "succeeded"
+    assert stored_one(Attempt).outcome == "succeeded"
 
 
 def test_reaper_reading_before_a_completion_commits_leaves_it_succeeded(team_a):
@@ -168,7 +169,7 @@ def test_timeout_fails_a_run_even_while_it_heartbeats(api_a, team_a):
     assert late.status_code == 409
     (reaped,) = store.reap()
     assert reaped.outcome == "timed_out" and reaped.state == "retrying"
-    attempt = _only(stored(Attempt))
+    attempt = stored_one(Attempt)
     assert attempt.outcome == "timed_out"
     assert stored_run().last_error["type"] == "timed_out"
 
@@ -241,11 +242,6 @@ def test_lease_can_ask_for_some_jobs_only(api_a, team_a):
     assert stored(Run, definition=other.pk, state="leased") == []
     bad = api_a.post("/api/v1/leases", {"queues": ["mixed"], "workerId": "w", "jobs": []})
     assert bad.status_code == 400 and "jobs" in bad.json()["errors"]
-
-
-def _only(rows: list):
-    (row,) = rows
-    return row
 
 
 def _values(run: Run) -> dict:
