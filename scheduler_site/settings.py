@@ -67,6 +67,7 @@ MIDDLEWARE = [
     "django_htmx.middleware.HtmxMiddleware",
     "apps.dashboard.middleware.SignInRequiredMiddleware",
     "apps.dashboard.middleware.ContentSecurityPolicyMiddleware",
+    "apps.dashboard.middleware.UnavailableShardsMiddleware",
 ]
 
 ROOT_URLCONF = "scheduler_site.urls"
@@ -83,6 +84,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "apps.dashboard.context.unavailable_shards",
             ],
         },
     },

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TypeVar
 from urllib.parse import quote
@@ -14,11 +16,13 @@ from django.db import connection, connections
 
 from apps.jobs.models import JobDefinition
 from apps.jobs.schedule import shard_for
-from apps.runs import shards
+from apps.runs import shards, store
 from apps.runs.leasing import LeaseRequest, claim_or_wait
 from apps.runs.models import PRIORITIES, Run
 from apps.runs.store import Lease, NewRun, insert_runs
 from apps.teams.models import ApiToken, Team
+from tests import shard_layout
+from tests.servers import Server
 
 M = TypeVar("M")
 
@@ -247,3 +251,95 @@ def expire_lease(run_pk: int) -> None:
             "UPDATE runs_run SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
             [run_pk],
         )
+
+
+# --- shards on servers of their own (tests marked `physical`) ---------------------------------
+
+
+@dataclass
+class Layout:
+    """The session's shard databases (tests/shard_layout.py): `aliases[i]` on `servers[i]`."""
+
+    servers: list[Server]
+    aliases: list[str]
+
+    @contextmanager
+    def down(self, index: int) -> Iterator[None]:
+        """Server `index` killed for the block, started again after it (its rows kept), and
+        this thread's session to it renewed."""
+        self.servers[index].kill()
+        try:
+            yield
+        finally:
+            self.servers[index].start()
+            connections[self.aliases[index]].close()
+
+    def job_on(self, alias: str, team, prefix: str) -> JobDefinition:
+        """A definition whose name hashes to a shard of `alias`, stored there."""
+        name = next(
+            f"{prefix}.{n}" for n in range(1000)
+            if shards.alias_of_shard(shard_for(f"{prefix}.{n}")) == alias
+        )  # fmt: skip
+        with shards.using(alias):
+            return JobDefinition.objects.create(
+                team=team, name=name, queue="q", shard=shard_for(name), timeout_seconds=600
+            )
+
+    def new_runs(self, definition: JobDefinition, count: int, tag: str) -> list[int]:
+        """Runs of `definition`, claimable now, inserted by the store on its database."""
+        with shards.using(shards.alias_of_shard(definition.shard)):
+            now = db_now()
+            return store.insert_runs(
+                [store.NewRun(definition.pk, "api", now, now, f"{tag}{n}") for n in range(count)]
+            )
+
+    def dead_runs(
+        self, definition: JobDefinition, count: int, tag: str, message: str = "boom"
+    ) -> list[Run]:
+        """Runs of `definition` made dead in place (as a last failed attempt leaves them)."""
+        ids = self.new_runs(definition, count, tag)
+        alias = shards.alias_of_shard(definition.shard)
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                "UPDATE runs_run SET state = 'dead', attempt = 1, finished_at = now(),"
+                " last_error = jsonb_build_object('type', 'RuntimeError', 'message', %s::text)"
+                " WHERE id = ANY(%s)",
+                [message, ids],
+            )
+        return list(Run.objects.using(alias).filter(pk__in=ids).order_by("pk"))
+
+    def leased_runs(self, definition: JobDefinition, count: int) -> list[Run]:
+        """Runs of `definition` inserted by the store and leased (as a claim would)."""
+        alias = shards.alias_of_shard(definition.shard)
+        with shards.using(alias):
+            ids = store.insert_runs(
+                [
+                    store.NewRun(definition.pk, "api", definition.created_at,
+                                 definition.created_at, f"k{n}")
+                    for n in range(count)
+                ]
+            )  # fmt: skip
+            with connections[alias].cursor() as cursor:
+                cursor.execute(
+                    "UPDATE runs_run SET state = 'leased', attempt = 1, worker_id = 'w',"
+                    " fencing_token = nextval('runs_fencing_token'), started_at = now(),"
+                    " timeout_at = now() + interval '10 minutes',"
+                    " lease_expires_at = now() + interval '1 minute' WHERE id = ANY(%s)",
+                    [ids],
+                )
+                cursor.execute(
+                    "INSERT INTO runs_attempt (run_id, number, fencing_token, worker_id,"
+                    " leased_at, outcome, error_message, error_type)"
+                    " SELECT id, 1, fencing_token, 'w', now(), '', '', '' FROM runs_run"
+                    " WHERE id = ANY(%s)",
+                    [ids],
+                )
+            return list(Run.objects.filter(pk__in=ids).order_by("pk"))
+
+
+@pytest.fixture
+def layout() -> Iterator[Layout]:
+    servers = list(shard_layout.SERVERS)
+    aliases = [f"shards_{n + 1}" for n in range(len(servers))]
+    assert shards.physical() and set(aliases) <= set(shards.databases())
+    yield Layout(servers, aliases)

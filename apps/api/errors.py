@@ -11,6 +11,8 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
+from apps.runs import shards
+
 TYPE_BASE = "https://docs.cronlease.dev/problems/"
 
 TITLES = {
@@ -88,6 +90,8 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
         exc = PayloadTooLarge(
             f"The request body is larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes."
         )
+    elif isinstance(exc, shards.Unavailable):
+        exc = ShardUnavailable(str(exc))
     response = exception_handler(exc, context)
     if response is None:
         return None

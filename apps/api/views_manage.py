@@ -5,8 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from django.db import IntegrityError, InterfaceError, OperationalError
-from django.db.models import QuerySet
+from django.db import IntegrityError
 from django.http import HttpRequest
 from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import (
@@ -38,12 +37,11 @@ from apps.api.throttling import charge_enqueue
 from apps.audit.record import Actor, record_denied
 from apps.jobs import enqueue, runlist, services, sync
 from apps.jobs import schedule as sched
-from apps.jobs.models import JobDefinition
+from apps.jobs.models import JobDefinition, database_of
 from apps.runs import filters, shards, transitions
 from apps.runs.clock import database_now
 from apps.runs.ids import parse_run_id
 from apps.runs.models import PRIORITIES, Run, State
-from apps.runs.store import unavailable
 from apps.teams import access
 
 PAGE_DEFAULT = 50
@@ -79,11 +77,11 @@ class ManageView(APIView):
 
     def definition(self, request: Request, name: str) -> JobDefinition:
         # PostgreSQL text cannot hold NUL, and no job name has one.
-        definition = (
-            JobDefinition.objects.select_related("team").filter(name=name).first()
-            if "\x00" not in name
-            else None
-        )
+        definition = None
+        if "\x00" not in name:
+            with shards.reaching(database_of(name)):
+                found = shards.with_teams(JobDefinition.objects.named(name))
+            definition = found[0] if found else None
         if definition is not None and access.role_in(request.user, definition.team_id) is None:
             self._deny(request, definition.team, "job", name)
             definition = None
@@ -95,17 +93,9 @@ class ManageView(APIView):
         pk = parse_run_id(run_id)
         run = None
         if pk is not None:
-            # From the database its id names (apps/runs/shards.py).
-            alias = shards.alias_of_run(pk)
-            try:
-                with shards.using(alias):
-                    found = shards.with_teams(
-                        Run.objects.select_related("definition").filter(pk=pk)
-                    )
-            except (OperationalError, InterfaceError) as exc:
-                if not shards.physical():
-                    raise
-                raise ShardUnavailable(unavailable(alias, exc)) from exc
+            # From the database its id names (apps/runs/shards.py); 503 while it is down.
+            with shards.reaching(shards.alias_of_run(pk)):
+                found = shards.with_teams(Run.objects.select_related("definition").filter(pk=pk))
             run = found[0] if found else None
         if run is not None and access.role_in(request.user, run.team_id) is None:
             self._deny(request, run.team, "run", run_id)
@@ -125,7 +115,8 @@ def _named(data: Any, name: str) -> Any:
 
 
 def _name_taken_elsewhere(name: str, team) -> bool:
-    return JobDefinition.objects.filter(name=name).exclude(team=team).exists()
+    with shards.reaching(database_of(name)):
+        return JobDefinition.objects.named(name).exclude(team=team).exists()
 
 
 class JobsView(ManageView):
@@ -137,12 +128,17 @@ class JobsView(ManageView):
         responses=doc.responses({200: job_shape.DefinitionList}),
     )
     def get(self, request: Request) -> Response:
-        definitions = (
-            JobDefinition.objects.select_related("team")
-            .filter(team=self.team(request))
-            .order_by("name")
+        team = self.team(request)
+        found, unavailable = shards.gather(
+            lambda: list(JobDefinition.objects.filter(team=team).order_by("name"))
         )
-        return Response(job_shape.DefinitionList(results=[definition_json(d) for d in definitions]))
+        definitions = sorted((d for part in found for d in part), key=lambda d: d.name)
+        for definition in definitions:
+            definition.team = team
+        answer = job_shape.DefinitionList(results=[definition_json(d) for d in definitions])
+        if unavailable:
+            answer["unavailableShards"] = unavailable
+        return Response(answer)
 
     @extend_schema(
         operation_id="createJob",
@@ -167,7 +163,9 @@ class JobsView(ManageView):
         team = self.team(request)
         if _name_taken_elsewhere(spec.name, team):
             raise PermissionDenied(f"The job name '{spec.name}' belongs to another team.")
-        if JobDefinition.objects.filter(name=spec.name).exists():
+        with shards.reaching(database_of(spec.name)):
+            exists = JobDefinition.objects.named(spec.name).exists()
+        if exists:
             raise Conflict(f"A job named '{spec.name}' exists; use PUT to replace it.")
         try:
             definition = services.create_definition(team, spec, self.actor(request))
@@ -253,7 +251,8 @@ class JobDetailView(ManageView):
         # A replacement states its queue (DefinitionReplace): an empty body would otherwise
         # create (or reset a job to) every default, never what a jobs-as-code file means.
         spec = self.body(request, job_shape.DefinitionReplace, _named(request.data, name)).to_spec()
-        existing = JobDefinition.objects.select_related("team").filter(name=name, team=team).first()
+        with shards.reaching(database_of(name)):
+            existing = JobDefinition.objects.named(name).filter(team=team).first()
         if existing is None:
             try:
                 definition = services.create_definition(team, spec, self.actor(request))
@@ -608,12 +607,6 @@ def run_list(request: Request, flt: runlist.RunFilter, now: datetime) -> Respons
     return Response(answer)
 
 
-def team_runs(view: ManageView, request: Request) -> QuerySet:
-    return Run.objects.select_related("definition", "team").filter(
-        team_id__in=view.team_ids(request)
-    )
-
-
 class RunsView(FastPathView, ManageView):
     """The run list (DRF's dispatch) and the bulk enqueue, whose plain JSON POSTs take the
     workers' fast path (apps/api/fastpath.py): an application enqueueing one run a request
@@ -781,6 +774,10 @@ class DlqView(ManageView):
         return run_list(request, flt, now)
 
 
+# Runs one requeue or discard takes at most (the answer lists them).
+DLQ_ACTION_MAX = 10_000
+
+
 class DlqActionView(ManageView):
     action_name = "requeue"
 
@@ -797,19 +794,31 @@ class DlqActionView(ManageView):
     )
     def post(self, request: Request) -> Response:
         body = self.body(request, run_shape.DlqSelection)
-        dead = team_runs(self, request).filter(state=State.DEAD)
+        team_ids = self.team_ids(request)
         if body.runIds is not None:
             pks = [pk for pk in map(parse_run_id, body.runIds) if pk is not None]
-            dead = dead.filter(pk__in=pks)
-            foreign: dict = {}
-            others = Run.objects.filter(pk__in=pks).exclude(team_id__in=self.team_ids(request))
-            for run in others.select_related("team"):
-                foreign.setdefault(run.team, []).append(run.run_id)
-            for team, run_ids in foreign.items():
-                self._deny(request, team, "run", run_ids)
+            asked: dict[str, list[int] | None] = dict(shards.runs_by_database(pks))
         else:
-            dead = filters.apply(dead, body.filter)
-        runs = list(dead.order_by("pk")[:10000])
+            asked = dict.fromkeys(shards.databases())
+        # One selection per shard database (all of them for a filter, where one that is down
+        # makes the request a 503 rather than a partial requeue); the transition itself is one
+        # transaction per database.
+        runs: list[Run] = []
+        foreign: dict = {}
+        for alias, ids in asked.items():
+            with shards.reaching(alias):
+                dead = Run.objects.filter(team_id__in=team_ids, state=State.DEAD)
+                if ids is None:
+                    dead = filters.apply(dead, body.filter)
+                else:
+                    dead = dead.filter(pk__in=ids)
+                    others = Run.objects.filter(pk__in=ids).exclude(team_id__in=team_ids)
+                    for run in shards.with_teams(others):
+                        foreign.setdefault(run.team, []).append(run.run_id)
+                runs += shards.with_teams(dead.order_by("pk")[:DLQ_ACTION_MAX])
+        for team, run_ids in foreign.items():
+            self._deny(request, team, "run", run_ids)
+        runs = sorted(runs, key=lambda run: run.pk)[:DLQ_ACTION_MAX]
         action = transitions.requeue if self.action_name == "requeue" else transitions.discard
         changed = action(runs, self.actor(request))
         return Response(

@@ -25,13 +25,14 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
-from django.db import close_old_connections, connection
+from django.db import close_old_connections, connections
 from django.http import Http404, HttpRequest, QueryDict
 from django.middleware.csrf import CsrfViewMiddleware
 from django.urls import Resolver404, resolve
 from django_htmx.middleware import HtmxDetails
 
 from apps.dashboard.http import LIVE_HEADER
+from apps.runs import shards
 
 logger = logging.getLogger(__name__)
 
@@ -48,20 +49,33 @@ LIVE_PAGES = frozenset({"overview", "failures", "runs", "dlq", "run", "jobs", "j
 #   max(id) of audit     primary key: a person or token changed something (retry, cancel,
 #                        requeue, discard, pause, edit)
 #   15-second bucket     time alone turns waiting runs `ready` and ages grow
-FINGERPRINT = """
+# On every shard database:
+RUNS_FINGERPRINT = """
 SELECT (SELECT max(id) FROM runs_run),
        (SELECT max(fencing_token) FROM runs_attempt),
-       (SELECT count(*) FROM runs_run WHERE state = 'leased'),
-       (SELECT max(id) FROM audit_auditevent),
-       floor(extract(epoch FROM now()) / 15)::bigint
+       (SELECT count(*) FROM runs_run WHERE state = 'leased')
+"""
+# On the control database:
+CONTROL_FINGERPRINT = """
+SELECT (SELECT max(id) FROM audit_auditevent), floor(extract(epoch FROM now()) / 15)::bigint
 """
 
 
 def fingerprint() -> str:
+    """What changes whenever a page could: the runs' part from each shard database (one that is
+    down, or back, changes it too), the audit trail's and the clock's from the control database."""
     close_old_connections()
-    with connection.cursor() as cursor:
-        cursor.execute(FINGERPRINT)
-        return ":".join(str(value) for value in cursor.fetchone())
+
+    def runs_part() -> tuple:
+        with shards.cursor() as cursor:
+            cursor.execute(RUNS_FINGERPRINT)
+            return cursor.fetchone()
+
+    parts, unavailable = shards.gather(runs_part)
+    with connections[shards.CONTROL].cursor() as cursor:
+        cursor.execute(CONTROL_FINGERPRINT)
+        parts.append(cursor.fetchone())
+    return ":".join(str(value) for part in parts for value in part) + "/" + ",".join(unavailable)
 
 
 class Broadcaster:

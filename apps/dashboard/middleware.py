@@ -1,4 +1,5 @@
-"""What every dashboard request passes through: the sign-in gate and the security headers."""
+"""What every dashboard request passes through: the sign-in gate, the security headers, and
+the shards whose database could not be read."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from collections.abc import Callable
 from django.conf import settings
 from django.contrib.auth.middleware import LoginRequiredMiddleware
 from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render
 from django_htmx.http import HttpResponseClientRedirect
+
+from apps.runs import shards
 
 # The API's own docs page (Swagger UI) and Django's admin bring their own scripts.
 EXEMPT_PREFIXES = ("/api/", "/admin/")
@@ -40,3 +44,21 @@ class SignInRequiredMiddleware(LoginRequiredMiddleware):
         if getattr(request, "htmx", False):
             return HttpResponseClientRedirect(settings.LOGIN_URL)
         return super().handle_no_permission(request, view_func)
+
+
+class UnavailableShardsMiddleware:
+    """A page shows what it could read: the lists and counts that span shard databases leave a
+    database that is down out and note its shards (`shards.noting`), which the page's banner
+    names; a page about one object of such a shard (a run, a job) is a 503 that says which."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        with shards.noting():
+            return self.get_response(request)
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
+        if request.path.startswith("/api/") or not isinstance(exception, shards.Unavailable):
+            return None
+        return render(request, "shard_unavailable.html", {"spans": exception.spans}, status=503)

@@ -2,6 +2,8 @@
 on indexes, and each statement says which index serves it.
 
 Every function takes the team ids the user may see (from `apps.teams.access`) and reads only those.
+Runs and definitions are read from every shard database and merged (`shards.gather`: one that is
+down is left out and named in the page's banner); one run or job from its own database.
 """
 
 from __future__ import annotations
@@ -10,12 +12,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connection
 from django.db.models import Q, QuerySet
 
 from apps.audit.models import AuditEvent
-from apps.jobs.models import JobDefinition, Queue
-from apps.runs import counters, depth
+from apps.jobs.models import JobDefinition, Queue, database_of
+from apps.runs import counters, depth, shards
 from apps.runs.models import (
     FINISHED_STATES,
     PRIORITY_NAMES,
@@ -33,9 +34,16 @@ def _rows(cursor) -> list[dict[str, Any]]:
 
 
 def _fetch(sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-    with connection.cursor() as cursor:
+    """The rows of `sql` on the current shard database."""
+    with shards.cursor() as cursor:
         cursor.execute(sql, params)
         return _rows(cursor)
+
+
+def _fetch_everywhere(sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of `sql` on every shard database, one list."""
+    parts, _ = shards.gather(lambda: _fetch(sql, params))
+    return [row for part in parts for row in part]
 
 
 # --- runs ---------------------------------------------------------------------------------
@@ -43,19 +51,24 @@ def _fetch(sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def visible_run(team_ids: list[int], pk: int | None) -> Run | None:
+    """The run from the database its id names (a 503 page while that is down)."""
     if pk is None:
         return None
-    return (
-        Run.objects.select_related("definition", "team").filter(pk=pk, team_id__in=team_ids).first()
-    )
+    with shards.reaching(shards.alias_of_run(pk)):
+        found = shards.with_teams(
+            Run.objects.select_related("definition").filter(pk=pk, team_id__in=team_ids)
+        )
+    return found[0] if found else None
 
 
 def runs_by_ids(team_ids: list[int], pks: list[int]) -> list[Run]:
-    return list(
-        Run.objects.select_related("definition", "team")
-        .filter(pk__in=pks, team_id__in=team_ids)
-        .order_by("pk")
-    )
+    runs: list[Run] = []
+    for alias, ids in shards.runs_by_database(pks).items():
+        with shards.reaching(alias):
+            runs += shards.with_teams(
+                Run.objects.select_related("definition").filter(pk__in=ids, team_id__in=team_ids)
+            )
+    return sorted(runs, key=lambda run: run.pk)
 
 
 # --- overview -------------------------------------------------------------------------------
@@ -99,8 +112,8 @@ class Overview:
 def overview(team_ids: list[int], now: datetime) -> Overview:
     params: dict[str, Any] = {"teams": team_ids}
     counts = {state.value: 0 for state in State}
-    for row in _fetch(SETTLED_COUNTS, params):
-        counts[row["state"]] = row["n"]
+    for row in _fetch_everywhere(SETTLED_COUNTS, params):
+        counts[row["state"]] += row["n"]
     lanes, waiting = _queue_lanes(team_ids, now, by_state=True)
     for state, due, later in waiting:
         counts[State.READY] += due
@@ -111,7 +124,8 @@ def overview(team_ids: list[int], now: datetime) -> Overview:
     minute0 = now.replace(second=0, microsecond=0) - timedelta(minutes=59)
     by_hour: dict[datetime, int] = {}
     by_minute: dict[datetime, tuple[int, int]] = {}
-    for row in counters.window(team_ids, hour0):
+    windows, _ = shards.gather(lambda: counters.window(team_ids, hour0))
+    for row in (row for window in windows for row in window):
         hour = row.minute.replace(minute=0)
         by_hour[hour] = by_hour.get(hour, 0) + row.failed
         counts[State.SUCCEEDED] += row.succeeded
@@ -119,7 +133,13 @@ def overview(team_ids: list[int], now: datetime) -> Overview:
             ok, failed = by_minute.get(row.minute, (0, 0))
             by_minute[row.minute] = (ok + row.succeeded, failed + row.failed)
     latency = []
-    for (queue, priority), buckets in counters.latency_histograms(team_ids, minute0).items():
+    histograms: dict[tuple[str, int], list[int]] = {}
+    parts, _ = shards.gather(lambda: counters.latency_histograms(team_ids, minute0))
+    for part in parts:
+        for lane, buckets in part.items():
+            summed = histograms.setdefault(lane, [0] * len(buckets))
+            histograms[lane] = [a + b for a, b in zip(summed, buckets, strict=True)]
+    for (queue, priority), buckets in histograms.items():
         latency.append(
             {
                 "queue": queue,
@@ -178,8 +198,8 @@ def _queue_lanes(
             item["oldest_ready"] = oldest
             item["oldest_age"] = (now - oldest).total_seconds()
         waiting.append((row.state, row.ready, row.waiting))
-    for row in _fetch(LEASED_BY_QUEUE, {"teams": team_ids}):
-        lane(row["team_id"], row["queue"], row["priority"])["leased"] = row["leased"]
+    for row in _fetch_everywhere(LEASED_BY_QUEUE, {"teams": team_ids}):
+        lane(row["team_id"], row["queue"], row["priority"])["leased"] += row["leased"]
     ordered = sorted(lanes.values(), key=lambda r: (-r["ready"], r["queue"], r["priority"]))
     return ordered, waiting
 
@@ -218,11 +238,14 @@ def queues(teams: list[Any], now: datetime) -> list[QueueRow]:
     def row(team_id: int, name: str) -> QueueRow:
         return rows.setdefault((team_id, name), QueueRow(by_id[team_id], name, False, {}))
 
-    for team_id, name in (
-        JobDefinition.objects.filter(team_id__in=team_ids)
-        .values_list("team_id", "queue")
-        .distinct()
-    ):
+    named, _ = shards.gather(
+        lambda: list(
+            JobDefinition.objects.filter(team_id__in=team_ids)
+            .values_list("team_id", "queue")
+            .distinct()
+        )
+    )
+    for team_id, name in (pair for part in named for pair in part):
         row(team_id, name)
     for queue in Queue.objects.filter(team_id__in=team_ids):
         row(queue.team_id, queue.name).paused = queue.paused
@@ -249,26 +272,35 @@ CROSS JOIN LATERAL (
 def definitions_page(
     team_ids: list[int], *, search: str, after: str, limit: int = PAGE_SIZE
 ) -> tuple[list[JobDefinition], str | None]:
-    """Definitions by name, keyset on the unique name index, with their last outcome."""
-    queryset: QuerySet = JobDefinition.objects.filter(team_id__in=team_ids).select_related("team")
-    if search:
-        queryset = queryset.filter(name__icontains=search)
-    if after:
-        queryset = queryset.filter(name__gt=after)
-    page = list(queryset.order_by("name")[: limit + 1])
+    """Definitions by name, keyset on the unique name index, with their last outcome: a page
+    from each shard database, merged by name."""
+
+    def page_here() -> list[JobDefinition]:
+        queryset: QuerySet = JobDefinition.objects.filter(team_id__in=team_ids)
+        if search:
+            queryset = queryset.filter(name__icontains=search)
+        if after:
+            queryset = queryset.filter(name__gt=after)
+        found = shards.with_teams(queryset.order_by("name")[: limit + 1])
+        outcomes = {
+            row["definition_id"]: row
+            for row in _fetch(LAST_OUTCOMES, {"ids": [d.pk for d in found]})
+        }
+        for definition in found:
+            definition.last_outcome = outcomes.get(definition.pk)
+        return found
+
+    parts, _ = shards.gather(page_here)
+    page = sorted((d for part in parts for d in part), key=lambda d: d.name)
     more = len(page) > limit
     page = page[:limit]
-    outcomes = {
-        row["definition_id"]: row for row in _fetch(LAST_OUTCOMES, {"ids": [d.pk for d in page]})
-    }
-    for definition in page:
-        definition.last_outcome = outcomes.get(definition.pk)
     return page, (page[-1].name if more and page else None)
 
 
 def recent_runs(definition: JobDefinition, now: datetime, limit: int = 20) -> list[Run]:
     """The definition's newest runs, from run_definition_recent (definition_id, -id)."""
-    runs = list(Run.objects.filter(definition=definition).order_by("-pk")[:limit])
+    with shards.reaching(database_of(definition.name)):
+        runs = list(Run.objects.filter(definition=definition).order_by("-pk")[:limit])
     for run in runs:
         run.definition = definition
         run.shown_state = reported_state(run.state, run.available_at, now)

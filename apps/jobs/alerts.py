@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
+from apps.runs import shards
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run
@@ -48,7 +49,13 @@ class Alert:
 
 
 def alerts_for(team, now: datetime, window: timedelta = WINDOW) -> list[Alert]:
-    """Return the late and missed runs of the team's watched definitions within the window."""
+    """Return the late and missed runs of the team's watched definitions within the window,
+    from every shard database (one that is down is left out: its alerts wait for it)."""
+    found, _ = shards.gather(lambda: _alerts_here(team, now, window))
+    return sorted((alert for part in found for alert in part), key=lambda a: a.due_at, reverse=True)
+
+
+def _alerts_here(team, now: datetime, window: timedelta) -> list[Alert]:
     watched = list(JobDefinition.objects.filter(team=team, lateness_slo_seconds__isnull=False))
     found: list[Alert] = []
     since = now - window
@@ -61,7 +68,7 @@ def alerts_for(team, now: datetime, window: timedelta = WINDOW) -> list[Alert]:
             Alert("late", definition, due, public_run_id(pk), late_by) for pk, due, late_by in late
         ]
         found += _missed(definition, since, now)
-    return sorted(found, key=lambda alert: alert.due_at, reverse=True)
+    return found
 
 
 def _missed(definition: JobDefinition, since: datetime, now: datetime) -> list[Alert]:

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
 
 from apps.audit.record import Actor, record
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
-from apps.jobs.models import JobDefinition
+from apps.jobs.models import JobDefinition, database_of
+from apps.runs import shards
 from apps.runs.models import Run
 from apps.runs.store import NewRun, insert_runs
 
@@ -54,8 +54,9 @@ def plan(definition: JobDefinition, start: datetime, end: datetime) -> BackfillP
     capped = len(times) > cap
     times = times[:cap]
     # The trigger filter lets the partial unique index on (definition, due time) answer this.
-    scheduled = Run.objects.filter(definition=definition, trigger__in=SCHEDULED_TRIGGERS)
-    existing = scheduled.filter(due_at__in=[t.utc for t in times]).count() if times else 0
+    with shards.reaching(database_of(definition.name)):
+        scheduled = Run.objects.filter(definition=definition, trigger__in=SCHEDULED_TRIGGERS)
+        existing = scheduled.filter(due_at__in=[t.utc for t in times]).count() if times else 0
     return BackfillPlan(times, existing, capped)
 
 
@@ -79,7 +80,7 @@ def run_backfill(
         )
         for t in backfill.times
     ]
-    with transaction.atomic():
+    with shards.writing(database_of(definition.name)):
         created = len(insert_runs(runs))
         record(
             actor,

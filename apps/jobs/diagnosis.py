@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connection
-
-from apps.jobs.models import JobDefinition, Queue
+from apps.jobs.models import JobDefinition, Queue, database_of
+from apps.runs import shards
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import PRIORITY_NAMES, WAITING_STATES, Run
@@ -41,7 +40,7 @@ def _holders(definition: JobDefinition) -> list[str]:
 def _count_ahead(run: Run, now: datetime) -> tuple[int, int]:
     """Return (claimable runs of higher priority, older claimable runs of the same priority)."""
     # Both counts are range scans of the partial index run_claimable, capped.
-    with connection.cursor() as cursor:
+    with shards.cursor() as cursor:
         cursor.execute(
             """
             SELECT
@@ -103,6 +102,11 @@ def _holds_of_definition(
 
 def why_run(run: Run, now: datetime) -> list[Reason]:
     """Return what holds a run; an empty list means nothing does (it is about to be claimed)."""
+    with shards.reaching(shards.alias_of_run(run.pk)):
+        return _why_run(run, now)
+
+
+def _why_run(run: Run, now: datetime) -> list[Reason]:
     if run.state == "leased":
         return [
             Reason(
@@ -155,7 +159,8 @@ def why_run(run: Run, now: datetime) -> list[Reason]:
 
 def why_definition(definition: JobDefinition, now: datetime) -> list[Reason]:
     """Return what keeps a definition from producing or running runs."""
-    reasons = _holds_of_definition(definition, _queue(definition), now)
+    with shards.reaching(database_of(definition.name)):
+        reasons = _holds_of_definition(definition, _queue(definition), now)
     if not definition.schedule:
         reasons.append(
             Reason("no_schedule", "The job has no schedule: it runs only when triggered.")

@@ -6,9 +6,21 @@ from apps.runs.models import PRIORITIES, PRIORITY_NAMES
 from apps.runs.shards import alias_of_shard, next_id
 
 
+def database_of(name: str) -> str:
+    """The database that holds the definition named `name` (its shard's, by the name's hash)."""
+    from apps.jobs.schedule import shard_for
+
+    return alias_of_shard(shard_for(name))
+
+
 class JobDefinitionQuerySet(models.QuerySet):
     def for_team(self, team) -> JobDefinitionQuerySet:
         return self.filter(team=team)
+
+    def named(self, name: str) -> JobDefinitionQuerySet:
+        """The definition called `name`, read from its shard's database (names are unique
+        everywhere: a name's rows can only be in that one)."""
+        return self.using(database_of(name)).filter(name=name)
 
 
 class JobDefinition(models.Model):

@@ -10,11 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from django.db import InterfaceError, OperationalError
 from django.db.models import Q
 
-from apps.jobs.models import JobDefinition
-from apps.jobs.schedule import shard_for
+from apps.jobs.models import JobDefinition, database_of
 from apps.runs import shards
 from apps.runs.models import Run, State, reported_state
 
@@ -101,31 +99,25 @@ def run_page(
     """
     if not flt.team_ids or not flt.branches:
         return RunPage([], None)
-    databases = shards.databases()
     if flt.job:
-        databases = [shards.alias_of_shard(shard_for(flt.job))]
-    found: list[tuple[int, str]] = []
-    unavailable: list[str] = []
-    for alias in databases:
-        try:
-            with shards.using(alias):
-                found += [(pk, alias) for pk in _page_ids(flt, now, before, limit)]
-        except (OperationalError, InterfaceError):
-            if not shards.physical():
-                raise
-            unavailable.append(shards.span(alias))
+        # The job's runs are all in its shard's database.
+        alias = database_of(flt.job)
+        with shards.reaching(alias):
+            pages, unavailable = [_page_ids(flt, now, before, limit)], []
+    else:
+        pages, unavailable = shards.gather(lambda: _page_ids(flt, now, before, limit))
+    found = [pk for page in pages for pk in page]
     found.sort(reverse=True)
     more = len(found) > limit
     found = found[:limit]
     runs: list[Run] = []
-    for alias in dict.fromkeys(alias for _, alias in found):
-        ids = [pk for pk, held in found if held == alias]
-        with shards.using(alias):
+    for alias, ids in shards.runs_by_database(found).items():
+        with shards.reaching(alias):
             runs += shards.with_teams(Run.objects.filter(pk__in=ids).select_related("definition"))
     runs.sort(key=lambda run: run.pk, reverse=True)
     for run in runs:
         run.shown_state = reported_state(run.state, run.available_at, now)
-    return RunPage(runs, found[-1][0] if more and found else None, unavailable)
+    return RunPage(runs, found[-1] if more and found else None, unavailable)
 
 
 def _page_ids(flt: RunFilter, now: datetime, before: int | None, limit: int) -> list[int]:

@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import transaction
-
 from apps.audit.record import Actor
 from apps.jobs import services
 from apps.jobs.models import JobDefinition
+from apps.runs import shards
 
 
 class SyncError(ValueError):
@@ -92,16 +91,25 @@ def validate(entries: Any, parse) -> dict[str, services.DefinitionSpec]:
 
 def plan_sync(team, specs: dict[str, services.DefinitionSpec], *, prune: bool) -> SyncPlan:
     plan = SyncPlan(team=team, specs=specs)
-    elsewhere = (
-        JobDefinition.objects.filter(name__in=list(specs))
-        .exclude(team=team)
-        .values_list("name", flat=True)
+    # The team's definitions on every shard database (the plan must see them all), with the
+    # listed names taken by other teams.
+    found, _ = shards.gather(
+        lambda: (
+            list(JobDefinition.objects.filter(team=team)),
+            list(
+                JobDefinition.objects.filter(name__in=list(specs))
+                .exclude(team=team)
+                .values_list("name", flat=True)
+            ),
+        ),
+        strict=True,
     )
+    elsewhere = [name for _, names in found for name in names]
     if elsewhere:
         raise SyncError(
             {"jobs": [f"'{name}' belongs to another team." for name in sorted(elsewhere)]}
         )
-    existing = {d.name: d for d in JobDefinition.objects.filter(team=team)}
+    existing = {d.name: d for definitions, _ in found for d in definitions}
     for name, spec in sorted(specs.items()):
         wanted = services.spec_snapshot(spec)
         current = existing.get(name)
@@ -120,15 +128,15 @@ def plan_sync(team, specs: dict[str, services.DefinitionSpec], *, prune: bool) -
 
 
 def apply_sync(plan: SyncPlan, actor: Actor) -> None:
-    """Apply a plan in one transaction; each change writes its own audit event."""
-    with transaction.atomic():
+    """Apply a plan in one transaction per database (`shards.writing_everywhere`); each change
+    writes its own audit event."""
+    with shards.writing_everywhere():
         for change in plan.changes:
             if change.action == "create":
                 services.create_definition(plan.team, plan.specs[change.name], actor)
-            elif change.action == "update":
-                definition = JobDefinition.objects.get(team=plan.team, name=change.name)
+                continue
+            definition = JobDefinition.objects.named(change.name).get(team=plan.team)
+            if change.action == "update":
                 services.update_definition(definition, plan.specs[change.name], actor)
             else:
-                services.delete_definition(
-                    JobDefinition.objects.get(team=plan.team, name=change.name), actor
-                )
+                services.delete_definition(definition, actor)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from django.db import connection
+from django.db import connections
 
-from apps.runs import depth
+from apps.runs import depth, shards
+from apps.teams.models import Team
 
 
 @dataclass
@@ -19,31 +20,46 @@ class QueueRow:
 
 
 @dataclass
+class ShardDatabase:
+    """A shard database's facts: `up` False when it could not be read (the rest are empty)."""
+
+    shards: str  # "0-7"
+    up: bool
+    depth: int = 0
+    oldest_transaction: float = 0.0
+
+
+@dataclass
 class Snapshot:
     queues: list[QueueRow] = field(default_factory=list)
     dlq: dict[str, int] = field(default_factory=dict)
     lag: dict[int, float] = field(default_factory=dict)
     owners: dict[int, str] = field(default_factory=dict)
     nodes: dict[str, float] = field(default_factory=dict)
+    # The oldest open transaction, dead row versions and autovacuum: the worst of every database.
     oldest_transaction: float = 0.0
     dead_rows: dict[str, int] = field(default_factory=dict)
     autovacuum: bool = True
+    databases: list[ShardDatabase] = field(default_factory=list)
 
 
 # Claimable runs per (team, queue, priority): apps.runs.depth, from the partial index
 # run_claimable, which holds only the backlog.
-# Dead runs per team: served by run_team_state (team_id, state, id).
+# Dead runs per team (the teams are in the control database): served by run_team_state
+# (team_id, state, id).
 DLQ = """
-SELECT t.slug, (SELECT count(*) FROM runs_run r WHERE r.team_id = t.id AND r.state = 'dead')
-FROM teams_team t
+SELECT t.id, (SELECT count(*) FROM runs_run r WHERE r.team_id = t.id AND r.state = 'dead')
+FROM unnest(%(teams)s::bigint[]) AS t(id)
 """
-# Overdue definitions per shard: the partial index job_due_by_shard.
+# The most overdue definition of each of the database's shards: the partial index
+# job_due_by_shard (shard, next_due_at), one short scan per shard.
 LAG = """
 SELECT s.shard, coalesce(extract(epoch FROM now() - (
     SELECT min(next_due_at) FROM jobs_jobdefinition d
     WHERE d.shard = s.shard AND NOT d.paused AND d.next_due_at IS NOT NULL)), 0)
-FROM scheduler_shardlease s
+FROM unnest(%(shards)s::int[]) AS s(shard)
 """
+# In the control database.
 OWNERS = (
     "SELECT shard, CASE WHEN expires_at > now() THEN owner ELSE '' END FROM scheduler_shardlease"
 )
@@ -67,24 +83,55 @@ AUTOVACUUM = "SELECT current_setting('autovacuum') = 'on'"
 
 
 def read() -> Snapshot:
+    """Every gauge: the control database's facts, and each shard database's (one that is down
+    is reported down and leaves its runs out of the others)."""
     snapshot = Snapshot()
+    claimable, depths = depth.claimable_by_database()
     snapshot.queues = [
         QueueRow(lane.team_slug, lane.queue, lane.priority, lane.ready, lane.oldest_age)
-        for lane in depth.claimable()
+        for lane in claimable
     ]
-    with connection.cursor() as cursor:
-        cursor.execute(DLQ)
-        snapshot.dlq = dict(cursor.fetchall())
-        cursor.execute(LAG)
-        snapshot.lag = {shard: max(0.0, float(lag)) for shard, lag in cursor.fetchall()}
+    slugs = dict(Team.objects.using(shards.CONTROL).values_list("pk", "slug"))
+    with connections[shards.CONTROL].cursor() as cursor:
         cursor.execute(OWNERS)
         snapshot.owners = dict(cursor.fetchall())
         cursor.execute(NODES)
         snapshot.nodes = {node: float(age) for node, age in cursor.fetchall()}
-        cursor.execute(OLDEST_TRANSACTION)
-        snapshot.oldest_transaction = max(0.0, float(cursor.fetchone()[0]))
-        cursor.execute(DEAD_ROWS)
-        snapshot.dead_rows = dict(cursor.fetchall())
-        cursor.execute(AUTOVACUUM)
-        snapshot.autovacuum = bool(cursor.fetchone()[0])
+        if shards.CONTROL not in shards.databases():
+            _health(cursor, snapshot)
+    snapshot.dlq = dict.fromkeys(slugs.values(), 0)
+    for alias in shards.databases():
+        held = ShardDatabase(shards.span(alias), up=False)
+        snapshot.databases.append(held)
+        try:
+            with connections[alias].cursor() as cursor:
+                cursor.execute(DLQ, {"teams": list(slugs)})
+                for team_id, dead in cursor.fetchall():
+                    snapshot.dlq[slugs[team_id]] += dead
+                cursor.execute(LAG, {"shards": shards.shards_on(alias)})
+                snapshot.lag.update(
+                    (shard, max(0.0, float(lag))) for shard, lag in cursor.fetchall()
+                )
+                held.oldest_transaction = _health(cursor, snapshot)
+        except shards.DOWN:
+            if not shards.physical():
+                raise
+            connections[alias].close()
+            continue
+        held.up = True
+        held.depth = depths.get(held.shards) or 0
     return snapshot
+
+
+def _health(cursor, snapshot: Snapshot) -> float:
+    """Add a database's open transaction, dead rows and autovacuum to the snapshot; return the
+    age of its oldest open transaction."""
+    cursor.execute(OLDEST_TRANSACTION)
+    oldest = max(0.0, float(cursor.fetchone()[0]))
+    snapshot.oldest_transaction = max(snapshot.oldest_transaction, oldest)
+    cursor.execute(DEAD_ROWS)
+    for table, dead in cursor.fetchall():
+        snapshot.dead_rows[table] = snapshot.dead_rows.get(table, 0) + dead
+    cursor.execute(AUTOVACUUM)
+    snapshot.autovacuum = snapshot.autovacuum and bool(cursor.fetchone()[0])
+    return oldest

@@ -76,7 +76,40 @@ class DatabaseCollector:
             "1 when the database runs autovacuum; with 0 nothing cleans the runs table.",
         )
         autovacuum.add_metric([], 1 if snapshot.autovacuum else 0)
-        return [depth, oldest, dlq, lag, owner, heartbeat, transaction, dead, autovacuum]
+        up = GaugeMetricFamily(
+            "scheduler_shard_database_up",
+            "1 when the database of these shards answers, 0 while it cannot be reached.",
+            labels=["shards"],
+        )
+        backlog = GaugeMetricFamily(
+            "scheduler_shard_database_depth",
+            "Claimable runs in the database of these shards.",
+            labels=["shards"],
+        )
+        open_for = GaugeMetricFamily(
+            "scheduler_shard_database_oldest_transaction_seconds",
+            "Age of the oldest transaction another session holds open in this shard database.",
+            labels=["shards"],
+        )
+        for database in snapshot.databases:
+            up.add_metric([database.shards], 1 if database.up else 0)
+            if database.up:
+                backlog.add_metric([database.shards], database.depth)
+                open_for.add_metric([database.shards], database.oldest_transaction)
+        return [
+            depth,
+            oldest,
+            dlq,
+            lag,
+            owner,
+            heartbeat,
+            transaction,
+            dead,
+            autovacuum,
+            up,
+            backlog,
+            open_for,
+        ]
 
 
 def render() -> bytes:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db import connection, transaction
+from django.db import transaction
 
+from apps.runs import shards
 from apps.runs.metrics import LATENCY_BUCKETS
 
 # Rows per (minute, team, queue, priority): each database session adds to the one its backend
@@ -109,16 +110,18 @@ class Minute:
 
 
 def window(team_ids: list[int], since: datetime) -> list[Minute]:
-    """Counts per minute and lane since `since` (a minute boundary), summed over slots."""
-    with connection.cursor() as cursor:
+    """Counts per minute and lane since `since` (a minute boundary), summed over slots, from the
+    current shard database."""
+    with shards.cursor() as cursor:
         cursor.execute(WINDOW, {"teams": team_ids, "since": since})
         return [Minute(*row) for row in cursor.fetchall()]
 
 
 def latency_histograms(team_ids: list[int], since: datetime) -> dict[tuple[str, int], list[int]]:
-    """Due→start bucket counts of first attempts started since `since`, per (queue, priority)."""
+    """Due→start bucket counts of first attempts started since `since`, per (queue, priority),
+    from the current shard database."""
     sums: dict[tuple[str, int], list[int]] = {}
-    with connection.cursor() as cursor:
+    with shards.cursor() as cursor:
         cursor.execute(LATENCY, {"teams": team_ids, "since": since})
         for queue, priority, counts in cursor.fetchall():
             total = sums.setdefault((queue, priority), [0] * (len(LATENCY_BOUNDS) + 1))
@@ -185,12 +188,12 @@ DELETE FROM runs_minutecounts WHERE minute < now() - make_interval(hours => %(ho
 
 def rebuild(hours: int = KEEP_HOURS) -> int:
     """Recount the last `hours` from the attempts (slot 0); return the counter rows written."""
-    with transaction.atomic(), connection.cursor() as cursor:
+    with transaction.atomic(using=shards.current()), shards.cursor() as cursor:
         cursor.execute(REBUILD, {"hours": hours})
         return cursor.rowcount
 
 
 def delete_old() -> int:
-    with connection.cursor() as cursor:
+    with shards.cursor() as cursor:
         cursor.execute(DELETE_OLD, {"hours": KEEP_HOURS})
         return cursor.rowcount

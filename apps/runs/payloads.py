@@ -17,7 +17,8 @@ import orjson
 from django.conf import settings
 from django.core.files.base import ContentFile
 from django.core.files.storage import storages
-from django.db import connection
+
+from apps.runs import shards
 
 INLINE_LIMIT = 4 * 1024
 PREFIX = "payloads/"
@@ -63,20 +64,30 @@ def load(inline: Any, key: str) -> Any:
 
 
 def delete_unreferenced(keys: Iterable[str]) -> int:
-    """Delete the blobs among `keys` that no run or definition refers to; return how many."""
+    """Delete the blobs among `keys` that no run or definition of any shard database refers to;
+    return how many. A blob is shared by content, so by rows of several databases: while one of
+    them cannot be read, nothing is deleted (the next deletion of a referring row tries again)."""
     candidates = sorted({key for key in keys if key})
     if not candidates:
         return 0
-    with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            SELECT k FROM unnest(%s::text[]) AS k
-            WHERE NOT EXISTS (SELECT 1 FROM runs_run WHERE payload_key = k)
-              AND NOT EXISTS (SELECT 1 FROM jobs_jobdefinition WHERE payload_key = k)
-            """,
-            [candidates],
-        )
-        orphans = [row[0] for row in cursor.fetchall()]
+
+    def referenced() -> set[str]:
+        with shards.cursor() as cursor:
+            cursor.execute(
+                """
+                SELECT k FROM unnest(%s::text[]) AS k
+                WHERE EXISTS (SELECT 1 FROM runs_run WHERE payload_key = k)
+                   OR EXISTS (SELECT 1 FROM jobs_jobdefinition WHERE payload_key = k)
+                """,
+                [candidates],
+            )
+            return {row[0] for row in cursor.fetchall()}
+
+    found, unavailable = shards.gather(referenced)
+    if unavailable:
+        return 0
+    used = set().union(*found)
+    orphans = [key for key in candidates if key not in used]
     storage = _storage()
     for key in orphans:
         storage.delete(key)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import connections, transaction
 
-from apps.runs import counters, payloads
+from apps.runs import counters, payloads, shards
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,9 @@ RETAINED_STATES = ["succeeded", "cancelled"]
 
 
 def delete_one_batch(team_id: int, days: int, batch: int) -> int:
-    """Delete up to `batch` of the team's finished runs older than `days`; return how many."""
-    with transaction.atomic(), connection.cursor() as cursor:
+    """Delete up to `batch` of the team's finished runs older than `days` from the current
+    shard database; return how many."""
+    with transaction.atomic(using=shards.current()), shards.cursor() as cursor:
         cursor.execute(
             DELETE_FINISHED,
             {"team": team_id, "states": RETAINED_STATES, "days": days, "batch": batch},
@@ -71,10 +72,11 @@ def delete_one_batch(team_id: int, days: int, batch: int) -> int:
 
 
 def delete_runs_of(definition_id: int, batch: int = 5000) -> int:
-    """Delete every run of a definition in batches, each its own transaction; return how many."""
+    """Delete every run of a definition in batches, each its own transaction, from the current
+    shard database (the definition's); return how many."""
     deleted = 0
     while True:
-        with transaction.atomic(), connection.cursor() as cursor:
+        with transaction.atomic(using=shards.current()), shards.cursor() as cursor:
             cursor.execute(DELETE_OF_DEFINITION, {"definition": definition_id, "batch": batch})
             keys = [row[0] for row in cursor.fetchall()]
         payloads.delete_unreferenced(keys)
@@ -84,7 +86,7 @@ def delete_runs_of(definition_id: int, batch: int = 5000) -> int:
 
 
 def delete_old_audit(batch: int) -> int:
-    with transaction.atomic(), connection.cursor() as cursor:
+    with transaction.atomic(using=shards.CONTROL), connections[shards.CONTROL].cursor() as cursor:
         cursor.execute(
             DELETE_AUDIT, {"days": settings.SCHEDULER_AUDIT_RETENTION_DAYS, "batch": batch}
         )
@@ -92,15 +94,24 @@ def delete_old_audit(batch: int) -> int:
 
 
 def handle_one_round(*, batch: int | None = None) -> int:
-    """Delete one batch per team and one of the audit trail; return the rows deleted."""
+    """Delete one batch per team on every shard database, and one of the audit trail; return
+    the rows deleted. A shard database that is down is passed over until the next round."""
     from apps.teams.models import Team
 
     batch = batch or settings.SCHEDULER_RETENTION_BATCH
-    deleted = 0
-    for team_id, days in Team.objects.values_list("pk", "retention_days"):
-        deleted += delete_one_batch(team_id, days or settings.SCHEDULER_RETENTION_DAYS, batch)
-    deleted += delete_old_audit(batch)
-    deleted += counters.delete_old()
+    teams = list(Team.objects.values_list("pk", "retention_days"))
+
+    def one_database() -> int:
+        deleted = sum(
+            delete_one_batch(team_id, days or settings.SCHEDULER_RETENTION_DAYS, batch)
+            for team_id, days in teams
+        )
+        return deleted + counters.delete_old()
+
+    per_database, unavailable = shards.gather(one_database)
+    if unavailable:
+        log.warning("retention passed over shards %s: database unavailable", unavailable)
+    deleted = sum(per_database) + delete_old_audit(batch)
     if deleted:
         log.info("retention deleted %d rows", deleted)
     return deleted

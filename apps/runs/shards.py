@@ -18,12 +18,14 @@ only ever written to the database this module names.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
+from typing import TypeVar
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections, transaction
+from django.db.backends.utils import CursorWrapper
 from django.db.models import QuerySet
 
 # Shards a key of a run or definition can name: keys are a multiple of this plus the shard. The
@@ -37,6 +39,25 @@ CONTROL = DEFAULT_DB_ALIAS
 SHARDED = frozenset({"jobs.jobdefinition", "runs.run", "runs.attempt", "runs.minutecounts"})
 
 _current: ContextVar[str | None] = ContextVar("shard_database", default=None)
+
+T = TypeVar("T")
+
+# The shards found unavailable within a `noting` block (a dashboard request), for its banner.
+_noted: ContextVar[set[str] | None] = ContextVar("unavailable_shards", default=None)
+
+# What a shard database that is down raises; with every shard on the control database it is the
+# control database's failure, and raised as before.
+DOWN = (OperationalError, InterfaceError)
+
+
+class Unavailable(Exception):
+    """A shard database could not be reached; `spans` names its shards ("5-10")."""
+
+    def __init__(self, spans: list[str]) -> None:
+        self.spans = spans
+        super().__init__(
+            f"shards {', '.join(spans)} are unavailable (their database cannot be reached)"
+        )
 
 
 def alias_of_shard(shard: int) -> str:
@@ -90,14 +111,19 @@ def with_teams(queryset: QuerySet) -> list:
     the same database, else read from the control database in one more query."""
     if not physical():
         return list(queryset.select_related("team"))
-    from apps.teams.models import Team
-
     rows = list(queryset)
-    teams = Team.objects.using(CONTROL).in_bulk({row.team_id for row in rows})
+    teams = teams_by_id({row.team_id for row in rows})
     for row in rows:
         if row.team_id in teams:  # a team deleted meanwhile: its rows go with it
             row.team = teams[row.team_id]
     return rows
+
+
+def teams_by_id(team_ids: set[int]) -> dict:
+    """The teams of these ids, from the control database."""
+    from apps.teams.models import Team
+
+    return Team.objects.using(CONTROL).in_bulk(team_ids) if team_ids else {}
 
 
 def next_id(model: type, shard: int) -> int:
@@ -124,6 +150,86 @@ def using(alias: str) -> Iterator[str]:
         yield alias
     finally:
         _current.reset(token)
+
+
+def cursor() -> CursorWrapper:
+    """A cursor on the current shard database."""
+    return connections[current()].cursor()
+
+
+@contextmanager
+def reaching(alias: str) -> Iterator[str]:
+    """`using(alias)`, where a shard database of its own that cannot be reached raises
+    `Unavailable` naming its shards (the API answers 503, the dashboard says so)."""
+    try:
+        with using(alias):
+            yield alias
+    except DOWN as exc:
+        if alias == CONTROL:
+            raise
+        raise Unavailable([span(alias)]) from exc
+
+
+@contextmanager
+def writing(alias: str) -> Iterator[str]:
+    """A transaction on the shard database `alias` inside one on the control database, with
+    `alias` current: audit events written inside commit with the shard's rows where they share
+    a database; a shard database of its own commits its rows first (one transaction per
+    database, never across)."""
+    with transaction.atomic(using=CONTROL), reaching(alias), transaction.atomic(using=alias):
+        yield alias
+
+
+@contextmanager
+def writing_everywhere() -> Iterator[None]:
+    """One transaction on the control database and one on each shard database, committed at the
+    end of the block, the shard databases first. Not two-phase: a database that fails at
+    commit leaves those before it committed (the audit, in the control database, commits last)."""
+    with ExitStack() as stack:
+        stack.enter_context(transaction.atomic(using=CONTROL))
+        for alias in databases():
+            with reaching(alias):  # opening the transaction connects
+                stack.enter_context(transaction.atomic(using=alias))
+        yield
+
+
+def gather(read: Callable[[], T], *, strict: bool = False) -> tuple[list[T], list[str]]:
+    """`read()` on every shard database (current inside it), and the shards ("5-10") of the
+    databases that could not be read: a list or count across shards shows those as unavailable
+    rather than failing. `strict` raises `Unavailable` instead (what must see every shard)."""
+    results: list[T] = []
+    unavailable: list[str] = []
+    for alias in databases():
+        try:
+            with using(alias):
+                results.append(read())
+        except DOWN:
+            if not physical():
+                raise
+            unavailable.append(span(alias))
+    if strict and unavailable:
+        raise Unavailable(unavailable)
+    noted = _noted.get()
+    if noted is not None:
+        noted.update(unavailable)
+    return results, unavailable
+
+
+@contextmanager
+def noting() -> Iterator[set[str]]:
+    """Collect the shards that every `gather` of the block found unavailable (a page shows
+    them once, whichever of its reads missed them)."""
+    noted: set[str] = set()
+    token = _noted.set(noted)
+    try:
+        yield noted
+    finally:
+        _noted.reset(token)
+
+
+def noted() -> list[str]:
+    """The shards found unavailable so far in the enclosing `noting` block, in shard order."""
+    return sorted(_noted.get() or (), key=lambda spans: int(spans.split("-")[0]))
 
 
 class ShardRouter:

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 
 import httpx
@@ -16,86 +13,17 @@ import pytest
 from django.db import connections
 
 from apps.jobs.models import JobDefinition
-from apps.jobs.schedule import shard_for
 from apps.runs import leasing, shards, store
 from apps.runs.ids import parse_run_id
 from apps.runs.models import Attempt, Run
-from tests import shard_layout
-from tests.conftest import stored_run
+from tests.conftest import Layout, stored_run
 from tests.runs.test_claim_concurrency import run_in_threads
-from tests.servers import Server
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.physical,
     pytest.mark.django_db(transaction=True, databases="__all__"),
 ]
-
-
-@dataclass
-class Layout:
-    """The session's shard databases (tests/shard_layout.py): `aliases[i]` on `servers[i]`."""
-
-    servers: list[Server]
-    aliases: list[str]
-
-    @contextmanager
-    def down(self, index: int) -> Iterator[None]:
-        """Server `index` killed for the block, started again after it (its rows kept), and
-        this thread's session to it renewed."""
-        self.servers[index].kill()
-        try:
-            yield
-        finally:
-            self.servers[index].start()
-            connections[self.aliases[index]].close()
-
-    def job_on(self, alias: str, team, prefix: str) -> JobDefinition:
-        """A definition whose name hashes to a shard of `alias`, stored there."""
-        name = next(
-            f"{prefix}.{n}" for n in range(1000)
-            if shards.alias_of_shard(shard_for(f"{prefix}.{n}")) == alias
-        )  # fmt: skip
-        with shards.using(alias):
-            return JobDefinition.objects.create(
-                team=team, name=name, queue="q", shard=shard_for(name), timeout_seconds=600
-            )
-
-    def leased_runs(self, definition: JobDefinition, count: int) -> list[Run]:
-        """Runs of `definition` inserted by the store and leased (as a claim would)."""
-        alias = shards.alias_of_shard(definition.shard)
-        with shards.using(alias):
-            ids = store.insert_runs(
-                [
-                    store.NewRun(definition.pk, "api", definition.created_at,
-                                 definition.created_at, f"k{n}")
-                    for n in range(count)
-                ]
-            )  # fmt: skip
-            with connections[alias].cursor() as cursor:
-                cursor.execute(
-                    "UPDATE runs_run SET state = 'leased', attempt = 1, worker_id = 'w',"
-                    " fencing_token = nextval('runs_fencing_token'), started_at = now(),"
-                    " timeout_at = now() + interval '10 minutes',"
-                    " lease_expires_at = now() + interval '1 minute' WHERE id = ANY(%s)",
-                    [ids],
-                )
-                cursor.execute(
-                    "INSERT INTO runs_attempt (run_id, number, fencing_token, worker_id,"
-                    " leased_at, outcome, error_message, error_type)"
-                    " SELECT id, 1, fencing_token, 'w', now(), '', '', '' FROM runs_run"
-                    " WHERE id = ANY(%s)",
-                    [ids],
-                )
-            return list(Run.objects.filter(pk__in=ids).order_by("pk"))
-
-
-@pytest.fixture
-def layout() -> Iterator[Layout]:
-    servers = list(shard_layout.SERVERS)
-    aliases = [f"shards_{n + 1}" for n in range(len(servers))]
-    assert shards.physical() and set(aliases) <= set(shards.databases())
-    yield Layout(servers, aliases)
 
 
 def test_a_batch_of_results_commits_on_each_database_of_its_runs(layout, team_a):

@@ -440,6 +440,15 @@ class DefinitionAnswer(TypedDict):
 @typed_config(ANSWER)
 class DefinitionList(TypedDict):
     results: list[DefinitionAnswer]
+    unavailableShards: NotRequired[
+        Annotated[
+            list[str],
+            Field(
+                description="Shards (e.g. `5-10`) whose database could not be read: their "
+                "definitions are missing from this list."
+            ),
+        ]
+    ]
 
 
 @typed_config(ANSWER)

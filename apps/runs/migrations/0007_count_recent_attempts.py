@@ -3,9 +3,10 @@ from django.db import migrations
 
 def count_recent_attempts(apps, schema_editor) -> None:
     # The overview now reads these counters: start them from the attempts already stored.
-    from apps.runs import counters
+    from apps.runs import counters, shards
 
-    counters.rebuild()
+    with shards.using(schema_editor.connection.alias):
+        counters.rebuild()
 
 
 class Migration(migrations.Migration):

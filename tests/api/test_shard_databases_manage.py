@@ -1,0 +1,185 @@
+"""Job management, the DLQ, `why` and /metrics with shards on servers of their own: a job by
+name is read and written in its shard's database, lists and counts read every database, and a
+database that is down is named rather than failing the others."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.db import connections
+
+from apps.jobs.models import JobDefinition, database_of
+from apps.runs import retention, shards
+from apps.runs.ids import parse_run_id, public_run_id
+from apps.runs.models import Run
+from tests.conftest import Layout
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.physical,
+    pytest.mark.django_db(transaction=True, databases="__all__"),
+]
+
+
+def _name_on(alias: str, prefix: str) -> str:
+    return next(
+        name for name in (f"{prefix}.{n}" for n in range(1000)) if database_of(name) == alias
+    )
+
+
+def _job(api, name: str, **fields) -> dict:
+    answer = api.put(f"/api/v1/jobs/{name}", {"queue": "q", **fields})
+    assert answer.status_code == 201, answer.text
+    return answer.json()
+
+
+def test_a_job_by_name_lives_and_is_managed_in_its_shard_database(layout: Layout, api_a):
+    second = layout.aliases[1]
+    name = _name_on(second, "billing")
+
+    created = _job(api_a, name, schedule={"cron": "0 3 * * *", "timeZone": "UTC"})
+    assert created["name"] == name
+    assert JobDefinition.objects.using(second).filter(name=name).exists()
+    assert not JobDefinition.objects.using(shards.CONTROL).filter(name=name).exists()
+
+    assert api_a.get(f"/api/v1/jobs/{name}").json()["queue"] == "q"
+    patched = api_a.patch(f"/api/v1/jobs/{name}", {"priority": "critical"})
+    assert patched.status_code == 200, patched.text
+    assert JobDefinition.objects.using(second).get(name=name).priority_name == "critical"
+    assert api_a.post(f"/api/v1/jobs/{name}/pause").json()["paused"] is True
+    assert JobDefinition.objects.using(second).get(name=name).paused
+    assert api_a.post(f"/api/v1/jobs/{name}/resume").json()["paused"] is False
+
+    triggered = api_a.post(f"/api/v1/jobs/{name}/trigger")
+    assert triggered.status_code == 201, triggered.text
+    run_id = triggered.json()["runId"]
+    assert shards.alias_of_run(parse_run_id(run_id)) == second
+    why = api_a.get(f"/api/v1/runs/{run_id}/why")
+    assert why.status_code == 200, why.text
+    assert api_a.get(f"/api/v1/jobs/{name}/why").status_code == 200
+
+    again = api_a.post("/api/v1/jobs", {"name": name, "queue": "q"})
+    assert again.status_code == 409  # the name is taken, on its own database
+
+    assert api_a.delete(f"/api/v1/jobs/{name}").status_code == 204
+    assert not JobDefinition.objects.using(second).filter(name=name).exists()
+    assert not Run.objects.using(second).filter(pk=parse_run_id(run_id)).exists()
+
+
+def test_the_job_list_merges_every_database_and_names_one_that_is_down(layout: Layout, api_a):
+    names = sorted(_job(api_a, _name_on(alias, f"list-{i}"))["name"]
+                   for i, alias in enumerate(shards.databases()))  # fmt: skip
+    assert [job["name"] for job in api_a.get("/api/v1/jobs").json()["results"]] == names
+
+    dead = layout.aliases[-1]
+    on_dead = next(name for name in names if database_of(name) == dead)
+    with layout.down(len(layout.servers) - 1):
+        listed = api_a.get("/api/v1/jobs")
+        one = api_a.get(f"/api/v1/jobs/{on_dead}")
+        others = [api_a.get(f"/api/v1/jobs/{name}") for name in names if name != on_dead]
+    assert listed.status_code == 200
+    assert listed.json()["unavailableShards"] == [shards.span(dead)]
+    assert [job["name"] for job in listed.json()["results"]] == [n for n in names if n != on_dead]
+    assert one.status_code == 503
+    assert one.json()["type"].endswith("/shard-unavailable")
+    assert f"shards {shards.span(dead)} are unavailable" in one.json()["detail"]
+    assert [answer.status_code for answer in others] == [200] * (len(names) - 1)
+
+
+def test_jobs_as_code_syncs_and_prunes_across_the_databases(layout: Layout, api_a):
+    keep, change, drop = (_name_on(alias, f"sync-{i}") for i, alias in
+                          enumerate([layout.aliases[0], layout.aliases[1], layout.aliases[0]]))  # fmt: skip
+    for name in (change, drop):
+        _job(api_a, name)
+    body = {
+        "jobs": [{"name": keep, "queue": "q"}, {"name": change, "queue": "other"}],
+        "prune": True,
+    }
+    answer = api_a.put("/api/v1/jobs", body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["summary"] == {"create": 1, "update": 1, "delete": 1, "unchanged": 0}
+    assert JobDefinition.objects.using(database_of(keep)).filter(name=keep).exists()
+    assert JobDefinition.objects.using(layout.aliases[1]).get(name=change).queue == "other"
+    assert not JobDefinition.objects.using(layout.aliases[0]).filter(name=drop).exists()
+
+    with layout.down(1):
+        refused = api_a.put("/api/v1/jobs", {"jobs": [{"name": keep, "queue": "q"}]})
+    assert refused.status_code == 503  # a plan must see every database
+    assert refused.json()["type"].endswith("/shard-unavailable")
+
+
+def test_dlq_requeue_by_filter_takes_every_databases_dead_runs(layout: Layout, api_a, team_a):
+    jobs = {alias: layout.job_on(alias, team_a, "dlq") for alias in shards.databases()}
+    dead = {alias: [run.pk for run in layout.dead_runs(job, 3, "d")] for alias, job in jobs.items()}
+    listed = api_a.get("/api/v1/dlq?limit=100").json()["results"]
+    assert len(listed) == 3 * len(jobs)
+
+    with layout.down(1):
+        refused = api_a.post("/api/v1/dlq/requeue", {"filter": {"queue": "q"}})
+    assert refused.status_code == 503
+    for alias, ids in dead.items():  # nothing was requeued anywhere
+        assert set(Run.objects.using(alias).filter(pk__in=ids).values_list("state", flat=True)) == {
+            "dead"
+        }
+
+    requeued = api_a.post("/api/v1/dlq/requeue", {"filter": {"queue": "q"}})
+    assert requeued.status_code == 200, requeued.text
+    assert requeued.json()["count"] == 3 * len(jobs)
+    for alias, ids in dead.items():
+        assert set(Run.objects.using(alias).filter(pk__in=ids).values_list("state", flat=True)) == {
+            "ready"
+        }
+    one = dead[layout.aliases[1]][:1]
+    with connections[layout.aliases[1]].cursor() as cursor:
+        cursor.execute("UPDATE runs_run SET state = 'dead' WHERE id = ANY(%s)", [one])
+    by_id = api_a.post("/api/v1/dlq/discard", {"runIds": [public_run_id(pk) for pk in one]})
+    assert by_id.json()["count"] == 1
+    assert Run.objects.using(layout.aliases[1]).get(pk=one[0]).state == "cancelled"
+
+
+def _gauge(text: str, name: str, labels: str) -> float:
+    match = re.search(rf"^{name}\{{{re.escape(labels)}\}} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name}{{{labels}}} not in /metrics"
+    return float(match.group(1))
+
+
+def test_metrics_report_each_shard_database(layout: Layout, api_a, team_a):
+    for alias in shards.databases():
+        definition = layout.job_on(alias, team_a, "metric")
+        layout.dead_runs(definition, 2, "m")
+        layout.new_runs(definition, 1, "ready")
+    text = api_a.get("/metrics").text
+    for alias in shards.databases():
+        labels = f'shards="{shards.span(alias)}"'
+        assert _gauge(text, "scheduler_shard_database_up", labels) == 1
+        assert _gauge(text, "scheduler_shard_database_depth", labels) == 1
+    assert _gauge(text, "scheduler_dlq_size", f'team="{team_a.slug}"') == 2 * len(
+        shards.databases()
+    )
+
+    with layout.down(1):
+        text = api_a.get("/metrics").text
+    down = f'shards="{shards.span(layout.aliases[1])}"'
+    assert _gauge(text, "scheduler_shard_database_up", down) == 0
+    assert f"scheduler_shard_database_depth{{{down}}}" not in text
+    assert _gauge(text, "scheduler_dlq_size", f'team="{team_a.slug}"') == 2 * (
+        len(shards.databases()) - 1
+    )
+
+
+def test_retention_deletes_old_finished_runs_on_every_database(layout: Layout, api_a, team_a):
+    ids = {}
+    for alias in shards.databases():
+        ids[alias] = layout.new_runs(layout.job_on(alias, team_a, "old"), 3, "o")
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                "UPDATE runs_run SET state = 'succeeded',"
+                " finished_at = now() - interval '400 days' WHERE id = ANY(%s)",
+                [ids[alias][:2]],
+            )
+    retention.handle_one_round(batch=100)
+    for alias, made in ids.items():
+        assert list(Run.objects.using(alias).filter(pk__in=made).values_list("pk", flat=True)) == [
+            made[2]
+        ]
