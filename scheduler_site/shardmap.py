@@ -10,6 +10,7 @@ else `shards_1`, `shards_2`, … in the order the map first names them.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 
@@ -67,6 +68,39 @@ def parse(text: str, shard_count: int, control_url: str) -> ShardMap:
     if missing:
         raise ShardMapError(f"Shards {_ranges(missing)} are on no database.")
     return ShardMap(tuple(placed[n] for n in range(shard_count)), urls)
+
+
+def relocated(base: ShardMap, moved: dict[int, str], control_url: str) -> ShardMap:
+    """`base` with the shards of `moved` on their new URLs (`manage.py moveshard`). A URL the map
+    already names keeps its alias; another gets one named after it, so that an alias always
+    means the same server in a process however many moves it sees."""
+    alias_of_url = {control_url.strip(): "default", **{u: a for a, u in base.urls.items()}}
+    urls = dict(base.urls)
+    aliases = list(base.aliases)
+    for shard, url in moved.items():
+        alias = alias_of_url.get(url)
+        if alias is None:
+            alias = alias_of_url[url] = moved_alias(url)
+            urls[alias] = url
+        aliases[shard] = alias
+    held = set(aliases)
+    return ShardMap(tuple(aliases), {a: u for a, u in urls.items() if a in held})
+
+
+def spread(shard_count: int, urls: list[str]) -> str:
+    """The map of `shard_count` shards in contiguous ranges of near-equal size over `urls`, in
+    their order (16 over three: 0-4, 5-9, 10-15)."""
+    entries, start = [], 0
+    for n, url in enumerate(urls):
+        end = (n + 1) * shard_count // len(urls)
+        entries.append(f"{start}-{end - 1}={url}")
+        start = end
+    return ";".join(entries)
+
+
+def moved_alias(url: str) -> str:
+    """The alias of a database that the map did not name and a shard was moved to."""
+    return "moved_" + hashlib.sha256(url.encode()).hexdigest()[:12]
 
 
 def render(aliases: tuple[str, ...], url_of: dict[str, str]) -> str:

@@ -216,6 +216,13 @@ def stored_run(pk: int | None = None) -> Run:
     return stored_one(Run, **({} if pk is None else {"pk": pk}))
 
 
+def everywhere(sql: str, params: list | None = None) -> None:
+    """Run a statement on every shard database (a test's change to runs wherever they are)."""
+    for alias in shards.databases():
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql, params)
+
+
 def db_now() -> datetime:
     with connection.cursor() as cursor:
         cursor.execute("SELECT now()")

@@ -14,6 +14,7 @@ import os
 
 import pytest
 
+from scheduler_site import shardmap
 from tests.servers import Server, postgres_servers
 
 # The servers of this session, in the order of their aliases (shards_1, shards_2, …).
@@ -39,17 +40,9 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> 
     # The control database holds a share too when its URL is known (the embedded server's is
     # made by the settings).
     control = [os.environ["DATABASE_URL"]] if os.environ.get("DATABASE_URL") else []
-    os.environ["SCHEDULER_SHARD_DATABASES"] = spread(16, control + [s.url for s in SERVERS])
-
-
-def spread(shard_count: int, urls: list[str]) -> str:
-    """The map of `shard_count` shards in equal runs over `urls`."""
-    entries, start = [], 0
-    for n, url in enumerate(urls):
-        end = (n + 1) * shard_count // len(urls)
-        entries.append(f"{start}-{end - 1}={url}")
-        start = end
-    return ";".join(entries)
+    os.environ["SCHEDULER_SHARD_DATABASES"] = shardmap.spread(
+        16, control + [s.url for s in SERVERS]
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,7 +10,7 @@ from django.conf import settings
 from apps.audit.record import Actor, record
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
-from apps.jobs.models import JobDefinition, database_of
+from apps.jobs.models import JobDefinition, database_of, database_to_write
 from apps.runs import shards
 from apps.runs.models import Run
 from apps.runs.store import NewRun, insert_runs
@@ -80,7 +80,7 @@ def run_backfill(
         )
         for t in backfill.times
     ]
-    with shards.writing(database_of(definition.name)):
+    with shards.writing(database_to_write(definition.name)):
         created = len(insert_runs(runs))
         record(
             actor,

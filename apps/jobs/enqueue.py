@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import orjson
-from django.db import InterfaceError, OperationalError, transaction
+from django.db import IntegrityError, InterfaceError, OperationalError, transaction
 from django.db.models.functions import Now
 
 from apps.audit.record import TARGETS_SHOWN, Actor, record, record_denied
@@ -198,6 +198,15 @@ def _unless_unreachable(alias: str, keys: Iterable[Any], down: dict[Any, str]) -
         if not shards.physical():
             raise
         down.update(dict.fromkeys(keys, unavailable(alias, exc)))
+    except IntegrityError as exc:
+        # A process whose map is a moment older than a finished move wrote to the shard's old
+        # database, whose constraint refuses it (apps/scheduler/moves.py): the same answer as during
+        # the move.
+        constraint = getattr(getattr(exc.__cause__, "diag", None), "constraint_name", "") or ""
+        if not constraint.startswith(shards.MOVED_CONSTRAINT_PREFIX):
+            raise
+        shard = int(constraint.removeprefix(shards.MOVED_CONSTRAINT_PREFIX))
+        down.update(dict.fromkeys(keys, shards.moving_detail(shard)))
 
 
 def _definitions(names: set[str]) -> tuple[dict[str, JobDefinition], dict[str, str]]:
@@ -206,10 +215,15 @@ def _definitions(names: set[str]) -> tuple[dict[str, JobDefinition], dict[str, s
     lookup, and the insert with its audit event). And the names whose database is down, with
     what to tell about it."""
     groups: dict[str, set[str]] = {}
-    for name in names:
-        groups.setdefault(shards.alias_of_shard(shard_for(name)), set()).add(name)
     found: dict[str, JobDefinition] = {}
     down: dict[str, str] = {}
+    moving = shards.moving()
+    for name in names:
+        shard = shard_for(name)
+        if shard in moving:
+            down[name] = shards.moving_detail(shard)
+        else:
+            groups.setdefault(shards.alias_of_shard(shard), set()).add(name)
     for alias, part in groups.items():
         with shards.using(alias), _unless_unreachable(alias, part, down):
             # Only what the batch reads (the insert takes the rest from the row itself):

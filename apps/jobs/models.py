@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from django.db import models
 
+from apps.runs import shards
 from apps.runs.models import PRIORITIES, PRIORITY_NAMES
 from apps.runs.shards import alias_of_shard, next_id
 
@@ -11,6 +12,13 @@ def database_of(name: str) -> str:
     from apps.jobs.schedule import shard_for
 
     return alias_of_shard(shard_for(name))
+
+
+def database_to_write(name: str) -> str:
+    """`database_of(name)`, refused (`shards.Moving`, a 503) while its shard is being moved."""
+    from apps.jobs.schedule import shard_for
+
+    return shards.writable(shard_for(name))
 
 
 class JobDefinitionQuerySet(models.QuerySet):

@@ -14,7 +14,7 @@ from django.db import transaction
 from apps.audit.record import Actor, record
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
-from apps.jobs.models import JobDefinition, Queue, database_of
+from apps.jobs.models import JobDefinition, Queue, database_to_write
 from apps.runs import payloads, shards
 from apps.runs.clock import database_now
 from apps.runs.models import PRIORITY_NAMES
@@ -118,7 +118,7 @@ def _apply_spec(definition: JobDefinition, spec: DefinitionSpec, now: datetime) 
 
 
 def create_definition(team, spec: DefinitionSpec, actor: Actor) -> JobDefinition:
-    with shards.writing(database_of(spec.name)):
+    with shards.writing(database_to_write(spec.name)):
         definition = JobDefinition(team=team)
         _apply_spec(definition, spec, database_now())
         definition.save()
@@ -137,7 +137,7 @@ def update_definition(
     definition: JobDefinition, spec: DefinitionSpec, actor: Actor
 ) -> JobDefinition:
     """Replace a definition's fields; a changed schedule restarts from the next fire time."""
-    with shards.writing(database_of(definition.name)):
+    with shards.writing(database_to_write(definition.name)):
         locked = JobDefinition.objects.select_for_update().get(pk=definition.pk)
         before = snapshot(locked)
         was_paused = locked.paused
@@ -170,7 +170,7 @@ def delete_definition(definition: JobDefinition, actor: Actor) -> None:
     """
     from apps.runs import retention
 
-    alias = database_of(definition.name)
+    alias = database_to_write(definition.name)
     with shards.using(alias):
         retention.delete_runs_of(definition.pk)
     with shards.writing(alias):
@@ -190,7 +190,7 @@ def delete_definition(definition: JobDefinition, actor: Actor) -> None:
 
 def set_paused(definition: JobDefinition, paused: bool, actor: Actor) -> JobDefinition:
     """Pause or resume a definition. Resuming restarts from the next fire time: no back-fill."""
-    with shards.writing(database_of(definition.name)):
+    with shards.writing(database_to_write(definition.name)):
         locked = JobDefinition.objects.select_for_update().get(pk=definition.pk)
         if locked.paused == paused:
             return locked

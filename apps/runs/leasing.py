@@ -72,14 +72,22 @@ def claim_or_wait(
             return render([])
         seen = listener.generation
         lanes = store.control_lanes(request.queues, request.team_ids) if shards.physical() else None
+        held: dict[str, ExitStack] = {}
         try:
-            with ExitStack() as transactions:
-                leases = _claim_everywhere(request, lanes, transactions)
-                answer = render(leases)
-                if leases and gone is not None and gone.is_set():
-                    raise _WorkerGone
-        except _WorkerGone:
-            return render([])
+            leases = _claim_everywhere(request, lanes, held)
+            answer = render(leases)
+            if leases and gone is not None and gone.is_set():
+                raise _WorkerGone
+        except BaseException as exc:
+            _finish(held, exc)
+            if isinstance(exc, _WorkerGone):
+                return render([])
+            raise
+        lost = _finish(held, None)
+        if lost:
+            # A database that failed at commit leased nothing: its runs leave the answer.
+            leases = [lease for lease in leases if shards.alias_of_run(lease.id) not in lost]
+            answer = render(leases)
         left = deadline - time.monotonic()
         if leases or left <= 0:
             return answer
@@ -91,30 +99,46 @@ def claim_or_wait(
 _rotation = itertools.count()
 
 
+def _finish(held: dict[str, ExitStack], error: BaseException | None) -> list[str]:
+    """Commit each database's claim transaction (roll back, given the `error` that ended the
+    request); return the shard databases whose commit failed (their server went away)."""
+    lost = []
+    for alias, transaction in held.items():
+        try:
+            if error is None:
+                transaction.close()
+            else:
+                transaction.__exit__(type(error), error, error.__traceback__)
+        except (OperationalError, InterfaceError):
+            if not shards.physical() or error is not None:
+                raise
+            logger.warning("shard database %s failed to commit a claim", alias, exc_info=True)
+            lost.append(alias)
+    return lost
+
+
 def _claim_everywhere(
-    request: LeaseRequest, lanes: store.Lanes | None, transactions: ExitStack
+    request: LeaseRequest, lanes: store.Lanes | None, held: dict[str, ExitStack]
 ) -> list[store.Lease]:
     """Claim from every shard database, one transaction each, all held open until the caller
-    has built its answer; a database that cannot be reached is passed over.
+    has built its answer (`held`, by database); a database that cannot be reached is passed
+    over.
 
-    First each database is asked for an equal share of the batch, starting at a rotating one so
-    that workers spread; then the databases that filled their share, in the same order, for
-    what is left. A batch is so shared between the teams and jobs of every database, as one
-    database shares it between its teams (one database: one claim, as before shards had
-    databases of their own)."""
+    Each database in turn is asked for what the batch still lacks, starting at a rotating one
+    so that requests spread over the databases: a database gives a whole batch when it has one,
+    and its claim costs per run what one database's does (asking each for an equal share, as
+    this did first, split every batch in three and halved the rate on three databases:
+    bench/README.md, "Shards"). One database: one claim, as before shards had databases of
+    their own."""
     databases = shards.databases()
     start = next(_rotation) % len(databases)
     order = databases[start:] + databases[:start]
-    share = -(-request.max_runs // len(order))
     claimed: dict[str, list[store.Lease]] = {}
-
-    def wanted() -> int:
-        return request.max_runs - sum(map(len, claimed.values()))
-
     for alias in order:
-        _claim_on(alias, request, lanes, min(share, wanted()), transactions, claimed)
-    for alias in [a for a in order if len(claimed.get(a, ())) == share]:
-        _claim_on(alias, request, lanes, wanted(), transactions, claimed)
+        wanted = request.max_runs - sum(map(len, claimed.values()))
+        if wanted <= 0:
+            break
+        _claim_on(alias, request, lanes, wanted, held, claimed)
     return [lease for alias in order for lease in claimed.get(alias, ())]
 
 
@@ -123,7 +147,7 @@ def _claim_on(
     request: LeaseRequest,
     lanes: store.Lanes | None,
     max_runs: int,
-    transactions: ExitStack,
+    held: dict[str, ExitStack],
     claimed: dict[str, list[store.Lease]],
 ) -> None:
     """Claim up to `max_runs` more on one database, in this request's transaction there (begun
@@ -146,7 +170,8 @@ def _claim_on(
                 lanes=lanes,
             )
             # Claimed: the transaction stays open with the others.
-            transactions.enter_context(mine.pop_all())
+            if alias not in held:
+                held[alias] = mine.pop_all()
             claimed.setdefault(alias, []).extend(got)
     except (OperationalError, InterfaceError) as exc:
         if lanes is None:

@@ -225,3 +225,18 @@ class MinuteCounts(models.Model):
 
     def __str__(self) -> str:
         return f"{self.minute:%Y-%m-%d %H:%M} team {self.team_id} {self.queue}/{self.priority}"
+
+
+class ShardPlacement(models.Model):
+    """Where a shard lives when `manage.py moveshard` moved it (control database): it overrides
+    `SCHEDULER_SHARD_DATABASES` for that shard; `moving` while the move is under way, when
+    new runs of the shard are refused. Every process reads these rows at most a second late
+    (`apps.runs.shards.refresh`)."""
+
+    shard = models.PositiveSmallIntegerField(primary_key=True)
+    url = models.TextField(blank=True, default="")  # empty: where the map says
+    moving = models.BooleanField(default=False)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"shard {self.shard}{' (moving)' if self.moving else ''}"

@@ -18,15 +18,28 @@ only ever written to the database this module names.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import TypeVar
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    transaction,
+)
 from django.db.backends.utils import CursorWrapper
 from django.db.models import QuerySet
+
+from scheduler_site import shardmap
+from scheduler_site.shardmap import ShardMap
 
 # Shards a key of a run or definition can name: keys are a multiple of this plus the shard. The
 # shard count may not exceed it (settings check it).
@@ -60,17 +73,123 @@ class Unavailable(Exception):
         )
 
 
+@dataclass(frozen=True)
+class _Placement:
+    map: ShardMap
+    moving: frozenset[int] = frozenset()
+
+
+# The map this process routes by: the settings' until `refresh` reads the moved shards from the
+# control database. Replaced whole, never changed in place (threads read it without a lock).
+_placement: _Placement | None = None
+_checked_at = -math.inf
+
+# How stale a process's map may be: `manage.py moveshard` waits longer than this between
+# refusing a shard's new runs and taking its rows, and every process refreshes at the start of
+# a request and on each tick of the daemons.
+REFRESH_SECONDS = 1.0
+
+PLACEMENTS = "SELECT shard, url, moving FROM runs_shardplacement"
+
+# The CHECK constraint that keeps a moved shard's rows out of the database it left, one per
+# shard and table: `shard_moved_<N>` (apps/scheduler/moves.py).
+MOVED_CONSTRAINT_PREFIX = "shard_moved_"
+
+
+def moving_detail(shard: int) -> str:
+    """What a request that would write a row of a shard being moved is told (503)."""
+    return f"shard {shard} is moving to another database; try again in a minute"
+
+
+def _current_map() -> ShardMap:
+    return _placement.map if _placement is not None else settings.SHARD_MAP
+
+
+def refresh(*, force: bool = False) -> None:
+    """Read the moved shards from the control database (at most once a second unless
+    `force`) and route by them. A control database that cannot be read keeps the last map."""
+    global _checked_at, _placement
+    now = time.monotonic()
+    if not force and now - _checked_at < REFRESH_SECONDS:
+        return
+    _checked_at = now
+    try:
+        with connections[CONTROL].cursor() as cursor:
+            cursor.execute(PLACEMENTS)
+            rows = cursor.fetchall()
+    except DatabaseError:  # before its migration, or the control database is down
+        return
+    base: ShardMap = settings.SHARD_MAP
+    moved = {shard: url for shard, url, _ in rows if url and shard < len(base.aliases)}
+    placement = _Placement(
+        shardmap.relocated(base, moved, settings.DATABASE_URL) if moved else base,
+        frozenset(shard for shard, _, moving in rows if moving),
+    )
+    for alias, url in placement.map.urls.items():
+        if alias not in connections.settings:
+            _register(alias, url)
+    _placement = placement
+
+
+def connect(url: str) -> str:
+    """The alias of the database at `url`: one the map names, else one made for it."""
+    current = _current_map()
+    known = {settings.DATABASE_URL.strip(): CONTROL, **{u: a for a, u in current.urls.items()}}
+    if url in known:
+        return known[url]
+    alias = shardmap.moved_alias(url)
+    if alias not in connections.settings:
+        _register(alias, url)
+    return alias
+
+
+def _register(alias: str, url: str) -> None:
+    """Make a Django connection alias for a database a shard moved to."""
+    from scheduler_site.database import config_from_url
+
+    template = settings.DATABASES[CONTROL]
+    config = config_from_url(
+        url,
+        application_name=template["OPTIONS"].get("application_name", "scheduler"),
+        pool_size=settings.DB_POOL_SIZE,
+    )
+    config = connections.configure_settings({alias: config})[alias]
+    settings.DATABASES[alias] = config
+    connections.settings[alias] = config
+
+
+def moving() -> frozenset[int]:
+    """The shards being moved (`manage.py moveshard`): their new runs are refused meanwhile."""
+    return _placement.moving if _placement is not None else frozenset()
+
+
+class Moving(Unavailable):
+    """A row of a shard being moved was to be written (`manage.py moveshard`)."""
+
+    def __init__(self, shard: int) -> None:
+        self.spans = [str(shard)]
+        Exception.__init__(self, moving_detail(shard))
+
+
+def writable(shard: int) -> str:
+    """The database of `shard` for a write by a person or a client; raises `Moving` while the
+    shard is being moved (its rows are about to leave that database)."""
+    if shard in moving():
+        raise Moving(shard)
+    return alias_of_shard(shard)
+
+
 def alias_of_shard(shard: int) -> str:
-    return settings.SHARD_MAP.aliases[shard]
+    return _current_map().aliases[shard]
 
 
 def databases() -> list[str]:
     """Every database that holds shards, in the order of their first shard."""
-    return list(dict.fromkeys(settings.SHARD_MAP.aliases))
+    return list(dict.fromkeys(_current_map().aliases))
 
 
 def shards_on(alias: str) -> list[int]:
-    return [n for n, held in enumerate(settings.SHARD_MAP.aliases) if held == alias]
+    return [n for n, held in enumerate(_current_map().aliases) if held == alias]
 
 
 def span(alias: str) -> str:
@@ -81,7 +200,7 @@ def span(alias: str) -> str:
 
 def physical() -> bool:
     """Whether some shard lives outside the control database."""
-    return settings.SHARD_MAP.physical
+    return _current_map().physical
 
 
 def shard_of_run(run_pk: int) -> int:
@@ -90,7 +209,7 @@ def shard_of_run(run_pk: int) -> int:
 
 def alias_of_run(run_pk: int) -> str:
     shard = shard_of_run(run_pk)
-    aliases = settings.SHARD_MAP.aliases
+    aliases = _current_map().aliases
     # An id from before runs named their shard (or a forged one) is looked for in the control
     # database's shards, where such runs were made.
     return aliases[shard] if shard < len(aliases) else CONTROL
@@ -99,7 +218,7 @@ def alias_of_run(run_pk: int) -> str:
 def runs_by_database(run_ids: Sequence[int]) -> dict[str, list[int]]:
     """Run ids grouped by the database of their shard, in their order."""
     if not physical():
-        return {settings.SHARD_MAP.aliases[0]: list(run_ids)}
+        return {_current_map().aliases[0]: list(run_ids)}
     groups: dict[str, list[int]] = {}
     for run_id in run_ids:
         groups.setdefault(alias_of_run(run_id), []).append(run_id)
@@ -140,7 +259,7 @@ def next_id(model: type, shard: int) -> int:
 
 def current() -> str:
     """The shard database of the enclosing `using` block (else the first one)."""
-    return _current.get() or settings.SHARD_MAP.aliases[0]
+    return _current.get() or _current_map().aliases[0]
 
 
 @contextmanager

@@ -11,6 +11,7 @@ per-minute counters the overview reads (apps/runs/counters.py), in the same stat
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,6 +35,8 @@ T = TypeVar("T", bound=tuple)
 
 WAITING = "('scheduled', 'ready', 'retrying')"
 READY_CHANNEL = "runs_ready"
+
+log = logging.getLogger(__name__)
 
 
 def server_cursor() -> CursorWrapper:
@@ -1000,12 +1003,19 @@ def reap(*, shards: Sequence[int] | None = None, batch: int = 500) -> list[Reape
             continue
         # Every shard of a database: no filter, as before shards had databases of their own.
         held = None if shards is None else mine
-        with placement.using(alias), atomic(), server_cursor() as cursor:
-            cursor.execute(REAP, {"shards": held, "batch": batch})
-            reaped += [
-                Reaped(row["id"], row["state"], row["queue"], row["outcome"])
-                for row in _rows(cursor)
-            ]
+        try:
+            with placement.using(alias), atomic(), server_cursor() as cursor:
+                cursor.execute(REAP, {"shards": held, "batch": batch})
+                reaped += [
+                    Reaped(row["id"], row["state"], row["queue"], row["outcome"])
+                    for row in _rows(cursor)
+                ]
+        except placement.DOWN as exc:
+            # The other databases are reaped all the same; this one's leases wait for it.
+            if not placement.physical():
+                raise
+            log.warning("reap: %s", unavailable(alias, exc))
+            connections[alias].close()
     metrics.observe_reaped(reaped)
     for item in reaped if logs.runs_logged() else ():
         run_event(

@@ -55,6 +55,8 @@ def _transition(
     by_id = {run.pk: run for run in runs}
     if not by_id:
         return []
+    for run in runs:  # a shard being moved takes no changes (apps/scheduler/moves.py)
+        shards.writable(run.shard)
     changed: list[tuple[int, str]] = []
     # The audit events commit with the runs where they share the control database; a shard
     # database of its own commits its runs first (one transaction per database).

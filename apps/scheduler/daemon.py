@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db import close_old_connections, connection
 
-from apps.runs import retention, store
+from apps.runs import retention, shards, store
 from apps.scheduler import leases
 from apps.scheduler.materialiser import grace_for, materialise_batch
 
@@ -246,6 +246,7 @@ class Scheduler:
     def tick(self) -> TickReport:
         """Run one tick: clock, leases, then reap and materialise (new shards first)."""
         self.report = TickReport()
+        shards.refresh()  # a shard moved by `manage.py moveshard` is materialised where it went
         self.read_clock()
         self.handle_one_lease_round()
         if self.fresh:

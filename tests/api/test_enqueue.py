@@ -6,7 +6,9 @@ import pytest
 from django.core.cache import cache
 
 from apps.runs.models import Run
-from tests.conftest import make_definition
+from tests.conftest import make_definition, stored, stored_one
+
+pytestmark = [pytest.mark.shards, pytest.mark.django_db(transaction=True, databases="__all__")]
 
 
 @pytest.fixture(autouse=True)
@@ -55,8 +57,8 @@ def test_each_item_is_answered_in_order_and_nothing_half_written(api_a, jobs):
     assert runs[8]["run"]["priority"] == "critical"
     for refused in (runs[3], runs[5]):
         assert {"type", "title", "status", "detail"} <= set(refused)
-    assert Run.objects.count() == 3
-    assert not Run.objects.filter(definition__name="other.secret").exists()
+    assert len(stored(Run)) == 3
+    assert not stored(Run, definition__name="other.secret")
 
 
 def test_the_single_create_is_a_batch_of_one(api_a, jobs):
@@ -91,11 +93,11 @@ def test_a_runs_concurrency_key_and_priority_are_kept_and_shown_by_both_endpoint
     )
     assert single.status_code == 201, single.text
     assert (single.json()["concurrencyKey"], single.json()["priority"]) == ("customer-7", "bulk")
-    run = Run.objects.get(idempotency_key="f")
+    run = stored_one(Run, idempotency_key="f")
     assert run.concurrency_key == "customer-7"
     shown = api_a.get(f"/api/v1/runs/{single.json()['runId']}").json()
     assert shown["concurrencyKey"] == "customer-7"
-    assert Run.objects.filter(idempotency_key__in=["c", "d", "e"]).count() == 0
+    assert not stored(Run, idempotency_key__in=["c", "d", "e"])
 
 
 @pytest.mark.parametrize("accept", ["application/json", "application/json; indent=2"])
@@ -117,14 +119,14 @@ def test_prefer_return_minimal_answers_runs_by_id_on_both_dispatch_paths(api_a, 
     assert answer.headers["Preference-Applied"] == "return=minimal"
     runs = answer.json()["runs"]
     assert [item["status"] for item in runs] == [201, 200, 404, 201]
-    stored = {run.idempotency_key + run.definition.name: run.run_id for run in Run.objects.all()}
-    assert runs[0] == {"status": 201, "runId": stored["newbilling.remind"]}
-    assert runs[1] == {"status": 200, "runId": stored["oldbilling.remind"]}
-    assert runs[3] == {"status": 201, "runId": stored["oldbilling.send-invoice"]}
+    ids = {run.idempotency_key + run.definition.name: run.run_id for run in stored(Run)}
+    assert runs[0] == {"status": 201, "runId": ids["newbilling.remind"]}
+    assert runs[1] == {"status": 200, "runId": ids["oldbilling.remind"]}
+    assert runs[3] == {"status": 201, "runId": ids["oldbilling.send-invoice"]}
     assert set(runs[2]) >= {"type", "title", "detail"}
     # Without the preference, the whole run, and no Preference-Applied.
     full = api_a.post("/api/v1/runs", {"runs": items[:1]}, headers={"Accept": accept})
-    assert full.json()["runs"][0]["run"]["runId"] == stored["newbilling.remind"]
+    assert full.json()["runs"][0]["run"]["runId"] == ids["newbilling.remind"]
     assert "Preference-Applied" not in full.headers
 
 
@@ -135,7 +137,7 @@ def test_prefer_return_minimal_answers_runs_by_id_on_both_dispatch_paths(api_a, 
 def test_a_bad_batch_is_refused_whole(api_a, jobs, body):
     answer = api_a.post("/api/v1/runs", body)
     assert answer.status_code == 400, answer.text
-    assert not Run.objects.exists()
+    assert not stored(Run)
 
 
 def test_enqueue_is_limited_per_run_created_not_per_request(api_a, jobs, settings):
@@ -145,11 +147,11 @@ def test_enqueue_is_limited_per_run_created_not_per_request(api_a, jobs, setting
     refused = api_a.post("/api/v1/runs", {"runs": batch})
     assert refused.status_code == 429
     assert int(refused.headers["Retry-After"]) >= 1
-    assert Run.objects.count() == 1000  # the refused batch created nothing
+    assert len(stored(Run)) == 1000  # the refused batch created nothing
     # 500 more fit the budget; management calls have their own.
     assert api_a.post("/api/v1/runs", {"runs": batch[:500]}).status_code == 200
     assert api_a.get("/api/v1/jobs").status_code == 200
-    assert Run.objects.count() == 1500
+    assert len(stored(Run)) == 1500
 
 
 def test_many_small_enqueues_are_not_held_to_the_management_rate(api_a, jobs):

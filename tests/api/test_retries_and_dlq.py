@@ -5,19 +5,17 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.db import connection
 
 from apps.audit.models import AuditEvent
 from apps.runs import store
 from apps.runs.models import Attempt, Run
-from tests.conftest import add_ready_runs, make_definition
+from tests.conftest import add_ready_runs, claim, everywhere, make_definition, stored, stored_run
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.shards, pytest.mark.django_db(transaction=True, databases="__all__")]
 
 
 def make_available() -> None:
-    with connection.cursor() as cursor:
-        cursor.execute("UPDATE runs_run SET available_at = now() WHERE state = 'retrying'")
+    everywhere("UPDATE runs_run SET available_at = now() WHERE state = 'retrying'")
 
 
 def fail_lease(api, lease, retryable=True, message="boom"):
@@ -43,7 +41,7 @@ def test_after_max_attempts_the_run_is_dead_listed_and_requeueable(api_a, team_a
         assert answer.status_code == 200
         assert answer.json()["state"] == ("retrying" if attempt < 3 else "dead")
         make_available()
-    run = Run.objects.get()
+    run = stored_run()
     assert run.state == "dead"
     assert run.last_error == {"message": "failure 3", "type": "RuntimeError"}
     assert api_a.lease(["q"], 1) == []
@@ -57,8 +55,7 @@ def test_after_max_attempts_the_run_is_dead_listed_and_requeueable(api_a, team_a
     assert AuditEvent.objects.filter(action="dlq.requeue", target=run.run_id).exists()
     (lease,) = api_a.lease(["q"], 1)
     assert lease["attempt"] == 4
-    run.refresh_from_db()
-    assert run.max_attempts == 6  # a fresh budget of maxAttempts more
+    assert stored_run(run.pk).max_attempts == 6  # a fresh budget of maxAttempts more
     assert api_a.get("/api/v1/dlq").json()["results"] == []
 
 
@@ -67,7 +64,7 @@ def test_not_retryable_goes_straight_to_dead(api_a, team_a):
     add_ready_runs(definition, 1)
     (lease,) = api_a.lease(["q"], 1)
     assert fail_lease(api_a, lease, retryable=False).json()["state"] == "dead"
-    assert Run.objects.get().state == "dead"
+    assert stored_run().state == "dead"
 
 
 def test_discard_by_filter_empties_the_dlq(api_a, team_a):
@@ -77,7 +74,7 @@ def test_discard_by_filter_empties_the_dlq(api_a, team_a):
         fail_lease(api_a, lease)
     answer = api_a.post("/api/v1/dlq/discard", {"filter": {"job": "jobs.discard"}})
     assert answer.json()["count"] == 3
-    assert not Run.objects.filter(state="dead").exists()
+    assert not stored(Run, state="dead")
     assert AuditEvent.objects.filter(action="dlq.discard").count() == 3
 
 
@@ -95,16 +92,15 @@ def test_backoff_is_full_jitter_within_the_ceiling(team_a, attempt, ceiling):
         retry_max_seconds=1800,
     )
     add_ready_runs(definition, 40)
-    with connection.cursor() as cursor:
-        cursor.execute("UPDATE runs_run SET attempt = %s", [attempt - 1])
-    leases = store.claim(queues=["q"], max_runs=40, worker_id="w", lease_seconds=60)
+    everywhere("UPDATE runs_run SET attempt = %s", [attempt - 1])
+    leases = claim(queues=["q"], max_runs=40, worker_id="w", lease_seconds=60)
     assert {lease.attempt for lease in leases} == {attempt}
     outcomes = store.fail(
         [(lease.id, lease.fencing_token, {"message": "x"}, True) for lease in leases],
         team_ids=[team_a.pk],
     )
     # The attempt ended at the failing transaction's now(): the delay is measured from there.
-    ended = dict(Attempt.objects.values_list("run_id", "ended_at"))
+    ended = {attempt.run_id: attempt.ended_at for attempt in stored(Attempt)}
     delays = [(o.available_at - ended[o.id]).total_seconds() for o in outcomes]
     assert all(0 <= delay <= ceiling for delay in delays), delays
     # Full jitter spreads across the whole range, not just near the ceiling.
@@ -114,7 +110,7 @@ def test_backoff_is_full_jitter_within_the_ceiling(team_a, attempt, ceiling):
 def test_cancel_only_from_waiting_states(api_a, team_a):
     definition = make_definition(team_a, "jobs.cancel", queue="q")
     add_ready_runs(definition, 2)
-    first, second = Run.objects.order_by("pk")
+    first, second = stored(Run)
     assert api_a.post(f"/api/v1/runs/{first.run_id}/cancel").json()["state"] == "cancelled"
     (lease,) = api_a.lease(["q"], 5)
     assert lease["runId"] == second.run_id
@@ -130,10 +126,9 @@ def test_retry_skips_the_backoff(api_a, team_a):
     add_ready_runs(definition, 1)
     (lease,) = api_a.lease(["q"], 1)
     fail_lease(api_a, lease)
-    with connection.cursor() as cursor:
-        cursor.execute("UPDATE runs_run SET available_at = now() + interval '1 hour'")
+    everywhere("UPDATE runs_run SET available_at = now() + interval '1 hour'")
     assert api_a.lease(["q"], 1) == []
-    run = Run.objects.get()
+    run = stored_run()
     assert api_a.post(f"/api/v1/runs/{run.run_id}/retry").json()["state"] == "ready"
     assert len(api_a.lease(["q"], 1)) == 1
-    assert timedelta(0) <= Run.objects.get().available_at - run.created_at
+    assert timedelta(0) <= stored_run().available_at - run.created_at

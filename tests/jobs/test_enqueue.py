@@ -6,13 +6,13 @@ import threading
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connections
 
 from apps.audit.models import AuditEvent
 from apps.audit.record import Actor
 from apps.jobs.enqueue import Wanted, enqueue_many
 from apps.runs.models import PRIORITIES, Run
-from tests.conftest import db_now, make_definition
+from tests.conftest import db_now, make_definition, stored, stored_one
 
 
 @pytest.fixture
@@ -24,6 +24,8 @@ def jobs(team_a, team_b):
     )
 
 
+@pytest.mark.shards
+@pytest.mark.django_db(transaction=True, databases="__all__")
 def test_a_mixed_batch_answers_each_item_in_order_and_writes_only_the_good_ones(
     team_a, team_b, jobs
 ):
@@ -46,12 +48,12 @@ def test_a_mixed_batch_answers_each_item_in_order_and_writes_only_the_good_ones(
     assert answers[1].run.pk == answers[2].run.pk
     assert answers[2].fields == ("n",)
     assert answers[5].run.pk == answers[6].run.pk
-    assert Run.objects.filter(team=team_b).count() == 0
-    assert Run.objects.count() == 3
-    delayed = Run.objects.get(idempotency_key="order-2")
+    assert not stored(Run, team=team_b)
+    assert len(stored(Run)) == 3
+    delayed = stored_one(Run, idempotency_key="order-2")
     assert delayed.due_at - db_now() > timedelta(seconds=290)
     assert delayed.payload == {"n": 2}
-    reminder = Run.objects.get(idempotency_key="r-1")
+    reminder = stored_one(Run, idempotency_key="r-1")
     assert reminder.priority == PRIORITIES["critical"]
     assert reminder.payload == {}  # the definition's
     # One audit event per job for the new runs, one denial for the other team's job.
@@ -88,7 +90,8 @@ def test_one_delayed_run_is_three_statements(team_a, jobs, django_assert_num_que
     assert timedelta(seconds=59) < answer.run.due_at - batch.now <= timedelta(seconds=60)
 
 
-@pytest.mark.django_db(transaction=True)
+@pytest.mark.shards
+@pytest.mark.django_db(transaction=True, databases="__all__")
 def test_concurrent_batches_with_overlapping_keys_create_each_key_once(team_a, jobs):
     keys = [f"shared-{i}" for i in range(200)]
     results: list[list[int]] = []
@@ -108,7 +111,7 @@ def test_concurrent_batches_with_overlapping_keys_create_each_key_once(team_a, j
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
         finally:
-            connection.close()
+            connections.close_all()
 
     threads = [threading.Thread(target=producer, args=(i,)) for i in range(20)]
     for thread in threads:
@@ -116,7 +119,7 @@ def test_concurrent_batches_with_overlapping_keys_create_each_key_once(team_a, j
     for thread in threads:
         thread.join()
     assert not errors, errors
-    assert Run.objects.filter(idempotency_key__in=keys).count() == 200
+    assert len(stored(Run, idempotency_key__in=keys)) == 200
     created = sum(status == 201 for statuses in results for status in statuses)
     assert created == 200
     assert all(set(statuses) <= {200, 201} for statuses in results)

@@ -24,6 +24,7 @@ class Command(DjangoMigrate):
         if options["database"] != DEFAULT_DB_ALIAS or options["run_syncdb"]:
             super().handle(*args, **options)
             return
+        shards.refresh(force=True)  # with the databases shards were moved to
         for alias in [DEFAULT_DB_ALIAS, *(a for a in shards.databases() if a != DEFAULT_DB_ALIAS)]:
             if alias != DEFAULT_DB_ALIAS and options["verbosity"]:
                 self.stdout.write(self.style.MIGRATE_HEADING(f"Shard database {alias}:"))

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 from django.db import close_old_connections, connection
 
-from apps.runs import store
+from apps.runs import shards, store
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, self.on_signal)
         while not self.shutdown:
             close_old_connections()
+            shards.refresh()
             try:
                 while self.handle_one_batch() and not self.shutdown:
                     pass

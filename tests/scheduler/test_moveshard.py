@@ -1,0 +1,191 @@
+"""`manage.py moveshard`: one shard moves to another server while workers drain and producers
+enqueue, and nothing is lost, duplicated or left behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from functools import partial
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connections
+
+from apps.audit.record import Actor
+from apps.jobs.enqueue import Wanted, enqueue_many
+from apps.jobs.models import JobDefinition
+from apps.jobs.schedule import shard_for
+from apps.runs import leasing, shards, store
+from apps.runs.models import Run, ShardPlacement
+from apps.runs.shards import MOVED_CONSTRAINT_PREFIX
+from apps.scheduler import moves
+from tests.conftest import Layout
+from tests.faults.helpers import INVARIANTS
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.physical,
+    pytest.mark.django_db(transaction=True, databases="__all__"),
+]
+
+
+@pytest.fixture
+def placement_reset() -> Iterator[None]:
+    """Moves outlive a test's rows (constraints, the process's map): undone afterwards."""
+    yield
+    ShardPlacement.objects.using(shards.CONTROL).all().delete()
+    for alias in shards.databases():
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                "SELECT conrelid::regclass::text, conname FROM pg_constraint WHERE conname LIKE %s",
+                [MOVED_CONSTRAINT_PREFIX + "%"],
+            )
+            for table, name in cursor.fetchall():
+                cursor.execute(f"ALTER TABLE {table} DROP CONSTRAINT {name}")
+    shards.refresh(force=True)
+
+
+def _names_of_shard(shard: int, count: int) -> list[str]:
+    return [n for n in (f"move.{i}" for i in range(20_000)) if shard_for(n) == shard][:count]
+
+
+def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
+    layout: Layout, team_a, placement_reset
+):
+    source, target = layout.aliases
+    target_url = layout.servers[1].url
+    shard = shards.shards_on(source)[0]
+    moving_jobs = []
+    for name in _names_of_shard(shard, 2):
+        with shards.using(source):
+            moving_jobs.append(
+                JobDefinition.objects.create(team=team_a, name=name, queue="q", timeout_seconds=60)
+            )
+    staying = layout.job_on(target, team_a, "stay")
+    made: list[int] = []
+    for job in [*moving_jobs, staying]:
+        made += layout.new_runs(job, 150, "before")
+
+    request = partial(
+        leasing.LeaseRequest, team_id=team_a.pk, team_ids=[team_a.pk], queues=["q"], jobs=None,
+        max_runs=10, lease_seconds=3, wait_seconds=0,
+    )  # fmt: skip
+    succeeded: dict[int, int] = {}
+    refused: list[str] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def worker(index: int) -> None:
+        try:
+            while not stop.is_set():
+                leases = leasing.claim_or_wait(request(worker_id=f"w-{index}"), list)
+                if not leases:
+                    time.sleep(0.02)
+                    continue
+                time.sleep(0.01)  # the work
+                outcomes = store.complete(
+                    [(lease.id, lease.fencing_token, {"by": index}) for lease in leases],
+                    team_ids=[team_a.pk],
+                )
+                with lock:
+                    for outcome in outcomes:
+                        if outcome.status == 200:
+                            succeeded[outcome.id] = succeeded.get(outcome.id, 0) + 1
+        finally:
+            connections.close_all()
+
+    def producer() -> None:
+        try:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                items = [Wanted(job.name, f"during-{n}") for job in [*moving_jobs, staying]]
+                answers = enqueue_many([team_a.pk], items, Actor.system()).answers
+                with lock:
+                    made.extend(a.run.pk for a in answers if a.status == 201)
+                    refused.extend(a.detail for a in answers if a.status == 503)
+                time.sleep(0.05)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    threads.append(threading.Thread(target=producer))
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1.0)  # under way: some runs leased, some done
+        report = moves.move(shard, target_url, wait=60)
+        time.sleep(1.0)  # producers enqueue to the shard's new database
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+
+    assert report.rows["jobs_jobdefinition"] == len(moving_jobs)
+    assert report.rows["runs_run"] >= 300
+    assert report.rows["runs_attempt"] > 0
+    assert any(f"shard {shard} is moving" in detail for detail in refused)
+    assert shards.alias_of_shard(shard) == target
+    placed = ShardPlacement.objects.using(shards.CONTROL).get(shard=shard)
+    assert (placed.url, placed.moving) == (target_url, False)
+
+    # Nothing left behind, and every run made (before, during, after) is where its id says.
+    for model in (Run, JobDefinition):
+        assert not model.objects.using(source).filter(shard=shard).exists()
+    where = {}
+    for alias in shards.databases():
+        where.update(dict.fromkeys(Run.objects.using(alias).values_list("pk", flat=True), alias))
+    assert set(made) <= set(where)  # none lost
+    assert all(where[pk] == shards.alias_of_run(pk) for pk in made)
+    assert len(set(made)) == len(made)
+    # The workers finished what they held; the rest drains where the runs now live.
+    while leases := leasing.claim_or_wait(request(worker_id="after", max_runs=500), list):
+        for outcome in store.complete(
+            [(lease.id, lease.fencing_token, None) for lease in leases], team_ids=[team_a.pk]
+        ):
+            succeeded[outcome.id] = succeeded.get(outcome.id, 0) + 1
+    assert set(succeeded) >= set(made)
+    assert all(count == 1 for count in succeeded.values())
+    for alias in shards.databases():
+        states = set(Run.objects.using(alias).filter(pk__in=made).values_list("state", flat=True))
+        assert states <= {"succeeded"}, (alias, states)
+        with connections[alias].cursor() as cursor:
+            for rule, sql in INVARIANTS.items():
+                cursor.execute(sql)
+                assert cursor.fetchall() == [], f"{alias}: {rule}"
+
+
+def test_a_move_refuses_a_target_that_holds_the_shard_and_a_shard_that_stays_leased(
+    layout: Layout, team_a, placement_reset
+):
+    source, target = layout.aliases
+    shard = shards.shards_on(source)[0]
+    with shards.using(source):
+        job = JobDefinition.objects.create(
+            team=team_a, name=_names_of_shard(shard, 1)[0], queue="q", timeout_seconds=600
+        )
+    layout.new_runs(job, 3, "r")
+    (lease,) = leasing.claim_or_wait(
+        leasing.LeaseRequest(
+            team_id=team_a.pk, team_ids=[team_a.pk], queues=["q"], jobs=None, max_runs=1,
+            worker_id="slow", lease_seconds=600, wait_seconds=0,
+        ),
+        list,
+    )  # fmt: skip
+
+    with pytest.raises(CommandError, match=r"1 runs of shard \d+ are still leased"):
+        call_command("moveshard", str(shard), "--to", layout.servers[1].url, "--wait", "1")
+    # Undone: the shard takes new runs where it was, and its leased run still completes.
+    assert shards.alias_of_shard(shard) == source and shard not in shards.moving()
+    assert layout.new_runs(job, 1, "after")
+    (outcome,) = store.complete([(lease.id, lease.fencing_token, None)], team_ids=[team_a.pk])
+    assert outcome.status == 200
+    assert not Run.objects.using(target).filter(shard=shard).exists()
+
+    with shards.using(target):  # a row of the shard left on the target
+        JobDefinition.objects.create(
+            pk=shard + 1024 * 999, team=team_a, name=_names_of_shard(shard, 2)[1], queue="q"
+        )
+    with pytest.raises(CommandError, match="already holds rows of shard"):
+        call_command("moveshard", str(shard), "--to", layout.servers[1].url)
