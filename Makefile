@@ -28,4 +28,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 stop-db: $(STAMP)
-	$(BIN)/python -c "from pathlib import Path; from scheduler_site import embedded_db; print('stopped' if embedded_db.stop(Path('.data')) else 'not running')"
+	$(BIN)/python -c "from pathlib import Path; from scheduler_site import embedded_db; stopped = embedded_db.stop_all(Path('.data')); print('stopped ' + ', '.join(stopped) if stopped else 'not running')"

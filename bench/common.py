@@ -8,6 +8,7 @@ from one fresh database to the next.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -36,6 +37,29 @@ REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/15")
 PYTHON = sys.executable
 QUEUE = "bench"
 JOB = "bench.noop"
+SHARD_COUNT = 16  # the product's default SCHEDULER_SHARD_COUNT
+
+
+def shard_for(name: str) -> int:
+    """The product's shard of a job name (apps/jobs/schedule.py `shard_for`), without importing
+    Django: the first 8 bytes of its SHA-256, modulo the shard count. bench/workers/setup_project.py
+    checks that the two agree."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") % SHARD_COUNT
+
+
+def job_names(per_shard: int) -> list[str]:
+    """`per_shard` names of no-op jobs on each shard (`bench.noop.<i>`), so that a workload spread
+    over them is spread evenly over every shard, and over every shard database."""
+    names: list[str] = []
+    taken = [0] * SHARD_COUNT
+    i = 0
+    while len(names) < per_shard * SHARD_COUNT:
+        name = f"{JOB}.{i}"
+        if taken[shard_for(name)] < per_shard:
+            taken[shard_for(name)] += 1
+            names.append(name)
+        i += 1
+    return names
 
 
 def log(message: str) -> None:
@@ -159,12 +183,13 @@ def drop_database(name: str) -> None:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
-def xact_commits(names: Iterable[str]) -> int:
-    """Committed transactions of these databases so far (pg_stat_database), read from `postgres`.
+def xact_commits(names: Iterable[str], server: str | None = None) -> int:
+    """Committed transactions of these databases so far (pg_stat_database), read from `postgres`
+    of `server` (default PG_URL).
 
     Read from another database so the reading does not count itself.
     """
-    with connect(PG_URL) as conn:
+    with connect(server or PG_URL) as conn:
         row = conn.execute(
             "SELECT coalesce(sum(xact_commit), 0) FROM pg_stat_database WHERE datname = ANY(%s)",
             [list(names)],
@@ -172,13 +197,14 @@ def xact_commits(names: Iterable[str]) -> int:
     return int(row[0])
 
 
-def flush_backends(names: Iterable[str]) -> None:
-    """End the sessions still open on these databases, so their pending statistics are flushed.
+def flush_backends(names: Iterable[str], server: str | None = None) -> None:
+    """End the sessions still open on these databases of `server` (default PG_URL), so their
+    pending statistics are flushed.
 
     PostgreSQL 15 reports an idle session's counters up to 10 s late; a session that ends
     reports them at once. Long-lived sessions (the web processes') reconnect on next use.
     """
-    with connect(PG_URL) as conn:
+    with connect(server or PG_URL) as conn:
         conn.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
             " WHERE datname = ANY(%s) AND pid <> pg_backend_pid()",
@@ -197,9 +223,10 @@ PG_BIN = Path(os.environ.get("BENCH_PG_BIN", "/usr/lib/postgresql/15/bin"))
 
 
 @contextlib.contextmanager
-def private_server() -> Iterator[str]:
+def private_server(options: str = "") -> Iterator[str]:
     """A PostgreSQL cluster of the bench's own, on a free port, with PostgreSQL's defaults
-    (autovacuum on) and the machine server's shared_buffers and max_connections; yields its URL.
+    (autovacuum on) and the machine server's shared_buffers and max_connections, plus `options`
+    (`-c name=value …`); yields its URL.
 
     For `--server private`: the machine's shared server may be configured for test suites
     (this one has autovacuum off), which a soak of hours would measure instead of the product.
@@ -216,7 +243,7 @@ def private_server() -> Iterator[str]:
 
     as_postgres("initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
     options = (f"-p {port} -c listen_addresses=127.0.0.1 -k {root} -c shared_buffers=128MB"
-               " -c max_connections=100")
+               f" -c max_connections=100 {options}")
     as_postgres("pg_ctl", "-D", str(data), "-o", options, "-l", str(root / "log"), "-w", "start")
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
@@ -224,6 +251,38 @@ def private_server() -> Iterator[str]:
         with contextlib.suppress(subprocess.SubprocessError):
             as_postgres("pg_ctl", "-D", str(data), "-m", "fast", "-w", "stop")
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def on_server(url: str) -> Iterator[str]:
+    """The database helpers above (template, fresh databases, clones, commits) against the server
+    of `url` for the block, with a template of its own; yields `url`."""
+    global PG_URL, _template_token
+    saved = PG_URL, _template_token
+    PG_URL, _template_token = url, None
+    try:
+        yield url
+    finally:
+        PG_URL, _template_token = saved
+
+
+def copy_database(source: str, target: str) -> str:
+    """Copy the database at URL `source` to a new database at URL `target`, on another server
+    (`CREATE DATABASE … TEMPLATE` copies within one): pg_dump into psql, a second or two for a
+    migrated template, where migrating takes 5–40 s. Returns `target`."""
+    server = urlunparse(urlparse(target)._replace(path="/postgres"))
+    name = urlparse(target).path.lstrip("/")
+    with connect(server) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    dump = subprocess.Popen([str(PG_BIN / "pg_dump"), "--no-owner", "--dbname", source],
+                            stdout=subprocess.PIPE)
+    restore = subprocess.run([str(PG_BIN / "psql"), "-q", "-v", "ON_ERROR_STOP=1", "--dbname", target],
+                             stdin=dump.stdout, stdout=subprocess.DEVNULL, check=False)
+    dump.stdout.close()
+    if dump.wait() or restore.returncode:
+        raise RuntimeError(f"copying {source} to {target} failed")
+    return target
 
 
 def server_facts() -> dict[str, Any]:

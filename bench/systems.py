@@ -128,6 +128,18 @@ class System:
     def extra_pids(self) -> dict[int, str]:
         return {}
 
+    def xact_commits(self) -> int:
+        """Committed transactions of the system's databases so far (pg_stat_database)."""
+        return common.xact_commits(self.databases)
+
+    def flush_backends(self) -> None:
+        """End the sessions on the system's databases, so that their commits are counted."""
+        common.flush_backends(self.databases)
+
+    def sampler(self) -> Sampler:
+        """The CPU and RSS sampler of a measurement."""
+        return Sampler(self.procs, self.databases, self.extra_pids())
+
     def setup(self) -> None:
         self.project.ensure()
 
@@ -474,8 +486,8 @@ def measure(
         # that fall due at a given time): returns the measurement's deadline (epoch).
         deadline_at = prepare()
     system.monitor_commits = 0
-    commits_before = common.xact_commits(system.databases) if system.databases else None
-    sampler = Sampler(system.procs, system.databases, system.extra_pids()).start()
+    commits_before = system.xact_commits() if system.databases else None
+    sampler = system.sampler().start()
     load_before = common.load_average()
     t_go = time.time()
     t0 = t_go + t0_after_go if t0_after_go is not None else None
@@ -518,8 +530,8 @@ def measure(
     system.procs.stop(["worker", "producer"], grace=0.0)
     commits = None
     if commits_before is not None:
-        common.flush_backends(system.databases)
-        commits = common.xact_commits(system.databases) - commits_before - system.monitor_commits
+        system.flush_backends()
+        commits = system.xact_commits() - commits_before - system.monitor_commits
     pairs = read_pairs(run_dir.path)
     first_start = min((start for _, start in pairs), default=t_go)
     if capped:

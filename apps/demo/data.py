@@ -70,13 +70,13 @@ def seed_runs(team: Team) -> None:
 
     actor = Actor.cli("demo")
     create_run(
-        JobDefinition.objects.get(name="demo.every-minute"),
+        JobDefinition.objects.named("demo.every-minute").get(),
         actor,
         idempotency_key=None,
         trigger="manual",
     )
     create_run(
-        JobDefinition.objects.get(name="demo.flaky"),
+        JobDefinition.objects.named("demo.flaky").get(),
         actor,
         idempotency_key=None,
         trigger="manual",
@@ -101,7 +101,7 @@ def load_demo() -> Demo:
         user = user_model.objects.create_user(USERNAME, password=PASSWORD)
     Membership.objects.update_or_create(user=user, team=team, defaults={"role": Role.ADMIN})
     for spec in DEMO_JOBS:
-        existing = JobDefinition.objects.filter(name=spec.name).first()
+        existing = JobDefinition.objects.named(spec.name).first()
         if existing is None:
             services.create_definition(team, spec, actor)
         elif existing.schedule.get("delaySeconds") is not None:

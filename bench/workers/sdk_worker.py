@@ -1,9 +1,11 @@
 """One SDK worker process (cronlease_client.Worker) with a no-op handler.
 
     python -m bench.workers.sdk_worker --url URL --token TOKEN --batch 100 --out DIR [--go FILE]
+        [--jobs-per-shard K]
 
 `--batch` is both the worker's concurrency (handler slots) and its lease batch size, as
-`python -m cronlease_client run … --concurrency N` does by default.
+`python -m cronlease_client run … --concurrency N` does by default. The handler serves
+`bench.noop`, and with `--jobs-per-shard` the jobs of bench/common.py `job_names` too.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 
 from cronlease_client import Worker
 
-from bench.common import JOB, QUEUE
+from bench.common import JOB, QUEUE, job_names
 from bench.recorder import Recorder, wait_for_go
 
 
@@ -25,6 +27,7 @@ def main() -> None:
     parser.add_argument("--wait-seconds", type=int, default=5)
     parser.add_argument("--out", required=True)
     parser.add_argument("--go")
+    parser.add_argument("--jobs-per-shard", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -37,7 +40,7 @@ def main() -> None:
         args.url,
         args.token,
         [QUEUE],
-        handlers={JOB: noop},
+        handlers=dict.fromkeys([JOB, *job_names(args.jobs_per_shard)], noop),
         concurrency=args.batch,
         batch_size=args.batch,
         lease_seconds=300,

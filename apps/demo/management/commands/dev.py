@@ -1,6 +1,11 @@
 """Run the whole system for development: database, web, scheduler and a demo worker.
 
-Ctrl-C (SIGINT) or SIGTERM stops every process it started, then exits.
+Ctrl-C (SIGINT) or SIGTERM stops every process it started, then exits. The embedded databases
+outlive it, as they do the other commands (`make stop-db` stops them).
+
+`--shard-databases N` starts N more embedded PostgreSQL servers (`<data dir>/pg-shard-1` … `-N`)
+and puts the shards on them in N ranges, none on the control database: the sharded layout
+on one machine.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from pathlib import Path
 
 from django.conf import settings
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from apps.demo.data import PASSWORD, QUEUE, USERNAME, load_demo
+from apps.runs import shards
+from scheduler_site import embedded_db, shardmap
 
 COLOURS = {"web": "\033[36m", "scheduler": "\033[35m", "worker": "\033[32m"}
 RESET = "\033[0m"
@@ -30,8 +37,20 @@ class Command(BaseCommand):
         parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
         parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
         parser.add_argument("--no-worker", action="store_true", help="do not start the demo worker")
+        parser.add_argument(
+            "--shard-databases",
+            type=int,
+            default=0,
+            metavar="N",
+            help="start N more embedded PostgreSQL servers and put the shards on them "
+            "(default 0: every shard on the control database)",
+        )
 
-    def handle(self, *args, host: str, port: int, no_worker: bool, **options) -> None:
+    def handle(
+        self, *args, host: str, port: int, no_worker: bool, shard_databases: int, **options
+    ) -> None:
+        if shard_databases:
+            self._restart_on_shard_servers(shard_databases, host, port, no_worker)
         self.shutdown = threading.Event()
         call_command("migrate", interactive=False, verbosity=0)
         demo = load_demo()
@@ -41,6 +60,8 @@ class Command(BaseCommand):
             if settings.EMBEDDED_DATABASE
             else "DATABASE_URL"
         )
+        if shards.physical():
+            database += shard_lines()
         self.stdout.write(
             f"\nDatabase:  {database}\nAPI:       {url}/api/v1/  (docs: {url}/api/docs/)\n"
             f"Sign in:   {url}/accounts/login/  as {USERNAME} / {PASSWORD}\n"
@@ -97,6 +118,38 @@ class Command(BaseCommand):
             self.shutdown.wait(0.5)
         self._stop(processes)
 
+    def _restart_on_shard_servers(self, count: int, host: str, port: int, no_worker: bool) -> None:
+        """Start `count` embedded servers, then run this command again in this process with the
+        shard map that puts the shards on them.
+
+        Settings (and so every database alias) were loaded before the map was known; replacing
+        the process (`exec`) loads them again with it, and keeps the pid that a terminal's
+        Ctrl-C or a supervisor's SIGTERM is sent to."""
+        if not 1 <= count <= settings.SCHEDULER_SHARD_COUNT:
+            raise CommandError(
+                f"--shard-databases must be from 1 to {settings.SCHEDULER_SHARD_COUNT}."
+            )
+        if os.environ.get("SCHEDULER_SHARD_DATABASES"):
+            raise CommandError(
+                "SCHEDULER_SHARD_DATABASES is set already: leave out --shard-databases, or unset it."
+            )
+        data_dir = Path(settings.DATA_DIR)
+        urls = []
+        for number in range(1, count + 1):
+            self.stdout.write(
+                f"Starting embedded PostgreSQL in {data_dir}/{embedded_db.shard_server(number)} …"
+            )
+            urls.append(embedded_db.ensure_running(data_dir, embedded_db.shard_server(number)))
+        env = {
+            **os.environ,
+            "SCHEDULER_SHARD_DATABASES": shardmap.spread(settings.SCHEDULER_SHARD_COUNT, urls),
+        }
+        command = [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "dev"]
+        command += ["--host", host, "--port", str(port)] + ["--no-worker"] * no_worker
+        self.stdout.flush()
+        sys.stdout.flush()
+        os.execve(sys.executable, command, env)
+
     def _spawn(self, name: str, command: list[str], env: dict, cwd: Path) -> subprocess.Popen:
         # Each child gets its own process group, so a terminal's Ctrl-C reaches only this
         # command, which then stops the children in order.
@@ -133,3 +186,12 @@ class Command(BaseCommand):
                 process.kill()
                 process.wait()
         self.stdout.write("All processes stopped.")
+
+
+def shard_lines() -> str:
+    """The banner's lines on where the shards are, with the map other commands need to see the
+    same layout (`manage.py shell`, a second scheduler)."""
+    url_of = {shards.CONTROL: "the control database", **settings.SHARD_MAP.urls}
+    lines = [f"Shards {shards.span(alias)}: {url_of[alias]}" for alias in shards.databases()]
+    lines.append(f"SCHEDULER_SHARD_DATABASES='{os.environ['SCHEDULER_SHARD_DATABASES']}'")
+    return " (the control database)" + "".join(f"\n           {line}" for line in lines)
