@@ -7,6 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from apps.api.ops_access import ops_only
 from apps.ops.metrics import render
+from apps.runs import depth
 from apps.runs import shards as shard_map
 from apps.runs.clock import format_utc
 
@@ -19,6 +20,12 @@ SELECT n.node_id, n.last_seen_at, extract(epoch FROM now() - n.last_seen_at),
 FROM scheduler_schedulernode n ORDER BY n.node_id
 """
 UNOWNED = "SELECT count(*) FROM scheduler_shardlease WHERE owner = '' OR expires_at <= now()"
+# On a shard database: how far its most overdue definition is behind, from the partial index
+# job_due_by_shard (shard, next_due_at).
+LAG = """
+SELECT extract(epoch FROM now() - min(next_due_at)) FROM jobs_jobdefinition
+WHERE shard = ANY(%(shards)s::int[]) AND NOT paused AND next_due_at IS NOT NULL
+"""
 
 
 def healthz(request: HttpRequest) -> JsonResponse:
@@ -58,7 +65,9 @@ def readyz(request: HttpRequest) -> JsonResponse:
         }
         for node, seen, age, shards in nodes
     ]
-    databases = [_shard_database(alias) for alias in shard_map.databases()]
+    shard_map.refresh()
+    _, depths = depth.claimable_by_database()
+    databases = [_shard_database(alias, depths) for alias in shard_map.databases()]
     # A shard database that is down leaves the others served: "degraded", still 200.
     status = "ok" if all(d["reachable"] for d in databases) else "degraded"
     return JsonResponse(
@@ -71,16 +80,23 @@ def readyz(request: HttpRequest) -> JsonResponse:
     )
 
 
-def _shard_database(alias: str) -> dict:
-    """Whether a shard database answers, with its shards (never its URL)."""
+def _shard_database(alias: str, depths: dict[str, int | None]) -> dict:
+    """Whether a shard database answers, with its shards (never its URL), its claimable runs and
+    how far its most overdue definition is behind (the lag of the schedulers of its shards)."""
     answer = {"shards": shard_map.span(alias)}
     try:
         with connections[alias].cursor() as cursor:
-            cursor.execute("SELECT 1")
+            cursor.execute(LAG, {"shards": shard_map.shards_on(alias)})
+            lag = cursor.fetchone()[0]
     except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
         connections[alias].close()
         return {**answer, "reachable": False, "detail": type(exc).__name__}
-    return {**answer, "reachable": True}
+    return {
+        **answer,
+        "reachable": True,
+        "depth": depths.get(answer["shards"]) or 0,
+        "lagSeconds": round(max(0.0, float(lag or 0)), 3),
+    }
 
 
 @ops_only

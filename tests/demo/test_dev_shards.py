@@ -148,9 +148,9 @@ def test_dev_runs_the_shards_on_servers_of_their_own_and_stops_cleanly(tmp_path)
             started.append(dev)
             body = dev.ready()
             assert body["status"] == "ok", body
-            assert body["shardDatabases"] == [
-                {"shards": "0-7", "reachable": True},
-                {"shards": "8-15", "reachable": True},
+            assert [(d["shards"], d["reachable"]) for d in body["shardDatabases"]] == [
+                ("0-7", True),
+                ("8-15", True),
             ], body
             shard_map = dev.printed(r"SCHEDULER_SHARD_DATABASES='([^']+)'")
             assert shard_map is not None, dev.tail()

@@ -14,7 +14,9 @@ def test_health_and_readiness_show_the_schedulers(live_server):
     assert httpx.get(f"{live_server.url}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{live_server.url}/readyz").json()
     assert ready["status"] == "ok" and ready["schedulers"] == []
-    assert ready["shardDatabases"] == [{"shards": "0-15", "reachable": True}]
+    assert ready["shardDatabases"] == [
+        {"shards": "0-15", "reachable": True, "depth": 0, "lagSeconds": 0.0}
+    ]
     from apps.scheduler.daemon import Scheduler
 
     node = Scheduler(node_id="node-a")

@@ -235,12 +235,20 @@ def test_a_long_poll_wakes_for_a_run_enqueued_on_any_shard_database(layout, team
     assert took < 1.0 + 1.9  # woken by the NOTIFY, not by the two-second re-check or the end
 
 
-def test_readiness_names_a_shard_database_that_is_down_and_stays_serving(layout, live_server):
+def test_readiness_names_a_shard_database_that_is_down_and_stays_serving(
+    layout, live_server, team_a
+):
     def ready() -> httpx.Response:
         return httpx.get(f"{live_server.url}/readyz", timeout=30)
 
+    jobs = {alias: layout.job_on(alias, team_a, "ready") for alias in shards.databases()}
+    for n, job in enumerate(jobs.values()):
+        layout.new_runs(job, n + 1, "r")
     spans = [shards.shards_on(alias) for alias in shards.databases()]
-    expected = [{"shards": f"{s[0]}-{s[-1]}", "reachable": True} for s in spans]
+    expected = [
+        {"shards": f"{s[0]}-{s[-1]}", "reachable": True, "depth": n + 1, "lagSeconds": 0.0}
+        for n, s in enumerate(spans)
+    ]
     assert ready().json()["shardDatabases"] == expected
     with layout.down(1):
         down = ready()
