@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -350,3 +352,88 @@ def layout() -> Iterator[Layout]:
     aliases = [f"shards_{n + 1}" for n in range(len(servers))]
     assert shards.physical() and set(aliases) <= set(shards.databases())
     yield Layout(servers, aliases)
+
+
+class Drain:
+    """Worker threads on sessions of their own that claim as lease requests do (from every
+    shard database) and complete what they claim, until stopped; `succeeded` counts each run's
+    completions answered 200. With `reaper`, a thread reaps expired leases meanwhile."""
+
+    def __init__(
+        self, team: Team, workers: int, *, lease_seconds: int, reaper: bool = False
+    ) -> None:
+        self.team = team
+        self.lease_seconds = lease_seconds
+        self.succeeded: dict[int, int] = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._work, args=(n,)) for n in range(workers)]
+        if reaper:
+            self.threads.append(threading.Thread(target=self._reap))
+
+    def __enter__(self) -> Drain:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(30)
+
+    def done(self, ids: list[int]) -> int:
+        """How many of these runs succeeded so far."""
+        with self.lock:
+            return sum(1 for pk in ids if pk in self.succeeded)
+
+    def drain_rest(self) -> None:
+        """Claim and complete in this thread until nothing is claimable."""
+        while leases := claim(
+            queues=["q"], max_runs=500, worker_id="rest", team_ids=[self.team.pk]
+        ):
+            self._complete(leases)
+
+    def _complete(self, leases: list[Lease]) -> None:
+        outcomes = store.complete(
+            [(lease.id, lease.fencing_token, None) for lease in leases], team_ids=[self.team.pk]
+        )
+        with self.lock:
+            for outcome in outcomes:
+                if outcome.status == 200:
+                    self.succeeded[outcome.id] = self.succeeded.get(outcome.id, 0) + 1
+
+    def _work(self, index: int) -> None:
+        try:
+            while not self.stopping.is_set():
+                leases = claim(
+                    queues=["q"],
+                    max_runs=10,
+                    worker_id=f"w-{index}",
+                    lease_seconds=self.lease_seconds,
+                    team_ids=[self.team.pk],
+                )
+                if leases:
+                    self._complete(leases)
+                else:
+                    time.sleep(0.02)
+        finally:
+            connections.close_all()  # this thread's session on every database
+
+    def _reap(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                store.reap()
+                time.sleep(0.2)
+        finally:
+            connections.close_all()
+
+
+def assert_invariants_everywhere() -> None:
+    """The fault suite's invariants (tests/faults/helpers.py) on every shard database."""
+    from tests.faults.helpers import INVARIANTS
+
+    for alias in shards.databases():
+        with connections[alias].cursor() as cursor:
+            for rule, sql in INVARIANTS.items():
+                cursor.execute(sql)
+                assert cursor.fetchall() == [], f"{alias}: {rule}"

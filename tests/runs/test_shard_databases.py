@@ -16,7 +16,7 @@ from apps.jobs.models import JobDefinition
 from apps.runs import leasing, shards, store
 from apps.runs.ids import parse_run_id
 from apps.runs.models import Attempt, Run
-from tests.conftest import Layout, stored_run
+from tests.conftest import Drain, Layout, assert_invariants_everywhere, stored_run
 from tests.runs.test_claim_concurrency import run_in_threads
 
 pytestmark = [
@@ -356,82 +356,31 @@ def test_killing_one_shard_server_while_eight_workers_drain_confines_the_loss(la
     """SIGKILL one shard server mid-drain: the other databases' runs all succeed while it is
     down; after its restart its runs resume (expired leases reaped) and, on every server, no
     run is lost or succeeded twice."""
-    from tests.faults.helpers import INVARIANTS
-
     per_database = 150
-    made: dict[str, list[int]] = {}
-    for alias in shards.databases():
-        definition = layout.job_on(alias, team_a, "kill")
-        made[alias] = layout.new_runs(definition, per_database, "k")
+    made = {
+        alias: layout.new_runs(layout.job_on(alias, team_a, "kill"), per_database, "k")
+        for alias in shards.databases()
+    }
     victim = layout.aliases[1]
-    request = partial(
-        leasing.LeaseRequest, team_id=team_a.pk, team_ids=[team_a.pk], queues=["q"], jobs=None,
-        max_runs=10, lease_seconds=2, wait_seconds=0,
-    )  # fmt: skip
-    succeeded: dict[int, int] = {}  # run id → completions answered 200
-    lock = threading.Lock()
-    stop = threading.Event()
-
-    def worker(index: int) -> None:
-        try:
-            while not stop.is_set():
-                leases = leasing.claim_or_wait(request(worker_id=f"w-{index}"), list)
-                if not leases:
-                    time.sleep(0.05)
-                    continue
-                outcomes = store.complete(
-                    [(lease.id, lease.fencing_token, None) for lease in leases],
-                    team_ids=[team_a.pk],
-                )
-                with lock:
-                    for outcome in outcomes:
-                        if outcome.status == 200:
-                            succeeded[outcome.id] = succeeded.get(outcome.id, 0) + 1
-        finally:
-            connections.close_all()
-
-    def reaper() -> None:
-        try:
-            while not stop.is_set():
-                store.reap()
-                time.sleep(0.2)
-        finally:
-            connections.close_all()
-
-    def done(alias: str) -> int:
-        with lock:
-            return sum(1 for pk in made[alias] if pk in succeeded)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    threads.append(threading.Thread(target=reaper))
-    for thread in threads:
-        thread.start()
-    try:
+    others = [alias for alias in shards.databases() if alias != victim]
+    with Drain(team_a, 8, lease_seconds=2, reaper=True) as drain:
         deadline = time.monotonic() + 60
-        while done(victim) < per_database // 5 and time.monotonic() < deadline:
+        while drain.done(made[victim]) < per_database // 5 and time.monotonic() < deadline:
             time.sleep(0.01)
         with layout.down(1):
-            others = [alias for alias in shards.databases() if alias != victim]
             while time.monotonic() < deadline and any(
-                done(alias) < per_database for alias in others
+                drain.done(made[alias]) < per_database for alias in others
             ):
                 time.sleep(0.05)
             # Every other database's runs succeeded while the victim was down.
-            assert [done(alias) for alias in others] == [per_database] * len(others)
-            assert done(victim) < per_database
-        while time.monotonic() < deadline + 60 and done(victim) < per_database:
+            assert [drain.done(made[alias]) for alias in others] == [per_database] * len(others)
+            assert drain.done(made[victim]) < per_database
+        while time.monotonic() < deadline + 60 and drain.done(made[victim]) < per_database:
             time.sleep(0.05)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(30)
 
-    assert all(count == 1 for count in succeeded.values())  # no run answered 200 twice
+    assert all(count == 1 for count in drain.succeeded.values())  # none answered 200 twice
     for alias, ids in made.items():
         states = dict(Run.objects.using(alias).filter(pk__in=ids).values_list("pk", "state"))
         assert set(states) == set(ids)  # none lost
         assert set(states.values()) == {"succeeded"}, alias
-        with connections[alias].cursor() as cursor:
-            for rule, sql in INVARIANTS.items():
-                cursor.execute(sql)
-                assert cursor.fetchall() == [], f"{alias}: {rule}"
+    assert_invariants_everywhere()

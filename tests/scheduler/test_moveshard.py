@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from functools import partial
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -16,12 +15,11 @@ from apps.audit.record import Actor
 from apps.jobs.enqueue import Wanted, enqueue_many
 from apps.jobs.models import JobDefinition
 from apps.jobs.schedule import shard_for
-from apps.runs import leasing, shards, store
+from apps.runs import shards, store
 from apps.runs.models import Run, ShardPlacement
 from apps.runs.shards import MOVED_CONSTRAINT_PREFIX
 from apps.scheduler import moves
-from tests.conftest import Layout
-from tests.faults.helpers import INVARIANTS
+from tests.conftest import Drain, Layout, assert_invariants_everywhere, claim
 
 pytestmark = [
     pytest.mark.slow,
@@ -67,33 +65,8 @@ def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
     for job in [*moving_jobs, staying]:
         made += layout.new_runs(job, 150, "before")
 
-    request = partial(
-        leasing.LeaseRequest, team_id=team_a.pk, team_ids=[team_a.pk], queues=["q"], jobs=None,
-        max_runs=10, lease_seconds=3, wait_seconds=0,
-    )  # fmt: skip
-    succeeded: dict[int, int] = {}
     refused: list[str] = []
-    lock = threading.Lock()
     stop = threading.Event()
-
-    def worker(index: int) -> None:
-        try:
-            while not stop.is_set():
-                leases = leasing.claim_or_wait(request(worker_id=f"w-{index}"), list)
-                if not leases:
-                    time.sleep(0.02)
-                    continue
-                time.sleep(0.01)  # the work
-                outcomes = store.complete(
-                    [(lease.id, lease.fencing_token, {"by": index}) for lease in leases],
-                    team_ids=[team_a.pk],
-                )
-                with lock:
-                    for outcome in outcomes:
-                        if outcome.status == 200:
-                            succeeded[outcome.id] = succeeded.get(outcome.id, 0) + 1
-        finally:
-            connections.close_all()
 
     def producer() -> None:
         try:
@@ -102,25 +75,22 @@ def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
                 n += 1
                 items = [Wanted(job.name, f"during-{n}") for job in [*moving_jobs, staying]]
                 answers = enqueue_many([team_a.pk], items, Actor.system()).answers
-                with lock:
-                    made.extend(a.run.pk for a in answers if a.status == 201)
-                    refused.extend(a.detail for a in answers if a.status == 503)
+                made.extend(a.run.pk for a in answers if a.status == 201)
+                refused.extend(a.detail for a in answers if a.status == 503)
                 time.sleep(0.05)
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    threads.append(threading.Thread(target=producer))
-    for thread in threads:
-        thread.start()
-    try:
-        time.sleep(1.0)  # under way: some runs leased, some done
-        report = moves.move(shard, target_url, wait=60)
-        time.sleep(1.0)  # producers enqueue to the shard's new database
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(30)
+    making = threading.Thread(target=producer)
+    with Drain(team_a, 4, lease_seconds=3) as drain:
+        making.start()
+        try:
+            time.sleep(1.0)  # under way: some runs leased, some done
+            report = moves.move(shard, target_url, wait=60)
+            time.sleep(1.0)  # producers enqueue to the shard's new database
+        finally:
+            stop.set()
+            making.join(30)
 
     assert report.rows["jobs_jobdefinition"] == len(moving_jobs)
     assert report.rows["runs_run"] >= 300
@@ -139,21 +109,15 @@ def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
     assert set(made) <= set(where)  # none lost
     assert all(where[pk] == shards.alias_of_run(pk) for pk in made)
     assert len(set(made)) == len(made)
-    # The workers finished what they held; the rest drains where the runs now live.
-    while leases := leasing.claim_or_wait(request(worker_id="after", max_runs=500), list):
-        for outcome in store.complete(
-            [(lease.id, lease.fencing_token, None) for lease in leases], team_ids=[team_a.pk]
-        ):
-            succeeded[outcome.id] = succeeded.get(outcome.id, 0) + 1
-    assert set(succeeded) >= set(made)
-    assert all(count == 1 for count in succeeded.values())
+    # The workers finished what they held; the rest drains where the runs now live, each
+    # succeeding once.
+    drain.drain_rest()
+    assert set(drain.succeeded) >= set(made)
+    assert all(count == 1 for count in drain.succeeded.values())
     for alias in shards.databases():
         states = set(Run.objects.using(alias).filter(pk__in=made).values_list("state", flat=True))
         assert states <= {"succeeded"}, (alias, states)
-        with connections[alias].cursor() as cursor:
-            for rule, sql in INVARIANTS.items():
-                cursor.execute(sql)
-                assert cursor.fetchall() == [], f"{alias}: {rule}"
+    assert_invariants_everywhere()
 
 
 def test_a_move_refuses_a_target_that_holds_the_shard_and_a_shard_that_stays_leased(
@@ -166,13 +130,9 @@ def test_a_move_refuses_a_target_that_holds_the_shard_and_a_shard_that_stays_lea
             team=team_a, name=_names_of_shard(shard, 1)[0], queue="q", timeout_seconds=600
         )
     layout.new_runs(job, 3, "r")
-    (lease,) = leasing.claim_or_wait(
-        leasing.LeaseRequest(
-            team_id=team_a.pk, team_ids=[team_a.pk], queues=["q"], jobs=None, max_runs=1,
-            worker_id="slow", lease_seconds=600, wait_seconds=0,
-        ),
-        list,
-    )  # fmt: skip
+    (lease,) = claim(
+        queues=["q"], max_runs=1, worker_id="slow", lease_seconds=600, team_ids=[team_a.pk]
+    )
 
     with pytest.raises(CommandError, match=r"1 runs of shard \d+ are still leased"):
         call_command("moveshard", str(shard), "--to", layout.servers[1].url, "--wait", "1")
