@@ -14,6 +14,7 @@ from urllib.parse import quote
 import httpx
 import psycopg
 import pytest
+from django.conf import settings
 from django.db import connection, connections
 
 from apps.jobs.models import JobDefinition
@@ -23,16 +24,17 @@ from apps.runs.leasing import LeaseRequest, claim_or_wait
 from apps.runs.models import PRIORITIES, Run
 from apps.runs.store import Lease, NewRun, insert_runs
 from apps.teams.models import ApiToken, Team
+from scheduler_site import shardmap
 from tests import shard_layout
 from tests.servers import Server
 
 M = TypeVar("M")
 
 
-def child_database_url() -> str:
+def child_database_url(alias: str = "default") -> str:
     """A URL of the database this test uses (the test database, not the configured one), for
     the processes a test starts; the embedded server listens on a socket directory."""
-    db = connection.settings_dict
+    db = connections[alias].settings_dict
     auth = quote(db["USER"] or "", safe="")
     if db["PASSWORD"]:
         auth += ":" + quote(db["PASSWORD"], safe="")
@@ -42,6 +44,16 @@ def child_database_url() -> str:
         return f"postgresql://{auth}@/{quote(db['NAME'])}?host={quote(host, safe='/')}{port}"
     port = f":{db['PORT']}" if db["PORT"] else ""
     return f"postgresql://{auth}@{host}{port}/{quote(db['NAME'])}"
+
+
+def child_shard_env() -> dict[str, str]:
+    """The shard map of the test databases, for the processes a test starts (none with every
+    shard on the control database)."""
+    if not shards.physical():
+        return {}
+    urls = {alias: child_database_url(alias) for alias in shards.databases()}
+    aliases = tuple(shards.alias_of_shard(n) for n in range(settings.SCHEDULER_SHARD_COUNT))
+    return {"SCHEDULER_SHARD_DATABASES": shardmap.render(aliases, urls)}
 
 
 def other_session(**options) -> psycopg.Connection:

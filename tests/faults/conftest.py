@@ -21,9 +21,11 @@ import httpx
 import pytest
 
 from apps.jobs.models import JobDefinition
+from apps.runs import shards
+from apps.runs.shards import CONTROL
 from apps.runs.store import NewRun, insert_runs
 from apps.teams.models import Team
-from tests.conftest import child_database_url, db_now, make_definition
+from tests.conftest import child_database_url, child_shard_env, db_now, make_definition
 from tests.faults.helpers import (
     Db,
     LeaseSampler,
@@ -53,12 +55,15 @@ FAST_SCHEDULER = {"SCHEDULER_TICK_SECONDS": "0.2", "SCHEDULER_SHARD_LEASE_SECOND
 class Services:
     """The API server and the reaper every scenario shares."""
 
-    def __init__(self, url: str, root: Path) -> None:
+    def __init__(self, url: str, root: Path, shard_env: dict[str, str]) -> None:
         self.database_url = url
+        self.shard_env = shard_env
         self.root = root
         self.data_dir = root / "data"
         self.data_dir.mkdir()
-        self.db = Db(url)
+        # With shards on servers of their own, the probes see every shard database too.
+        others = [child_database_url(alias) for alias in shards.databases() if alias != CONTROL]
+        self.db = Db(url, others=others)
         self.port = free_port()
         self.api_url = f"http://127.0.0.1:{self.port}"
         self.api: Proc | None = None
@@ -67,7 +72,7 @@ class Services:
         self._spawned: list[Proc] = []  # every API server started, stopped at the end
 
     def env(self, **extra: str) -> dict[str, str]:
-        return process_env(self.database_url, self.data_dir, **extra)
+        return process_env(self.database_url, self.data_dir, **self.shard_env, **extra)
 
     def start(self) -> None:
         # Both start at once: Django's start-up is most of the wait.
@@ -146,7 +151,7 @@ class Services:
 
 @pytest.fixture(scope="package")
 def services(django_db_setup, tmp_path_factory) -> Iterator[Services]:
-    services = Services(child_database_url(), tmp_path_factory.mktemp("faults"))
+    services = Services(child_database_url(), tmp_path_factory.mktemp("faults"), child_shard_env())
     install_peak_recorder(services.db)
     try:
         services.start()
@@ -173,8 +178,8 @@ class Harness:
         self.procs: list[Proc] = []
         self.last_available: datetime | None = None
         services.resume()
-        self.db.conn.execute("TRUNCATE faults_lease_peak")
-        self.sampler = LeaseSampler(services.database_url).start()
+        self.db.execute_everywhere("TRUNCATE faults_lease_peak")
+        self.sampler = LeaseSampler(self.db.urls).start()
 
     # -- data ------------------------------------------------------------------------------
 
@@ -204,7 +209,8 @@ class Harness:
             )
             for i, payload in enumerate(payloads)
         ]
-        return insert_runs(runs)
+        with shards.using(shards.alias_of_shard(definition.shard)):
+            return insert_runs(runs)
 
     # -- processes -------------------------------------------------------------------------
 

@@ -41,21 +41,39 @@ def free_port() -> int:
 
 
 class Db:
-    """One autocommit psycopg connection for probes and assertions."""
+    """Autocommit psycopg connections for probes and assertions: to the control database
+    (`url`), and with shards on servers of their own to each shard database too (`others`).
 
-    def __init__(self, url: str, application_name: str = "faults:probe") -> None:
+    Every table's rows live in one of them (the others hold the same tables, empty), so a
+    probe's rows are those of every database together, and a count is their sum."""
+
+    def __init__(
+        self, url: str, application_name: str = "faults:probe", *, others: Sequence[str] = ()
+    ) -> None:
         self.url = url
+        self.urls = [url, *others]
         self.conn = psycopg.connect(url, autocommit=True, application_name=application_name)
+        self.conns = [self.conn] + [
+            psycopg.connect(other, autocommit=True, application_name=application_name)
+            for other in others
+        ]
 
     def rows(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[tuple]:
-        return self.conn.execute(sql, params).fetchall()
+        return [row for conn in self.conns for row in conn.execute(sql, params).fetchall()]
 
     def one(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> tuple | None:
-        return self.conn.execute(sql, params).fetchone()
+        found = self.rows(sql, params)
+        return found[0] if found else None
 
     def scalar(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> Any:
-        row = self.one(sql, params)
-        return None if row is None else row[0]
+        values = [row[0] for row in self.rows(sql, params)]
+        if len(self.conns) > 1 and "count(" in sql.lower():
+            return sum(values)  # one count per database
+        return next((value for value in values if value is not None), None)
+
+    def execute_everywhere(self, sql: str) -> None:
+        for conn in self.conns:
+            conn.execute(sql)
 
     @contextmanager
     def holding(
@@ -95,7 +113,8 @@ class Db:
             self.scalar("SELECT pg_terminate_backend(%s)", [pid])
 
     def close(self) -> None:
-        self.conn.close()
+        for conn in self.conns:
+            conn.close()
 
 
 # The exact check behind "every concurrency limit held at every instant": a deferred trigger
@@ -132,11 +151,11 @@ DROP TABLE IF EXISTS faults_lease_peak;
 
 
 def install_peak_recorder(db: Db) -> None:
-    db.conn.execute(PEAK_RECORDER)
+    db.execute_everywhere(PEAK_RECORDER)
 
 
 def remove_peak_recorder(db: Db) -> None:
-    db.conn.execute(REMOVE_PEAK_RECORDER)
+    db.execute_everywhere(REMOVE_PEAK_RECORDER)
 
 
 class LeaseSampler:
@@ -148,8 +167,8 @@ class LeaseSampler:
 
     QUERY = "SELECT definition_id, count(*) FROM runs_run WHERE state = 'leased' GROUP BY 1"
 
-    def __init__(self, url: str, interval: float = 0.02) -> None:
-        self.url = url
+    def __init__(self, urls: str | Sequence[str], interval: float = 0.02) -> None:
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
         self.interval = interval
         self.peaks: dict[int, int] = {}
         self.samples = 0
@@ -166,28 +185,30 @@ class LeaseSampler:
         self._thread.join(10)
 
     def _run(self) -> None:
-        conn: psycopg.Connection | None = None
+        conns: dict[str, psycopg.Connection] = {}
         while not self._stop.is_set():
             try:
-                if conn is None:
-                    conn = psycopg.connect(
-                        self.url,
-                        autocommit=True,
-                        connect_timeout=2,
-                        application_name="faults:sampler",
-                    )
-                for definition_id, count in conn.execute(self.QUERY).fetchall():
+                counts: dict[int, int] = {}
+                for url in self.urls:
+                    if url not in conns:
+                        conns[url] = psycopg.connect(
+                            url, autocommit=True, connect_timeout=2,
+                            application_name="faults:sampler",
+                        )  # fmt: skip
+                    for definition_id, count in conns[url].execute(self.QUERY).fetchall():
+                        counts[definition_id] = counts.get(definition_id, 0) + count
+                for definition_id, count in counts.items():
                     if count > self.peaks.get(definition_id, 0):
                         self.peaks[definition_id] = count
                 self.samples += 1
             except psycopg.Error:
                 # The database is restarting (or the table is being flushed): sample again.
                 self.failures += 1
-                if conn is not None:
+                for conn in conns.values():
                     conn.close()
-                conn = None
+                conns = {}
             self._stop.wait(self.interval)
-        if conn is not None:
+        for conn in conns.values():
             conn.close()
 
 
@@ -252,18 +273,21 @@ def check_invariants(db: Db, sampler: LeaseSampler | None = None) -> dict[int, i
     """Assert every rule above, and every concurrency limit against the sampled and the
     recorded peaks; return the sampled peaks by definition id."""
     broken: dict[str, list[tuple]] = {}
-    with psycopg.connect(db.url, application_name="faults:check") as conn:
-        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        for rule, sql in INVARIANTS.items():
-            rows = conn.execute(sql).fetchall()
-            if rows:
-                broken[rule] = rows[:10]
-        limits = dict(
-            conn.execute(
-                "SELECT id, concurrency FROM jobs_jobdefinition WHERE concurrency IS NOT NULL"
-            ).fetchall()
-        )
-        recorded = dict(conn.execute("SELECT definition_id, peak FROM faults_lease_peak"))
+    limits: dict[int, int] = {}
+    recorded: dict[int, int] = {}
+    for url in db.urls:
+        with psycopg.connect(url, application_name="faults:check") as conn:
+            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            for rule, sql in INVARIANTS.items():
+                rows = conn.execute(sql).fetchall()
+                if rows:
+                    broken.setdefault(rule, []).extend(rows[:10])
+            limits.update(
+                conn.execute(
+                    "SELECT id, concurrency FROM jobs_jobdefinition WHERE concurrency IS NOT NULL"
+                ).fetchall()
+            )
+            recorded.update(conn.execute("SELECT definition_id, peak FROM faults_lease_peak"))
     assert not broken, f"invariants broken: {broken}"
     peaks = dict(sampler.peaks) if sampler is not None else {}
     for definition_id, limit in limits.items():
@@ -299,9 +323,12 @@ RUN_COLUMNS = (
 
 def runs(db: Db, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
     """The runs with these ids, by id, as dicts of RUN_COLUMNS."""
-    cursor = db.conn.execute(f"SELECT {RUN_COLUMNS} FROM runs_run WHERE id = ANY(%s)", [list(ids)])
-    names = [column.name for column in cursor.description]
-    return {row[0]: dict(zip(names, row, strict=True)) for row in cursor.fetchall()}
+    found: dict[int, dict[str, Any]] = {}
+    for conn in db.conns:
+        cursor = conn.execute(f"SELECT {RUN_COLUMNS} FROM runs_run WHERE id = ANY(%s)", [list(ids)])
+        names = [column.name for column in cursor.description]
+        found.update((row[0], dict(zip(names, row, strict=True))) for row in cursor.fetchall())
+    return found
 
 
 def all_in(db: Db, ids: Sequence[int], *states: str) -> bool:

@@ -13,7 +13,7 @@ import pytest
 from apps.runs.ids import public_run_id
 from tests.faults.helpers import Proc, all_in, attempts_of, runs, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases="__all__")]
 
 # The first attempt of these runs outlives any test; later attempts are quick.
 LONG_FIRST = {"seconds": 0.2, "firstAttemptSeconds": 60}
@@ -29,6 +29,7 @@ def leased_by(db, ids, worker_id: str) -> dict[int, int] | None:
     return None
 
 
+@pytest.mark.shards
 def test_a_sigkilled_workers_runs_are_leased_again_with_larger_tokens_or_die_when_spent(
     harness,
 ):
@@ -187,6 +188,7 @@ def test_a_job_that_kills_its_worker_every_time_ends_in_the_dlq_after_max_attemp
     h.check()
 
 
+@pytest.mark.shards
 def test_a_rolling_restart_of_every_worker_loses_no_run(harness):
     h = harness
     definition = h.definition("faults.work", "roll", retry_max_attempts=5)
