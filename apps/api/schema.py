@@ -92,7 +92,7 @@ AUTH_PROBLEMS = (401, 403, 429)
 BODY_PROBLEMS = (400, 413, 415)
 
 
-SUCCESS_DESCRIPTIONS = {200: "OK", 201: "Created", 204: "No content"}
+SUCCESS_DESCRIPTIONS = {200: "OK", 201: "Created", 202: "Accepted", 204: "No content"}
 
 
 def responses(ok: dict, *codes: int, **descriptions: str) -> dict:

@@ -64,6 +64,7 @@ def run_json(run, now: datetime) -> run_shape.Run:
         fencingToken=run.fencing_token,
         leaseExpiresAt=format_utc(run.lease_expires_at),
         workerId=run.worker_id or None,
+        cancelRequested=run.cancel_requested,
         trigger=run.trigger,
         dryRun=run.dry_run,
         payload=payloads.load(run.payload, run.payload_key),

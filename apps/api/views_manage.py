@@ -699,14 +699,16 @@ class RunCancelView(ManageView):
         operation_id="cancelRun",
         summary="Cancel a run",
         description=(
-            "Cancel a `scheduled`, `ready` or `retrying` run; any other state is a 409. "
-            "Needs the `manage` scope."
+            "Cancel a `scheduled`, `ready` or `retrying` run at once (200). A `leased` run is "
+            "asked to stop (202, `cancelRequested`): its next heartbeat answers 409 with a "
+            "`…/cancelled` problem, and it ends `cancelled` when its worker reports or its lease "
+            "expires, never retried. Any other state is a 409. Needs the `manage` scope."
         ),
         tags=["runs"],
         parameters=[doc.RUN_ID],
         request=None,
         responses=doc.responses(
-            {200: run_shape.Run},
+            {200: run_shape.Run, 202: run_shape.Run},
             404,
             409,
             e409="The run is in a state that cannot be cancelled.",
@@ -714,13 +716,19 @@ class RunCancelView(ManageView):
     )
     def post(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
+        if run.state == State.LEASED and run.cancel_requested:
+            return Response(run_json(run, database_now()), status=status.HTTP_202_ACCEPTED)
         try:
             run = transitions.require_one(
                 transitions.cancel([run], self.actor(request)), run, "cancel"
             )
         except transitions.TransitionError as exc:
             raise Conflict(str(exc)) from exc
-        return Response(run_json(run, database_now()))
+        leased = run.state == State.LEASED
+        return Response(
+            run_json(run, database_now()),
+            status=status.HTTP_202_ACCEPTED if leased else status.HTTP_200_OK,
+        )
 
 
 class RunRetryView(ManageView):

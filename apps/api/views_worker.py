@@ -11,7 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.api import schema as doc
-from apps.api.errors import Conflict, ShardUnavailable
+from apps.api.errors import TYPE_BASE, Conflict, ShardUnavailable
 from apps.api.fastpath import Call, FastPathView
 from apps.api.renderers import Rendered, render_json
 from apps.api.shapes import M, body_size, parse
@@ -136,7 +136,7 @@ def _single(outcome: store.Outcome) -> None:
     if outcome.status == 404:
         raise NotFound("No such run.")
     if outcome.status == 409:
-        raise Conflict(outcome.detail)
+        raise Conflict(outcome.detail, code=outcome.code or None)
     if outcome.status == 503:
         raise ShardUnavailable(outcome.detail)
 
@@ -256,9 +256,12 @@ def _retry_at(outcome: store.Outcome) -> str | None:
 def _refused(run_id: str, outcome: store.Outcome | None) -> shape.ItemRefused:
     if outcome is None:
         return shape.ItemRefused(runId=run_id, status=404, detail="No such run.")
-    return shape.ItemRefused(
+    refused = shape.ItemRefused(
         runId=run_id, status=outcome.status, detail=outcome.detail or "No such run."
     )
+    if outcome.code:
+        refused["type"] = TYPE_BASE + outcome.code
+    return refused
 
 
 def _parsed(

@@ -272,6 +272,7 @@ class CreatedRun:
     fencing_token: None = None
     lease_expires_at: None = None
     worker_id: str = ""
+    cancel_requested: bool = False
     result: None = None
     last_error: None = None
     started_at: None = None

@@ -75,11 +75,17 @@ def count_started(source: str) -> str:
 
 
 def count_succeeded(source: str) -> str:
-    return _upsert(source, "succeeded", "count(*)")
+    """Count the rows of `source` that succeeded (those that ended cancelled count in neither
+    column: no attempt failed, and none succeeded)."""
+    return _upsert(
+        f"(SELECT * FROM {source} WHERE state = 'succeeded') AS ok", "succeeded", "count(*)"
+    )
 
 
 def count_failed(source: str) -> str:
-    return _upsert(source, "failed", "count(*)")
+    return _upsert(
+        f"(SELECT * FROM {source} WHERE state <> 'cancelled') AS bad", "failed", "count(*)"
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -111,8 +111,9 @@ def observe_results(outcomes: Iterable, call: str) -> None:
     counts: collections.Counter[tuple[Counter, str]] = collections.Counter()
     for outcome in outcomes:
         if outcome.status == 409:
-            counts[STALE_TOKENS, call] += 1
-        elif outcome.status == 200 and call != "heartbeat":
+            if outcome.code != "cancelled":  # a cancel asked for, not a stale token
+                counts[STALE_TOKENS, call] += 1
+        elif outcome.status == 200 and call != "heartbeat" and outcome.state != "cancelled":
             if outcome.state == "succeeded":
                 counts[RUNS_SUCCEEDED, outcome.queue] += 1
             else:

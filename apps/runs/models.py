@@ -49,6 +49,8 @@ class Outcome(models.TextChoices):
     FAILED = "failed"
     LEASE_EXPIRED = "lease_expired"
     TIMED_OUT = "timed_out"
+    # The worker reported after a cancel was asked for: the run ended cancelled.
+    CANCELLED = "cancelled"
 
 
 class Run(models.Model):
@@ -88,6 +90,10 @@ class Run(models.Model):
     # What the worker asked for at claim time; each heartbeat extends the lease by as much.
     lease_seconds = models.PositiveIntegerField(default=60)
     worker_id = models.CharField(max_length=200, blank=True, default="")
+    # Someone asked to cancel the run while it was leased: its heartbeats answer 409
+    # (`…/cancelled`), and whatever its worker reports, or its lease's expiry, ends it cancelled.
+    # A default in the database: the store's inserts name only the columns they set.
+    cancel_requested = models.BooleanField(default=False, db_default=False)
     dry_run = models.BooleanField(default=False)
     # Inline when small; otherwise NULL and the payload is in storage under payload_key.
     payload = models.JSONField(null=True, blank=True)

@@ -681,7 +681,7 @@ def leased_targets(extra: str = "") -> str:
     CROSS JOIN LATERAL (
         -- OFFSET 0 keeps the state and token tests below out of this scan, so the primary key
         -- is the only index that can serve it.
-        SELECT team_id, state, fencing_token, lease_expires_at FROM runs_run
+        SELECT team_id, state, fencing_token, lease_expires_at, cancel_requested FROM runs_run
         WHERE id = i.id OFFSET 0 FOR UPDATE
     ) AS r
     WHERE r.team_id = ANY(%(team_ids)s::bigint[]) AND r.state = 'leased'
@@ -691,13 +691,14 @@ def leased_targets(extra: str = "") -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Heartbeat: extend live leases held with the current token, never past the attempt's deadline.
-# A lease that has already expired is not revived: the reaper may be about to hand it on.
+# A lease that has already expired is not revived: the reaper may be about to hand it on; nor
+# one whose run someone asked to cancel (its worker is told so: `_diagnose`).
 # Served by the primary key; the attempt by its unique fencing token.
 
 HEARTBEAT = f"""
 WITH input AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS i(id, token)
-), {leased_targets(" AND r.lease_expires_at > now()")}, extended AS (
+), {leased_targets(" AND r.lease_expires_at > now() AND NOT r.cancel_requested")}, extended AS (
     UPDATE runs_run r
     SET lease_expires_at = least(now() + make_interval(secs => r.lease_seconds), r.timeout_at)
     FROM target t
@@ -711,8 +712,10 @@ SELECT id, lease_expires_at FROM extended
 """
 
 # ---------------------------------------------------------------------------------------------
-# Complete: leased with the current token → succeeded. A lease past its expiry that the reaper
-# has not yet taken still completes: no one else holds the run, and the token is still current.
+# Complete: leased with the current token → succeeded (cancelled, when someone asked to cancel
+# it meanwhile: the result is kept, the run does not count as succeeded). A lease past its
+# expiry that the reaper has not yet taken still completes: no one else holds the run, and the
+# token is still current.
 
 COMPLETE = f"""
 WITH input AS (
@@ -720,15 +723,16 @@ WITH input AS (
         AS i(id, token, result)
 ), {leased_targets()}, done AS (
     UPDATE runs_run r
-    SET state = 'succeeded', result = t.result, finished_at = now(), lease_expires_at = NULL
+    SET state = CASE WHEN r.cancel_requested THEN 'cancelled' ELSE 'succeeded' END,
+        result = t.result, finished_at = now(), lease_expires_at = NULL
     FROM target t
     WHERE r.id = t.id
-    RETURNING r.id, r.fencing_token, r.queue, r.team_id, r.priority
+    RETURNING r.id, r.fencing_token, r.queue, r.team_id, r.priority, r.state
 ), ended AS (
-    UPDATE runs_attempt a SET ended_at = now(), outcome = 'succeeded'
+    UPDATE runs_attempt a SET ended_at = now(), outcome = done.state
     FROM done WHERE a.fencing_token = done.fencing_token
 ), counted AS ({counters.count_succeeded("done")})
-SELECT id, 'succeeded' AS state, NULL::timestamptz AS available_at, queue FROM done
+SELECT id, state, NULL::timestamptz AS available_at, queue FROM done
 """
 
 # ---------------------------------------------------------------------------------------------
@@ -736,7 +740,11 @@ SELECT id, 'succeeded' AS state, NULL::timestamptz AS available_at, queue FROM d
 # backoff, a uniform random delay in [0, min(maxSeconds, baseSeconds * 2^(n-1))] before retry n;
 # otherwise it is dead (the DLQ). The exponent is capped so 2^(n-1) cannot overflow.
 
-NEXT_STATE = "CASE WHEN {retryable} AND r.attempt < r.max_attempts THEN 'retrying' ELSE 'dead' END"
+# A run someone asked to cancel while it was leased ends cancelled, never retried.
+NEXT_STATE = (
+    "CASE WHEN r.cancel_requested THEN 'cancelled'"
+    " WHEN {retryable} AND r.attempt < r.max_attempts THEN 'retrying' ELSE 'dead' END"
+)
 BACKOFF_UNTIL = (
     "now() + make_interval(secs => random() * least(d.retry_max_seconds::float8,"
     " d.retry_base_seconds * power(2::float8, least(r.attempt - 1, 40))))"
@@ -750,8 +758,10 @@ WITH input AS (
     UPDATE runs_run r
     SET state = {NEXT_STATE.format(retryable="t.retryable")},
         available_at = CASE WHEN t.retryable AND r.attempt < r.max_attempts
+                                 AND NOT r.cancel_requested
                             THEN {BACKOFF_UNTIL} ELSE r.available_at END,
         finished_at = CASE WHEN t.retryable AND r.attempt < r.max_attempts
+                                AND NOT r.cancel_requested
                            THEN NULL ELSE now() END,
         last_error = t.error,
         lease_expires_at = NULL
@@ -761,7 +771,7 @@ WITH input AS (
               r.priority
 ), ended AS (
     UPDATE runs_attempt a
-    SET ended_at = now(), outcome = 'failed',
+    SET ended_at = now(), outcome = CASE WHEN f.state = 'cancelled' THEN 'cancelled' ELSE 'failed' END,
         error_message = left(coalesce(f.last_error->>'message', ''), 10000),
         error_type = left(coalesce(f.last_error->>'type', ''), 200)
     FROM failed f WHERE a.fencing_token = f.fencing_token
@@ -783,8 +793,10 @@ WITH expired AS (
 ), reaped AS (
     UPDATE runs_run r
     SET state = {NEXT_STATE.format(retryable="true")},
-        available_at = CASE WHEN r.attempt < r.max_attempts THEN {BACKOFF_UNTIL} ELSE r.available_at END,
-        finished_at = CASE WHEN r.attempt < r.max_attempts THEN NULL ELSE now() END,
+        available_at = CASE WHEN r.attempt < r.max_attempts AND NOT r.cancel_requested
+                            THEN {BACKOFF_UNTIL} ELSE r.available_at END,
+        finished_at = CASE WHEN r.attempt < r.max_attempts AND NOT r.cancel_requested
+                           THEN NULL ELSE now() END,
         last_error = CASE WHEN r.timeout_at <= now()
             THEN jsonb_build_object('type', 'timed_out', 'message',
                  format('attempt %%s ran past timeoutSeconds (%%s s)', r.attempt, d.timeout_seconds))
@@ -819,11 +831,12 @@ class Outcome:
     queue: str = ""
     detail: str = ""
     denied_team_id: int | None = None  # set when the run exists but belongs to another team
+    code: str = ""  # the problem type of a 409: "cancelled" when a cancel was asked for
 
 
 # Only for the items a batch did not change: tell "not yours" (404) from "not any more" (409).
 DIAGNOSE = """
-SELECT id, team_id, state, fencing_token, lease_expires_at <= now() AS expired
+SELECT id, team_id, state, fencing_token, lease_expires_at <= now() AS expired, cancel_requested
 FROM runs_run WHERE id = ANY(%(ids)s::bigint[])
 """
 
@@ -840,9 +853,13 @@ def _diagnose(
             denied = row[1] if row is not None else None
             outcomes[run_id] = Outcome(run_id, 404, detail="no such run", denied_team_id=denied)
             continue
-        _, _, state, current, expired = row
+        _, _, state, current, expired, cancel_requested = row
+        code = ""
         # The current token is never disclosed: it is what a lease holder proves itself with.
-        if current is None:
+        if state == "leased" and token == current and cancel_requested:
+            detail = "the run was cancelled: stop, then report (it ends cancelled)"
+            code = "cancelled"
+        elif current is None:
             detail = f"fencing token {token} is stale; the run is not leased"
         elif token < current:
             detail = f"fencing token {token} is stale; the run has been leased again since"
@@ -854,7 +871,7 @@ def _diagnose(
             detail = "the lease has expired"
         else:
             detail = "the lease could not be updated"
-        outcomes[run_id] = Outcome(run_id, 409, state=state, detail=detail)
+        outcomes[run_id] = Outcome(run_id, 409, state=state, detail=detail, code=code)
     return outcomes
 
 

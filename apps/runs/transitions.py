@@ -27,6 +27,13 @@ UPDATE runs_run SET state = 'cancelled', finished_at = now()
 WHERE id = ANY(%(ids)s::bigint[]) AND state IN ('scheduled', 'ready', 'retrying')
 RETURNING id, queue
 """
+# A leased run is not taken from its worker: the next heartbeat tells it to stop (409,
+# `…/cancelled`), and its report or its lease's expiry ends it cancelled (store.py).
+REQUEST_CANCEL = """
+UPDATE runs_run SET cancel_requested = true
+WHERE id = ANY(%(ids)s::bigint[]) AND state = 'leased' AND NOT cancel_requested
+RETURNING id, queue
+"""
 RETRY_NOW = """
 UPDATE runs_run SET state = 'ready', available_at = now()
 WHERE id = ANY(%(ids)s::bigint[]) AND state = 'retrying'
@@ -77,23 +84,32 @@ def _transition(
                 target_type="run",
                 target=public_run_id(run_id),
                 before={"state": run.state},
-                after={"state": _after_state(action)},
+                after=_after(action),
             )
     changed_ids = {run_id for run_id, _ in changed}
     return [run for run in runs if run.pk in changed_ids]
 
 
-def _after_state(action: str) -> str:
-    return {
+def _after(action: str) -> dict[str, object]:
+    if action == "run.cancel_request":
+        return {"state": "leased", "cancelRequested": True}
+    state = {
         "run.cancel": "cancelled",
         "run.retry": "ready",
         "dlq.requeue": "ready",
         "dlq.discard": "cancelled",
     }[action]
+    return {"state": state}
 
 
 def cancel(runs: Sequence[Run], actor: Actor) -> list[Run]:
-    return _transition(CANCEL, runs, actor, "run.cancel", wakes=False)
+    """Cancel waiting runs now; ask the workers of leased ones to stop (they end cancelled when
+    the worker reports or the lease expires)."""
+    waiting = [run for run in runs if run.state != "leased"]
+    leased = [run for run in runs if run.state == "leased"]
+    return _transition(CANCEL, waiting, actor, "run.cancel", wakes=False) + _transition(
+        REQUEST_CANCEL, leased, actor, "run.cancel_request", wakes=False
+    )
 
 
 def requeue(runs: Sequence[Run], actor: Actor) -> list[Run]:

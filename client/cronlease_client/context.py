@@ -32,7 +32,9 @@ class Context:
     attempt) and refuse writes from an attempt whose `fencing_token` is older than one already
     seen. `lease_lost` is set when the scheduler has given the run to someone else (or the worker
     is shutting down past its grace period); a handler that sees it should stop, since its result
-    will not be sent.
+    will not be sent. `cancelled` turns true when someone cancels the run while it runs (the
+    scheduler says so in answer to the worker's heartbeat); the handler should stop: whatever it
+    reports, the run ends cancelled. `heartbeat()` is the checkpoint that raises for either.
     """
 
     run_id: str
@@ -51,9 +53,27 @@ class Context:
     worker_id: str = ""
     # None: retry on an ordinary exception. False: a failure of this attempt is final.
     retryable: bool | None = None
+    # Set by the worker when a heartbeat answers that the run was cancelled.
+    cancel_flag: LeaseFlag | None = None
     _logger: logging.LoggerAdapter[logging.Logger] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+
+    @property
+    def cancelled(self) -> bool:
+        """Someone cancelled the run while it runs: stop (it ends cancelled)."""
+        return self.cancel_flag is not None and self.cancel_flag.is_set()
+
+    def heartbeat(self) -> None:
+        """A checkpoint for long handlers: raise `RunCancelled` once the run was cancelled, or
+        `LeaseLost` once the lease is gone. The worker sends the heartbeats themselves, every
+        third of the lease; this only reads what their answers said."""
+        from cronlease_client.errors import LeaseLost, RunCancelled
+
+        if self.cancelled:
+            raise RunCancelled()
+        if self.lease_lost.is_set():
+            raise LeaseLost()
 
     @property
     def logger(self) -> logging.LoggerAdapter[logging.Logger]:
@@ -73,7 +93,12 @@ class Context:
 
     @classmethod
     def from_lease(
-        cls, lease: Mapping[str, Any], *, lease_lost: LeaseFlag, worker_id: str = ""
+        cls,
+        lease: Mapping[str, Any],
+        *,
+        lease_lost: LeaseFlag,
+        worker_id: str = "",
+        cancel_flag: LeaseFlag | None = None,
     ) -> Context:
         """Build the context of one lease object of `POST /api/v1/leases`."""
         return cls(
@@ -91,4 +116,5 @@ class Context:
             max_attempts=lease.get("maxAttempts", 0),
             lease_expires_at=parse_instant(lease.get("leaseExpiresAt")),
             worker_id=worker_id,
+            cancel_flag=cancel_flag,
         )

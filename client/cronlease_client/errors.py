@@ -41,6 +41,24 @@ class NonRetryable(HandlerError):
     retryable = False
 
 
+class RunCancelled(HandlerError):
+    """Raised by `ctx.heartbeat()` once someone cancelled the run: the handler stops, the
+    worker reports it, and the run ends `cancelled` (never retried)."""
+
+    retryable = False
+
+    def __init__(self, message: str = "the run was cancelled", *, error_type: str | None = None):
+        super().__init__(message, error_type=error_type or "RunCancelled")
+
+
+class LeaseLost(HandlerError):
+    """Raised by `ctx.heartbeat()` once the lease is gone (taken over, expired, or the worker is
+    shutting down): the result would not be sent, so the handler should stop."""
+
+    def __init__(self, message: str = "the lease was lost", *, error_type: str | None = None):
+        super().__init__(message, error_type=error_type or "LeaseLost")
+
+
 class ApiError(Exception):
     """The scheduler answered with an error, or could not be reached (`status` None).
 

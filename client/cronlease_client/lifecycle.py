@@ -19,7 +19,7 @@ from typing import Any, Self
 
 from cronlease_client.errors import ApiError
 from cronlease_client.reporting import MAX_BATCH
-from cronlease_client.transport import Transport, heartbeat_leases
+from cronlease_client.transport import Refusal, Transport, heartbeat_leases
 
 logger = logging.getLogger("cronlease_client")
 
@@ -184,8 +184,8 @@ class Daemon:
                 logger.exception("heartbeat round failed")
         self._heartbeat_http.close()
 
-    def _extend(self, leases: list[tuple[str, int]]) -> dict[str, str]:
-        """Heartbeat (run id, fencing token) pairs; return {run id: detail} of the lost ones."""
+    def _extend(self, leases: list[tuple[str, int]]) -> dict[str, Refusal]:
+        """Heartbeat (run id, fencing token) pairs; return the refused ones by run id."""
         return heartbeat_leases(
             self._heartbeat_http,
             leases,

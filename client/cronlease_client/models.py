@@ -104,6 +104,7 @@ class Run(Model):
     fencing_token: int | None = None
     lease_expires_at: datetime | None = _time()
     worker_id: str | None = None
+    cancel_requested: bool = False
     trigger: str = ""
     dry_run: bool = False
     payload: Any = None

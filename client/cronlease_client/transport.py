@@ -8,7 +8,7 @@ import random
 import threading
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -184,16 +184,24 @@ class Transport:
         self._http.close()
 
 
+class Refusal(NamedTuple):
+    """A heartbeat the scheduler refused: why, and whether it is because the run was cancelled
+    (the worker should stop it and still report; its problem type ends in `/cancelled`)."""
+
+    detail: str
+    cancelled: bool = False
+
+
 def heartbeat_leases(
     http: Transport, leases: list[tuple[str, int]], *, timeout: float, batch: int
-) -> dict[str, str]:
+) -> dict[str, Refusal]:
     """Extend leases with `POST /api/v1/heartbeats`, `batch` at a time.
 
-    Return {run id: detail} for the leases the scheduler no longer honours (404 or 409: done,
-    reaped, cancelled or taken over). A request that fails is only logged: the next round tries
-    again, and a lease has rounds to spare before it expires.
+    Return a Refusal by run id for the leases the scheduler no longer honours (404 or 409:
+    done, reaped, taken over, or cancelled). A request that fails is only logged: the next
+    round tries again, and a lease has rounds to spare before it expires.
     """
-    lost: dict[str, str] = {}
+    lost: dict[str, Refusal] = {}
     for start in range(0, len(leases), batch):
         chunk = leases[start : start + batch]
         body = {"leases": [{"runId": run_id, "fencingToken": token} for run_id, token in chunk]}
@@ -204,5 +212,6 @@ def heartbeat_leases(
             continue
         for item in answer.get("leases", []):
             if item.get("status") in (404, 409):
-                lost[item["runId"]] = item.get("detail", "")
+                cancelled = str(item.get("type", "")).endswith("/cancelled")
+                lost[item["runId"]] = Refusal(item.get("detail", ""), cancelled)
     return lost

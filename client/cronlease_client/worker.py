@@ -58,13 +58,19 @@ SHUTDOWN_ERROR = "WorkerShutdown"
 
 
 def invoke(
-    func: HandlerFunc, lease: Mapping[str, Any], lease_lost: LeaseFlag, worker_id: str
+    func: HandlerFunc,
+    lease: Mapping[str, Any],
+    lease_lost: LeaseFlag,
+    worker_id: str,
+    cancel_flag: LeaseFlag | None = None,
 ) -> Report:
     """Call a handler on one lease and return its Report; never raise.
 
     Module-level so the process pool can pickle it.
     """
-    ctx = Context.from_lease(lease, lease_lost=lease_lost, worker_id=worker_id)
+    ctx = Context.from_lease(
+        lease, lease_lost=lease_lost, worker_id=worker_id, cancel_flag=cancel_flag
+    )
     try:
         value = func(ctx)
     except BaseException as exc:  # a handler's sys.exit() must not take a slot thread down
@@ -104,11 +110,13 @@ class _Flag(LeaseFlag, Protocol):
 class _Run(LeasedRun):
     """The worker's record of one lease, from the claim until the scheduler answers its result."""
 
-    def __init__(self, lease: Mapping[str, Any], flag: _Flag) -> None:
+    def __init__(self, lease: Mapping[str, Any], flag: _Flag, cancel_flag: _Flag) -> None:
         super().__init__(lease["runId"], lease["job"], lease["attempt"], lease["fencingToken"])
         self.lease = lease
         self.flag = flag  # the handler's ctx.lease_lost
+        self.cancel_flag = cancel_flag  # the handler's ctx.cancelled
         self.lost = False  # the scheduler answered 409/404 to a heartbeat
+        self.cancelled = False  # … because the run was cancelled: it still reports
         self.finished = False  # the handler returned; its report is queued
         self.abandoned = False  # failed by the shutdown; the handler's own outcome is dropped
 
@@ -338,7 +346,7 @@ class Worker(Daemon):
             self._lease_http.close()
 
     def _dispatch(self, lease: Mapping[str, Any]) -> bool:
-        run = _Run(lease, self._new_flag())
+        run = _Run(lease, self._new_flag(), self._new_flag())
         with self._lock:
             if self._abandoning:
                 return False
@@ -393,8 +401,10 @@ class Worker(Daemon):
         if run.lease.get("dryRun") and not spec.dry_run:
             return SKIPPED_DRY_RUN
         if self._executor is None:
-            return invoke(spec.func, run.lease, run.flag, self.worker_id)
-        future = self._executor.submit(invoke, spec.func, run.lease, run.flag, self.worker_id)
+            return invoke(spec.func, run.lease, run.flag, self.worker_id, run.cancel_flag)
+        future = self._executor.submit(
+            invoke, spec.func, run.lease, run.flag, self.worker_id, run.cancel_flag
+        )
         return future.result()
 
     def _finish(self, run: _Run, report: Report) -> None:
@@ -430,11 +440,36 @@ class Worker(Daemon):
     def heartbeat_once(self) -> None:
         """Extend every held lease in one request; mark the ones the scheduler says are gone."""
         with self._lock:
-            runs = [r for r in self._inflight.values() if not r.lost and not r.abandoned]
-        lost = self._extend([(run.run_id, run.token) for run in runs])
+            runs = [
+                r
+                for r in self._inflight.values()
+                if not r.lost and not r.abandoned and not r.cancelled
+            ]
+        refused = self._extend([(run.run_id, run.token) for run in runs])
         for run in runs:
-            if run.run_id in lost:
-                self._mark_lost(run, lost[run.run_id])
+            if run.run_id not in refused:
+                continue
+            if refused[run.run_id].cancelled:
+                self._mark_cancelled(run)
+            else:
+                self._mark_lost(run, refused[run.run_id].detail)
+
+    def _mark_cancelled(self, run: _Run) -> None:
+        """The run was cancelled: its handler is told (`ctx.cancelled`, `ctx.heartbeat()`), and
+        what it returns is still reported (the run then ends cancelled)."""
+        with self._lock:
+            run.cancelled = True
+        try:
+            run.cancel_flag.set()
+        except Exception:  # a manager proxy whose manager has already gone
+            logger.debug("could not set cancelled run_id=%s", run.run_id, exc_info=True)
+        logger.info(
+            "run cancelled run_id=%s job=%s attempt=%s: asking its handler to stop",
+            run.run_id,
+            run.job,
+            run.attempt,
+            extra=run.fields(),
+        )
 
     def _mark_lost(self, run: _Run, detail: str) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 from contextlib import closing
 from typing import Any
 
@@ -101,6 +102,19 @@ def sleep(ctx: Context) -> dict[str, Any]:
         ctx.logger.info("lease lost after starting; stopping without writing")
         return {"slept": False}
     return {"slept": seconds, "recorded": record_once(ctx, {"slept": seconds})}
+
+
+@handler("demo.steps")
+def steps(ctx: Context) -> dict[str, Any]:
+    """Work in `steps` steps (default 10) of `stepSeconds` (default 0.5), checking in with
+    `ctx.heartbeat()` between them: a cancel from the dashboard or the API raises RunCancelled
+    there, and the run ends cancelled instead of running to the end."""
+    payload = ctx.payload or {}
+    count, pause = int(payload.get("steps", 10)), float(payload.get("stepSeconds", 0.5))
+    for _ in range(count):
+        ctx.heartbeat()
+        time.sleep(pause)
+    return {"steps": count}
 
 
 @handler("demo.flaky")

@@ -107,16 +107,19 @@ def test_backoff_is_full_jitter_within_the_ceiling(team_a, attempt, ceiling):
     assert min(delays) < ceiling / 2 < max(delays)
 
 
-def test_cancel_only_from_waiting_states(api_a, team_a):
+def test_cancel_takes_a_waiting_run_at_once_and_asks_a_leased_one_to_stop(api_a, team_a):
     definition = make_definition(team_a, "jobs.cancel", queue="q")
     add_ready_runs(definition, 2)
     first, second = stored(Run)
     assert api_a.post(f"/api/v1/runs/{first.run_id}/cancel").json()["state"] == "cancelled"
     (lease,) = api_a.lease(["q"], 5)
     assert lease["runId"] == second.run_id
-    conflict = api_a.post(f"/api/v1/runs/{second.run_id}/cancel")
-    assert conflict.status_code == 409 and "leased" in conflict.json()["detail"]
+    asked = api_a.post(f"/api/v1/runs/{second.run_id}/cancel")
+    assert asked.status_code == 202 and asked.json()["cancelRequested"] is True
+    again = api_a.post(f"/api/v1/runs/{first.run_id}/cancel")
+    assert again.status_code == 409 and "cancelled" in again.json()["detail"]
     assert AuditEvent.objects.filter(action="run.cancel").count() == 1
+    assert AuditEvent.objects.filter(action="run.cancel_request").count() == 1
 
 
 def test_retry_skips_the_backoff(api_a, team_a):

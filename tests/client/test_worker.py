@@ -348,3 +348,38 @@ def test_leases_wait_for_results_when_reporting_is_slower_than_leasing(
         done.set()
         sampler.join()
     assert held and max(held) <= 10, max(held)
+
+
+@pytest.mark.parametrize("pool", ["thread", "process"])
+def test_cancelling_a_running_run_stops_its_handler_and_ends_it_cancelled(
+    live_server, team_a, token_a, make_worker, pool
+):
+    definition = make_definition(
+        team_a,
+        "demo.steps",
+        queue="steps",
+        retry_max_attempts=5,
+        payload={"steps": 400, "stepSeconds": 0.05},
+    )
+    (pk,) = add_ready_runs(definition, 1)
+    worker = make_worker(
+        ["steps"],
+        handlers=load_handlers(EXAMPLES),
+        concurrency=1,
+        pool=pool,
+        lease_seconds=3,
+        heartbeat_interval=0.2,
+    )
+    worker.start()
+    wait_for(lambda: Run.objects.get(pk=pk).state == "leased", what="the run to be leased")
+
+    answer = Api(live_server.url, token_a).post(f"/api/v1/runs/{public_run_id(pk)}/cancel")
+    assert answer.status_code == 202, answer.text
+
+    wait_for(lambda: Run.objects.get(pk=pk).state == "cancelled", what="the run to end cancelled")
+    run = Run.objects.get(pk=pk)
+    assert run.attempt == 1  # not retried, attempts left or not
+    (attempt,) = Attempt.objects.filter(run_id=pk)
+    assert attempt.outcome == "cancelled" and attempt.ended_at is not None
+    assert run.last_error["type"] == "RunCancelled"
+    assert worker.stop(timeout=15)

@@ -52,7 +52,8 @@ def no_default(schema: dict[str, Any]) -> None:
 
 SCHEDULE_SCHEMA: dict[str, Any] = {
     "description": (
-        "One of: cron (`cron` with optional `timeZone`, `jitterSeconds`, `missedRunPolicy`), "
+        "One of: cron (`cron` with optional `timeZone`, `jitterSeconds`, `missedRunPolicy`, "
+        "`startAt`, `endAt`), "
         "one-off (`runAt`), delayed (`delaySeconds`), or `{}` for runs only triggered through "
         "the API or the dashboard."
     ),
@@ -65,7 +66,8 @@ SCHEDULE_SCHEMA: dict[str, Any] = {
                     "type": "string",
                     "minLength": 1,
                     "description": "5 fields (minute hour day-of-month month day-of-week) "
-                    "or a macro such as `@daily`.",
+                    "or a macro such as `@daily`; `L`, `LW`, `nW` in day of month, `dL`, `d#n` "
+                    "in day of week.",
                     "example": "0 2 * * *",
                 },
                 "timeZone": {
@@ -86,6 +88,18 @@ SCHEDULE_SCHEMA: dict[str, Any] = {
                     "enum": list(sched.MISSED_RUN_POLICIES),
                     "default": sched.DEFAULT_MISSED_RUN_POLICY,
                     "description": "What to do with fire times missed during an outage.",
+                },
+                "startAt": {
+                    "type": "string",
+                    "format": "date-time",
+                    "description": "No fire time before this instant (with an offset or Z); "
+                    "a fire time exactly at it runs.",
+                },
+                "endAt": {
+                    "type": "string",
+                    "format": "date-time",
+                    "description": "No fire time after this instant (with an offset or Z); "
+                    "a fire time exactly at it runs. After startAt.",
                 },
             },
             "required": ["cron"],
@@ -462,7 +476,11 @@ class FireTime(TypedDict):
     utc: Annotated[Instant, Field(description="The same instant in UTC.")]
     start: Annotated[Instant, Field(description="The instant after the job's jitter.")]
     note: Annotated[
-        str, Field(description="Empty unless a DST change moved or repeated this time.")
+        str,
+        Field(
+            description="Empty unless a DST change moved or repeated this time, or it is the "
+            "schedule's first run (its startAt still ahead) or its last (before its endAt)."
+        ),
     ]
 
 

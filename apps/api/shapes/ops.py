@@ -46,6 +46,8 @@ ReasonCode = Literal[
     "queued",
     "no_schedule",
     "schedule_done",
+    "schedule_ended",
+    "schedule_not_started",
     "next_fire",
 ]
 AlertKind = Literal["late", "missed"]

@@ -177,6 +177,13 @@ class Run(TypedDict):
     fencingToken: int | None
     leaseExpiresAt: Instant | None
     workerId: str | None
+    cancelRequested: Annotated[
+        bool,
+        Field(
+            description="A cancel was asked for while the run was leased: its worker is told "
+            "to stop, and it ends `cancelled`."
+        ),
+    ]
     trigger: Trigger
     dryRun: bool
     payload: Any

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NotRequired
 
 from django.conf import settings
 from pydantic import AfterValidator, Field, field_validator
@@ -230,6 +230,15 @@ class ItemRefused(TypedDict):
         ItemStatus, Field(description="404, 409, or 503 when the run's shard is unavailable.")
     ]
     detail: str
+    type: NotRequired[
+        Annotated[
+            str,
+            Field(
+                description="A 409's problem type when it is not a stale token: ending in "
+                "`/cancelled` when a cancel of the run was asked for (stop, then report)."
+            ),
+        ]
+    ]
 
 
 @typed_config(ANSWER)

@@ -38,7 +38,8 @@ ACTIONS = {
     action.name: action
     for action in (
         RunAction("retry", "Retry", "Retried", frozenset({"retrying", "dead"}), transitions.retry, False),
-        RunAction("cancel", "Cancel", "Cancelled", frozenset({"scheduled", "ready", "retrying"}), transitions.cancel, True),
+        # A leased run is asked to stop; it ends cancelled when its worker reports.
+        RunAction("cancel", "Cancel", "Cancelled", frozenset({"scheduled", "ready", "retrying", "leased"}), transitions.cancel, True),
         RunAction("requeue", "Requeue", "Requeued", frozenset({"dead"}), transitions.requeue, False),
         RunAction("discard", "Discard", "Discarded", frozenset({"dead"}), transitions.discard, True),
     )
@@ -152,7 +153,11 @@ def run_detail(request: HtmxHttpRequest, run_id: str) -> HttpResponse:
         "attempts": attempts,
         "payload": payloads.load(run.payload, run.payload_key),
         "history": queries.audit_for_target(run.team_id, "run", run.run_id),
-        "actions": [a for a in ACTIONS.values() if run.state in a.applies_to],
+        "actions": [
+            a
+            for a in ACTIONS.values()
+            if run.state in a.applies_to and not (a.name == "cancel" and run.cancel_requested)
+        ],
         "live": True,
     }
     return render_page(request, "dashboard/run_detail.html", context)
@@ -168,6 +173,13 @@ def run_action(request: HtmxHttpRequest, run_id: str, action: str) -> HttpRespon
     access.require_role(request.user, run.team_id, Role.OPERATOR)
     changed = spec.change([run], actor(request))
     fallback = reverse("dashboard:run", args=[run.run_id])
+    if changed and run.state == State.LEASED:
+        return done(
+            request,
+            fallback,
+            f"Asked the worker of {run.run_id} to stop: it ends cancelled when the worker"
+            " reports or its lease expires.",
+        )
     if changed:
         return done(request, fallback, f"{spec.past} {run.run_id}.")
     run.refresh_from_db(fields=["state"])

@@ -236,7 +236,7 @@ class Bridge(Daemon):
         for pending in runs:
             if pending.run_id in lost:
                 # Done before its handoff event arrived, or reaped, or cancelled.
-                self._drop(pending, lost[pending.run_id])
+                self._drop(pending, lost[pending.run_id].detail)
 
     def _drop(self, pending: _Pending, detail: str) -> None:
         with self._lock:
