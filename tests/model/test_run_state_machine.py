@@ -100,6 +100,7 @@ class RunModel:
     lease_expires_at: datetime | None = None
     timeout_at: datetime | None = None
     tokens: list[int] = field(default_factory=list)  # every token this run was leased with
+    cancel_requested: bool = False  # cancelled while leased: whatever comes next ends it
 
     def row(self) -> tuple:
         return (
@@ -110,6 +111,7 @@ class RunModel:
             self.available_at,
             self.lease_expires_at,
             self.timeout_at,
+            self.cancel_requested,
         )
 
 
@@ -222,7 +224,14 @@ class RunStateMachine(RuleBasedStateMachine):
     def after_failure(
         self, run: RunModel, retryable: bool, new_state: str, available_at, before, after
     ) -> None:
-        """Check and apply a failed attempt (worker fail or reaper): retrying or dead."""
+        """Check and apply a failed attempt (worker fail or reaper): retrying or dead, or
+        cancelled when a cancel was asked for while it was leased (never retried)."""
+        if run.cancel_requested:
+            assert new_state == "cancelled", (run, new_state)
+            assert available_at == run.available_at  # unchanged
+            run.state = new_state
+            run.lease_expires_at = None
+            return
         policy = self.policies[run.definition]
         expect_retry = retryable and run.attempt < run.max_attempts
         assert new_state == ("retrying" if expect_retry else "dead"), (run, retryable, new_state)
@@ -319,6 +328,11 @@ class RunStateMachine(RuleBasedStateMachine):
         after = db_now()
         holder = run.state == "leased" and token == run.token
         expired = passed(run.lease_expires_at, before, after) if holder else True
+        if holder and run.cancel_requested:
+            # The holder is told to stop, expired or not; nothing is extended.
+            assert (outcome.status, outcome.code) == (409, "cancelled"), outcome
+            return
+        assert outcome.code == "", outcome  # only the holder of a cancelled run is told
         if holder and expired is False:
             assert outcome.status == 200, outcome
         elif expired is True:
@@ -345,8 +359,9 @@ class RunStateMachine(RuleBasedStateMachine):
         # An expired lease that the reaper has not taken still completes: the token is current.
         if run.state == "leased" and token == run.token:
             assert outcome.status == 200, outcome
-            assert outcome.state == "succeeded"
-            run.state = "succeeded"
+            expected = "cancelled" if run.cancel_requested else "succeeded"
+            assert outcome.state == expected, (outcome, run)
+            run.state = expected
             run.lease_expires_at = None
         else:
             assert outcome.status == 409, (outcome, run, token)
@@ -436,11 +451,15 @@ class RunStateMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 5))
     def cancel(self, index: int) -> None:
+        """Cancel: a waiting run at once; a leased one is asked (once) to stop."""
         run = self.pick(index)
         changed = transitions.cancel([self.load(run)], ACTOR)
         if run.state in WAITING:
             assert [r.pk for r in changed] == [run.pk]
             run.state = "cancelled"
+        elif run.state == "leased" and not run.cancel_requested:
+            assert [r.pk for r in changed] == [run.pk]
+            run.cancel_requested = True
         else:
             assert changed == [], f"cancelled a run that was {run.state}"
 
@@ -515,7 +534,7 @@ class RunStateMachine(RuleBasedStateMachine):
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT id, state, attempt, max_attempts, fencing_token, available_at, "
-                "lease_expires_at, timeout_at FROM runs_run WHERE team_id = %s",
+                "lease_expires_at, timeout_at, cancel_requested FROM runs_run WHERE team_id = %s",
                 [self.team.pk],
             )
             rows = {row[0]: row[1:] for row in cursor.fetchall()}
