@@ -128,6 +128,8 @@ FIELD_FOR_PATH = {
     "schedule.timeZone": "time_zone",
     "schedule.jitterSeconds": "jitter_seconds",
     "schedule.missedRunPolicy": "missed_run_policy",
+    "schedule.startAt": "start_at",
+    "schedule.endAt": "end_at",
     "schedule.runAt": "run_at",
     "schedule.delaySeconds": "delay_seconds",
     "queue": "queue",
@@ -148,6 +150,8 @@ SCHEDULE_FIELDS = (
     "time_zone",
     "jitter_seconds",
     "missed_run_policy",
+    "start_at",
+    "end_at",
     "run_at",
     "delay_seconds",
 )
@@ -164,6 +168,11 @@ def schedule_from(data: Any) -> dict[str, Any]:
         }
         jitter = _int_or_text(data.get("jitter_seconds"))
         schedule["jitterSeconds"] = sched.DEFAULT_JITTER_SECONDS if jitter == "" else jitter
+        # A blank bound is no bound.
+        for key, field in (("startAt", "start_at"), ("endAt", "end_at")):
+            bound = (data.get(field) or "").strip()
+            if bound:
+                schedule[key] = bound
         return schedule
     if kind == "once":
         return {"runAt": (data.get("run_at") or "").strip()}
@@ -219,6 +228,18 @@ class DefinitionForm(forms.Form):
     jitter_seconds = forms.CharField(required=False, initial="60", label="Jitter (s)")
     missed_run_policy = forms.ChoiceField(
         choices=[(p, p) for p in sched.MISSED_RUN_POLICIES], initial="run_once", label="Missed runs"
+    )
+    start_at = forms.CharField(
+        required=False,
+        max_length=40,
+        label="Start at (ISO, with offset)",
+        help_text="No run before it; empty: from now",
+    )
+    end_at = forms.CharField(
+        required=False,
+        max_length=40,
+        label="End at (ISO, with offset)",
+        help_text="No run after it (a run at it still runs); empty: no end",
     )
     run_at = forms.CharField(required=False, max_length=40, label="Run at (ISO, with offset)")
     delay_seconds = forms.CharField(required=False, label="Delay (s)")
@@ -280,6 +301,8 @@ class DefinitionForm(forms.Form):
             "time_zone": schedule.get("timeZone", "UTC"),
             "jitter_seconds": schedule.get("jitterSeconds", sched.DEFAULT_JITTER_SECONDS),
             "missed_run_policy": schedule.get("missedRunPolicy", sched.DEFAULT_MISSED_RUN_POLICY),
+            "start_at": schedule.get("startAt", ""),
+            "end_at": schedule.get("endAt", ""),
             "run_at": schedule.get("runAt", ""),
             "delay_seconds": schedule.get("delaySeconds", ""),
             "queue": definition.queue,

@@ -8,16 +8,32 @@ range from a later day to the name SUN ends on 7 (``MON-SUN``, ``SAT-SUN``); ran
 around (``SAT-MON`` is refused with the split to write); a step is 1 to the field's maximum; an
 expression is at most ``MAX_CRON_LENGTH`` characters; a ``TZ=`` or other variable prefix is refused
 (the zone belongs in ``timeZone``).
+
+Day fields follow Vixie cron for how they combine: when both are restricted a day matching
+either runs; a field starting with ``*`` is unrestricted, so the other one alone decides. The
+extensions follow Quartz's meaning (Vixie cron has none of them):
+
+- day of month: ``L`` the last day, ``LW`` the last weekday (Monday to Friday), ``nW`` the
+  weekday nearest day n without leaving the month (1W on a Saturday is Monday the 3rd, 31W on a
+  Sunday is Friday the 29th); a month without day n has no ``nW``, as it has no plain ``n``;
+- day of week: ``dL`` the last weekday d of the month (``5L``, ``FRIL``: the last Friday), and
+  ``d#n`` its n-th one, n from 1 to 5 (``5#3``, ``FRI#3``); a month without a 5th is skipped.
+
+Unlike Quartz, day of week keeps cron's numbering (0 and 7 are Sunday, so ``0#2`` is the second
+Sunday), ``?`` is refused, and these items may share a list with plain ones (``1,15,L``), since
+each item reads the same alone. They take no range or step (Quartz's ``L-3`` is refused).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from calendar import monthrange
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date, datetime
 from functools import lru_cache
 from itertools import pairwise
+from typing import Any
 
 # Every minute of the hour listed one by one (0,1,…,59 * * * *) is 177 characters; a longer
 # expression is a mistake or an attack. Checked before anything else, so no number in it is ever
@@ -36,6 +52,12 @@ MACROS = {
 MONTH_NAMES = ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC")
 DAY_NAMES = ("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT")
 FIELD_LAYOUT = "minute hour day-of-month month day-of-week"
+DAY_OF_MONTH = "day-of-month"
+DAY_OF_WEEK = "day-of-week"
+DAY_FIELDS = (DAY_OF_MONTH, DAY_OF_WEEK)
+DAY_RULES = "L and W belong in day-of-month (L, LW, 15W) and L and # in day-of-week (5L, 5#3)"
+# d#n: a month has at most 5 of any weekday.
+MAX_NTH = 5
 
 # Every cron matches again within one 400-year Gregorian cycle (weekdays and leap years repeat),
 # so a search that finds nothing in 401 years will never find anything.
@@ -74,11 +96,57 @@ class Cron:
     days_and: bool
     # The hour field is a wildcard or a step: follow the wall clock instead of "once at HH:MM".
     wall_clock: bool
+    # Day of month: L, LW, and the n of each nW.
+    last_day: bool = False
+    last_weekday: bool = False
+    nearest_weekday_to: frozenset[int] = frozenset()
+    # Day of week: the d of each dL, and (d, n) for each d#n (d: 0 = Sunday).
+    last_of_weekday: frozenset[int] = frozenset()
+    nth_weekday: frozenset[tuple[int, int]] = frozenset()
+    # Any of the five above: a day's match depends on its month's shape, not only its numbers.
+    # A field set at construction, not a cached property: one written later would unshare the
+    # instance's attribute dict and slow every lookup of the search loop (measured: 25 %).
+    has_month_rules: bool = False
+
+    def month_picks(
+        self, first_weekday: int, month_days: int
+    ) -> tuple[frozenset[int], frozenset[int]]:
+        """Return the days of a month that the L/W rules of day of month pick, and those that
+        the L/# rules of day of week pick; ``first_weekday`` is the 1st's (0 = Sunday)."""
+        by_day: set[int] = set()
+        if self.last_day:
+            by_day.add(month_days)
+        if self.last_weekday:
+            by_day.add(_nearest_weekday(month_days, first_weekday, month_days))
+        for day in self.nearest_weekday_to:
+            if day <= month_days:
+                by_day.add(_nearest_weekday(day, first_weekday, month_days))
+        by_weekday: set[int] = set()
+        last_weekday = (first_weekday + month_days - 1) % 7
+        for weekday in self.last_of_weekday:
+            by_weekday.add(month_days - (last_weekday - weekday) % 7)
+        for weekday, nth in self.nth_weekday:
+            day = 1 + (weekday - first_weekday) % 7 + 7 * (nth - 1)
+            if day <= month_days:
+                by_weekday.add(day)
+        return frozenset(by_day), frozenset(by_weekday)
 
     def day_matches(self, day: int, weekday: int) -> bool:
         if self.days_and:
             return day in self.days and weekday in self.weekdays
         return day in self.days or weekday in self.weekdays
+
+    def _first_day_by_rules(self, day: int, first_weekday: int, month_days: int) -> int:
+        """Return the first matching day from ``day`` on in a month with L, W or # rules
+        (``month_days + 1`` if none)."""
+        by_day, by_weekday = self.month_picks(first_weekday, month_days)
+        while day <= month_days:
+            in_days = day in self.days or day in by_day
+            in_weekdays = (first_weekday + day - 1) % 7 in self.weekdays or day in by_weekday
+            if (in_days and in_weekdays) if self.days_and else (in_days or in_weekdays):
+                return day
+            day += 1
+        return day
 
     def first_at_or_after(self, y: int, mo: int, d: int, h: int, mi: int) -> Slot | None:
         """Return the first matching naive minute at or after the given fields, or None.
@@ -103,8 +171,13 @@ class Cron:
                 mo, d, h, mi = months[i], 1, 0, 0
             first_weekday, month_days = _month_info(y, mo)
             day = d
-            while day <= month_days and not self.day_matches(day, (first_weekday + day - 1) % 7):
-                day += 1
+            if self.has_month_rules:
+                day = self._first_day_by_rules(day, first_weekday, month_days)
+            else:
+                while day <= month_days and not self.day_matches(
+                    day, (first_weekday + day - 1) % 7
+                ):
+                    day += 1
             if day > month_days:
                 mo, d, h, mi = mo + 1, 1, 0, 0
                 continue
@@ -131,6 +204,20 @@ class Cron:
         return None if slot is None else datetime(*slot)
 
 
+def _nearest_weekday(day: int, first_weekday: int, month_days: int) -> int:
+    """Return the Monday-to-Friday day nearest ``day`` in its month (Quartz's ``nW``).
+
+    Saturday moves back to Friday and Sunday on to Monday, unless that leaves the month: a
+    Saturday 1st moves on to Monday the 3rd, a Sunday last day back to Friday.
+    """
+    weekday = (first_weekday + day - 1) % 7
+    if weekday == 6:
+        return day - 1 if day > 1 else day + 2
+    if weekday == 0:
+        return day + 1 if day < month_days else day - 2
+    return day
+
+
 @lru_cache(maxsize=4096)
 def _month_info(year: int, month: int) -> tuple[int, int]:
     """Return (cron weekday of the 1st, number of days) for a month."""
@@ -149,14 +236,24 @@ def _parse_value(text: str, field: str, low: int, high: int, names: tuple[str, .
         return names.index(text.upper()) + (1 if names is MONTH_NAMES else 0)
     if text == "":
         raise CronSyntaxError(f"{field} field: a value is missing")
-    if text in {"?", "L", "W", "LW"} or "#" in text or text.endswith(("L", "W")):
+    if text == "?":
         raise CronSyntaxError(
-            f"{field} field: '{text}' is not supported (only numbers, names, *, ranges, "
-            "steps and lists)"
+            f"{field} field: '?' is not supported; write * (a field starting with * leaves "
+            "the other day field alone to decide)"
         )
+    marked = text.isascii() and ("#" in text or text.upper().endswith(("L", "W")))
+    if marked and field not in DAY_FIELDS:
+        raise CronSyntaxError(f"{field} field: '{text}' is not allowed here; {DAY_RULES}")
     kind = "a number or a month name" if names is MONTH_NAMES else "a number"
     if names is DAY_NAMES:
         kind = "a number or a day name"
+    if marked:
+        # Single items (L, 15W, 5L, 5#3) are parsed before this: one here is inside a range,
+        # a step, or another L/W/# item.
+        raise CronSyntaxError(
+            f"{field} field: '{text}' is not {kind}; L, W and # mark a whole item "
+            "(L, LW, 15W, 5L, 5#3), not part of a range, a step or another item"
+        )
     raise CronSyntaxError(f"{field} field: '{text}' is not {kind}")
 
 
@@ -196,6 +293,109 @@ def _parse_field(text: str, field: str, low: int, high: int, names: tuple[str, .
             end = high if has_step else start
         values.update(range(start, end + 1, step))
     return values
+
+
+def _items(text: str, field: str) -> list[str]:
+    items = text.split(",")
+    if "" in items:
+        raise CronSyntaxError(f"{field} field: empty item in list '{text}'")
+    return items
+
+
+def _is_marked(item: str) -> bool:
+    """Whether a list item is one L, W or # rule (no range or step, which such items refuse)."""
+    if not item.isascii() or "-" in item or "/" in item:
+        return False
+    return "#" in item or item.upper().endswith(("L", "W"))
+
+
+@dataclass
+class _DayOfMonth:
+    days: set[int]
+    last_day: bool
+    last_weekday: bool
+    nearest_weekday_to: set[int]
+
+
+def _parse_day_of_month(text: str) -> _DayOfMonth:
+    """Parse day of month: numbers, *, ranges, steps, and the items L, LW and nW."""
+    name = DAY_OF_MONTH
+    parsed = _DayOfMonth(set(), False, False, set())
+    for item in _items(text, name):
+        upper = item.upper()
+        if not _is_marked(item):
+            parsed.days |= _parse_field(item, name, 1, 31, ())
+        elif upper == "L":
+            parsed.last_day = True
+        elif upper == "LW":
+            parsed.last_weekday = True
+        elif "#" in item:
+            raise CronSyntaxError(
+                f"{name} field: '{item}' is not allowed here; d#n (the n-th weekday d of the "
+                "month, e.g. 5#3) belongs in day-of-week"
+            )
+        elif upper.endswith("L"):
+            raise CronSyntaxError(
+                f"{name} field: '{item}' is not allowed here; L is the last day of the month "
+                "alone, and dL (the last weekday d, e.g. 5L) belongs in day-of-week"
+            )
+        else:
+            number = upper[:-1]
+            if not (number.isascii() and number.isdigit()):
+                raise CronSyntaxError(
+                    f"{name} field: '{item}' needs a day number before W, e.g. 15W "
+                    "(the weekday nearest the 15th)"
+                )
+            day = int(number)
+            if not 1 <= day <= 31:
+                raise CronSyntaxError(f"{name} field: {day} in '{item}' is out of range 1-31")
+            parsed.nearest_weekday_to.add(day)
+    return parsed
+
+
+@dataclass
+class _DayOfWeek:
+    weekdays: set[int]
+    last_of_weekday: set[int]
+    nth_weekday: set[tuple[int, int]]
+
+
+def _parse_day_of_week(text: str) -> _DayOfWeek:
+    """Parse day of week: numbers, names, *, ranges, steps, and the items dL and d#n."""
+    name = DAY_OF_WEEK
+    parsed = _DayOfWeek(set(), set(), set())
+    for item in _items(text, name):
+        upper = item.upper()
+        if not _is_marked(item):
+            parsed.weekdays |= _parse_field(item, name, 0, 7, DAY_NAMES)
+        elif "#" in item:
+            day_text, _, nth_text = item.partition("#")
+            if day_text == "":
+                raise CronSyntaxError(
+                    f"{name} field: '{item}' needs a weekday before #, e.g. 5#3 "
+                    "(the third Friday of the month)"
+                )
+            weekday = _parse_value(day_text, name, 0, 7, DAY_NAMES) % 7
+            if not (nth_text.isascii() and nth_text.isdigit() and 1 <= int(nth_text) <= MAX_NTH):
+                raise CronSyntaxError(
+                    f"{name} field: '{item}' asks for occurrence '{nth_text}'; the n of d#n is "
+                    f"a whole number from 1 to {MAX_NTH} (no month has more of a weekday)"
+                )
+            parsed.nth_weekday.add((weekday, int(nth_text)))
+        elif upper.endswith("W"):
+            raise CronSyntaxError(
+                f"{name} field: '{item}' is not allowed here; LW (the last weekday of the month) "
+                "and nW (the weekday nearest day n) belong in day-of-month"
+            )
+        elif upper == "L":
+            raise CronSyntaxError(
+                f"{name} field: 'L' alone is ambiguous (Quartz reads it as Saturday); write 6 "
+                "for Saturday, dL for the last weekday d of the month (5L: the last Friday), "
+                "or L in day-of-month for the last day"
+            )
+        else:
+            parsed.last_of_weekday.add(_parse_value(item[:-1], name, 0, 7, DAY_NAMES) % 7)
+    return parsed
 
 
 def _unwrapped(start: int, end: int, low: int, high: int, weekdays: bool) -> str:
@@ -260,34 +460,42 @@ def compile_cron(expression: str) -> Cron:
         raise CronSyntaxError(f"has {len(parts)} fields; expected 5 ({FIELD_LAYOUT})")
     minute, hour, dom, month, dow = parts
     problems: list[str] = []
-    parsed: list[set[int]] = []
-    for part, spec in zip(
-        parts,
-        (
-            ("minute", 0, 59, ()),
-            ("hour", 0, 23, ()),
-            ("day-of-month", 1, 31, ()),
-            ("month", 1, 12, MONTH_NAMES),
-            ("day-of-week", 0, 7, DAY_NAMES),
-        ),
-        strict=True,
-    ):
+
+    def attempt(parse: Callable[..., Any], *args: Any) -> Any:
+        # Each field is parsed even after one fails, so every bad field is named at once.
         try:
-            parsed.append(_parse_field(part, *spec))
+            return parse(*args)
         except CronSyntaxError as exc:
             problems.append(str(exc))
-            parsed.append(set())
+            return None
+
+    minutes = attempt(_parse_field, minute, "minute", 0, 59, ())
+    hours = attempt(_parse_field, hour, "hour", 0, 23, ())
+    days = attempt(_parse_day_of_month, dom)
+    months = attempt(_parse_field, month, "month", 1, 12, MONTH_NAMES)
+    weekdays = attempt(_parse_day_of_week, dow)
     if problems:
         raise CronSyntaxError("; ".join(problems))
-    minutes, hours, days, months, weekdays = parsed
     return Cron(
         minutes=tuple(sorted(minutes)),
         hours=tuple(sorted(hours)),
-        days=frozenset(days),
+        days=frozenset(days.days),
         months=tuple(sorted(months)),
-        weekdays=frozenset(w % 7 for w in weekdays),
+        weekdays=frozenset(w % 7 for w in weekdays.weekdays),
         days_and=dom.startswith("*") or dow.startswith("*"),
         wall_clock="*" in hour or "/" in hour,
+        last_day=days.last_day,
+        last_weekday=days.last_weekday,
+        nearest_weekday_to=frozenset(days.nearest_weekday_to),
+        last_of_weekday=frozenset(weekdays.last_of_weekday),
+        nth_weekday=frozenset(weekdays.nth_weekday),
+        has_month_rules=bool(
+            days.last_day
+            or days.last_weekday
+            or days.nearest_weekday_to
+            or weekdays.last_of_weekday
+            or weekdays.nth_weekday
+        ),
     )
 
 
@@ -297,9 +505,12 @@ def never_fires_reason(cron: Cron) -> str | None:
     if cron.first_at_or_after(*GAP_SAMPLE_START) is not None:
         return None
     longest = max(MONTH_LENGTHS[m - 1] for m in cron.months)
-    if min(cron.days) > longest and cron.days_and:
-        month_list = " or ".join(MONTH_TITLES[m - 1] for m in cron.months)
-        return f"never fires: day {min(cron.days)} does not occur in {month_list}"
+    # Only numbered days can be missing from a month: L and LW fall in every one.
+    numbered = cron.days | cron.nearest_weekday_to
+    if cron.days_and and numbered and not (cron.last_day or cron.last_weekday):
+        if min(numbered) > longest:
+            month_list = " or ".join(MONTH_TITLES[m - 1] for m in cron.months)
+            return f"never fires: day {min(numbered)} does not occur in {month_list}"
     return "never fires: no date matches both its day-of-month and day-of-week fields"
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from apps.jobs import firetimes
+from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition, Queue, database_of
 from apps.runs import shards
 from apps.runs.clock import format_utc
@@ -161,9 +163,28 @@ def why_definition(definition: JobDefinition, now: datetime) -> list[Reason]:
     """Return what keeps a definition from producing or running runs."""
     with shards.reaching(database_of(definition.name)):
         reasons = _holds_of_definition(definition, _queue(definition), now)
+    cron = _cron_schedule(definition.schedule)
     if not definition.schedule:
         reasons.append(
             Reason("no_schedule", "The job has no schedule: it runs only when triggered.")
+        )
+    elif cron is not None and cron.end_at is not None and _ended(definition, cron, now):
+        end = format_utc(cron.end_at)
+        message = (
+            f"The schedule ended at {end} (endAt)."
+            if cron.end_at <= now
+            else f"The schedule ends at {end} (endAt) and has no fire time left before then."
+        )
+        reasons.append(Reason("schedule_ended", message, {"endAt": end}))
+    elif cron is not None and cron.start_at is not None and cron.start_at > now:
+        start, first = format_utc(cron.start_at), format_utc(definition.next_due_at)
+        then = f"; its first fire time is {first}." if first and not definition.paused else "."
+        reasons.append(
+            Reason(
+                "schedule_not_started",
+                f"The schedule starts at {start} (startAt){then}",
+                {"startAt": start, "nextDueAt": first},
+            )
         )
     elif definition.next_due_at is None and not definition.paused:
         reasons.append(Reason("schedule_done", "The schedule has no more fire times."))
@@ -176,3 +197,23 @@ def why_definition(definition: JobDefinition, now: datetime) -> list[Reason]:
             )
         )
     return reasons
+
+
+def _cron_schedule(schedule_json: dict) -> sched.CronSchedule | None:
+    """The definition's cron schedule (None for other kinds or an unreadable schedule)."""
+    try:
+        parsed = sched.parse_schedule(schedule_json)
+    except sched.ScheduleError:
+        return None
+    return parsed if isinstance(parsed, sched.CronSchedule) else None
+
+
+def _ended(definition: JobDefinition, schedule: sched.CronSchedule, now: datetime) -> bool:
+    """Whether the schedule has no fire time left before its endAt.
+
+    A due time still waiting for the scheduler (at or before endAt) is not over yet; a paused
+    definition's next_due_at is stale, so the schedule alone decides.
+    """
+    if definition.next_due_at is not None and not definition.paused:
+        return False
+    return not firetimes.next_fire_times(schedule, now, 1)

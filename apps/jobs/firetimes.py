@@ -8,6 +8,10 @@ Daylight-saving rules (README.md, "DST rules"); this module is the only place th
   local time repeated by fall-back runs once, at its first occurrence.
 - A cron whose hour field is a wildcard or a step (``0 * * * *``, ``*/15 * * * *``) follows the
   wall clock: a skipped slot does not run and a repeated slot runs in both passes.
+
+A schedule's bounds (``startAt``, ``endAt``) are instants, applied to the fire times after the
+DST rules: none before ``start_at``, none after ``end_at``; both ends are inclusive. A time that
+a DST change moved counts where it lands (``30 2 * * *`` moved to 03:00 runs if 03:00 is inside).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
+from itertools import islice, takewhile
 from typing import Protocol
 from zoneinfo import ZoneInfo
 
@@ -26,6 +31,7 @@ from apps.jobs.cron import Cron, compile_cron
 DROP_LOOKBACK = timedelta(hours=48)
 ONE_SECOND = timedelta(seconds=1)
 ONE_MINUTE = timedelta(minutes=1)
+TINY = timedelta(microseconds=1)
 
 
 @dataclass(frozen=True)
@@ -38,13 +44,20 @@ class FireTime:
 
 
 class ZonedCron(Protocol):
-    """What fire-time iteration reads from a schedule: a cron expression and its time zone."""
+    """What fire-time iteration reads from a schedule: a cron expression, its time zone, and
+    the instants it starts and ends at (None: unbounded)."""
 
     @property
     def cron(self) -> str: ...
 
     @property
     def time_zone(self) -> str: ...
+
+    @property
+    def start_at(self) -> datetime | None: ...
+
+    @property
+    def end_at(self) -> datetime | None: ...
 
 
 # --- time zones -----------------------------------------------------------------------------
@@ -271,29 +284,36 @@ def _offsets(zone: ZoneInfo, naive: datetime) -> tuple[timedelta, timedelta]:
     return first, second
 
 
-def next_fire_times(schedule: ZonedCron, after: datetime, count: int) -> list[FireTime]:
-    """Return the next ``count`` fire times strictly after ``after``, ascending."""
+def schedule_fire_times(schedule: ZonedCron, after: datetime) -> Iterator[FireTime]:
+    """Return the schedule's fire times strictly after ``after`` within its bounds, ascending.
+
+    1. Start at ``start_at`` if that is later: "after the instant just before it" keeps a fire
+       time exactly at ``start_at``.
+    2. Stop at the first fire time after ``end_at``.
+    The schedule and ``after`` are checked now, not on the first ``next()``.
+    """
     cron, zone = compile_in_zone(schedule.cron, schedule.time_zone)
-    times: list[FireTime] = []
-    if count <= 0:
-        return times
-    for fire in iter_fire_times(cron, zone, after):
-        times.append(fire)
-        if len(times) >= count:
-            break
-    return times
+    if after.utcoffset() is None:
+        raise ValueError("after must be an aware datetime")
+    start, end = schedule.start_at, schedule.end_at
+    if start is not None and start > after:
+        after = start - TINY
+    fires = iter_fire_times(cron, zone, after)
+    return fires if end is None else takewhile(lambda fire: fire.utc <= end, fires)
+
+
+def next_fire_times(schedule: ZonedCron, after: datetime, count: int) -> list[FireTime]:
+    """Return the next ``count`` fire times strictly after ``after`` within the schedule's
+    bounds, ascending; fewer once the schedule ends."""
+    return list(islice(schedule_fire_times(schedule, after), max(count, 0)))
 
 
 def fire_times_between(
     schedule: ZonedCron, after: datetime, until: datetime, limit: int
 ) -> list[FireTime]:
-    """Return up to ``limit`` fire times in (after, until], ascending."""
-    cron, zone = compile_in_zone(schedule.cron, schedule.time_zone)
-    times: list[FireTime] = []
+    """Return up to ``limit`` fire times in (after, until] within the schedule's bounds,
+    ascending."""
+    fires = schedule_fire_times(schedule, after)
     if limit <= 0 or until <= after:
-        return times
-    for fire in iter_fire_times(cron, zone, after):
-        if fire.utc > until or len(times) >= limit:
-            break
-        times.append(fire)
-    return times
+        return []
+    return list(islice(takewhile(lambda fire: fire.utc <= until, fires), limit))

@@ -20,8 +20,9 @@ from apps.jobs.cron import (
     never_fires_reason,
     shortest_gap,
 )
-from apps.jobs.firetimes import compile_in_zone, iter_fire_times, load_zone
+from apps.jobs.firetimes import load_zone, schedule_fire_times
 from apps.runs.clock import format_utc
+from apps.runs.limits import LATEST_RUN_TIME
 
 DEFAULT_TIME_ZONE = "UTC"
 DEFAULT_JITTER_SECONDS = 60
@@ -31,7 +32,8 @@ DEFAULT_SHARD_COUNT = 16
 # A delay this long is certainly a unit mistake, and it keeps every due time inside datetime's range.
 MAX_DELAY_SECONDS = 10 * 366 * 24 * 3600
 
-CRON_KEYS = frozenset({"cron", "timeZone", "jitterSeconds", "missedRunPolicy"})
+CRON_KEYS = frozenset({"cron", "timeZone", "jitterSeconds", "missedRunPolicy", "startAt", "endAt"})
+BOUND_KEYS = frozenset({"startAt", "endAt"})
 ONE_OFF_KEYS = frozenset({"runAt"})
 DELAYED_KEYS = frozenset({"delaySeconds"})
 
@@ -46,12 +48,19 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class CronSchedule:
-    """Run at each time a 5-field cron expression matches, on the wall clock of ``time_zone``."""
+    """Run at each time a 5-field cron expression matches, on the wall clock of ``time_zone``.
+
+    ``start_at`` and ``end_at`` (aware, UTC, or None) bound the nominal fire times, both ends
+    inclusive: none before ``start_at``, none after ``end_at``. Jitter may start the last run up
+    to ``jitter_seconds`` after ``end_at``; its due time is inside.
+    """
 
     cron: str
     time_zone: str = DEFAULT_TIME_ZONE
     jitter_seconds: int = DEFAULT_JITTER_SECONDS
     missed_run_policy: str = DEFAULT_MISSED_RUN_POLICY
+    start_at: datetime | None = None
+    end_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -97,8 +106,8 @@ def parse_schedule(raw: object) -> Schedule:
         raise ScheduleError(
             {
                 "schedule": f"unknown field{'s' if len(unknown) > 1 else ''} {listed}; "
-                "expected cron (with timeZone, jitterSeconds, missedRunPolicy), runAt, "
-                "or delaySeconds"
+                "expected cron (with timeZone, jitterSeconds, missedRunPolicy, startAt, "
+                "endAt), runAt, or delaySeconds"
             }
         )
     kinds = [
@@ -110,6 +119,15 @@ def parse_schedule(raw: object) -> Schedule:
         )
         if keys & group
     ]
+    bounded = sorted(keys & BOUND_KEYS)
+    if bounded and "cron" not in keys and len(kinds) > 1:
+        raise ScheduleError(
+            {
+                f"schedule.{key}": "bounds only a cron schedule; a one-off or delayed schedule "
+                "runs once, at its own time"
+                for key in bounded
+            }
+        )
     if len(kinds) > 1:
         raise ScheduleError(
             {
@@ -126,25 +144,34 @@ def parse_schedule(raw: object) -> Schedule:
     return _parse_cron(raw)
 
 
-def _parse_one_off(value: object) -> OneOffSchedule:
+def _parse_instant(value: object) -> datetime:
+    """Parse an ISO-8601 instant with a UTC offset (runAt, startAt, endAt) to an aware UTC time.
+
+    Raise ValueError with the reason.
+    """
     reason = "must be an ISO-8601 time with a UTC offset, e.g. 2026-12-01T10:00:00Z"
     if not isinstance(value, str):
-        raise ScheduleError({"schedule.runAt": reason})
+        raise ValueError(reason)
     try:
-        run_at = datetime.fromisoformat(value.strip())
+        instant = datetime.fromisoformat(value.strip())
     except ValueError:
-        raise ScheduleError({"schedule.runAt": f"'{value}' {reason}"}) from None
-    if run_at.utcoffset() is None:
-        raise ScheduleError(
-            {"schedule.runAt": f"'{value}' has no UTC offset; add one, e.g. Z or +01:00"}
-        )
+        raise ValueError(f"'{value}' {reason}") from None
+    if instant.utcoffset() is None:
+        raise ValueError(f"'{value}' has no UTC offset; add one, e.g. Z or +01:00")
     # Kept to the millisecond, the precision times are written in: the definition's JSON form
     # then reads back as the same definition.
-    run_at = run_at.replace(microsecond=run_at.microsecond // 1000 * 1000)
+    instant = instant.replace(microsecond=instant.microsecond // 1000 * 1000)
     try:
-        return OneOffSchedule(run_at=run_at.astimezone(UTC))
+        return instant.astimezone(UTC)
     except OverflowError:
-        raise ScheduleError({"schedule.runAt": f"'{value}' is out of range in UTC"}) from None
+        raise ValueError(f"'{value}' is out of range in UTC") from None
+
+
+def _parse_one_off(value: object) -> OneOffSchedule:
+    try:
+        return OneOffSchedule(run_at=_parse_instant(value))
+    except ValueError as exc:
+        raise ScheduleError({"schedule.runAt": str(exc)}) from None
 
 
 def _parse_delayed(value: object) -> DelayedSchedule:
@@ -166,7 +193,9 @@ def _parse_cron(raw: dict) -> CronSchedule:
 
     expression = raw.get("cron")
     if "cron" not in raw:
-        errors["schedule.cron"] = "is required with timeZone, jitterSeconds or missedRunPolicy"
+        errors["schedule.cron"] = (
+            "is required with timeZone, jitterSeconds, missedRunPolicy, startAt or endAt"
+        )
     elif not isinstance(expression, str) or not expression.strip():
         errors["schedule.cron"] = f"must be a cron expression: 5 fields ({FIELD_LAYOUT}) or a macro"
     else:
@@ -208,23 +237,53 @@ def _parse_cron(raw: dict) -> CronSchedule:
     if policy not in MISSED_RUN_POLICIES or not isinstance(policy, str):
         errors["schedule.missedRunPolicy"] = f"must be one of {', '.join(MISSED_RUN_POLICIES)}"
 
+    bounds: dict[str, datetime | None] = {"startAt": None, "endAt": None}
+    for key in bounds:
+        # null reads as absent: a client may send every field, unset ones as null.
+        if raw.get(key) is not None:
+            try:
+                bounds[key] = _parse_instant(raw[key])
+            except ValueError as exc:
+                errors[f"schedule.{key}"] = str(exc)
+    for key, bound in bounds.items():
+        # Fire times are computed from the bounds: past this one a zone's local time of them
+        # may not fit in a datetime.
+        if bound is not None and bound > LATEST_RUN_TIME:
+            errors[f"schedule.{key}"] = f"is later than {format_utc(LATEST_RUN_TIME)}"
+    start_at, end_at = bounds["startAt"], bounds["endAt"]
+    if start_at is not None and end_at is not None and end_at <= start_at:
+        errors["schedule.endAt"] = (
+            f"must be after startAt ({format_utc(start_at)}); the schedule would never run"
+        )
+
     if errors:
         raise ScheduleError(errors)
     assert isinstance(expression, str) and isinstance(time_zone, str) and isinstance(jitter, int)
     return CronSchedule(
-        cron=expression, time_zone=time_zone, jitter_seconds=jitter, missed_run_policy=policy
+        cron=expression,
+        time_zone=time_zone,
+        jitter_seconds=jitter,
+        missed_run_policy=policy,
+        start_at=start_at,
+        end_at=end_at,
     )
 
 
 def schedule_to_json(schedule: Schedule) -> dict:
     """Return the canonical JSON form of a schedule, defaults included."""
     if isinstance(schedule, CronSchedule):
-        return {
+        canonical = {
             "cron": schedule.cron,
             "timeZone": schedule.time_zone,
             "jitterSeconds": schedule.jitter_seconds,
             "missedRunPolicy": schedule.missed_run_policy,
         }
+        # Only when set, so an unbounded schedule keeps the form it had before bounds existed.
+        if schedule.start_at is not None:
+            canonical["startAt"] = format_utc(schedule.start_at)
+        if schedule.end_at is not None:
+            canonical["endAt"] = format_utc(schedule.end_at)
+        return canonical
     if isinstance(schedule, OneOffSchedule):
         return {"runAt": format_utc(schedule.run_at)}
     if isinstance(schedule, DelayedSchedule):
@@ -263,12 +322,16 @@ def idempotency_key(name: str, local: datetime | str) -> str:
 # --- preview --------------------------------------------------------------------------------
 
 
-def _preview_item(local: datetime, utc: datetime, start: datetime, note: str) -> dict:
+def _preview_item(
+    local: datetime, utc: datetime, start: datetime, dst_note: str, bound_note: str = ""
+) -> dict:
     return {
         "local": local.isoformat(timespec="seconds"),
         "utc": format_utc(utc),
         "start": format_utc(start),
-        "note": note,
+        # The API has one note per time: a bound's note follows the DST one.
+        "note": "; ".join(note for note in (dst_note, bound_note) if note),
+        "dst": bool(dst_note),
     }
 
 
@@ -282,7 +345,9 @@ def preview(
 ) -> list[dict]:
     """Return the next ``count`` runs as the preview API renders them.
 
-    Cron: local time with offset, UTC, start after the job's jitter, and the DST note.
+    Cron: local time with offset, UTC, start after the job's jitter, the DST note, and whether
+    a DST change moved or repeated it; only times within startAt and endAt, the first one after
+    a startAt still ahead of ``after`` and the last one before endAt saying so in their notes.
     One-off: its time if still ahead of ``after``. Delayed: ``created_at`` (or ``after``) plus
     the delay. None: nothing.
     """
@@ -295,12 +360,7 @@ def preview(
     # jitter cannot be written: the preview stops at the last time that can.
     try:
         if isinstance(schedule, CronSchedule):
-            jitter = timedelta(seconds=jitter_offset(name, schedule.jitter_seconds))
-            cron, zone = compile_in_zone(schedule.cron, schedule.time_zone)
-            for fire in iter_fire_times(cron, zone, after):
-                items.append(_preview_item(fire.local, fire.utc, fire.utc + jitter, fire.note))
-                if len(items) >= count:
-                    break
+            _cron_preview(name, schedule, after, count, items)
         elif isinstance(schedule, OneOffSchedule):
             if schedule.run_at > after:
                 run_at = schedule.run_at.astimezone(UTC)
@@ -312,3 +372,31 @@ def preview(
     except OverflowError:
         pass
     return items
+
+
+def _cron_preview(
+    name: str, schedule: CronSchedule, after: datetime, count: int, items: list[dict]
+) -> None:
+    """Append the cron preview's items to ``items`` (kept if a later time overflows)."""
+    jitter = timedelta(seconds=jitter_offset(name, schedule.jitter_seconds))
+    starts_later = schedule.start_at is not None and schedule.start_at > after
+    fires = schedule_fire_times(schedule, after)
+    fire = next(fires, None)
+    while fire is not None and len(items) < count:
+        # The time after the one shown tells whether the one shown is the schedule's last.
+        try:
+            following = next(fires, None)
+            last = following is None
+        except OverflowError:
+            following, last = None, False
+        notes = []
+        if starts_later and not items:
+            notes.append(
+                f"first run: the schedule starts at {format_utc(schedule.start_at)} (startAt)"
+            )
+        if last and schedule.end_at is not None:
+            notes.append(f"last run: the schedule ends at {format_utc(schedule.end_at)} (endAt)")
+        items.append(
+            _preview_item(fire.local, fire.utc, fire.utc + jitter, fire.note, "; ".join(notes))
+        )
+        fire = following

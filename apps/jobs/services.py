@@ -24,12 +24,14 @@ from apps.runs.store import notify_ready
 def initial_next_due_at(schedule_json: dict, now: datetime) -> datetime | None:
     """Return when the scheduler should first materialise a definition with this schedule.
 
-    Cron: the first fire time after now (a new or resumed definition is not back-filled).
+    Cron: the first fire time after now within its bounds (a new or resumed definition is not
+    back-filled), at or after a startAt still ahead; None once its endAt has passed.
     One-off: its runAt, even if past (it then runs at once). Delayed: now + delay. None: never.
     """
     parsed = sched.parse_schedule(schedule_json)
     if isinstance(parsed, sched.CronSchedule):
-        return firetimes.next_fire_times(parsed, now, 1)[0].utc
+        following = firetimes.next_fire_times(parsed, now, 1)
+        return following[0].utc if following else None
     if isinstance(parsed, sched.OneOffSchedule):
         return parsed.run_at
     if isinstance(parsed, sched.DelayedSchedule):

@@ -228,3 +228,121 @@ def test_preview_of_an_unsaved_schedule(api_a):
     assert times[0]["local"] == "2026-10-25T02:30:00+02:00"
     assert times[1]["local"] == "2026-10-26T02:30:00+01:00"
     assert JobDefinition.objects.count() == 0
+
+
+# --- cron day rules and schedule bounds ---------------------------------------------------------
+
+
+def assert_problem(answer, field: str) -> str:
+    assert answer.status_code == 400, answer.text
+    assert answer.headers["content-type"].startswith("application/problem+json")
+    errors = answer.json()["errors"]
+    assert field in errors, errors
+    return " ".join(errors[field])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "field", "says"),
+    [
+        ({"cron": "TZ=Europe/Berlin 0 2 * * *"}, "schedule.cron", "set the schedule's timeZone"),
+        ({"cron": "CRON_TZ=UTC 0 2 * * *"}, "schedule.cron", "timeZone field to 'UTC'"),
+        ({"cron": "L 2 * * *"}, "schedule.cron", "minute field: 'L' is not allowed here"),
+        ({"cron": "0 2 * * 5#6"}, "schedule.cron", "day-of-week field: '5#6'"),
+        ({"cron": "0 2 32W * *"}, "schedule.cron", "day-of-month field: 32 in '32W'"),
+        ({"cron": "0 2 * * LW"}, "schedule.cron", "day-of-week field: 'LW'"),
+        (
+            {
+                "cron": "0 2 * * *",
+                "startAt": "2026-06-01T00:00:00Z",
+                "endAt": "2026-05-01T00:00:00Z",
+            },
+            "schedule.endAt",
+            "must be after startAt",
+        ),
+        (
+            {"cron": "0 2 * * *", "startAt": "2026-06-01T00:00:00"},
+            "schedule.startAt",
+            "no UTC offset",
+        ),
+        ({"cron": "0 2 * * *", "endAt": "9999-06-01T00:00:00Z"}, "schedule.endAt", "later than"),
+        (
+            {"runAt": "2030-01-01T00:00:00Z", "endAt": "2031-01-01T00:00:00Z"},
+            "schedule.endAt",
+            "cron",
+        ),
+    ],
+)
+def test_a_bad_cron_or_bound_is_a_problem_naming_the_field(api_a, schedule, field, says):
+    answer = api_a.post("/api/v1/jobs", {"name": "bad.schedule", "schedule": schedule})
+
+    assert says in assert_problem(answer, field)
+    preview = api_a.post("/api/v1/preview", {"schedule": schedule, "count": 3})
+    assert says in assert_problem(preview, field)
+    assert JobDefinition.objects.count() == 0
+
+
+def test_a_bounded_last_weekday_job_previews_and_reads_back_its_bounds(api_a):
+    schedule = {
+        "cron": "30 2 LW * *",
+        "timeZone": "Europe/Berlin",
+        "jitterSeconds": 0,
+        "startAt": "2030-01-15T00:00:00+01:00",
+        "endAt": "2030-03-29T01:30:00Z",
+    }
+    created = api_a.post("/api/v1/jobs", {"name": "billing.month-end", "schedule": schedule})
+    assert created.status_code == 201, created.text
+    body = created.json()
+    assert body["schedule"]["startAt"] == "2030-01-14T23:00:00Z"
+    assert body["schedule"]["endAt"] == "2030-03-29T01:30:00Z"
+    assert body["nextDueAt"] == "2030-01-31T01:30:00Z"
+
+    times = api_a.get(
+        "/api/v1/jobs/billing.month-end/preview",
+        params={"count": 10, "from": "2029-12-01T00:00:00Z"},
+    ).json()["times"]
+
+    assert [(t["local"], t["note"]) for t in times] == [
+        (
+            "2030-01-31T02:30:00+01:00",
+            "first run: the schedule starts at 2030-01-14T23:00:00Z (startAt)",
+        ),
+        ("2030-02-28T02:30:00+01:00", ""),
+        (
+            "2030-03-29T02:30:00+01:00",
+            "last run: the schedule ends at 2030-03-29T01:30:00Z (endAt)",
+        ),
+    ]
+    why = api_a.get("/api/v1/jobs/billing.month-end/why").json()
+    (reason,) = [r for r in why["reasons"] if r["code"] == "schedule_not_started"]
+    assert reason["message"].startswith("The schedule starts at 2030-01-14T23:00:00Z (startAt)")
+
+
+def test_an_ended_schedule_has_no_next_due_time_and_why_says_it_ended(api_a):
+    schedule = {"cron": "0 * * * *", "endAt": "2020-01-01T00:00:00Z"}
+    created = api_a.post("/api/v1/jobs", {"name": "ops.retired", "schedule": schedule})
+    assert created.status_code == 201, created.text
+    assert created.json()["nextDueAt"] is None
+
+    why = api_a.get("/api/v1/jobs/ops.retired/why").json()
+    (reason,) = [r for r in why["reasons"] if r["code"] == "schedule_ended"]
+    assert reason["message"] == "The schedule ended at 2020-01-01T00:00:00Z (endAt)."
+    assert reason["detail"] == {"endAt": "2020-01-01T00:00:00Z"}
+    assert api_a.get("/api/v1/jobs/ops.retired/preview").json()["times"] == []
+
+
+def test_the_preview_of_an_unsaved_schedule_shows_the_day_rules(api_a):
+    answer = api_a.post(
+        "/api/v1/preview",
+        {
+            "schedule": {"cron": "0 9 * * FRI#3", "timeZone": "Europe/Berlin"},
+            "from": "2028-01-01T00:00:00Z",
+            "count": 3,
+        },
+    )
+
+    assert answer.status_code == 200, answer.text
+    assert [t["local"] for t in answer.json()["times"]] == [
+        "2028-01-21T09:00:00+01:00",
+        "2028-02-18T09:00:00+01:00",
+        "2028-03-17T09:00:00+01:00",
+    ]

@@ -105,3 +105,54 @@ def test_a_payload_nested_past_the_limit_is_a_form_error_and_nothing_is_saved(ed
     assert response.status_code == 200
     assert "Nested deeper than 64" in " ".join(response.context["form"].errors["payload"])
     assert not JobDefinition.objects.exists()
+
+
+def test_start_and_end_are_saved_in_the_schedule_and_shown_on_the_job_page(editor_a):
+    client = client_for(editor_a)
+    form = {**FORM, "cron": "0 2 L * *", "start_at": "2030-01-01T00:00:00+01:00",
+            "end_at": "2030-12-31T23:00:00Z"}  # fmt: skip
+
+    response = client.post("/jobs/new", form)
+
+    assert response.status_code == 302, response.context["form"].errors
+    job = JobDefinition.objects.get()
+    assert job.schedule["startAt"] == "2029-12-31T23:00:00Z"
+    assert job.schedule["endAt"] == "2030-12-31T23:00:00Z"
+    page = client.get(f"/jobs/{job.name}").content.decode()
+    assert 'id="job-bounds"' in page
+    assert "2029-12-31T23:00:00Z" in page and "2030-12-31T23:00:00Z" in page
+    assert "schedule_not_started" in page
+    edit = client.get(f"/jobs/{job.name}/edit").content.decode()
+    assert 'value="2029-12-31T23:00:00Z"' in edit and 'value="2030-12-31T23:00:00Z"' in edit
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "says"),
+    [
+        ({"cron": "TZ=Europe/Berlin 0 2 * * *"}, "cron", "timeZone"),
+        ({"cron": "0 2 * * 5#6"}, "cron", "day-of-week field"),
+        ({"start_at": "2030-01-01T00:00:00"}, "start_at", "no UTC offset"),
+        ({"start_at": "2030-02-01T00:00:00Z", "end_at": "2030-01-01T00:00:00Z"}, "end_at",
+         "must be after startAt"),
+    ],
+)  # fmt: skip
+def test_bad_cron_and_bounds_are_form_errors_beside_their_fields(editor_a, fields, field, says):
+    response = client_for(editor_a).post("/jobs/new", {**FORM, **fields})
+
+    assert response.status_code == 200
+    assert says in " ".join(response.context["form"].errors[field])
+    assert not JobDefinition.objects.exists()
+
+
+def test_the_preview_says_when_a_bounded_schedule_starts_without_marking_dst(editor_a):
+    query = {"kind": "cron", "cron": "0 9 * * FRI#3", "time_zone": "UTC", "jitter_seconds": "0",
+             "name": "x", "start_at": "2030-01-01T00:00:00Z"}  # fmt: skip
+
+    body = client_for(editor_a).get("/jobs/-/preview", query, HTTP_HX_REQUEST="true")
+
+    text = body.content.decode()
+    assert "2030-01-18T09:00:00+00:00" in text
+    assert "first run: the schedule starts at 2030-01-01T00:00:00Z (startAt)" in text
+    assert ">DST<" not in text
+    bad = client_for(editor_a).get("/jobs/-/preview", {**query, "end_at": "2029-01-01T00:00:00Z"})
+    assert 'id="err-end_at" hx-swap-oob="true">' in bad.content.decode()

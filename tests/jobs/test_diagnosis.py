@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 
 from apps.jobs.diagnosis import why_definition, why_run
 from apps.jobs.models import Queue
 from apps.runs import store
+from apps.runs.clock import format_utc
 from apps.runs.models import Run
 from tests.conftest import add_ready_runs, db_now, make_definition
 
@@ -74,3 +75,104 @@ def test_behind_higher_priority(team_a):
     reasons = why_run(Run.objects.get(definition=low), db_now())
     (reason,) = [r for r in reasons if r.code == "behind_higher_priority"]
     assert reason.detail["count"] == 3
+
+
+# --- schedule bounds -----------------------------------------------------------------------------
+
+
+def hourly_within(start: datetime | None, end: datetime | None) -> dict:
+    schedule = {"cron": "0 * * * *", "timeZone": "UTC", "jitterSeconds": 0}
+    if start is not None:
+        schedule["startAt"] = format_utc(start)
+    if end is not None:
+        schedule["endAt"] = format_utc(end)
+    return schedule
+
+
+def test_an_ended_schedule_says_when_it_ended(team_a):
+    end = db_now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=2)
+    definition = make_definition(
+        team_a, "why.ended", schedule=hourly_within(None, end), next_due_at=None
+    )
+
+    reasons = why_definition(definition, db_now())
+
+    (reason,) = [r for r in reasons if r.code == "schedule_ended"]
+    assert reason.message == f"The schedule ended at {format_utc(end)} (endAt)."
+    assert reason.detail == {"endAt": format_utc(end)}
+    assert "schedule_done" not in codes(reasons)
+
+
+def test_a_paused_definition_whose_schedule_ended_says_both(team_a):
+    now = db_now()
+    end = now - timedelta(days=1)
+    definition = make_definition(
+        team_a,
+        "why.ended-paused",
+        schedule=hourly_within(None, end),
+        next_due_at=end - timedelta(days=3),  # stale: left as it was when paused
+        paused=True,
+    )
+
+    assert codes(why_definition(definition, now))[:1] == ["definition_paused"]
+    assert "schedule_ended" in codes(why_definition(definition, now))
+
+
+def test_a_schedule_whose_end_is_ahead_but_no_fire_time_is_left_has_ended(team_a):
+    now = db_now()
+    end = (now + timedelta(minutes=10)).replace(microsecond=0)
+    # Its next fire time is about half an hour away, after the end.
+    schedule = {"cron": f"{(now.minute + 30) % 60} * * * *", "endAt": format_utc(end)}
+    definition = make_definition(team_a, "why.end-ahead", schedule=schedule, next_due_at=None)
+
+    (reason,) = [r for r in why_definition(definition, now) if r.code == "schedule_ended"]
+    assert reason.message == (
+        f"The schedule ends at {format_utc(end)} (endAt) and has no fire time left before then."
+    )
+
+
+def test_a_schedule_with_a_due_time_left_before_its_end_has_not_ended(team_a):
+    now = db_now()
+    due = now.replace(minute=0, second=0, microsecond=0)
+    definition = make_definition(
+        team_a,
+        "why.last-due",
+        schedule=hourly_within(None, due + timedelta(minutes=30)),
+        next_due_at=due,  # the scheduler has yet to insert the last run
+    )
+
+    assert "schedule_ended" not in codes(why_definition(definition, now))
+
+
+def test_a_future_start_says_when_the_schedule_starts(team_a):
+    now = db_now()
+    start = now.replace(minute=0, second=0, microsecond=0) + timedelta(days=2)
+    definition = make_definition(
+        team_a, "why.not-started", schedule=hourly_within(start, None), next_due_at=start
+    )
+
+    reasons = why_definition(definition, now)
+
+    (reason,) = [r for r in reasons if r.code == "schedule_not_started"]
+    assert reason.message == (
+        f"The schedule starts at {format_utc(start)} (startAt); "
+        f"its first fire time is {format_utc(start)}."
+    )
+    assert reason.detail == {"startAt": format_utc(start), "nextDueAt": format_utc(start)}
+    assert "next_fire" not in codes(reasons)
+
+
+def test_a_started_schedule_shows_its_next_fire_time(team_a):
+    now = db_now()
+    following = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    definition = make_definition(
+        team_a,
+        "why.started",
+        schedule=hourly_within(now - timedelta(days=1), now + timedelta(days=1)),
+        next_due_at=following,
+    )
+
+    reason_codes = codes(why_definition(definition, now))
+
+    assert "next_fire" in reason_codes
+    assert not {"schedule_ended", "schedule_not_started"} & set(reason_codes)

@@ -235,6 +235,108 @@ def test_fire_times_follow_the_dst_rules(cron, zone, after, expected):
         assert fire.utc.tzinfo is UTC
 
 
+# --- the day rules (L, LW, nW, dL, d#n) go through the same DST rules ------------------------------
+
+DAY_RULE_DST_CASES = [
+    pytest.param(
+        "0 2 L * *",
+        "Europe/Berlin",
+        "2027-09-29T00:00:00Z",
+        [
+            ("2027-09-30T02:00:00+02:00", "2027-09-30T00:00:00Z", ""),
+            # 2027-10-31 is both October's last day and its last Sunday: the clocks fall back.
+            ("2027-10-31T02:00:00+02:00", "2027-10-31T00:00:00Z", FIRST_ONLY.format("02:00")),
+            ("2027-11-30T02:00:00+01:00", "2027-11-30T01:00:00Z", ""),
+        ],
+        id="berlin-last-day-on-the-fall-back-runs-once-at-the-first-0200",
+    ),
+    pytest.param(
+        "0 * L 10 *",
+        "Europe/Berlin",
+        "2027-10-30T23:30:00Z",
+        [
+            ("2027-10-31T02:00:00+02:00", "2027-10-31T00:00:00Z", ""),
+            ("2027-10-31T02:00:00+01:00", "2027-10-31T01:00:00Z", SECOND_PASS.format("02:00")),
+            ("2027-10-31T03:00:00+01:00", "2027-10-31T02:00:00Z", ""),
+        ],
+        id="berlin-hourly-on-the-last-day-fires-in-both-passes",
+    ),
+    pytest.param(
+        "30 2 LW * *",
+        "Asia/Jerusalem",
+        "2030-02-27T00:00:00Z",
+        [
+            ("2030-02-28T02:30:00+02:00", "2030-02-28T00:30:00Z", ""),
+            # March 2030 ends on a Sunday: its last weekday is Friday the 29th, when Israel's
+            # clocks spring forward at 02:00.
+            ("2030-03-29T03:00:00+03:00", "2030-03-29T00:00:00Z", MOVED.format("02:30")),
+            ("2030-04-30T02:30:00+03:00", "2030-04-29T23:30:00Z", ""),
+        ],
+        id="jerusalem-last-weekday-on-the-spring-forward-runs-at-0300",
+    ),
+    pytest.param(
+        "30 2 LW * *",
+        "Europe/Berlin",
+        "2030-02-27T00:00:00Z",
+        [
+            ("2030-02-28T02:30:00+01:00", "2030-02-28T01:30:00Z", ""),
+            ("2030-03-29T02:30:00+01:00", "2030-03-29T01:30:00Z", ""),
+            ("2030-04-30T02:30:00+02:00", "2030-04-30T00:30:00Z", ""),
+        ],
+        id="berlin-last-weekday-is-before-the-sunday-change",
+    ),
+    pytest.param(
+        "30 2 * * 5L",
+        "Asia/Jerusalem",
+        "2026-02-26T00:00:00Z",
+        [
+            ("2026-02-27T02:30:00+02:00", "2026-02-27T00:30:00Z", ""),
+            ("2026-03-27T03:00:00+03:00", "2026-03-27T00:00:00Z", MOVED.format("02:30")),
+            ("2026-04-24T02:30:00+03:00", "2026-04-23T23:30:00Z", ""),
+        ],
+        id="jerusalem-last-friday-on-the-spring-forward-runs-at-0300",
+    ),
+    pytest.param(
+        "30 2 * * 0#5",
+        "Europe/Berlin",
+        "2026-03-01T00:00:00Z",
+        [
+            ("2026-03-29T03:00:00+02:00", "2026-03-29T01:00:00Z", MOVED.format("02:30")),
+            ("2026-05-31T02:30:00+02:00", "2026-05-31T00:30:00Z", ""),
+        ],
+        id="berlin-fifth-sunday-on-the-spring-forward-runs-at-0300",
+    ),
+    pytest.param(
+        "0 2 * * SUN#4",
+        "Europe/Berlin",
+        "2026-10-01T00:00:00Z",
+        [
+            ("2026-10-25T02:00:00+02:00", "2026-10-25T00:00:00Z", FIRST_ONLY.format("02:00")),
+            ("2026-11-22T02:00:00+01:00", "2026-11-22T01:00:00Z", ""),
+        ],
+        id="berlin-fourth-sunday-on-the-fall-back-runs-once",
+    ),
+    pytest.param(
+        "0 0 1W * *",
+        "America/Santiago",
+        "2026-08-30T12:00:00Z",
+        [
+            # 2026-09-06 is Santiago's spring forward at midnight; 1W picks Tuesday the 1st.
+            ("2026-09-01T00:00:00-04:00", "2026-09-01T04:00:00Z", ""),
+            ("2026-10-01T00:00:00-03:00", "2026-10-01T03:00:00Z", ""),
+        ],
+        id="santiago-nearest-weekday-keeps-its-local-midnight",
+    ),
+]
+
+
+@pytest.mark.parametrize(("cron", "zone", "after", "expected"), DAY_RULE_DST_CASES)
+def test_day_rules_follow_the_dst_rules(cron, zone, after, expected):
+    times = next_fire_times(CronSchedule(cron, zone), at(after), len(expected))
+
+    assert rendered(times) == expected
+
+
 @pytest.mark.parametrize(
     ("cron", "after", "expected_local", "expected_utc"),
     [
@@ -395,6 +497,11 @@ BRUTE_FORCE_CRONS = [
     "30 23 * * *",
     "0 1,13 * * *",
     "50 3 * * 0",
+    # The European changes fall on the last Sunday of March and October.
+    "30 2 * * 0L",
+    "*/30 * * * 0L",
+    "0 2 L * *",
+    "30 1 * * 0#1",
 ]
 
 
@@ -505,3 +612,114 @@ def test_fire_times_between_covers_both_passes_of_a_repeated_hour():
     assert rendered(times) == [
         ("2026-10-25T02:00:00+01:00", "2026-10-25T01:00:00Z", SECOND_PASS.format("02:00"))
     ]
+
+
+# --- bounds: startAt and endAt, both inclusive ------------------------------------------------------
+
+
+def bounded(cron: str, zone: str = "UTC", start: str | None = None, end: str | None = None):
+    return CronSchedule(
+        cron, zone, start_at=at(start) if start else None, end_at=at(end) if end else None
+    )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "after", "expected"),
+    [
+        pytest.param(
+            bounded("0 * * * *", start="2026-05-01T12:00:00Z"),
+            "2026-05-01T00:00:00Z",
+            ["2026-05-01T12:00:00Z", "2026-05-01T13:00:00Z", "2026-05-01T14:00:00Z"],
+            id="a-fire-time-at-start-runs",
+        ),
+        pytest.param(
+            bounded("0 * * * *", start="2026-05-01T12:00:00.001Z"),
+            "2026-05-01T00:00:00Z",
+            ["2026-05-01T13:00:00Z", "2026-05-01T14:00:00Z", "2026-05-01T15:00:00Z"],
+            id="a-fire-time-just-before-start-does-not",
+        ),
+        pytest.param(
+            bounded("0 * * * *", start="2026-05-01T12:00:00Z"),
+            "2026-05-01T12:30:00Z",
+            ["2026-05-01T13:00:00Z", "2026-05-01T14:00:00Z", "2026-05-01T15:00:00Z"],
+            id="a-start-in-the-past-changes-nothing",
+        ),
+        pytest.param(
+            bounded("0 * * * *", end="2026-05-01T12:00:00Z"),
+            "2026-05-01T09:30:00Z",
+            ["2026-05-01T10:00:00Z", "2026-05-01T11:00:00Z", "2026-05-01T12:00:00Z"],
+            id="a-fire-time-at-end-runs-and-is-the-last",
+        ),
+        pytest.param(
+            bounded("0 * * * *", end="2026-05-01T11:59:59.999Z"),
+            "2026-05-01T09:30:00Z",
+            ["2026-05-01T10:00:00Z", "2026-05-01T11:00:00Z"],
+            id="a-fire-time-just-after-end-does-not",
+        ),
+        pytest.param(
+            bounded("0 * * * *", end="2026-05-01T12:00:00Z"),
+            "2026-05-01T12:00:00Z",
+            [],
+            id="nothing-after-the-end",
+        ),
+        pytest.param(
+            bounded("0 * * * *", start="2026-05-01T10:30:00+02:00", end="2026-05-01T11:00:00Z"),
+            "2026-04-01T00:00:00Z",
+            ["2026-05-01T09:00:00Z", "2026-05-01T10:00:00Z", "2026-05-01T11:00:00Z"],
+            id="offsets-are-instants",
+        ),
+        pytest.param(
+            bounded("0 0 L * *", start="2028-02-01T00:00:00Z", end="2028-04-30T00:00:00Z"),
+            "2026-01-01T00:00:00Z",
+            ["2028-02-29T00:00:00Z", "2028-03-31T00:00:00Z", "2028-04-30T00:00:00Z"],
+            id="a-day-rule-within-bounds",
+        ),
+    ],
+)
+def test_bounds_keep_fire_times_between_start_and_end_inclusive(schedule, after, expected):
+    times = next_fire_times(schedule, at(after), 3)
+
+    assert [format_utc(t.utc) for t in times] == expected
+
+
+@pytest.mark.parametrize(
+    ("start", "expected"),
+    [
+        # 02:30 does not exist on 2026-03-29 in Berlin; the run moves to 03:00+02:00 (01:00Z).
+        ("2026-03-29T01:00:00Z", "2026-03-29T03:00:00+02:00"),
+        ("2026-03-29T01:00:01Z", "2026-03-30T02:30:00+02:00"),
+    ],
+)
+def test_a_start_bound_applies_where_a_dst_change_moved_the_time(start, expected):
+    schedule = bounded("30 2 * * *", "Europe/Berlin", start=start)
+
+    (first,) = next_fire_times(schedule, at("2026-03-20T00:00:00Z"), 1)
+
+    assert first.local.isoformat() == expected
+
+
+def test_an_end_bound_inside_a_repeated_hour_keeps_only_the_first_pass():
+    schedule = bounded("0 * * * *", "Europe/Berlin", end="2026-10-25T00:30:00Z")
+
+    times = fire_times_between(schedule, at("2026-10-24T23:30:00Z"), at("2026-10-25T05:00:00Z"), 10)
+
+    assert rendered(times) == [("2026-10-25T02:00:00+02:00", "2026-10-25T00:00:00Z", "")]
+
+
+def test_fire_times_between_stops_at_the_end_bound_and_the_limit():
+    schedule = bounded("*/10 * * * *", start="2026-05-01T10:05:00Z", end="2026-05-01T11:00:00Z")
+
+    every = fire_times_between(
+        schedule, at("2026-05-01T00:00:00Z"), at("2026-05-02T00:00:00Z"), 100
+    )
+    capped = fire_times_between(schedule, at("2026-05-01T00:00:00Z"), at("2026-05-02T00:00:00Z"), 2)
+
+    assert [format_utc(t.utc) for t in every] == [
+        "2026-05-01T10:10:00Z",
+        "2026-05-01T10:20:00Z",
+        "2026-05-01T10:30:00Z",
+        "2026-05-01T10:40:00Z",
+        "2026-05-01T10:50:00Z",
+        "2026-05-01T11:00:00Z",
+    ]
+    assert capped == every[:2]

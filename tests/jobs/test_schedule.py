@@ -144,8 +144,10 @@ def test_shard_count_must_be_positive():
         pytest.param({"cron": "5-1 * * * *"}, "schedule.cron", "runs backwards", id="backwards-range"),
         pytest.param({"cron": "*/0 * * * *"}, "schedule.cron", "step '0'", id="zero-step"),
         pytest.param({"cron": "1,,2 * * * *"}, "schedule.cron", "empty item", id="empty-list-item"),
-        pytest.param({"cron": "0 0 L * *"}, "schedule.cron", "'L' is not supported", id="quartz-L"),
-        pytest.param({"cron": "0 0 * * MON#2"}, "schedule.cron", "not supported", id="quartz-hash"),
+        pytest.param({"cron": "L 0 * * *"}, "schedule.cron", "minute field: 'L' is not allowed here", id="L-in-minute"),
+        pytest.param({"cron": "0 0 ? * MON"}, "schedule.cron", "day-of-month field: '?' is not supported", id="quartz-question-mark"),
+        pytest.param({"cron": "0 0 * * MON#6"}, "schedule.cron", "day-of-week field: 'MON#6'", id="hash-past-five"),
+        pytest.param({"cron": "0 0 30W 2 *"}, "schedule.cron", "never fires: day 30 does not occur in February", id="never-fires-W"),
         pytest.param({"cron": "* * *"}, "schedule.cron", "has 3 fields; expected 5", id="too-few-fields"),
         pytest.param({"cron": "0 0 2 * * *"}, "schedule.cron", "seconds and year fields are not supported", id="six-fields"),
         pytest.param({"cron": "@reboot"}, "schedule.cron", "@reboot is not supported", id="reboot"),
@@ -173,6 +175,16 @@ def test_shard_count_must_be_positive():
         pytest.param({"delaySeconds": 1.5}, "schedule.delaySeconds", "whole number", id="delay-float"),
         pytest.param({"delaySeconds": False}, "schedule.delaySeconds", "whole number", id="delay-bool"),
         pytest.param({"delaySeconds": 10**12}, "schedule.delaySeconds", "at most", id="delay-huge"),
+        pytest.param({"cron": "0 2 * * *", "startAt": "2026-06-01T00:00:00"}, "schedule.startAt", "no UTC offset", id="naive-startAt"),
+        pytest.param({"cron": "0 2 * * *", "endAt": "2026-06-01"}, "schedule.endAt", "no UTC offset", id="date-only-endAt"),
+        pytest.param({"cron": "0 2 * * *", "endAt": "soon"}, "schedule.endAt", "ISO-8601", id="prose-endAt"),
+        pytest.param({"cron": "0 2 * * *", "startAt": 1780272000}, "schedule.startAt", "ISO-8601", id="epoch-startAt"),
+        pytest.param({"cron": "0 2 * * *", "startAt": "2026-06-01T00:00:00Z", "endAt": "2026-06-01T00:00:00Z"}, "schedule.endAt", "must be after startAt (2026-06-01T00:00:00Z)", id="end-equals-start"),
+        pytest.param({"cron": "0 2 * * *", "startAt": "2026-06-01T02:00:00+02:00", "endAt": "2026-05-31T23:00:00Z"}, "schedule.endAt", "must be after startAt (2026-06-01T00:00:00Z)", id="end-before-start"),
+        pytest.param({"startAt": "2026-06-01T00:00:00Z"}, "schedule.cron", "is required with", id="bounds-without-cron"),
+        pytest.param({"cron": "0 2 * * *", "startAt": "9999-12-31T00:00:00Z"}, "schedule.startAt", "is later than 9999-01-01T00:00:00Z", id="startAt-past-9999"),
+        pytest.param({"runAt": "2026-06-01T00:00:00Z", "endAt": "2026-07-01T00:00:00Z"}, "schedule.endAt", "bounds only a cron schedule", id="bounds-with-runAt"),
+        pytest.param({"delaySeconds": 5, "startAt": "2026-06-01T00:00:00Z"}, "schedule.startAt", "bounds only a cron schedule", id="bounds-with-delay"),
     ],
 )  # fmt: skip
 def test_bad_schedule_names_the_field_and_why(raw, path, reason):
@@ -245,6 +257,18 @@ def test_every_bad_cron_field_is_reported_at_once():
             {"runAt": "2026-12-01T10:00:00Z"},
             id="one-off-z",
         ),
+        pytest.param(
+            {"cron": "0 0 LW * *", "startAt": "2026-06-01T02:00:00+02:00", "endAt": "2026-12-31T23:59:59.9999Z"},
+            CronSchedule("0 0 LW * *", "UTC", 60, "run_once", datetime(2026, 6, 1, tzinfo=UTC), datetime(2026, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)),
+            {"cron": "0 0 LW * *", "timeZone": "UTC", "jitterSeconds": 60, "missedRunPolicy": "run_once", "startAt": "2026-06-01T00:00:00Z", "endAt": "2026-12-31T23:59:59.999Z"},
+            id="bounds-normalised-to-utc-milliseconds",
+        ),
+        pytest.param(
+            {"cron": "0 0 * * 5#3", "startAt": None, "endAt": "2027-01-01T00:00:00Z"},
+            CronSchedule("0 0 * * 5#3", end_at=datetime(2027, 1, 1, tzinfo=UTC)),
+            {"cron": "0 0 * * 5#3", "timeZone": "UTC", "jitterSeconds": 60, "missedRunPolicy": "run_once", "endAt": "2027-01-01T00:00:00Z"},
+            id="null-bound-is-no-bound",
+        ),
         pytest.param({"delaySeconds": 300}, DelayedSchedule(300), {"delaySeconds": 300}, id="delayed"),
         pytest.param({"delaySeconds": 0}, DelayedSchedule(0), {"delaySeconds": 0}, id="delayed-now"),
         pytest.param({}, NoSchedule(), {}, id="none"),
@@ -299,7 +323,8 @@ SCHEDULE_VALUES = st.one_of(
 @given(
     cron=CRON_TEXT,
     extra=st.dictionaries(
-        st.sampled_from(["timeZone", "jitterSeconds", "missedRunPolicy"]), SCHEDULE_VALUES
+        st.sampled_from(["timeZone", "jitterSeconds", "missedRunPolicy", "startAt", "endAt"]),
+        st.one_of(SCHEDULE_VALUES, st.datetimes(timezones=st.timezones()).map(str)),
     ),
 )
 @example(cron="1" * 5000 + " * * * *", extra={})
@@ -370,6 +395,7 @@ def test_preview_of_the_design_example():
         "utc": "2026-03-29T01:00:00Z",
         "start": format_utc(at("2026-03-29T01:00:00Z") + timedelta(seconds=jitter)),
         "note": "02:30 does not exist on this day (DST); runs at the next valid time",
+        "dst": True,
     }
     assert [item["local"] for item in items] == [
         "2026-03-28T02:30:00+01:00",
@@ -378,7 +404,7 @@ def test_preview_of_the_design_example():
     ]
     assert [item["note"] for item in items] == ["", items[1]["note"], ""]
     for item in items:
-        assert set(item) == {"local", "utc", "start", "note"}
+        assert set(item) == {"local", "utc", "start", "note", "dst"}
         assert LOCAL_ISO.match(item["local"]) and UTC_ISO.match(item["utc"])
         assert UTC_ISO.match(item["start"])
 
@@ -391,8 +417,8 @@ def test_preview_without_jitter_starts_on_time():
     items = preview("billing.export-invoices", schedule, at("2026-03-14T12:00:00Z"), 2)
 
     assert items == [
-        {"local": "2026-03-15T02:00:00+01:00", "utc": "2026-03-15T01:00:00Z", "start": "2026-03-15T01:00:00Z", "note": ""},
-        {"local": "2026-03-16T02:00:00+01:00", "utc": "2026-03-16T01:00:00Z", "start": "2026-03-16T01:00:00Z", "note": ""},
+        {"local": "2026-03-15T02:00:00+01:00", "utc": "2026-03-15T01:00:00Z", "start": "2026-03-15T01:00:00Z", "note": "", "dst": False},
+        {"local": "2026-03-16T02:00:00+01:00", "utc": "2026-03-16T01:00:00Z", "start": "2026-03-16T01:00:00Z", "note": "", "dst": False},
     ]  # fmt: skip
 
 
@@ -403,7 +429,7 @@ def test_preview_without_jitter_starts_on_time():
             OneOffSchedule(datetime(2026, 12, 1, 10, tzinfo=UTC)),
             "2026-11-30T00:00:00Z",
             None,
-            [{"local": "2026-12-01T10:00:00+00:00", "utc": "2026-12-01T10:00:00Z", "start": "2026-12-01T10:00:00Z", "note": ""}],
+            [{"local": "2026-12-01T10:00:00+00:00", "utc": "2026-12-01T10:00:00Z", "start": "2026-12-01T10:00:00Z", "note": "", "dst": False}],
             id="one-off-ahead",
         ),
         pytest.param(
@@ -417,14 +443,14 @@ def test_preview_without_jitter_starts_on_time():
             DelayedSchedule(300),
             "2026-05-01T10:00:00Z",
             "2026-05-01T11:58:00+02:00",
-            [{"local": "2026-05-01T10:03:00+00:00", "utc": "2026-05-01T10:03:00Z", "start": "2026-05-01T10:03:00Z", "note": ""}],
+            [{"local": "2026-05-01T10:03:00+00:00", "utc": "2026-05-01T10:03:00Z", "start": "2026-05-01T10:03:00Z", "note": "", "dst": False}],
             id="delayed-from-creation",
         ),
         pytest.param(
             DelayedSchedule(300),
             "2026-05-01T12:00:00Z",
             None,
-            [{"local": "2026-05-01T12:05:00+00:00", "utc": "2026-05-01T12:05:00Z", "start": "2026-05-01T12:05:00Z", "note": ""}],
+            [{"local": "2026-05-01T12:05:00+00:00", "utc": "2026-05-01T12:05:00Z", "start": "2026-05-01T12:05:00Z", "note": "", "dst": False}],
             id="delayed-from-now",
         ),
         pytest.param(NoSchedule(), "2026-05-01T12:00:00Z", None, [], id="none"),
@@ -447,3 +473,91 @@ def test_preview_returns_exactly_count_items():
 
     assert len(items) == 1000
     assert items[-1]["utc"] == "2026-05-04T23:20:00Z"
+
+
+# --- preview of a bounded schedule ---------------------------------------------------------------
+
+
+def test_preview_of_a_bounded_schedule_shows_only_its_times_and_says_when_it_starts_and_ends():
+    schedule = parse_schedule(
+        {
+            "cron": "0 0 L * *",
+            "jitterSeconds": 0,
+            "startAt": "2028-01-15T00:00:00Z",
+            "endAt": "2028-03-31T00:00:00Z",
+        }
+    )
+
+    items = preview("billing.close-month", schedule, at("2027-06-01T00:00:00Z"), 10)
+
+    assert [(item["utc"], item["note"]) for item in items] == [
+        (
+            "2028-01-31T00:00:00Z",
+            "first run: the schedule starts at 2028-01-15T00:00:00Z (startAt)",
+        ),
+        ("2028-02-29T00:00:00Z", ""),
+        ("2028-03-31T00:00:00Z", "last run: the schedule ends at 2028-03-31T00:00:00Z (endAt)"),
+    ]
+    assert not any(item["dst"] for item in items)
+
+
+def test_preview_says_nothing_of_a_start_already_passed_nor_of_an_end_beyond_the_count():
+    schedule = parse_schedule(
+        {"cron": "0 * * * *", "startAt": "2026-05-01T00:00:00Z", "endAt": "2026-05-02T00:00:00Z"}
+    )
+
+    items = preview("ops.ping", schedule, at("2026-05-01T10:00:00Z"), 3)
+
+    assert [item["utc"] for item in items] == [
+        "2026-05-01T11:00:00Z",
+        "2026-05-01T12:00:00Z",
+        "2026-05-01T13:00:00Z",
+    ]
+    assert [item["note"] for item in items] == ["", "", ""]
+
+
+def test_preview_ends_on_the_last_time_when_the_count_reaches_exactly_it():
+    schedule = parse_schedule({"cron": "0 * * * *", "endAt": "2026-05-01T13:00:00Z"})
+
+    items = preview("ops.ping", schedule, at("2026-05-01T10:00:00Z"), 3)
+
+    assert items[-1]["utc"] == "2026-05-01T13:00:00Z"
+    assert items[-1]["note"] == "last run: the schedule ends at 2026-05-01T13:00:00Z (endAt)"
+
+
+def test_preview_of_an_ended_schedule_is_empty():
+    schedule = parse_schedule({"cron": "0 * * * *", "endAt": "2026-05-01T13:00:00Z"})
+
+    assert preview("ops.ping", schedule, at("2026-05-01T13:00:00Z"), 10) == []
+
+
+def test_preview_keeps_a_dst_note_beside_a_bound_note():
+    schedule = parse_schedule(
+        {
+            "cron": "30 2 * * *",
+            "timeZone": "Europe/Berlin",
+            "jitterSeconds": 0,
+            "startAt": "2026-03-29T00:00:00Z",
+        }
+    )
+
+    (item,) = preview("billing.export-invoices", schedule, at("2026-03-20T00:00:00Z"), 1)
+
+    assert item["local"] == "2026-03-29T03:00:00+02:00" and item["dst"] is True
+    assert item["note"] == (
+        "02:30 does not exist on this day (DST); runs at the next valid time; "
+        "first run: the schedule starts at 2026-03-29T00:00:00Z (startAt)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("cron", "expected"),
+    [
+        ("0 0 LW * *", ["2026-01-30T00:00:00+00:00", "2026-02-27T00:00:00+00:00"]),
+        ("0 0 * * FRI#3", ["2026-01-16T00:00:00+00:00", "2026-02-20T00:00:00+00:00"]),
+    ],
+)
+def test_preview_shows_the_day_rules(cron, expected):
+    items = preview("x.y", parse_schedule({"cron": cron}), at("2026-01-01T00:00:00Z"), 2)
+
+    assert [item["local"] for item in items] == expected

@@ -12,7 +12,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from django.db import DatabaseError
 
-from apps.jobs import firetimes
+from apps.jobs import firetimes, services
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
 from apps.runs import store
@@ -305,3 +305,70 @@ def test_a_one_off_long_past_keeps_its_due_time_but_is_available_now():
     # Its lateness counts from now, not from 1970 (which would move every figure of its queue).
     assert run.due_at == run_at
     assert now - timedelta(seconds=5) <= run.available_at <= db_now()
+
+
+# --- schedule bounds (startAt, endAt) -------------------------------------------------------
+
+
+def test_a_schedule_ending_inside_an_outage_catches_up_only_to_its_end_then_stops():
+    now = db_now()
+    stopped_at = floor_minute(now) - timedelta(hours=3)
+    end = stopped_at + timedelta(minutes=4)
+    schedule = {
+        "cron": "* * * * *",
+        "jitterSeconds": 0,
+        "missedRunPolicy": "run_all",
+        "endAt": end.isoformat(),
+    }
+    definition = a_definition("etl.ending", schedule, stopped_at)
+
+    a_scheduler().tick()
+
+    runs = Run.objects.filter(definition=definition).order_by("due_at")
+    assert [r.due_at for r in runs] == [stopped_at + timedelta(minutes=m) for m in range(5)]
+    assert {r.trigger for r in runs} == {"catch_up"}
+    definition.refresh_from_db()
+    assert definition.next_due_at is None
+
+
+def test_a_schedule_ending_within_the_lookahead_inserts_its_last_run_and_stops():
+    now = db_now()
+    due = floor_minute(now) + timedelta(minutes=1)
+    schedule = {"cron": "* * * * *", "jitterSeconds": 0, "endAt": due.isoformat()}
+    definition = a_definition("etl.last-minute", schedule, due)
+
+    a_scheduler(lookahead_seconds=600).tick()
+
+    assert [r.due_at for r in Run.objects.filter(definition=definition)] == [due]
+    definition.refresh_from_db()
+    assert definition.next_due_at is None
+
+
+def test_an_ended_schedule_gets_no_next_due_time_and_is_never_materialised():
+    now = db_now()
+    schedule = {"cron": "* * * * *", "endAt": (now - timedelta(minutes=1)).isoformat()}
+
+    assert services.initial_next_due_at(schedule, now) is None
+    definition = a_definition("etl.over", schedule, services.initial_next_due_at(schedule, now))
+    a_scheduler(lookahead_seconds=600).tick()
+
+    assert not Run.objects.filter(definition=definition).exists()
+
+
+def test_a_schedule_starting_later_first_fires_at_its_start_and_not_before():
+    now = db_now()
+    start = floor_minute(now) + timedelta(minutes=5)
+    schedule = {"cron": "* * * * *", "jitterSeconds": 0, "startAt": start.isoformat()}
+    next_due = services.initial_next_due_at(schedule, now)
+    assert next_due == start
+    definition = a_definition("etl.later", schedule, next_due)
+
+    scheduler = a_scheduler(lookahead_seconds=60)
+    scheduler.tick()
+    assert not Run.objects.filter(definition=definition).exists()
+    scheduler.lookahead = timedelta(minutes=10)
+    scheduler.tick()
+
+    due_times = [r.due_at for r in Run.objects.filter(definition=definition).order_by("due_at")]
+    assert due_times[0] == start
+    assert all(due >= start for due in due_times)
