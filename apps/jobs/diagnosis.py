@@ -71,6 +71,60 @@ def _count_ahead(run: Run, now: datetime) -> tuple[int, int]:
         return cursor.fetchone()
 
 
+# The starts within the definition's rate window, and the oldest of them (when it leaves the
+# window a slot opens). Served by ratestart_window (definition_id, started_at).
+RATE_WINDOW = """
+SELECT count(*), min(started_at) FROM runs_ratestart
+WHERE definition_id = %(definition)s AND started_at > %(now)s - make_interval(secs => %(period)s)
+"""
+# The leased runs of one concurrency key: the partial index run_leased_by_key.
+KEY_HOLDERS = """
+SELECT id FROM runs_run
+WHERE definition_id = %(definition)s AND concurrency_key = %(key)s AND state = 'leased'
+ORDER BY id LIMIT 50
+"""
+
+
+def _rate_limited(definition: JobDefinition, now: datetime) -> list[Reason]:
+    count, period = definition.rate_limit_count, definition.rate_limit_period_seconds
+    with shards.cursor() as cursor:
+        cursor.execute(RATE_WINDOW, {"definition": definition.pk, "now": now, "period": period})
+        started, oldest = cursor.fetchone()
+    if started < count:
+        return []
+    opens = max(0.0, (oldest + timedelta(seconds=period) - now).total_seconds())
+    return [
+        Reason(
+            "rate_limit",
+            f"Rate limit: {count}/{period} s, all used; the next slot opens in {opens:.0f} s.",
+            {"count": count, "periodSeconds": period, "nextSlotInSeconds": round(opens, 3)},
+        )
+    ]
+
+
+def _key_held(run: Run) -> list[Reason]:
+    definition = run.definition
+    if definition.concurrency_per_key is None or run.concurrency_key is None:
+        return []
+    with shards.cursor() as cursor:
+        cursor.execute(KEY_HOLDERS, {"definition": definition.pk, "key": run.concurrency_key})
+        holders = [public_run_id(row[0]) for row in cursor.fetchall()]
+    if len(holders) < definition.concurrency_per_key:
+        return []
+    return [
+        Reason(
+            "key_concurrency_limit",
+            f"The limit of {definition.concurrency_per_key} per key is held for the key "
+            f"{run.concurrency_key!r} by {', '.join(holders)}.",
+            {
+                "limit": definition.concurrency_per_key,
+                "key": run.concurrency_key,
+                "heldBy": holders,
+            },
+        )
+    ]
+
+
 def _holds_of_definition(
     definition: JobDefinition, queue: Queue | None, now: datetime
 ) -> list[Reason]:
@@ -89,6 +143,8 @@ def _holds_of_definition(
                     {"limit": definition.concurrency, "heldBy": holders},
                 )
             )
+    if definition.rate_limit_count is not None:
+        reasons += _rate_limited(definition, now)
     if queue is None or queue.last_leased_at is None or now - queue.last_leased_at > WORKER_SILENCE:
         last = queue.last_leased_at if queue is not None else None
         reasons.append(
@@ -137,6 +193,7 @@ def _why_run(run: Run, now: datetime) -> list[Reason]:
             )
         )
     reasons += _holds_of_definition(definition, _queue(definition), now)
+    reasons += _key_held(run)
     if run.available_at <= now:
         higher, older = _count_ahead(run, now)
         if higher:

@@ -52,6 +52,14 @@ class JobDefinition(models.Model):
     retry_base_seconds = models.PositiveIntegerField(default=30)
     retry_max_seconds = models.PositiveIntegerField(default=1800)
     concurrency = models.PositiveIntegerField(null=True, blank=True)
+    # At most this many leased runs per concurrency key ("one export per customer at a time");
+    # cron runs take their key from this payload field.
+    concurrency_per_key = models.PositiveIntegerField(null=True, blank=True)
+    concurrency_key_field = models.CharField(max_length=100, blank=True, default="")
+    # At most `rate_limit_count` leases started in any window of `rate_limit_period_seconds`
+    # (a sliding window: runs.RateStart logs each start of a rate-limited definition).
+    rate_limit_count = models.PositiveIntegerField(null=True, blank=True)
+    rate_limit_period_seconds = models.PositiveIntegerField(null=True, blank=True)
     # Inline when small; otherwise NULL and the payload is in storage under payload_key.
     payload = models.JSONField(null=True, blank=True, default=dict)
     payload_key = models.CharField(max_length=100, blank=True, default="")

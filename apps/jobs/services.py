@@ -58,6 +58,10 @@ class DefinitionSpec:
     lateness_slo_seconds: int | None = None
     owner: str = ""
     runbook_url: str = ""
+    concurrency_per_key: int | None = None
+    concurrency_key_field: str = ""
+    rate_limit_count: int | None = None
+    rate_limit_period_seconds: int | None = None
 
 
 def spec_of(definition: JobDefinition) -> DefinitionSpec:
@@ -78,6 +82,10 @@ def spec_of(definition: JobDefinition) -> DefinitionSpec:
         lateness_slo_seconds=definition.lateness_slo_seconds,
         owner=definition.owner,
         runbook_url=definition.runbook_url,
+        concurrency_per_key=definition.concurrency_per_key,
+        concurrency_key_field=definition.concurrency_key_field,
+        rate_limit_count=definition.rate_limit_count,
+        rate_limit_period_seconds=definition.rate_limit_period_seconds,
     )
 
 
@@ -106,6 +114,11 @@ def spec_snapshot(spec: DefinitionSpec) -> dict[str, Any]:
         "latenessSloSeconds": spec.lateness_slo_seconds,
         "owner": spec.owner,
         "runbookUrl": spec.runbook_url,
+        "concurrencyPerKey": spec.concurrency_per_key,
+        "concurrencyKeyField": spec.concurrency_key_field,
+        "rateLimit": None
+        if spec.rate_limit_count is None
+        else {"count": spec.rate_limit_count, "periodSeconds": spec.rate_limit_period_seconds},
     }
 
 

@@ -148,6 +148,13 @@ class Run(models.Model):
             models.Index(
                 fields=["definition"], name="run_leased_by_def", condition=models.Q(state="leased")
             ),
+            # Per-key concurrency: the leased runs of one key of a definition. Only keyed runs
+            # of leased state: small, and written only by runs that carry a key.
+            models.Index(
+                fields=["definition", "concurrency_key"],
+                name="run_leased_by_key",
+                condition=models.Q(state="leased", concurrency_key__isnull=False),
+            ),
             # Listings (API, dashboard): a team's runs newest first, optionally by state.
             models.Index(fields=["team", "state", "-id"], name="run_team_state"),
             models.Index(fields=["definition", "-id"], name="run_definition_recent"),
@@ -246,3 +253,21 @@ class ShardPlacement(models.Model):
 
     def __str__(self) -> str:
         return f"shard {self.shard}{' (moving)' if self.moving else ''}"
+
+
+class RateStart(models.Model):
+    """One lease started of a rate-limited definition: the sliding window of its `rateLimit`
+    counts these (claim, step 2, apps/runs/store.py) and drops those older than the window.
+    Lives with the definition, in its shard's database."""
+
+    id = models.BigAutoField(primary_key=True)
+    definition_id = models.BigIntegerField()
+    started_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["definition_id", "started_at"], name="ratestart_window"),
+        ]
+
+    def __str__(self) -> str:
+        return f"definition {self.definition_id} started a lease at {self.started_at}"

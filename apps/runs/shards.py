@@ -48,7 +48,9 @@ ID_SPACE = 1024
 CONTROL = DEFAULT_DB_ALIAS
 
 # Sharded models, as "app_label.model_name".
-SHARDED = frozenset({"jobs.jobdefinition", "runs.run", "runs.attempt", "runs.minutecounts"})
+SHARDED = frozenset(
+    {"jobs.jobdefinition", "runs.run", "runs.attempt", "runs.minutecounts", "runs.ratestart"}
+)
 
 _current: ContextVar[str | None] = ContextVar("shard_database", default=None)
 

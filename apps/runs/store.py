@@ -122,8 +122,13 @@ INSERT INTO runs_run (
 -- The id names the run's shard (apps/runs/shards.py).
 SELECT nextval('runs_run_id_seq') * {space} + d.shard, i.definition_id, d.team_id, d.queue,
        coalesce(i.priority, d.priority), d.shard, 'scheduled', i.trigger, i.due_at,
-       i.available_at, 0, d.retry_max_attempts, i.idempotency_key, i.concurrency_key, 60, '',
-       d.dry_run,
+       i.available_at, 0, d.retry_max_attempts, i.idempotency_key,
+       -- A run given no key takes its payload's field named by concurrencyKeyField, if any
+       -- (a cron run's payload is its definition's).
+       coalesce(i.concurrency_key, CASE WHEN d.concurrency_key_field <> '' THEN
+           left((CASE WHEN i.own THEN i.payload ELSE d.payload END) ->> d.concurrency_key_field,
+                200) END),
+       60, '', d.dry_run,
        CASE WHEN i.own THEN i.payload ELSE d.payload END,
        CASE WHEN i.own THEN i.payload_key ELSE d.payload_key END, now()
 FROM json_to_recordset(%(rows)s::json)
@@ -265,38 +270,54 @@ WITH lane AS ({{lanes}}
     -- at the head of the lane is scanned past on every claim (a known cost, see the README).
     SELECT c.* FROM lane
     CROSS JOIN LATERAL (
-        SELECT r.id, r.team_id, r.priority, r.definition_id, d.concurrency, r.available_at
+        SELECT r.id, r.team_id, r.priority, r.definition_id, NULL::int AS concurrency,
+               NULL::int AS per_key, NULL::text AS concurrency_key, NULL::int AS rate_count,
+               NULL::int AS rate_period, r.available_at
         FROM runs_run r
         JOIN jobs_jobdefinition d ON d.id = r.definition_id
         WHERE r.team_id = lane.team_id AND r.queue = lane.queue AND r.priority = lane.priority
           AND r.state IN {WAITING} AND r.available_at <= now()
-          AND NOT d.paused AND d.concurrency IS NULL
+          AND NOT d.paused AND d.concurrency IS NULL AND d.concurrency_per_key IS NULL
+          AND d.rate_limit_count IS NULL
           AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
         ORDER BY r.available_at, r.id
         LIMIT %(max)s
         FOR UPDATE OF r SKIP LOCKED
     ) AS c
     UNION ALL
-    -- Runs of each limited definition of the lane, at most its limit of them, so a definition
-    -- at its limit cannot crowd the lane's other definitions out of the batch. Served by the
-    -- definitions' team index and the partial index run_waiting_by_def.
+    -- Runs of each limited definition of the lane (a concurrency limit, a limit per key, or a
+    -- rate limit), at most its limit of them, so a definition at its limit cannot crowd the
+    -- lane's other definitions out of the batch. A key at its limit is passed over here, so one
+    -- hot key cannot fill the definition's share with runs that step 2 would refuse (its
+    -- leased runs counted on the partial index run_leased_by_key). Served by the definitions'
+    -- team index and the partial index run_waiting_by_def.
     SELECT c.* FROM lane
     JOIN jobs_jobdefinition d
-      ON d.team_id = lane.team_id AND d.concurrency IS NOT NULL AND NOT d.paused
+      ON d.team_id = lane.team_id AND NOT d.paused
+     AND (d.concurrency IS NOT NULL OR d.concurrency_per_key IS NOT NULL
+          OR d.rate_limit_count IS NOT NULL)
      AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
     CROSS JOIN LATERAL (
         -- A run keeps the queue and priority it was created with, so match the lane's.
-        SELECT r.id, r.team_id, r.priority, r.definition_id, d.concurrency, r.available_at
+        SELECT r.id, r.team_id, r.priority, r.definition_id, d.concurrency,
+               d.concurrency_per_key AS per_key, r.concurrency_key,
+               d.rate_limit_count AS rate_count, d.rate_limit_period_seconds AS rate_period,
+               r.available_at
         FROM runs_run r
         WHERE r.definition_id = d.id AND r.queue = lane.queue AND r.priority = lane.priority
           AND r.state IN {WAITING} AND r.available_at <= now()
+          AND (d.concurrency_per_key IS NULL OR r.concurrency_key IS NULL
+               OR (SELECT count(*) FROM runs_run k
+                   WHERE k.definition_id = d.id AND k.concurrency_key = r.concurrency_key
+                     AND k.state = 'leased') < d.concurrency_per_key)
         ORDER BY r.available_at, r.id
-        LIMIT least(d.concurrency, %(max)s)
+        LIMIT least(coalesce(d.concurrency, %(max)s), coalesce(d.rate_limit_count, %(max)s),
+                    %(max)s)
         FOR UPDATE OF r SKIP LOCKED
     ) AS c
 )
-SELECT id, team_id, priority, definition_id, concurrency,
-       (SELECT nextval('runs_claim_tick')) AS tick
+SELECT id, team_id, priority, definition_id, concurrency, per_key, concurrency_key, rate_count,
+       rate_period, (SELECT nextval('runs_claim_tick')) AS tick
 FROM candidate
 ORDER BY priority, available_at, id
 """
@@ -356,10 +377,12 @@ def control_lanes(queues: Sequence[str], team_ids: Sequence[int] | None) -> Lane
         return Lanes(list(team_ids), [tuple(row) for row in cursor.fetchall()])
 
 
-# Claim, step 2, only when a candidate's definition has a concurrency limit: lock those
-# definitions (in id order, so claimers cannot deadlock), then count their leased runs in a new
-# statement, whose snapshot sees every lease committed before the lock was granted.
-# Served by the primary key and the partial index run_leased_by_def.
+# Claim, step 2, only when a candidate's definition has a limit: lock those definitions (in id
+# order, so claimers cannot deadlock), then count in new statements, whose snapshots see every
+# lease committed before the lock was granted: their leased runs (the partial index
+# run_leased_by_def), the leased runs of each candidate's key (run_leased_by_key), and the
+# leases started within each rate window (runs_ratestart, by ratestart_window; the starts past
+# the window go first).
 LOCK_LIMITED_DEFINITIONS = """
 SELECT id FROM jobs_jobdefinition WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE
 """
@@ -367,6 +390,31 @@ COUNT_LEASED = """
 SELECT definition_id, count(*) FROM runs_run
 WHERE state = 'leased' AND definition_id = ANY(%(ids)s::bigint[])
 GROUP BY definition_id
+"""
+COUNT_LEASED_BY_KEY = """
+SELECT r.definition_id, r.concurrency_key, count(*)
+FROM unnest(%(ids)s::bigint[], %(keys)s::text[]) AS k(definition_id, concurrency_key)
+JOIN runs_run r ON r.definition_id = k.definition_id AND r.concurrency_key = k.concurrency_key
+WHERE r.state = 'leased'
+GROUP BY r.definition_id, r.concurrency_key
+"""
+COUNT_RATE_WINDOW = """
+WITH window_of AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(periods)s::int[]) AS w(definition_id, period)
+), forgotten AS (
+    DELETE FROM runs_ratestart s USING window_of w
+    WHERE s.definition_id = w.definition_id
+      AND s.started_at <= now() - make_interval(secs => w.period)
+)
+SELECT w.definition_id, count(s.id) FROM window_of w
+LEFT JOIN runs_ratestart s ON s.definition_id = w.definition_id
+ AND s.started_at > now() - make_interval(secs => w.period)
+GROUP BY w.definition_id
+"""
+# After the lease: one start per leased run of a rate-limited definition.
+RECORD_RATE_STARTS = """
+INSERT INTO runs_ratestart (definition_id, started_at)
+SELECT d, now() FROM unnest(%(ids)s::bigint[]) AS d
 """
 
 # Claim, step 3: lease the chosen runs. Each gets a fencing token from one sequence; the lease is
@@ -425,13 +473,19 @@ class Lease:
     late: bool = False  # started later than its definition's lateness SLO
 
 
-def _choose(candidates: list[dict[str, Any]], capacity: dict[int, int], max_runs: int) -> list[int]:
+def _choose(
+    candidates: list[dict[str, Any]],
+    capacity: dict[int, int],
+    max_runs: int,
+    key_capacity: dict[tuple[int, str], int] | None = None,
+) -> list[int]:
     """Pick up to `max_runs` candidates: weighted across priorities, round-robin across teams.
 
     1. Order each priority's candidates round-robin across teams (rotated by the tick).
     2. Give each slot of the claim its preferred priority from the 70/25/5 pattern; a slot whose
        priority has nothing left goes to the most urgent priority that has.
-    3. Skip candidates whose definition has no concurrency left.
+    3. Skip candidates whose definition has no room left (concurrency or rate), or whose
+       concurrency key has none (`key_capacity`, by (definition, key)).
     """
     if not candidates:
         return []
@@ -443,12 +497,13 @@ def _choose(candidates: list[dict[str, Any]], capacity: dict[int, int], max_runs
         prio: interleave_teams(rows, lambda row: row["team_id"], tick)
         for prio, rows in lanes.items()
     }
-    if len(ordered) == 1 and not capacity:
-        # One priority, no concurrency limits: every slot falls back to the one lane.
+    if len(ordered) == 1 and not capacity and not key_capacity:
+        # One priority, no limits: every slot falls back to the one lane.
         (rows,) = ordered.values()
         return [row["id"] for row in rows[:max_runs]]
     positions = dict.fromkeys(ordered, 0)
     capacity = dict(capacity)
+    key_capacity = dict(key_capacity or {})
 
     def next_from(prio: int) -> int | None:
         rows = ordered.get(prio, [])
@@ -456,11 +511,15 @@ def _choose(candidates: list[dict[str, Any]], capacity: dict[int, int], max_runs
             row = rows[positions[prio]]
             positions[prio] += 1
             left = capacity.get(row["definition_id"])
-            if left is None:
-                return row["id"]
-            if left > 0:
+            key = (row["definition_id"], row.get("concurrency_key"))
+            key_left = key_capacity.get(key)
+            if (left is not None and left <= 0) or (key_left is not None and key_left <= 0):
+                continue
+            if left is not None:
                 capacity[row["definition_id"]] = left - 1
-                return row["id"]
+            if key_left is not None:
+                key_capacity[key] = key_left - 1
+            return row["id"]
         return None
 
     chosen: list[int] = []
@@ -474,6 +533,59 @@ def _choose(candidates: list[dict[str, Any]], capacity: dict[int, int], max_runs
             break
         chosen.append(picked)
     return chosen
+
+
+def _room_of_limited(
+    cursor: CursorWrapper, candidates: list[dict[str, Any]]
+) -> tuple[dict[int, int], dict[tuple[int, str], int]]:
+    """Step 2: the room of each limited definition among the candidates (the least of its
+    concurrency and rate room), and of each limited key; both empty when none is limited (no
+    statement then)."""
+    limited = {row["definition_id"]: row for row in candidates if _is_limited(row)}
+    if not limited:
+        return {}, {}
+    ids = sorted(limited)
+    cursor.execute(LOCK_LIMITED_DEFINITIONS, {"ids": _bigints(ids)})
+    capacity: dict[int, int] = {}
+    with_limit = [i for i in ids if limited[i]["concurrency"] is not None]
+    if with_limit:
+        cursor.execute(COUNT_LEASED, {"ids": _bigints(with_limit)})
+        leased_now = dict(cursor.fetchall())
+        for i in with_limit:
+            capacity[i] = limited[i]["concurrency"] - leased_now.get(i, 0)
+    rated = [i for i in ids if limited[i]["rate_count"] is not None]
+    if rated:
+        periods = [limited[i]["rate_period"] for i in rated]
+        cursor.execute(COUNT_RATE_WINDOW, {"ids": _bigints(rated), "periods": _bigints(periods)})
+        started = dict(cursor.fetchall())
+        for i in rated:
+            room = limited[i]["rate_count"] - started.get(i, 0)
+            capacity[i] = min(capacity.get(i, room), room)
+    keys = sorted(
+        {
+            (row["definition_id"], row["concurrency_key"])
+            for row in candidates
+            if row["per_key"] is not None and row["concurrency_key"] is not None
+        }
+    )
+    key_capacity: dict[tuple[int, str], int] = {}
+    if keys:
+        cursor.execute(
+            COUNT_LEASED_BY_KEY,
+            {"ids": _bigints(i for i, _ in keys), "keys": array_literal([k for _, k in keys])},
+        )
+        leased_by_key = {(i, k): n for i, k, n in cursor.fetchall()}
+        for i, k in keys:
+            key_capacity[(i, k)] = limited[i]["per_key"] - leased_by_key.get((i, k), 0)
+    return capacity, key_capacity
+
+
+def _is_limited(row: dict[str, Any]) -> bool:
+    return (
+        row["concurrency"] is not None
+        or row["per_key"] is not None
+        or row["rate_count"] is not None
+    )
 
 
 def claim(
@@ -504,24 +616,8 @@ def claim(
         candidates = _rows(cursor)
         if not candidates:
             return []
-        limited = sorted(
-            {
-                row["definition_id"]: row["concurrency"]
-                for row in candidates
-                if row["concurrency"] is not None
-            }.items()
-        )
-        capacity: dict[int, int] = {}
-        if limited:
-            ids = [definition_id for definition_id, _ in limited]
-            cursor.execute(LOCK_LIMITED_DEFINITIONS, {"ids": _bigints(ids)})
-            cursor.execute(COUNT_LEASED, {"ids": _bigints(ids)})
-            leased_now = dict(cursor.fetchall())
-            capacity = {
-                definition_id: limit - leased_now.get(definition_id, 0)
-                for definition_id, limit in limited
-            }
-        chosen = _choose(candidates, capacity, max_runs)
+        capacity, key_capacity = _room_of_limited(cursor, candidates)
+        chosen = _choose(candidates, capacity, max_runs, key_capacity)
         if not chosen:
             return []
         cursor.execute(
@@ -529,6 +625,11 @@ def claim(
             {"ids": _bigints(chosen), "worker_id": worker_id, "lease_seconds": lease_seconds},
         )
         rows = _rows(cursor)
+        rated = {row["id"]: row["definition_id"] for row in candidates if row["rate_count"]}
+        if rated:
+            starts = [rated[run_id] for run_id in chosen if run_id in rated]
+            if starts:
+                cursor.execute(RECORD_RATE_STARTS, {"ids": _bigints(starts)})
     # Large payloads are read from storage after the claim's statements (inside the caller's
     # transaction when there is one: an unreadable payload then rolls the claim back).
     leases = [

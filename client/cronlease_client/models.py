@@ -127,6 +127,9 @@ class Job(Model):
     timeout_seconds: int = 0
     retry: dict[str, int] = field(default_factory=dict)
     concurrency: int | None = None
+    concurrency_per_key: int | None = None
+    concurrency_key_field: str = ""
+    rate_limit: dict[str, int] | None = None
     payload: Any = None
     paused: bool = False
     dry_run: bool = False

@@ -248,6 +248,13 @@ class Retry(Body):
         return value
 
 
+class RateLimit(Body):
+    """At most `count` leases started in any window of `periodSeconds` (a sliding window)."""
+
+    count: int = Field(ge=1, le=1_000_000)
+    periodSeconds: int = Field(ge=1, le=7 * 86400)
+
+
 class Definition(Body):
     """A job definition; omitted fields take their defaults."""
 
@@ -258,6 +265,14 @@ class Definition(Body):
     timeoutSeconds: int = Field(3600, ge=1, le=7 * 86400)
     retry: Retry = Field(default_factory=Retry)
     concurrency: int | None = Field(None, ge=1, le=100000)
+    concurrencyPerKey: int | None = Field(None, ge=1, le=100000)
+    concurrencyKeyField: Text = Field(
+        "",
+        max_length=100,
+        description="The payload field whose value is the concurrency key of a run that is "
+        "given none (cron runs).",
+    )
+    rateLimit: RateLimit | None = None
     payload: Any = Field(
         default_factory=dict,
         json_schema_extra=lambda schema: schema.update(
@@ -298,6 +313,13 @@ class Definition(Body):
 
     _schedule = field_validator("schedule")(schedule_value)
 
+    @field_validator("concurrencyKeyField")
+    @classmethod
+    def _key_field_needs_a_limit(cls, value: str, info: ValidationInfo) -> str:
+        if value and info.data.get("concurrencyPerKey") is None:
+            raise problem("key_field", "Needs concurrencyPerKey: a key limits nothing alone.")
+        return value
+
     @field_validator("payload")
     @classmethod
     def _payload(cls, value: Any, info: ValidationInfo) -> Any:
@@ -322,6 +344,10 @@ class Definition(Body):
             lateness_slo_seconds=self.latenessSloSeconds,
             owner=self.owner,
             runbook_url=self.runbookUrl,
+            concurrency_per_key=self.concurrencyPerKey,
+            concurrency_key_field=self.concurrencyKeyField,
+            rate_limit_count=self.rateLimit.count if self.rateLimit else None,
+            rate_limit_period_seconds=self.rateLimit.periodSeconds if self.rateLimit else None,
         )
 
 
@@ -417,6 +443,12 @@ class RetryPolicy(TypedDict):
 
 
 @typed_config(ANSWER)
+class RateLimitAnswer(TypedDict):
+    count: Annotated[int, Field(ge=1)]
+    periodSeconds: Annotated[int, Field(ge=1)]
+
+
+@typed_config(ANSWER)
 class DefinitionAnswer(TypedDict):
     """A job definition."""
 
@@ -435,6 +467,12 @@ class DefinitionAnswer(TypedDict):
     concurrency: Annotated[
         int | None, Field(ge=1, description="Max leased runs at once; null = unlimited.")
     ]
+    concurrencyPerKey: Annotated[
+        int | None,
+        Field(ge=1, description="Max leased runs at once per concurrency key; null = unlimited."),
+    ]
+    concurrencyKeyField: str
+    rateLimit: RateLimitAnswer | None
     payload: Any
     paused: bool
     dryRun: bool

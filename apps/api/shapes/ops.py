@@ -41,6 +41,8 @@ ReasonCode = Literal[
     "definition_paused",
     "queue_paused",
     "concurrency_limit",
+    "key_concurrency_limit",
+    "rate_limit",
     "no_worker",
     "behind_higher_priority",
     "queued",

@@ -1,0 +1,157 @@
+"""Rate limits and per-key concurrency on the claim, under eight concurrent claimers each on its
+own database connection, in both layouts."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+from django.db import connections
+
+from apps.runs import shards, store
+from apps.runs.models import Run
+from tests.conftest import (
+    add_ready_runs,
+    claim,
+    expire_lease,
+    make_definition,
+    stored,
+    stored_one,
+)
+from tests.runs.test_claim_concurrency import run_in_threads
+
+pytestmark = [pytest.mark.shards, pytest.mark.django_db(transaction=True, databases="__all__")]
+
+
+def keyed_runs(definition, keys: list[str], prefix: str) -> list[int]:
+    """One claimable run per entry of `keys`, in this order, each with that concurrency key."""
+    ids = add_ready_runs(definition, len(keys), prefix=prefix)
+    assert len(ids) == len(keys)
+    alias = shards.alias_of_shard(definition.shard)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "UPDATE runs_run r SET concurrency_key = k.key"
+            " FROM unnest(%s::bigint[], %s::text[]) AS k(id, key) WHERE r.id = k.id",
+            [ids, keys],
+        )
+    return ids
+
+
+def claim_all(team, queue: str, claimers: int = 8, max_runs: int = 5) -> list[store.Lease]:
+    """Eight claimers claim until none gets anything; every lease they took."""
+
+    def worker(index: int) -> list[store.Lease]:
+        taken: list[store.Lease] = []
+        while batch := claim(
+            queues=[queue],
+            max_runs=max_runs,
+            worker_id=f"w{index}",
+            lease_seconds=60,
+            team_ids=[team.pk],
+        ):
+            taken += batch
+        return taken
+
+    return [lease for taken in run_in_threads(claimers, worker) for lease in taken]
+
+
+def test_a_rate_limit_holds_under_eight_claimers_and_frees_as_the_window_slides(team_a):
+    limited = make_definition(
+        team_a, "mail.send", queue="mail", rate_limit_count=7, rate_limit_period_seconds=2
+    )
+    free = make_definition(team_a, "mail.log", queue="mail")
+    add_ready_runs(limited, 40)
+    free_ids = add_ready_runs(free, 30, prefix="f")
+
+    first = claim_all(team_a, "mail")
+    by_job = Counter(lease.job for lease in first)
+    # At most 7 starts in the window, whatever the claimers did at once; the limited job is
+    # skipped, not waited on: every run of the other job was leased beside it.
+    assert by_job == {"mail.send": 7, "mail.log": 30}
+    assert {lease.id for lease in first if lease.job == "mail.log"} == set(free_ids)
+    # Completing frees no slot: the rate counts starts, not leases held.
+    store.complete([(lease.id, lease.fencing_token, None) for lease in first], team_ids=[team_a.pk])
+    assert claim_all(team_a, "mail") == []
+
+    time.sleep(2.1)  # the window slides past the first starts
+    second = claim_all(team_a, "mail")
+    assert len(second) == 7
+    assert len(stored(Run, definition_id=limited.pk, state="leased")) == 7
+
+
+def test_a_keys_slot_frees_exactly_once_and_a_hot_key_never_blocks_the_others(team_a):
+    definition = make_definition(team_a, "export.customer", queue="exports", concurrency_per_key=2)
+    # A hot key's backlog at the head of the queue, then one run each of five other keys.
+    hot = keyed_runs(definition, ["hot"] * 50, "hot")
+    cold = keyed_runs(definition, [f"c{n}" for n in range(5)], "cold")
+
+    leases = claim_all(team_a, "exports")
+    keys = Counter(stored_one(Run, pk=lease.id).concurrency_key for lease in leases)
+    assert keys == {"hot": 2, **{f"c{n}": 1 for n in range(5)}}
+    assert {lease.id for lease in leases} >= set(cold)
+
+    # The hot key's slots free once each: on complete, fail, expiry and cancel alike.
+    held = [lease for lease in leases if lease.id in hot]
+    done, failed = held
+    store.complete([(done.id, done.fencing_token, None)], team_ids=[team_a.pk])
+    store.fail([(failed.id, failed.fencing_token, {"message": "x"}, False)], team_ids=[team_a.pk])
+    again = claim_all(team_a, "exports")
+    assert len(again) == 2 and {lease.id for lease in again} <= set(hot)
+    expire_lease(again[0].id)
+    assert [item.id for item in store.reap()] == [again[0].id]
+    assert len(claim_all(team_a, "exports")) == 1  # the expired lease's slot, once
+    assert claim_all(team_a, "exports") == []
+
+
+def test_runs_without_a_key_are_held_only_by_the_jobs_own_limit(team_a):
+    definition = make_definition(
+        team_a, "export.any", queue="anykey", concurrency=4, concurrency_per_key=1
+    )
+    keyed_runs(definition, ["a", "a", "a"], "a")
+    add_ready_runs(definition, 6, prefix="nokey")
+    leases = claim_all(team_a, "anykey")
+    assert len(leases) == 4  # the definition's concurrency
+    keys = Counter(stored_one(Run, pk=lease.id).concurrency_key for lease in leases)
+    assert keys["a"] <= 1
+
+
+def test_a_cron_run_takes_its_key_from_the_named_payload_field(team_a):
+    definition = make_definition(
+        team_a,
+        "export.nightly",
+        queue="nightly",
+        concurrency_per_key=1,
+        concurrency_key_field="customer",
+        payload={"customer": "acme"},
+    )
+    (pk,) = add_ready_runs(definition, 1)
+    assert stored_one(Run, pk=pk).concurrency_key == "acme"
+
+
+def test_why_names_a_spent_rate_limit_and_a_held_key(team_a):
+    from apps.jobs import diagnosis
+    from apps.runs.clock import database_now
+
+    rated = make_definition(
+        team_a, "mail.digest", queue="digest", rate_limit_count=2, rate_limit_period_seconds=60
+    )
+    add_ready_runs(rated, 3)
+    assert len(claim_all(team_a, "digest")) == 2
+    with shards.using(shards.alias_of_shard(rated.shard)):
+        reasons = diagnosis.why_definition(rated, database_now())
+    (limit,) = [reason for reason in reasons if reason.code == "rate_limit"]
+    assert limit.detail["count"] == 2 and 55 < limit.detail["nextSlotInSeconds"] <= 60
+    assert "Rate limit: 2/60 s" in limit.message
+
+    keyed = make_definition(team_a, "export.one", queue="keyed", concurrency_per_key=1)
+    first, second = keyed_runs(keyed, ["acme", "acme"], "k")
+    assert [lease.id for lease in claim_all(team_a, "keyed")] == [first]
+    waiting = stored_one(Run, pk=second)
+    reasons = diagnosis.why_run(waiting, database_now())
+    (held,) = [reason for reason in reasons if reason.code == "key_concurrency_limit"]
+    assert held.detail == {
+        "limit": 1,
+        "key": "acme",
+        "heldBy": [stored_one(Run, pk=first).run_id],
+    }
