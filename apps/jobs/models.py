@@ -60,6 +60,10 @@ class JobDefinition(models.Model):
     # (a sliding window: runs.RateStart logs each start of a rate-limited definition).
     rate_limit_count = models.PositiveIntegerField(null=True, blank=True)
     rate_limit_period_seconds = models.PositiveIntegerField(null=True, blank=True)
+    # Set by a claim that found the rate window full: until then the claim does not even look at
+    # the definition's runs (no lock on it, no candidates locked and refused), so a spent
+    # rate-limited backlog costs the other jobs of its queue nothing.
+    rate_blocked_until = models.DateTimeField(null=True, blank=True)
     # Inline when small; otherwise NULL and the payload is in storage under payload_key.
     payload = models.JSONField(null=True, blank=True, default=dict)
     payload_key = models.CharField(max_length=100, blank=True, default="")

@@ -128,6 +128,7 @@ def _apply_spec(definition: JobDefinition, spec: DefinitionSpec, now: datetime) 
         setattr(definition, field, getattr(spec, field))
     definition.payload, definition.payload_key = payloads.place(spec.payload)
     definition.shard = sched.shard_for(spec.name)
+    definition.rate_blocked_until = None  # a changed rate limit is looked at afresh
     if schedule_changed:
         definition.next_due_at = initial_next_due_at(spec.schedule, now)
 

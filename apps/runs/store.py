@@ -296,6 +296,8 @@ WITH lane AS ({{lanes}}
       ON d.team_id = lane.team_id AND NOT d.paused
      AND (d.concurrency IS NOT NULL OR d.concurrency_per_key IS NOT NULL
           OR d.rate_limit_count IS NOT NULL)
+     -- A spent rate window (set by the claim that found it full) skips the definition whole.
+     AND (d.rate_blocked_until IS NULL OR d.rate_blocked_until <= now())
      AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
     CROSS JOIN LATERAL (
         -- A run keeps the queue and priority it was created with, so match the lane's.
@@ -406,10 +408,18 @@ WITH window_of AS (
     WHERE s.definition_id = w.definition_id
       AND s.started_at <= now() - make_interval(secs => w.period)
 )
-SELECT w.definition_id, count(s.id) FROM window_of w
+SELECT w.definition_id, count(s.id), min(s.started_at) + make_interval(secs => w.period)
+FROM window_of w
 LEFT JOIN runs_ratestart s ON s.definition_id = w.definition_id
  AND s.started_at > now() - make_interval(secs => w.period)
-GROUP BY w.definition_id
+GROUP BY w.definition_id, w.period
+"""
+# A window this claim fills (or found full): no claim looks at the definition again before its
+# oldest start leaves the window (the definition is locked by this claim).
+BLOCK_RATE = """
+UPDATE jobs_jobdefinition d SET rate_blocked_until = b.until
+FROM unnest(%(ids)s::bigint[], %(untils)s::timestamptz[]) AS b(id, until)
+WHERE d.id = b.id
 """
 # After the lease: one start per leased run of a rate-limited definition.
 RECORD_RATE_STARTS = """
@@ -541,7 +551,14 @@ def _room_of_limited(
     """Step 2: the room of each limited definition among the candidates (the least of its
     concurrency and rate room), and of each limited key; both empty when none is limited (no
     statement then)."""
-    limited = {row["definition_id"]: row for row in candidates if _is_limited(row)}
+    # The unlimited branch of the candidates answers NULL limits: one test per row.
+    limited = {
+        row["definition_id"]: row
+        for row in candidates
+        if row["concurrency"] is not None
+        or row["per_key"] is not None
+        or row["rate_count"] is not None
+    }
     if not limited:
         return {}, {}
     ids = sorted(limited)
@@ -557,10 +574,19 @@ def _room_of_limited(
     if rated:
         periods = [limited[i]["rate_period"] for i in rated]
         cursor.execute(COUNT_RATE_WINDOW, {"ids": _bigints(rated), "periods": _bigints(periods)})
-        started = dict(cursor.fetchall())
+        started = {i: (n, frees_at) for i, n, frees_at in cursor.fetchall()}
+        full = {}
         for i in rated:
-            room = limited[i]["rate_count"] - started.get(i, 0)
+            n, frees_at = started.get(i, (0, None))
+            room = limited[i]["rate_count"] - n
             capacity[i] = min(capacity.get(i, room), room)
+            if room <= 0 and frees_at is not None:
+                full[i] = frees_at
+        if full:
+            cursor.execute(
+                BLOCK_RATE,
+                {"ids": _bigints(full), "untils": array_literal(list(full.values()))},
+            )
     keys = sorted(
         {
             (row["definition_id"], row["concurrency_key"])
@@ -578,14 +604,6 @@ def _room_of_limited(
         for i, k in keys:
             key_capacity[(i, k)] = limited[i]["per_key"] - leased_by_key.get((i, k), 0)
     return capacity, key_capacity
-
-
-def _is_limited(row: dict[str, Any]) -> bool:
-    return (
-        row["concurrency"] is not None
-        or row["per_key"] is not None
-        or row["rate_count"] is not None
-    )
 
 
 def claim(
@@ -625,8 +643,8 @@ def claim(
             {"ids": _bigints(chosen), "worker_id": worker_id, "lease_seconds": lease_seconds},
         )
         rows = _rows(cursor)
-        rated = {row["id"]: row["definition_id"] for row in candidates if row["rate_count"]}
-        if rated:
+        if capacity:  # some definition is limited: record the starts of the rate-limited
+            rated = {row["id"]: row["definition_id"] for row in candidates if row["rate_count"]}
             starts = [rated[run_id] for run_id in chosen if run_id in rated]
             if starts:
                 cursor.execute(RECORD_RATE_STARTS, {"ids": _bigints(starts)})

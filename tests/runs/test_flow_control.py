@@ -73,6 +73,8 @@ def test_a_rate_limit_holds_under_eight_claimers_and_frees_as_the_window_slides(
     # Completing frees no slot: the rate counts starts, not leases held.
     store.complete([(lease.id, lease.fencing_token, None) for lease in first], team_ids=[team_a.pk])
     assert claim_all(team_a, "mail") == []
+    # The claim that found the window full keeps later claims off the definition until then.
+    assert stored_one(type(limited), pk=limited.pk).rate_blocked_until is not None
 
     time.sleep(2.1)  # the window slides past the first starts
     second = claim_all(team_a, "mail")
