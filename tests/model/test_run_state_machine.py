@@ -7,6 +7,10 @@ lease, and advancing the whole clock. The database clock cannot be moved, so tim
 shifting every deadline of the rows (`available_at`, `lease_expires_at`, `timeout_at`) into the
 past by the same interval, in the database and in the model alike.
 
+Flow control is modelled too: `model.rated` may start at most RATE_COUNT leases in any window
+of RATE_PERIOD seconds (the window's starts are shifted with the clock), and `model.keyed` at
+most one leased run per concurrency key.
+
 After every step each run's state, attempt, maxAttempts, fencing token and deadlines in the
 database must equal the model's, and its attempts must be one per issued token. Along the way:
 stale tokens get 409 and change nothing, tokens only grow (per run and across runs), attempts never
@@ -65,13 +69,18 @@ MODEL_SETTINGS = settings(
 
 # name, queue, priority, concurrency. Retry policies are drawn per example.
 # `model.limited` and `model.free` share a claim lane (team, queue, priority): a limited
-# definition at its limit must not hold back the other definition's runs.
+# definition at its limit must not hold back the other definition's runs; nor must a spent rate
+# limit (`model.rated`) or a key at its limit (`model.keyed`).
 DEFINITIONS = (
     ("model.limited", "q", "default", 1),
     ("model.free", "q", "default", None),
     ("model.urgent", "q", "critical", None),
     ("model.bulk", "other", "bulk", None),
+    ("model.rated", "q", "default", None),
+    ("model.keyed", "q", "default", None),
 )
+RATE_COUNT, RATE_PERIOD = 2, 30
+KEYS = ("k1", "k2")
 QUEUE_CHOICES = (("q",), ("other",), ("q", "other"))
 
 
@@ -101,6 +110,7 @@ class RunModel:
     timeout_at: datetime | None = None
     tokens: list[int] = field(default_factory=list)  # every token this run was leased with
     cancel_requested: bool = False  # cancelled while leased: whatever comes next ends it
+    key: str | None = None  # the concurrency key (model.keyed's runs)
 
     def row(self) -> tuple:
         return (
@@ -138,12 +148,12 @@ class RunStateMachine(RuleBasedStateMachine):
 
     @initialize(
         data=st.data(),
-        run_count=st.integers(min_value=2, max_value=6),
+        run_count=st.integers(min_value=2, max_value=8),
     )
     def set_up(self, data, run_count: int) -> None:
         with connection.cursor() as cursor:
             cursor.execute(
-                "TRUNCATE runs_attempt, runs_run, jobs_jobdefinition, jobs_queue, "
+                "TRUNCATE runs_attempt, runs_run, runs_ratestart, jobs_jobdefinition, jobs_queue, "
                 "audit_auditevent, teams_team CASCADE"
             )
         self.team = Team.objects.create(slug="model-a", name="Model A")
@@ -160,6 +170,11 @@ class RunStateMachine(RuleBasedStateMachine):
                 queue=queue,
             )
             self.policies[name] = policy
+            limits = {}
+            if name == "model.rated":
+                limits = {"rate_limit_count": RATE_COUNT, "rate_limit_period_seconds": RATE_PERIOD}
+            elif name == "model.keyed":
+                limits = {"concurrency_per_key": 1}
             self.definitions[name] = make_definition(
                 self.team,
                 name,
@@ -170,6 +185,7 @@ class RunStateMachine(RuleBasedStateMachine):
                 retry_max_attempts=policy.max_attempts,
                 retry_base_seconds=policy.base_seconds,
                 retry_max_seconds=policy.max_seconds,
+                **limits,
             )
         now = db_now()
         new_runs = []
@@ -179,7 +195,14 @@ class RunStateMachine(RuleBasedStateMachine):
             # Claimable now, or due in 30 s (the clock-advance rule makes it claimable).
             offset = data.draw(st.sampled_from([-1, 30]), label=f"run {index} offset")
             at = now + timedelta(seconds=offset) + timedelta(microseconds=index)
-            new_runs.append(NewRun(self.definitions[name].pk, "api", at, at, f"model-{index}"))
+            key = None
+            if name == "model.keyed":
+                key = data.draw(st.sampled_from(KEYS), label=f"run {index} key")
+            new_runs.append(
+                NewRun(
+                    self.definitions[name].pk, "api", at, at, f"model-{index}", concurrency_key=key
+                )
+            )
             names.append(name)
         ids = insert_runs(new_runs)
         assert len(ids) == run_count
@@ -190,11 +213,15 @@ class RunStateMachine(RuleBasedStateMachine):
                 state="scheduled",
                 available_at=new.available_at,
                 max_attempts=self.policies[name].max_attempts,
+                key=new.concurrency_key,
             )
             for pk, name, new in zip(ids, names, new_runs, strict=True)
         ]
         self.by_pk = {run.pk: run for run in self.runs}
         self.issued: list[int] = []  # every token issued in this example, in order
+        # model.rated's lease starts: (earliest, latest) database time of each claim that took
+        # them, one pair per lease, shifted with the clock.
+        self.rated_starts: list[tuple[datetime, datetime]] = []
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -284,12 +311,46 @@ class RunStateMachine(RuleBasedStateMachine):
                 capacity[name] = policy.concurrency - held
                 got = sum(1 for lease in leases if self.by_pk[lease.id].definition == name)
                 assert got <= max(capacity[name], 0), (name, got, capacity[name])
+        # The rate: the starts surely inside the window bound it; those that may have left it
+        # (their time is within the statement's few milliseconds of the window's edge) make the
+        # exact room unknown.
+        window_start = (
+            before - timedelta(seconds=RATE_PERIOD),
+            after - timedelta(seconds=RATE_PERIOD),
+        )
+        surely_in = sum(1 for _, latest in self.rated_starts if latest > window_start[1])
+        maybe_in = sum(1 for earliest, _ in self.rated_starts if earliest > window_start[0])
+        rated_got = sum(1 for lease in leases if self.by_pk[lease.id].definition == "model.rated")
+        assert rated_got <= max(RATE_COUNT - surely_in, 0), (rated_got, self.rated_starts)
+        exact = surely_in == maybe_in
+        capacity["model.rated"] = RATE_COUNT - surely_in
+        # Keys: never two leased runs of one key of model.keyed.
+        key_room = {
+            key: 1
+            - sum(1 for run in self.leased() if run.definition == "model.keyed" and run.key == key)
+            for key in KEYS
+        }
+        keyed_got = [
+            self.by_pk[lease.id].key
+            for lease in leases
+            if self.by_pk[lease.id].definition == "model.keyed"
+        ]
+        for key in KEYS:
+            assert keyed_got.count(key) <= max(key_room[key], 0), (key, keyed_got, key_room)
         # Nothing claimable is left behind when the claim had room: a definition at its limit is
         # skipped, the others still served.
-        if all(flag is not None for flag in due.values()):
+        if exact and all(flag is not None for flag in due.values()):
             eligible = 0
             for name in self.policies:
-                count = sum(1 for run in waiting if run.definition == name and due[run.pk] is True)
+                due_runs = [
+                    run for run in waiting if run.definition == name and due[run.pk] is True
+                ]
+                count = len(due_runs)
+                if name == "model.keyed":
+                    count = sum(
+                        min(sum(1 for run in due_runs if run.key == key), max(key_room[key], 0))
+                        for key in KEYS
+                    )
                 eligible += min(count, max(capacity[name], 0)) if name in capacity else count
             assert len(leases) == min(max_runs, eligible), (
                 f"claimed {len(leases)} of {eligible} claimable runs with max={max_runs}"
@@ -308,6 +369,8 @@ class RunStateMachine(RuleBasedStateMachine):
             assert expires <= after + timedelta(seconds=LEASE_SECONDS)
             self.issued.append(lease.fencing_token)
             run.tokens.append(lease.fencing_token)
+            if run.definition == "model.rated":
+                self.rated_starts.append((before, after))
             run.state = "leased"
             run.attempt = lease.attempt
             run.token = lease.fencing_token
@@ -520,6 +583,14 @@ class RunStateMachine(RuleBasedStateMachine):
                 "timeout_at = timeout_at - %(shift)s",
                 {"shift": shift},
             )
+            cursor.execute(
+                "UPDATE runs_ratestart SET started_at = started_at - %(shift)s", {"shift": shift}
+            )
+            cursor.execute(
+                "UPDATE jobs_jobdefinition SET rate_blocked_until = rate_blocked_until - %(shift)s",
+                {"shift": shift},
+            )
+        self.rated_starts = [(a - shift, b - shift) for a, b in self.rated_starts]
         for run in self.runs:
             run.available_at -= shift
             if run.lease_expires_at is not None:
