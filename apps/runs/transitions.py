@@ -22,22 +22,26 @@ class TransitionError(Exception):
 
 
 # Served by the primary key; the state list in each WHERE is the transition's precondition.
+# Every statement answers (id, queue, state after).
+#
+# Cancel: a waiting run at once; a leased run is not taken from its worker: the next heartbeat
+# tells it to stop (409, `…/cancelled`), and its report or its lease's expiry ends it cancelled
+# (store.py). One statement for both, so that a run changing state under the cancel (a reaper or
+# a claim committing first: the UPDATE waits for it, then re-reads the row) is cancelled as it
+# then is, never refused for what it was.
 CANCEL = """
-UPDATE runs_run SET state = 'cancelled', finished_at = now()
-WHERE id = ANY(%(ids)s::bigint[]) AND state IN ('scheduled', 'ready', 'retrying')
-RETURNING id, queue
-"""
-# A leased run is not taken from its worker: the next heartbeat tells it to stop (409,
-# `…/cancelled`), and its report or its lease's expiry ends it cancelled (store.py).
-REQUEST_CANCEL = """
-UPDATE runs_run SET cancel_requested = true
-WHERE id = ANY(%(ids)s::bigint[]) AND state = 'leased' AND NOT cancel_requested
-RETURNING id, queue
+UPDATE runs_run
+SET state = CASE WHEN state = 'leased' THEN state ELSE 'cancelled' END,
+    finished_at = CASE WHEN state = 'leased' THEN finished_at ELSE now() END,
+    cancel_requested = cancel_requested OR state = 'leased'
+WHERE id = ANY(%(ids)s::bigint[])
+  AND (state IN ('scheduled', 'ready', 'retrying') OR (state = 'leased' AND NOT cancel_requested))
+RETURNING id, queue, state
 """
 RETRY_NOW = """
 UPDATE runs_run SET state = 'ready', available_at = now()
 WHERE id = ANY(%(ids)s::bigint[]) AND state = 'retrying'
-RETURNING id, queue
+RETURNING id, queue, state
 """
 # A requeued run gets a fresh attempt budget: as many more attempts as its definition allows.
 REQUEUE = """
@@ -46,13 +50,13 @@ SET state = 'ready', available_at = now(), finished_at = NULL,
     max_attempts = r.attempt + d.retry_max_attempts
 FROM jobs_jobdefinition d
 WHERE r.id = ANY(%(ids)s::bigint[]) AND d.id = r.definition_id AND r.state = 'dead'
-RETURNING r.id, r.queue
+RETURNING r.id, r.queue, r.state
 """
 # A discarded DLQ run is kept (its history stays readable until retention) but leaves the DLQ.
 DISCARD = """
 UPDATE runs_run SET state = 'cancelled'
 WHERE id = ANY(%(ids)s::bigint[]) AND state = 'dead'
-RETURNING id, queue
+RETURNING id, queue, state
 """
 
 
@@ -64,7 +68,7 @@ def _transition(
         return []
     for run in runs:  # a shard being moved takes no changes (apps/scheduler/moves.py)
         shards.writable(run.shard)
-    changed: list[tuple[int, str]] = []
+    changed: list[tuple[int, str, str]] = []
     # The audit events commit with the runs where they share the control database; a shard
     # database of its own commits its runs first (one transaction per database).
     with transaction.atomic(using=shards.CONTROL):
@@ -73,20 +77,24 @@ def _transition(
                 cursor.execute(sql, {"ids": ids})
                 done = cursor.fetchall()
                 if wakes:
-                    notify_ready(queue for _, queue in done)
+                    notify_ready(queue for _, queue, _ in done)
             changed += done
-        for run_id, _ in changed:
+        for run_id, _, state in changed:
             run = by_id[run_id]
+            # A cancel that found the run leased asked its worker to stop.
+            done_as = (
+                "run.cancel_request" if action == "run.cancel" and state == "leased" else action
+            )
             record(
                 actor,
-                action,
+                done_as,
                 team=run.team,
                 target_type="run",
                 target=public_run_id(run_id),
                 before={"state": run.state},
-                after=_after(action),
+                after=_after(done_as),
             )
-    changed_ids = {run_id for run_id, _ in changed}
+    changed_ids = {run_id for run_id, _, _ in changed}
     return [run for run in runs if run.pk in changed_ids]
 
 
@@ -105,11 +113,7 @@ def _after(action: str) -> dict[str, object]:
 def cancel(runs: Sequence[Run], actor: Actor) -> list[Run]:
     """Cancel waiting runs now; ask the workers of leased ones to stop (they end cancelled when
     the worker reports or the lease expires)."""
-    waiting = [run for run in runs if run.state != "leased"]
-    leased = [run for run in runs if run.state == "leased"]
-    return _transition(CANCEL, waiting, actor, "run.cancel", wakes=False) + _transition(
-        REQUEST_CANCEL, leased, actor, "run.cancel_request", wakes=False
-    )
+    return _transition(CANCEL, runs, actor, "run.cancel", wakes=False)
 
 
 def requeue(runs: Sequence[Run], actor: Actor) -> list[Run]:

@@ -194,21 +194,20 @@ def test_a_cancel_racing_the_reaper_ends_cancelled_and_never_runs_again(harness)
             return http.post(f"/api/v1/runs/{public_run_id(lease.id)}/cancel")
 
         # 1. The cancel arrives while the reaper's UPDATE (leased -> retrying) is not committed.
-        #    The cancel's snapshot still shows a leased run, which cannot be cancelled: it is
-        #    refused at once (it does not wait for the reaper) and changes nothing. Once the
-        #    reaper has committed, the same cancel goes through.
+        #    The cancel's snapshot still shows a leased run, which a cancel asks to stop: its
+        #    UPDATE waits for the reaper's row, then reads the run as the reaper left it
+        #    (retrying) and cancels it at once; it is not told to a worker that no longer has it.
         expire_lease(during.id)
         with TransactionThread() as reaper:
             assert [reaped.id for reaped in reaper.run(store.reap)] == [during.id]
-            refused = cancel(during)
-            assert refused.status_code == 409, refused.text
-            assert "leased" in refused.json()["detail"]
-            assert h.db.backends(WEB, waiting_on_lock=True) == []
+            waiting = InBackground(lambda: cancel(during))
+            wait_for(lambda: h.db.backends(WEB, waiting_on_lock=True), 15, "the cancel to wait")
             reaper.commit()
-        assert runs(h.db, [during.id])[during.id]["state"] == "retrying"
-        accepted = cancel(during)
+        accepted = waiting.result()
         assert accepted.status_code == 200, accepted.text
         assert accepted.json()["state"] == "cancelled"
+        assert accepted.json()["cancelRequested"] is False
+        assert runs(h.db, [during.id])[during.id]["state"] == "cancelled"
 
         # 2. The cancel holds the (now retrying) row, uncommitted, when a worker claims: the
         #    claim skips the locked row instead of leasing it; after the commit it is cancelled.
