@@ -5,12 +5,16 @@ Definitions, runs, attempts and their minute counts live in the database of thei
 audit, shard leases, queue settings) in the control database, `default`. Unset, every shard is
 on the control database and each alias below is `default`.
 
-- `alias_of_shard(n)`, `databases()`, `shards_on(alias)`: the map.
+- `alias_of_shard(n)`, `databases()`, `shards_on(alias)`: the map; a shard moved by
+  `manage.py moveshard` is placed by its row in the control database (`refresh`), and
+  `moving()` names the shards being moved (their writes refused: `writable`, `Moving`).
 - A run's id names its shard: ids are `sequence value × ID_SPACE + shard`, so
   `shard_of_run(id)` needs no lookup. The sequence is per database; ids of two databases
   never meet because their shards differ.
 - `using(alias)`: the shard database that ORM queries of sharded models go to inside the
-  block (the router below reads it), and `current()` for raw SQL.
+  block (the router below reads it), and `current()` and `cursor()` for raw SQL;
+  `reaching`, `writing`, `writing_everywhere` and `gather` read and write one database or all
+  of them, turning a database that is down into `Unavailable` or a named gap in a list.
 
 Every database holds the same schema (`manage.py migrate` migrates each); rows of a kind are
 only ever written to the database this module names.
