@@ -28,11 +28,22 @@ DEFAULT_TIME_ZONE = "UTC"
 DEFAULT_JITTER_SECONDS = 60
 DEFAULT_MISSED_RUN_POLICY = "run_once"
 MISSED_RUN_POLICIES = ("run_once", "run_all", "skip")
+DEFAULT_OVERLAP_POLICY = "allow_all"
+# What a cron fire time does while runs of the definition are not finished (the materialiser
+# applies it: apps/scheduler/materialiser.py). In words for people: the job page and form.
+OVERLAP_POLICIES = {
+    "allow_all": "a new run at every fire time, whatever is waiting or running",
+    "skip": "no new run while one is waiting or running",
+    "buffer_one": "no new run while one is waiting; one may wait behind a running one",
+    "cancel_other": "a new run cancels the waiting ones and asks the running ones to stop",
+}
 DEFAULT_SHARD_COUNT = 16
 # A delay this long is certainly a unit mistake, and it keeps every due time inside datetime's range.
 MAX_DELAY_SECONDS = 10 * 366 * 24 * 3600
 
-CRON_KEYS = frozenset({"cron", "timeZone", "jitterSeconds", "missedRunPolicy", "startAt", "endAt"})
+CRON_KEYS = frozenset(
+    {"cron", "timeZone", "jitterSeconds", "missedRunPolicy", "startAt", "endAt", "overlapPolicy"}
+)
 BOUND_KEYS = frozenset({"startAt", "endAt"})
 ONE_OFF_KEYS = frozenset({"runAt"})
 DELAYED_KEYS = frozenset({"delaySeconds"})
@@ -53,6 +64,9 @@ class CronSchedule:
     ``start_at`` and ``end_at`` (aware, UTC, or None) bound the nominal fire times, both ends
     inclusive: none before ``start_at``, none after ``end_at``. Jitter may start the last run up
     to ``jitter_seconds`` after ``end_at``; its due time is inside.
+
+    ``overlap_policy`` (one of OVERLAP_POLICIES) says what a fire time does while runs of the
+    definition are waiting or leased; the materialiser applies it.
     """
 
     cron: str
@@ -61,6 +75,7 @@ class CronSchedule:
     missed_run_policy: str = DEFAULT_MISSED_RUN_POLICY
     start_at: datetime | None = None
     end_at: datetime | None = None
+    overlap_policy: str = DEFAULT_OVERLAP_POLICY
 
 
 @dataclass(frozen=True)
@@ -107,7 +122,7 @@ def parse_schedule(raw: object) -> Schedule:
             {
                 "schedule": f"unknown field{'s' if len(unknown) > 1 else ''} {listed}; "
                 "expected cron (with timeZone, jitterSeconds, missedRunPolicy, startAt, "
-                "endAt), runAt, or delaySeconds"
+                "endAt, overlapPolicy), runAt, or delaySeconds"
             }
         )
     kinds = [
@@ -120,14 +135,18 @@ def parse_schedule(raw: object) -> Schedule:
         if keys & group
     ]
     bounded = sorted(keys & BOUND_KEYS)
-    if bounded and "cron" not in keys and len(kinds) > 1:
-        raise ScheduleError(
-            {
-                f"schedule.{key}": "bounds only a cron schedule; a one-off or delayed schedule "
-                "runs once, at its own time"
-                for key in bounded
-            }
-        )
+    if "cron" not in keys and len(kinds) > 1 and (bounded or "overlapPolicy" in keys):
+        errors = {
+            f"schedule.{key}": "bounds only a cron schedule; a one-off or delayed schedule "
+            "runs once, at its own time"
+            for key in bounded
+        }
+        if "overlapPolicy" in keys:
+            errors["schedule.overlapPolicy"] = (
+                "applies only to a cron schedule; a one-off or delayed schedule has one run, "
+                "which nothing can overlap"
+            )
+        raise ScheduleError(errors)
     if len(kinds) > 1:
         raise ScheduleError(
             {
@@ -194,7 +213,8 @@ def _parse_cron(raw: dict) -> CronSchedule:
     expression = raw.get("cron")
     if "cron" not in raw:
         errors["schedule.cron"] = (
-            "is required with timeZone, jitterSeconds, missedRunPolicy, startAt or endAt"
+            "is required with timeZone, jitterSeconds, missedRunPolicy, startAt, endAt or "
+            "overlapPolicy"
         )
     elif not isinstance(expression, str) or not expression.strip():
         errors["schedule.cron"] = f"must be a cron expression: 5 fields ({FIELD_LAYOUT}) or a macro"
@@ -237,6 +257,11 @@ def _parse_cron(raw: dict) -> CronSchedule:
     if policy not in MISSED_RUN_POLICIES or not isinstance(policy, str):
         errors["schedule.missedRunPolicy"] = f"must be one of {', '.join(MISSED_RUN_POLICIES)}"
 
+    # As missedRunPolicy: null is no policy, not the default one.
+    overlap = raw.get("overlapPolicy", DEFAULT_OVERLAP_POLICY)
+    if not isinstance(overlap, str) or overlap not in OVERLAP_POLICIES:
+        errors["schedule.overlapPolicy"] = f"must be one of {', '.join(OVERLAP_POLICIES)}"
+
     bounds: dict[str, datetime | None] = {"startAt": None, "endAt": None}
     for key in bounds:
         # null reads as absent: a client may send every field, unset ones as null.
@@ -266,6 +291,7 @@ def _parse_cron(raw: dict) -> CronSchedule:
         missed_run_policy=policy,
         start_at=start_at,
         end_at=end_at,
+        overlap_policy=overlap,
     )
 
 
@@ -277,6 +303,7 @@ def schedule_to_json(schedule: Schedule) -> dict:
             "timeZone": schedule.time_zone,
             "jitterSeconds": schedule.jitter_seconds,
             "missedRunPolicy": schedule.missed_run_policy,
+            "overlapPolicy": schedule.overlap_policy,
         }
         # Only when set, so an unbounded schedule keeps the form it had before bounds existed.
         if schedule.start_at is not None:

@@ -47,6 +47,9 @@ class TickReport:
     reaped: int = 0
     materialised: int = 0
     inserted: int = 0
+    # Fire times an overlap policy left without a run; runs cancel_other cancelled or asked to stop.
+    skipped: int = 0
+    cancelled: int = 0
 
 
 class Scheduler:
@@ -214,6 +217,8 @@ class Scheduler:
             return False
         self.report.materialised += result.definitions
         self.report.inserted += result.inserted
+        self.report.skipped += result.skipped
+        self.report.cancelled += result.cancelled
         return result.full
 
     # --- the loop ------------------------------------------------------------------------------

@@ -3,12 +3,20 @@
 A definition's `next_due_at` is its next nominal fire time (UTC) that has no run yet; NULL when
 nothing more is scheduled. For each due definition the materialiser inserts the runs of its fire
 times up to `now + lookahead` and moves `next_due_at` past them, all set-based: one SELECT,
-one INSERT (apps.runs.store.insert_runs), one UPDATE per batch.
+one INSERT (apps.runs.store.insert_runs), one UPDATE per batch, and a statement or two more
+when the batch holds definitions with an overlap policy.
 
 Fire times the scheduler reaches more than `grace` after they were due are *missed* (the
 scheduler was stopped or the database was down): they follow the definition's missedRunPolicy
 and are inserted with trigger `catch_up`. The grace is longer than a failover plus a slow tick
 can explain, so ordinary lateness never collapses runs. See `grace_for`.
+
+A cron schedule's overlapPolicy judges each fire time against the definition's runs that are
+not finished, whatever created them (cron, catch-up, API, dashboard, backfill): *waiting*
+(scheduled, ready, retrying: WAITING_STATES) or *leased*. See `keep_slots` for what each policy
+keeps, and OVERLAPPING / LOCK_OTHERS for why the judgement holds against concurrent claims.
+A definition with a policy other than allow_all is materialised at its fire time, not up to
+the lookahead ahead of it: ahead of time its runs would be judged against runs still running.
 """
 
 from __future__ import annotations
@@ -24,13 +32,18 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError, OperationalError, transaction
+from django.db.backends.utils import CursorWrapper
 
+from apps.audit.record import TARGETS_SHOWN, Actor, record
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
 from apps.runs import shards
 from apps.runs.clock import format_utc
+from apps.runs.ids import public_run_id
 from apps.runs.models import Trigger
 from apps.runs.store import NewRun, array_literal, atomic, insert_runs, server_cursor
+from apps.runs.transitions import CANCEL
+from apps.teams.models import Team
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +57,71 @@ FOR SHARE
 
 # Served by the partial index job_due_by_shard (shard, next_due_at) WHERE NOT paused AND
 # next_due_at IS NOT NULL. SKIP LOCKED: a definition being edited is taken next tick instead of
-# stalling the shard behind the editor's transaction.
+# stalling the shard behind the editor's transaction. A definition with an overlap policy is
+# due at its fire time, not within the lookahead (module docstring); the test of its schedule
+# filters rows the index found.
 SELECT_DUE = """
 SELECT id, name, schedule::text, next_due_at FROM jobs_jobdefinition
 WHERE shard = %(shard)s AND NOT paused AND next_due_at IS NOT NULL AND next_due_at <= %(horizon)s
+  AND (next_due_at <= %(now)s OR coalesce(schedule ->> 'overlapPolicy', 'allow_all') = 'allow_all')
 ORDER BY next_due_at
 LIMIT %(batch)s
 FOR UPDATE OF jobs_jobdefinition SKIP LOCKED
 """
 
+# skip and buffer_one: does the definition have a waiting run, a leased one? Each EXISTS is one
+# probe of a partial index, run_waiting_by_def (definition_id, …) WHERE state IN the waiting
+# states, or run_leased_by_def (definition_id) WHERE state = 'leased', stopping at the first
+# entry. Race-free without locking the runs: the definitions are locked (SELECT_DUE), so no other
+# materialiser adds to them, and claim, heartbeat, complete, fail and the reaper only move a
+# run from waiting to leased, between leased and retrying, or out to a finished state. So what
+# this snapshot finds absent stays absent until we commit, except a failure sending the leased
+# run back to retrying: for buffer_one that retry then waits beside the buffered run, exactly
+# as if it had failed a moment after our commit. (Runs created through the API or the
+# dashboard, and a DLQ requeue, are not serialised with the materialiser: README.)
+OVERLAPPING = """
+SELECT d.id,
+       EXISTS (SELECT FROM runs_run r WHERE r.definition_id = d.id
+               AND r.state IN ('scheduled', 'ready', 'retrying')) AS waiting,
+       EXISTS (SELECT FROM runs_run r WHERE r.definition_id = d.id
+               AND r.state = 'leased') AS leased
+FROM unnest(%(ids)s::bigint[]) AS d(id)
+"""
+
+# cancel_other, step 1: the definition's runs to cancel (waiting) or to ask to stop (leased,
+# not asked yet), all but the run of the fire time itself (its key: after a failover it may
+# exist already), found through run_waiting_by_def and run_leased_by_def (one branch each: an OR
+# of both states would walk every run of the definition by run_definition_key_unique). They are
+# locked with SKIP LOCKED, and every run found is answered with whether we hold it now. We hold
+# the definition, and a claim of a limited definition takes its runs before the definition
+# (store.py, step 2): waiting for a run's lock here could deadlock with it. So a definition with
+# a run that another transaction holds (a claim, a heartbeat, a report; or a run that finished
+# meanwhile) is left whole to the next tick. FOR UPDATE re-reads each row in its latest
+# version: a run leased by a claim that committed after our snapshot is locked as leased.
+# Step 2 is the cancel people ask for (apps.runs.transitions.CANCEL), on the runs locked here: a
+# waiting run ends cancelled now; a leased one is told at its next heartbeat and ends cancelled
+# when its worker reports or its lease expires.
+LOCK_OTHERS = """
+WITH k AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(keys)s::text[]) AS k(definition_id, idempotency_key)
+), found AS (
+    SELECT r.id, r.definition_id, r.team_id
+    FROM k JOIN runs_run r ON r.definition_id = k.definition_id
+    WHERE r.state IN ('scheduled', 'ready', 'retrying') AND r.idempotency_key <> k.idempotency_key
+    UNION ALL
+    SELECT r.id, r.definition_id, r.team_id
+    FROM k JOIN runs_run r ON r.definition_id = k.definition_id
+    WHERE r.state = 'leased' AND NOT r.cancel_requested AND r.idempotency_key <> k.idempotency_key
+), held AS (
+    SELECT r.id FROM runs_run r
+    WHERE r.id IN (SELECT id FROM found)
+      AND (r.state IN ('scheduled', 'ready', 'retrying')
+           OR (r.state = 'leased' AND NOT r.cancel_requested))
+    FOR UPDATE SKIP LOCKED
+)
+SELECT f.definition_id, f.id, f.team_id, h.id IS NOT NULL
+FROM found f LEFT JOIN held h ON h.id = f.id
+"""
 # One statement moves every definition of the batch; the note is kept unless a new one is set.
 # The arrays arrive as array literals (see store.array_literal). Served by the primary key: the
 # redundant `d.id = ANY(…)` makes the planner fetch the batch's rows by key instead of hashing
@@ -114,6 +183,7 @@ class Plan:
     next_due_at: datetime | None
     jitter_seconds: int = 0
     note: str | None = None
+    overlap_policy: str = sched.DEFAULT_OVERLAP_POLICY
 
 
 @dataclass
@@ -125,6 +195,10 @@ class BatchResult:
     inserted: int = 0
     bad: list[str] = field(default_factory=list)
     full: bool = False
+    # Fire times an overlap policy left without a run, and runs cancel_other cancelled or asked
+    # to stop.
+    skipped: int = 0
+    cancelled: int = 0
 
 
 def _latest(
@@ -169,9 +243,12 @@ def plan_cron(
 
     1. Times in [next_due_at, now - grace) are missed: run_once keeps the latest, run_all the
        latest `missed_cap` (noting the cap), skip none; all are `catch_up` runs.
-    2. Times in [max(next_due_at, now - grace), horizon] are ordinary `cron` runs.
+    2. Times in [max(next_due_at, now - grace), horizon] are ordinary `cron` runs; with an
+       overlap policy other than allow_all, horizon is `now` (judged at the fire time).
     3. The next due time is the first fire time after horizon (None if the cron never fires again).
     """
+    if schedule.overlap_policy != sched.DEFAULT_OVERLAP_POLICY:
+        horizon = min(horizon, now)
     start = next_due_at - JUST_BEFORE
     cutoff = now - grace
     slots: list[Slot] = []
@@ -196,7 +273,31 @@ def plan_cron(
     else:
         nxt = firetimes.next_fire_times(schedule, horizon, 1)
         following = nxt[0].utc if nxt else None
-    return Plan(tuple(slots), following, schedule.jitter_seconds, note)
+    return Plan(tuple(slots), following, schedule.jitter_seconds, note, schedule.overlap_policy)
+
+
+def keep_slots(
+    policy: str, slots: tuple[Slot, ...], *, waiting: bool, leased: bool
+) -> tuple[Slot, ...]:
+    """Return the slots an overlap policy keeps, given whether the definition has a waiting
+    run and a leased one. The slots are judged in order, each seeing the runs the earlier ones
+    made (a catch-up after an outage: the first run inserted makes the later times overlap):
+
+    - allow_all: every slot.
+    - skip: the first, if no run is waiting or leased; else none.
+    - buffer_one: the first, if no run is waiting (a leased one may be running); else none.
+    - cancel_other: the last; each would cancel the one before. The caller cancels the
+      definition's other waiting runs and asks its leased ones to stop.
+    """
+    if not slots or policy == "allow_all":
+        return slots
+    if policy == "skip":
+        return () if waiting or leased else slots[:1]
+    if policy == "buffer_one":
+        return () if waiting else slots[:1]
+    if policy == "cancel_other":
+        return slots[-1:]
+    raise ValueError(f"unknown overlap policy {policy!r}")
 
 
 def plan_definition(
@@ -266,7 +367,7 @@ class _PlanCache:
         return plan
 
 
-def _runs_for(definition_id: int, name: str, plan: Plan) -> list[NewRun]:
+def _runs_for(definition_id: int, name: str, slots: tuple[Slot, ...], plan: Plan) -> list[NewRun]:
     jitter = timedelta(seconds=sched.jitter_offset(name, plan.jitter_seconds))
     return [
         NewRun(
@@ -276,7 +377,7 @@ def _runs_for(definition_id: int, name: str, plan: Plan) -> list[NewRun]:
             available_at=slot.start or slot.utc + jitter,
             idempotency_key=sched.idempotency_key(name, slot.local_iso),
         )
-        for slot in plan.slots
+        for slot in slots
     ]
 
 
@@ -311,6 +412,114 @@ def _insert_isolating(groups: Sequence[tuple[int, str, list[NewRun]]]) -> tuple[
     return inserted, failed
 
 
+def _overlap_kept(
+    cursor: CursorWrapper, planned: Sequence[tuple[int, str, Plan]]
+) -> dict[int, tuple[Slot, ...]]:
+    """Return the slots that skip and buffer_one keep, by definition id (the others keep all:
+    cancel_other's are cut by keep_slots alone). One statement (OVERLAPPING) for the batch."""
+    judged = {
+        definition_id: plan
+        for definition_id, _, plan in planned
+        if plan.slots and plan.overlap_policy in ("skip", "buffer_one")
+    }
+    kept = {
+        definition_id: keep_slots(plan.overlap_policy, plan.slots, waiting=False, leased=False)
+        for definition_id, _, plan in planned
+        if plan.slots and plan.overlap_policy == "cancel_other"
+    }
+    if judged:
+        cursor.execute(OVERLAPPING, {"ids": array_literal(sorted(judged))})
+        for definition_id, waiting, leased in cursor.fetchall():
+            plan = judged[definition_id]
+            kept[definition_id] = keep_slots(
+                plan.overlap_policy, plan.slots, waiting=waiting, leased=leased
+            )
+    return kept
+
+
+def _log_skipped(name: str, plan: Plan, kept: tuple[Slot, ...], result: BatchResult) -> None:
+    """Count and log (info) the fire times an overlap policy left without a run."""
+    skipped = [slot for slot in plan.slots if slot not in kept]
+    if skipped:
+        result.skipped += len(skipped)
+        log.info(
+            "%s: overlapPolicy %s: no run for %s",
+            name,
+            plan.overlap_policy,
+            ", ".join(format_utc(slot.utc) for slot in skipped),
+        )
+
+
+def _cancel_others(
+    cursor: CursorWrapper, cancelling: Sequence[tuple[int, str, NewRun]], result: BatchResult
+) -> set[int]:
+    """cancel_other: cancel each definition's other waiting runs and ask its leased ones to stop,
+    in the transaction that inserts its new run; audit one event per definition that had any.
+
+    Return the ids of the definitions left to the next tick (a run of theirs was held by another
+    transaction, see LOCK_OTHERS): nothing of theirs is changed or inserted now.
+    """
+    cursor.execute(
+        LOCK_OTHERS,
+        {
+            "ids": array_literal([definition_id for definition_id, _, _ in cancelling]),
+            "keys": array_literal([run.idempotency_key for _, _, run in cancelling]),
+        },
+    )
+    found = cursor.fetchall()
+    postponed = {definition_id for definition_id, _, _, held in found if not held}
+    chosen = {
+        run_id: (definition_id, team_id)
+        for definition_id, run_id, team_id, _ in found
+        if definition_id not in postponed
+    }
+    names = {definition_id: (name, run) for definition_id, name, run in cancelling}
+    for definition_id in sorted(postponed):
+        log.info(
+            "%s: overlapPolicy cancel_other found a run held by another transaction; "
+            "its fire time is left to the next tick",
+            names[definition_id][0],
+        )
+    if not chosen:
+        return postponed
+    cursor.execute(CANCEL, {"ids": array_literal(sorted(chosen))})
+    changed: dict[int, list[tuple[int, int, str]]] = {}
+    for run_id, _, state in cursor.fetchall():
+        definition_id, team_id = chosen[run_id]
+        changed.setdefault(definition_id, []).append((run_id, team_id, state))
+    result.cancelled += sum(len(runs) for runs in changed.values())
+    # The audit trail is in the control database, whose transaction is open around this one.
+    teams = Team.objects.in_bulk({runs[0][1] for runs in changed.values()})
+    for definition_id, runs in sorted(changed.items()):
+        name, new_run = names[definition_id]
+        run_ids = sorted(run_id for run_id, _, _ in runs)
+        cancelled = sum(1 for _, _, state in runs if state == "cancelled")
+        log.info(
+            "%s: overlapPolicy cancel_other cancelled %d waiting run%s and asked %d leased to "
+            "stop, for the run due %s",
+            name,
+            cancelled,
+            "" if cancelled == 1 else "s",
+            len(runs) - cancelled,
+            format_utc(new_run.due_at),
+        )
+        record(
+            Actor.system("scheduler"),
+            "job.overlap_cancel",
+            team=teams.get(runs[0][1]),
+            target_type="job",
+            target=name,
+            after={
+                "overlapPolicy": "cancel_other",
+                "dueAt": format_utc(new_run.due_at),
+                "cancelled": cancelled,
+                "cancelRequested": len(runs) - cancelled,
+                "runIds": [public_run_id(run_id) for run_id in run_ids[:TARGETS_SHOWN]],
+            },
+        )
+    return postponed
+
+
 def materialise_batch(
     *,
     shard: int,
@@ -325,9 +534,13 @@ def materialise_batch(
     """Materialise up to `batch` due definitions of one shard, in one transaction.
 
     1. Check (FOR SHARE) that this node still holds the shard with this epoch; if not, write nothing.
-    2. Lock the due definitions (next_due_at <= now + lookahead), oldest first, skipping locked ones.
+    2. Lock the due definitions (next_due_at <= now + lookahead; <= now with an overlap policy),
+       oldest first, skipping locked ones.
     3. Plan each in Python; a definition whose schedule raises is pushed BAD_DEFINITION_RETRY ahead.
-    4. Insert every run with one insert_runs call, then advance every next_due_at with one UPDATE.
+    4. Apply the overlap policies: skip and buffer_one read the definitions' runs (one
+       statement), cancel_other cancels the others (two; a definition whose runs another
+       transaction holds keeps its next_due_at for the next tick).
+    5. Insert every run with one insert_runs call, then advance every next_due_at with one UPDATE.
     `now` is the database clock read once per tick. `full` says a full batch was taken: call again.
     """
     horizon = now + lookahead
@@ -350,14 +563,16 @@ def materialise_batch(
             atomic(savepoint=False),
             server_cursor() as cursor,
         ):
-            cursor.execute(SELECT_DUE, {"shard": shard, "horizon": horizon, "batch": batch})
+            cursor.execute(
+                SELECT_DUE, {"shard": shard, "now": now, "horizon": horizon, "batch": batch}
+            )
             rows = cursor.fetchall()
             result.definitions = len(rows)
             result.full = len(rows) == batch
             if not rows:
                 return result
 
-            groups: list[tuple[int, str, list[NewRun]]] = []
+            planned: list[tuple[int, str, Plan]] = []
             ids: list[int] = []
             next_due: list[datetime | None] = []
             notes: list[str | None] = []
@@ -365,7 +580,6 @@ def materialise_batch(
             for definition_id, name, raw_schedule, due_at in rows:
                 try:
                     plan = plans.plan(name, raw_schedule, due_at)
-                    runs = _runs_for(definition_id, name, plan)
                 except Exception:  # noqa: BLE001 - one bad definition must not stop the shard
                     log.exception(
                         "cannot compute the schedule of %s (id %s); next try at %s",
@@ -380,10 +594,43 @@ def materialise_batch(
                     continue
                 if plan.note:
                     log.warning("%s: %s", name, plan.note)
-                groups.append((definition_id, name, runs))
+                planned.append((definition_id, name, plan))
                 ids.append(definition_id)
                 next_due.append(plan.next_due_at)
                 notes.append(plan.note)
+
+            kept = _overlap_kept(cursor, planned)
+            groups: list[tuple[int, str, list[NewRun]]] = []
+            cancelling: list[tuple[int, str, NewRun]] = []
+            for definition_id, name, plan in planned:
+                try:
+                    runs = _runs_for(definition_id, name, kept.get(definition_id, plan.slots), plan)
+                except Exception:  # noqa: BLE001 - one bad definition must not stop the shard
+                    log.exception(
+                        "cannot compute the runs of %s (id %s); next try at %s",
+                        name,
+                        definition_id,
+                        retry_at.isoformat(),
+                    )
+                    result.bad.append(name)
+                    index = ids.index(definition_id)
+                    next_due[index], notes[index] = retry_at, None
+                    continue
+                groups.append((definition_id, name, runs))
+                if plan.overlap_policy == "cancel_other" and runs:
+                    cancelling.append((definition_id, name, runs[-1]))
+
+            postponed = _cancel_others(cursor, cancelling, result) if cancelling else set()
+            if postponed:
+                groups = [group for group in groups if group[0] not in postponed]
+                due_of = {row[0]: row[3] for row in rows}
+                for index, definition_id in enumerate(ids):
+                    if definition_id in postponed:
+                        # Unchanged: the next tick judges this fire time again.
+                        next_due[index], notes[index] = due_of[definition_id], None
+            for definition_id, name, plan in planned:
+                if definition_id in kept and definition_id not in postponed:
+                    _log_skipped(name, plan, kept[definition_id], result)
 
             result.inserted, failed = _insert_isolating(groups)
             if failed:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from importlib import import_module
+
 import pytest
+from django.db import connection
 
 from apps.audit.models import AuditEvent
 from apps.jobs.models import JobDefinition
@@ -18,6 +21,7 @@ EXPORT = {
         "timeZone": "Europe/Berlin",
         "jitterSeconds": 0,
         "missedRunPolicy": "run_once",
+        "overlapPolicy": "allow_all",
     },
     "queue": "billing",
     "priority": "critical",
@@ -49,6 +53,7 @@ def test_defaults_fill_in(api_a):
         "timeZone": "UTC",
         "jitterSeconds": 60,
         "missedRunPolicy": "run_once",
+        "overlapPolicy": "allow_all",
     }
     assert body["priority"] == "default" and body["queue"] == "default"
 
@@ -270,6 +275,22 @@ def assert_problem(answer, field: str) -> str:
             "schedule.endAt",
             "cron",
         ),
+        (
+            {"cron": "0 2 * * *", "overlapPolicy": "queue"},
+            "schedule.overlapPolicy",
+            "must be one of allow_all, skip, buffer_one, cancel_other",
+        ),
+        ({"cron": "0 2 * * *", "overlapPolicy": None}, "schedule.overlapPolicy", "must be one of"),
+        (
+            {"runAt": "2030-01-01T00:00:00Z", "overlapPolicy": "skip"},
+            "schedule.overlapPolicy",
+            "only to a cron schedule",
+        ),
+        (
+            {"delaySeconds": 60, "overlapPolicy": "cancel_other"},
+            "schedule.overlapPolicy",
+            "only to a cron schedule",
+        ),
     ],
 )
 def test_a_bad_cron_or_bound_is_a_problem_naming_the_field(api_a, schedule, field, says):
@@ -346,3 +367,60 @@ def test_the_preview_of_an_unsaved_schedule_shows_the_day_rules(api_a):
         "2028-02-18T09:00:00+01:00",
         "2028-03-17T09:00:00+01:00",
     ]
+
+
+# --- overlap policy ---------------------------------------------------------------------------
+
+
+def test_an_overlap_policy_is_stored_answered_changed_and_audited(api_a):
+    schedule = {"cron": "*/5 * * * *", "overlapPolicy": "skip"}
+    created = api_a.post("/api/v1/jobs", {"name": "etl.load", "schedule": schedule})
+    assert created.status_code == 201, created.text
+    assert created.json()["schedule"] == {
+        "cron": "*/5 * * * *",
+        "timeZone": "UTC",
+        "jitterSeconds": 60,
+        "missedRunPolicy": "run_once",
+        "overlapPolicy": "skip",
+    }
+    assert JobDefinition.objects.get().schedule["overlapPolicy"] == "skip"
+
+    patched = api_a.patch(
+        "/api/v1/jobs/etl.load", {"schedule": {**schedule, "overlapPolicy": "cancel_other"}}
+    )
+
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["schedule"]["overlapPolicy"] == "cancel_other"
+    event = AuditEvent.objects.get(action="job.update")
+    assert event.before["schedule"]["overlapPolicy"] == "skip"
+    assert event.after["schedule"]["overlapPolicy"] == "cancel_other"
+    # The fire times are the cron's, whatever the policy.
+    preview = api_a.post(
+        "/api/v1/preview",
+        {"schedule": {**schedule, "jitterSeconds": 0}, "from": "2030-01-01T00:00:00Z", "count": 2},
+    )
+    assert preview.status_code == 200, preview.text
+    assert [t["utc"] for t in preview.json()["times"]] == [
+        "2030-01-01T00:05:00Z",
+        "2030-01-01T00:10:00Z",
+    ]
+
+
+def test_a_definition_stored_before_overlap_policies_gets_the_default_from_the_migration(api_a):
+    api_a.post("/api/v1/jobs", EXPORT)
+    api_a.post("/api/v1/jobs", {"name": "ops.once", "schedule": {"runAt": "2030-01-01T00:00:00Z"}})
+    before = {key: value for key, value in EXPORT["schedule"].items() if key != "overlapPolicy"}
+    JobDefinition.objects.filter(name=EXPORT["name"]).update(schedule=before)
+    migration = import_module("apps.jobs.migrations.0009_overlap_policy_default").Migration
+
+    with connection.cursor() as cursor:
+        cursor.execute(migration.operations[0].sql)
+
+    job = api_a.get("/api/v1/jobs/billing.export-invoices").json()
+    assert job["schedule"] == EXPORT["schedule"]
+    assert api_a.get("/api/v1/jobs/ops.once").json()["schedule"] == {
+        "runAt": "2030-01-01T00:00:00Z"
+    }
+    # Stated again as it was, the definition has not changed: nothing is recorded.
+    api_a.put("/api/v1/jobs/billing.export-invoices", EXPORT)
+    assert not AuditEvent.objects.filter(action="job.update").exists()

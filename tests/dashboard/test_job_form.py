@@ -40,6 +40,7 @@ def test_an_editor_creates_a_definition_from_the_form(editor_a):
         "timeZone": "Europe/Berlin",
         "jitterSeconds": 0,
         "missedRunPolicy": "run_once",
+        "overlapPolicy": "allow_all",
     }
     assert (job.priority, job.concurrency, job.payload) == (0, 1, {"format": "csv"})
     assert job.shard == shard_for(job.name) and job.next_due_at is not None
@@ -156,3 +157,58 @@ def test_the_preview_says_when_a_bounded_schedule_starts_without_marking_dst(edi
     assert ">DST<" not in text
     bad = client_for(editor_a).get("/jobs/-/preview", {**query, "end_at": "2029-01-01T00:00:00Z"})
     assert 'id="err-end_at" hx-swap-oob="true">' in bad.content.decode()
+
+
+def test_an_overlap_policy_is_chosen_saved_and_shown_on_the_job_page(editor_a):
+    client = client_for(editor_a)
+    form = client.get("/jobs/new").content.decode()
+    assert '<option value="allow_all" selected>' in form
+    assert "skip — no new run while one is waiting or running" in form
+
+    response = client.post("/jobs/new", {**FORM, "overlap_policy": "skip"})
+
+    assert response.status_code == 302, response.context["form"].errors
+    job = JobDefinition.objects.get()
+    assert job.schedule["overlapPolicy"] == "skip"
+    page = client.get(f"/jobs/{job.name}").content.decode()
+    assert '<dd id="job-overlap">skip — no new run while one is waiting or running</dd>' in page
+    edit = client.get(f"/jobs/{job.name}/edit").content.decode()
+    assert '<option value="skip" selected>' in edit
+    client.post(f"/jobs/{job.name}/edit", {**FORM, "overlap_policy": "buffer_one"})
+    job.refresh_from_db()
+    assert job.schedule["overlapPolicy"] == "buffer_one"
+    event = AuditEvent.objects.get(action="job.update")
+    assert (
+        event.before["schedule"]["overlapPolicy"],
+        event.after["schedule"]["overlapPolicy"],
+    ) == (
+        "skip",
+        "buffer_one",
+    )
+
+
+def test_a_job_without_a_cron_shows_no_overlap_and_ignores_the_select(editor_a):
+    client = client_for(editor_a)
+    once = {**FORM, "kind": "once", "run_at": "2030-01-01T00:00:00Z", "overlap_policy": "skip"}
+
+    response = client.post("/jobs/new", once)
+
+    assert response.status_code == 302, response.context["form"].errors
+    job = JobDefinition.objects.get()
+    assert job.schedule == {"runAt": "2030-01-01T00:00:00Z"}
+    assert 'id="job-overlap"' not in client.get(f"/jobs/{job.name}").content.decode()
+
+
+def test_a_bad_overlap_policy_is_a_form_error_beside_its_select(editor_a):
+    client = client_for(editor_a)
+
+    response = client.post("/jobs/new", {**FORM, "overlap_policy": "queue"})
+
+    assert response.status_code == 200
+    errors = response.context["form"].errors
+    assert list(errors) == ["overlap_policy"]
+    assert "must be one of allow_all, skip, buffer_one, cancel_other" in errors["overlap_policy"][0]
+    assert not JobDefinition.objects.exists()
+    query = {"kind": "cron", "cron": "0 2 * * *", "name": "x", "overlap_policy": "queue"}
+    preview = client.get("/jobs/-/preview", query, HTTP_HX_REQUEST="true").content.decode()
+    assert 'id="err-overlap_policy" hx-swap-oob="true">must be one of' in preview

@@ -185,6 +185,13 @@ def test_shard_count_must_be_positive():
         pytest.param({"cron": "0 2 * * *", "startAt": "9999-12-31T00:00:00Z"}, "schedule.startAt", "is later than 9999-01-01T00:00:00Z", id="startAt-past-9999"),
         pytest.param({"runAt": "2026-06-01T00:00:00Z", "endAt": "2026-07-01T00:00:00Z"}, "schedule.endAt", "bounds only a cron schedule", id="bounds-with-runAt"),
         pytest.param({"delaySeconds": 5, "startAt": "2026-06-01T00:00:00Z"}, "schedule.startAt", "bounds only a cron schedule", id="bounds-with-delay"),
+        pytest.param({"cron": "0 2 * * *", "overlapPolicy": "queue"}, "schedule.overlapPolicy", "allow_all, skip, buffer_one, cancel_other", id="bad-overlap"),
+        pytest.param({"cron": "0 2 * * *", "overlapPolicy": "SKIP"}, "schedule.overlapPolicy", "must be one of", id="overlap-case"),
+        pytest.param({"cron": "0 2 * * *", "overlapPolicy": None}, "schedule.overlapPolicy", "must be one of", id="null-overlap"),
+        pytest.param({"cron": "0 2 * * *", "overlapPolicy": ["skip"]}, "schedule.overlapPolicy", "must be one of", id="overlap-list"),
+        pytest.param({"overlapPolicy": "skip"}, "schedule.cron", "is required with", id="overlap-without-cron"),
+        pytest.param({"runAt": "2026-06-01T00:00:00Z", "overlapPolicy": "skip"}, "schedule.overlapPolicy", "only to a cron schedule", id="overlap-with-runAt"),
+        pytest.param({"delaySeconds": 5, "overlapPolicy": "allow_all"}, "schedule.overlapPolicy", "only to a cron schedule", id="overlap-with-delay"),
     ],
 )  # fmt: skip
 def test_bad_schedule_names_the_field_and_why(raw, path, reason):
@@ -224,25 +231,25 @@ def test_every_bad_cron_field_is_reported_at_once():
         pytest.param(
             {"cron": "0 2 * * *"},
             CronSchedule("0 2 * * *", "UTC", 60, "run_once"),
-            {"cron": "0 2 * * *", "timeZone": "UTC", "jitterSeconds": 60, "missedRunPolicy": "run_once"},
+            {"cron": "0 2 * * *", "timeZone": "UTC", "jitterSeconds": 60, "missedRunPolicy": "run_once", "overlapPolicy": "allow_all"},
             id="cron-defaults",
         ),
         pytest.param(
             {"cron": "  30  2 * *   * ", "timeZone": "Europe/Berlin", "jitterSeconds": 0, "missedRunPolicy": "skip"},
             CronSchedule("30 2 * * *", "Europe/Berlin", 0, "skip"),
-            {"cron": "30 2 * * *", "timeZone": "Europe/Berlin", "jitterSeconds": 0, "missedRunPolicy": "skip"},
+            {"cron": "30 2 * * *", "timeZone": "Europe/Berlin", "jitterSeconds": 0, "missedRunPolicy": "skip", "overlapPolicy": "allow_all"},
             id="cron-whitespace-normalised",
         ),
         pytest.param(
             {"cron": "*/15 * * * *", "jitterSeconds": 900, "missedRunPolicy": "run_all"},
             CronSchedule("*/15 * * * *", "UTC", 900, "run_all"),
-            {"cron": "*/15 * * * *", "timeZone": "UTC", "jitterSeconds": 900, "missedRunPolicy": "run_all"},
+            {"cron": "*/15 * * * *", "timeZone": "UTC", "jitterSeconds": 900, "missedRunPolicy": "run_all", "overlapPolicy": "allow_all"},
             id="jitter-equal-to-period",
         ),
         pytest.param(
             {"cron": "@weekly", "timeZone": "Asia/Kolkata", "jitterSeconds": 3600},
             CronSchedule("@weekly", "Asia/Kolkata", 3600, "run_once"),
-            {"cron": "@weekly", "timeZone": "Asia/Kolkata", "jitterSeconds": 3600, "missedRunPolicy": "run_once"},
+            {"cron": "@weekly", "timeZone": "Asia/Kolkata", "jitterSeconds": 3600, "missedRunPolicy": "run_once", "overlapPolicy": "allow_all"},
             id="macro",
         ),
         pytest.param(
@@ -260,14 +267,20 @@ def test_every_bad_cron_field_is_reported_at_once():
         pytest.param(
             {"cron": "0 0 LW * *", "startAt": "2026-06-01T02:00:00+02:00", "endAt": "2026-12-31T23:59:59.9999Z"},
             CronSchedule("0 0 LW * *", "UTC", 60, "run_once", datetime(2026, 6, 1, tzinfo=UTC), datetime(2026, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)),
-            {"cron": "0 0 LW * *", "timeZone": "UTC", "jitterSeconds": 60, "missedRunPolicy": "run_once", "startAt": "2026-06-01T00:00:00Z", "endAt": "2026-12-31T23:59:59.999Z"},
+            {"cron": "0 0 LW * *", "timeZone": "UTC", "jitterSeconds": 60, "missedRunPolicy": "run_once", "overlapPolicy": "allow_all", "startAt": "2026-06-01T00:00:00Z", "endAt": "2026-12-31T23:59:59.999Z"},
             id="bounds-normalised-to-utc-milliseconds",
         ),
         pytest.param(
             {"cron": "0 0 * * 5#3", "startAt": None, "endAt": "2027-01-01T00:00:00Z"},
             CronSchedule("0 0 * * 5#3", end_at=datetime(2027, 1, 1, tzinfo=UTC)),
-            {"cron": "0 0 * * 5#3", "timeZone": "UTC", "jitterSeconds": 60, "missedRunPolicy": "run_once", "endAt": "2027-01-01T00:00:00Z"},
+            {"cron": "0 0 * * 5#3", "timeZone": "UTC", "jitterSeconds": 60, "missedRunPolicy": "run_once", "overlapPolicy": "allow_all", "endAt": "2027-01-01T00:00:00Z"},
             id="null-bound-is-no-bound",
+        ),
+        pytest.param(
+            {"cron": "*/5 * * * *", "jitterSeconds": 0, "overlapPolicy": "buffer_one"},
+            CronSchedule("*/5 * * * *", "UTC", 0, "run_once", overlap_policy="buffer_one"),
+            {"cron": "*/5 * * * *", "timeZone": "UTC", "jitterSeconds": 0, "missedRunPolicy": "run_once", "overlapPolicy": "buffer_one"},
+            id="overlap-policy",
         ),
         pytest.param({"delaySeconds": 300}, DelayedSchedule(300), {"delaySeconds": 300}, id="delayed"),
         pytest.param({"delaySeconds": 0}, DelayedSchedule(0), {"delaySeconds": 0}, id="delayed-now"),
@@ -323,7 +336,9 @@ SCHEDULE_VALUES = st.one_of(
 @given(
     cron=CRON_TEXT,
     extra=st.dictionaries(
-        st.sampled_from(["timeZone", "jitterSeconds", "missedRunPolicy", "startAt", "endAt"]),
+        st.sampled_from(
+            ["timeZone", "jitterSeconds", "missedRunPolicy", "startAt", "endAt", "overlapPolicy"]
+        ),
         st.one_of(SCHEDULE_VALUES, st.datetimes(timezones=st.timezones()).map(str)),
     ),
 )
@@ -342,7 +357,7 @@ def test_parse_schedule_on_random_text_returns_or_raises_schedule_error(cron, ex
 
 
 @given(raw=st.one_of(SCHEDULE_VALUES, st.dictionaries(
-    st.sampled_from(["cron", "runAt", "delaySeconds", "timeZone", "jitterSeconds", "x"]),
+    st.sampled_from(["cron", "runAt", "delaySeconds", "timeZone", "jitterSeconds", "overlapPolicy", "x"]),
     SCHEDULE_VALUES,
 )))  # fmt: skip
 @settings(max_examples=300, deadline=None)

@@ -6,19 +6,25 @@ time below is relative to it.
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import UTC, datetime, timedelta
+from random import Random
 from zoneinfo import ZoneInfo
 
 import pytest
-from django.db import DatabaseError
+from django.db import DatabaseError, connections
 
+from apps.audit.models import AuditEvent
 from apps.jobs import firetimes, services
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
 from apps.runs import store
+from apps.runs.ids import public_run_id
 from apps.runs.models import Run
 from apps.scheduler import materialiser
 from apps.scheduler.daemon import Scheduler
+from tests.conftest import other_session
 from tests.scheduler.helpers import a_definition, db_now, floor_minute, names_in_shard
 
 pytestmark = pytest.mark.django_db
@@ -372,3 +378,342 @@ def test_a_schedule_starting_later_first_fires_at_its_start_and_not_before():
     due_times = [r.due_at for r in Run.objects.filter(definition=definition).order_by("due_at")]
     assert due_times[0] == start
     assert all(due >= start for due in due_times)
+
+
+# --- overlap policy -------------------------------------------------------------------------
+
+POLICIES = ("allow_all", "skip", "buffer_one", "cancel_other")
+# The existing runs a fire time meets: each is (state, trigger), oldest first. The waiting one
+# is an API run: runs of the definition count whatever created them.
+EXISTING = {
+    "none": (),
+    "waiting": (("scheduled", "api"),),
+    "leased": (("leased", "cron"),),
+    "leased+waiting": (("leased", "cron"), ("scheduled", "api")),
+    "retrying": (("retrying", "cron"),),
+}
+# What the fire time does: whether it inserts its run, and what becomes of the existing runs
+# ((state, cancel_requested), oldest first).
+KEEP = "keep"
+CANCEL = "cancel"
+EXPECTED = {
+    # policy: {existing: (new run?, what happens to the existing runs)}
+    "allow_all": {case: (True, KEEP) for case in EXISTING},
+    "skip": {"none": (True, KEEP)} | {case: (False, KEEP) for case in EXISTING if case != "none"},
+    "buffer_one": {
+        "none": (True, KEEP),
+        "waiting": (False, KEEP),
+        "leased": (True, KEEP),
+        "leased+waiting": (False, KEEP),
+        "retrying": (False, KEEP),
+    },
+    "cancel_other": {case: (True, CANCEL) for case in EXISTING},
+}
+
+
+def utc_key(name: str, due) -> str:
+    """The key of a cron run of a UTC schedule."""
+    return sched.idempotency_key(name, due.astimezone(ZoneInfo("UTC")))
+
+
+def existing_runs(definition: JobDefinition, due, states) -> list[int]:
+    """Runs of the definition in these states, due a minute apart before `due`, oldest first."""
+    ids = []
+    for index, (state, trigger) in enumerate(states):
+        earlier = due - timedelta(minutes=len(states) - index)
+        key = utc_key(definition.name, earlier) if trigger == "cron" else f"api-{index}"
+        [run_id] = store.insert_runs(
+            [store.NewRun(definition.pk, trigger, earlier, earlier - timedelta(minutes=5), key)]
+        )
+        if state in ("leased", "retrying"):
+            [lease] = store.claim(
+                queues=[definition.queue], max_runs=1, worker_id="w-1", lease_seconds=300
+            )
+            assert lease.id == run_id
+            if state == "retrying":
+                [outcome] = store.fail(
+                    [(run_id, lease.fencing_token, {"message": "boom"}, True)],
+                    team_ids=[definition.team_id],
+                )
+                assert outcome.state == "retrying"
+        ids.append(run_id)
+    return ids
+
+
+def after_cancel(state: str) -> tuple[str, bool]:
+    """What cancel_other makes of an existing run in this state."""
+    return ("leased", True) if state == "leased" else ("cancelled", False)
+
+
+@pytest.mark.parametrize("case", list(EXISTING))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_overlap_policy_decides_the_next_fire_time_from_the_runs_it_meets(policy, case):
+    now = db_now()
+    due = floor_minute(now)
+    schedule = {"cron": "* * * * *", "jitterSeconds": 0, "overlapPolicy": policy}
+    definition = a_definition(
+        "etl.load", schedule, due, queue="etl", retry_base_seconds=3600, retry_max_seconds=3600
+    )
+    prior = existing_runs(definition, due, EXISTING[case])
+    inserts, fate = EXPECTED[policy][case]
+
+    # A lease TTL of 60 s makes the grace cover the minute: the fire time is a plain cron run.
+    # No lookahead: allow_all would take the next minute's run too.
+    report = a_scheduler(lease_seconds=60, lookahead_seconds=0).tick()
+
+    new = list(Run.objects.filter(definition=definition, due_at=due))
+    assert [(run.trigger, run.state) for run in new] == ([("cron", "scheduled")] if inserts else [])
+    states = [
+        (run.state, run.cancel_requested)
+        for run in sorted(Run.objects.filter(pk__in=prior), key=lambda run: run.due_at)
+    ]
+    if fate == KEEP:
+        assert states == [(state, False) for state, _ in EXISTING[case]]
+    else:
+        assert states == [after_cancel(state) for state, _ in EXISTING[case]]
+    assert (report.inserted, report.skipped) == (int(inserts), int(not inserts))
+    assert report.cancelled == (len(prior) if fate == CANCEL else 0)
+    definition.refresh_from_db()
+    assert definition.next_due_at == due + timedelta(minutes=1)
+    events = list(AuditEvent.objects.filter(action="job.overlap_cancel"))
+    assert len(events) == (1 if fate == CANCEL and prior else 0)
+
+
+def test_cancel_other_audits_one_event_per_fire_time_with_its_counts():
+    now = db_now()
+    due = floor_minute(now)
+    schedule = {"cron": "* * * * *", "jitterSeconds": 0, "overlapPolicy": "cancel_other"}
+    definition = a_definition("etl.latest", schedule, due, queue="etl")
+    leased, waiting = existing_runs(definition, due, EXISTING["leased+waiting"])
+
+    a_scheduler(lease_seconds=60).tick()
+
+    event = AuditEvent.objects.get(action="job.overlap_cancel")
+    assert (event.source, event.actor, event.team_id) == ("system", "scheduler", definition.team_id)
+    assert (event.target_type, event.target) == ("job", "etl.latest")
+    assert event.after == {
+        "overlapPolicy": "cancel_other",
+        "dueAt": due.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "cancelled": 1,
+        "cancelRequested": 1,
+        "runIds": [public_run_id(leased), public_run_id(waiting)],
+    }
+    # The leased run's worker is told at its next heartbeat.
+    lease = Run.objects.get(pk=leased)
+    [outcome] = store.heartbeat([(leased, lease.fencing_token)], team_ids=[definition.team_id])
+    assert (outcome.status, outcome.code) == (409, "cancelled")
+
+
+def test_cancel_other_spares_the_run_of_its_own_fire_time():
+    # A failover: the run of this fire time exists already (the first owner inserted it).
+    now = db_now()
+    due = floor_minute(now)
+    schedule = {"cron": "* * * * *", "jitterSeconds": 0, "overlapPolicy": "cancel_other"}
+    definition = a_definition("etl.again", schedule, due, queue="etl")
+    [own] = store.insert_runs(
+        [store.NewRun(definition.pk, "cron", due, due, utc_key(definition.name, due))]
+    )
+
+    report = a_scheduler(lease_seconds=60).tick()
+
+    assert Run.objects.get(pk=own).state == "scheduled"
+    assert Run.objects.filter(definition=definition).count() == 1
+    assert (report.inserted, report.cancelled) == (0, 0)
+
+
+def test_a_definition_with_an_overlap_policy_is_materialised_at_its_fire_time_not_ahead():
+    now = db_now()
+    due = floor_minute(now) + timedelta(minutes=1)
+    skip_name, free_name = names_in_shard(4, 2, prefix="ahead")
+    cron = {"cron": "* * * * *", "jitterSeconds": 0}
+    policed = a_definition(skip_name, {**cron, "overlapPolicy": "skip"}, due)
+    free = a_definition(free_name, cron, due)
+    scheduler = a_scheduler(lookahead_seconds=120)
+
+    scheduler.tick()
+
+    # The lookahead takes the free one's run early; the policed one waits for its time, when
+    # the runs it is judged against are the ones of that time.
+    assert Run.objects.filter(definition=free).count() >= 1
+    assert not Run.objects.filter(definition=policed).exists()
+    policed.refresh_from_db()
+    assert policed.next_due_at == due
+    scheduler.now = due
+    scheduler.handle_one_materialise(4)
+    assert [r.due_at for r in Run.objects.filter(definition=policed)] == [due]
+    policed.refresh_from_db()
+    assert policed.next_due_at == due + timedelta(minutes=1)
+
+
+@pytest.mark.parametrize(
+    ("policy", "kept"), [("skip", "first"), ("buffer_one", "first"), ("cancel_other", "last")]
+)
+def test_a_catch_up_after_an_outage_keeps_one_run_the_first_making_the_others_overlap(policy, kept):
+    now = db_now()
+    stopped_at = floor_minute(now) - timedelta(minutes=10)
+    schedule = {
+        "cron": "* * * * *",
+        "jitterSeconds": 0,
+        "missedRunPolicy": "run_all",
+        "overlapPolicy": policy,
+    }
+    definition = a_definition(f"etl.outage-{policy}", schedule, stopped_at)
+    scheduler = a_scheduler()
+    times = firetimes.fire_times_between(
+        sched.parse_schedule(schedule), stopped_at - timedelta(seconds=1), now, 100
+    )
+
+    report = scheduler.tick()
+
+    [run] = Run.objects.filter(definition=definition)
+    assert run.due_at == (times[0] if kept == "first" else times[-1]).utc
+    assert report.skipped == len(times) - 1 >= 9
+    definition.refresh_from_db()
+    assert now < definition.next_due_at <= now + timedelta(minutes=1)
+
+
+def test_keep_slots_judges_the_slots_in_order():
+    slots = tuple(
+        materialiser.Slot(datetime(2030, 1, 1, 0, m, tzinfo=UTC), datetime(2030, 1, 1), "cron")
+        for m in range(3)
+    )
+    keep = materialiser.keep_slots
+
+    assert keep("allow_all", slots, waiting=True, leased=True) == slots
+    assert keep("skip", slots, waiting=False, leased=False) == slots[:1]
+    assert keep("skip", slots, waiting=False, leased=True) == ()
+    assert keep("buffer_one", slots, waiting=False, leased=True) == slots[:1]
+    assert keep("buffer_one", slots, waiting=True, leased=False) == ()
+    assert keep("cancel_other", slots, waiting=True, leased=True) == slots[2:]
+    assert keep("skip", (), waiting=False, leased=False) == ()
+    with pytest.raises(ValueError, match="unknown overlap policy"):
+        keep("sometimes", slots, waiting=False, leased=False)
+
+
+# --- overlap policy against other transactions (committed data, real connections) -------------
+
+
+def a_held_shard(scheduler: Scheduler) -> Scheduler:
+    """The scheduler, holding every shard, its clock set by each test (materialise_at)."""
+    scheduler.handle_one_lease_round()
+    assert len(scheduler.held) == 16
+    return scheduler
+
+
+def materialise_at(scheduler: Scheduler, definition: JobDefinition, now: datetime) -> None:
+    scheduler.now = now
+    scheduler.handle_one_materialise(definition.shard)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_cancel_other_leaves_a_fire_time_to_the_next_tick_while_another_transaction_holds_a_run():
+    # The past, so the runs are claimable now; the materialiser's clock is the test's.
+    due = floor_minute(db_now()) - timedelta(days=1)
+    schedule = {"cron": "* * * * *", "jitterSeconds": 0, "overlapPolicy": "cancel_other"}
+    definition = a_definition("etl.held", schedule, due, queue="etl")
+    [waiting] = existing_runs(definition, due, EXISTING["waiting"])
+    scheduler = a_held_shard(a_scheduler(lease_seconds=60))
+
+    with other_session() as holder:
+        # A heartbeat, a claim or a report holds the row for a moment; this one keeps holding.
+        holder.execute("SELECT 1 FROM runs_run WHERE id = %s FOR UPDATE", [waiting])
+        materialise_at(scheduler, definition, due + timedelta(seconds=1))
+
+        assert Run.objects.get(pk=waiting).state == "scheduled"
+        assert not Run.objects.filter(definition=definition, due_at=due).exists()
+        assert JobDefinition.objects.get(pk=definition.pk).next_due_at == due
+        assert scheduler.report.cancelled == 0
+        holder.rollback()
+
+    materialise_at(scheduler, definition, due + timedelta(seconds=2))
+
+    assert Run.objects.get(pk=waiting).state == "cancelled"
+    assert Run.objects.get(definition=definition, due_at=due).state == "scheduled"
+    assert JobDefinition.objects.get(pk=definition.pk).next_due_at == due + timedelta(minutes=1)
+
+
+def unfinished(definition: JobDefinition) -> list[tuple[str, bool]]:
+    """(state, cancel_requested) of the definition's runs that are not finished."""
+    return list(
+        Run.objects.filter(definition=definition)
+        .exclude(state__in=("succeeded", "dead", "cancelled"))
+        .values_list("state", "cancel_requested")
+    )
+
+
+# What each policy promises of the runs it leaves, checked after every fire time. The claimer
+# completes runs, and fails some (skip and cancel_other only: a failed run waiting again beside a
+# buffered one is a retry, which buffer_one does not bound; see the README).
+INVARIANTS = {
+    # Never two runs that are not finished.
+    "skip": lambda runs: len(runs) <= 1,
+    # Never two waiting.
+    "buffer_one": lambda runs: sum(state != "leased" for state, _ in runs) <= 1,
+    # Only the newest neither finished nor told to stop.
+    "cancel_other": lambda runs: sum(not asked for _, asked in runs) <= 1,
+}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("policy", list(INVARIANTS))
+def test_an_overlap_policy_holds_while_a_worker_claims_and_finishes_runs_at_the_same_time(policy):
+    """The materialiser steps through 120 fire times, as fast as it can, while a worker on its
+    own connection leases the runs, keeps each for a few of those fire times, then completes it
+    (or, but for buffer_one, fails it: a retry waits again)."""
+    start = floor_minute(db_now()) - timedelta(days=1)
+    schedule = {"cron": "* * * * *", "jitterSeconds": 0, "overlapPolicy": policy}
+    definition = a_definition(
+        f"etl.busy-{policy}", schedule, start, queue="busy", retry_base_seconds=0
+    )
+    scheduler = a_held_shard(a_scheduler(lease_seconds=60))
+    stop = threading.Event()
+    leased: list[int] = []
+    random = Random(policy)
+
+    def worker() -> None:
+        held: list[tuple[store.Lease, int]] = []
+        try:
+            while not stop.is_set():
+                for lease in store.claim(
+                    queues=["busy"], max_runs=2, worker_id="w-1", lease_seconds=300
+                ):
+                    leased.append(lease.id)
+                    held.append((lease, random.randint(1, 12)))
+                done = [lease for lease, turns in held if turns <= 0]
+                held = [(lease, turns - 1) for lease, turns in held if turns > 0]
+                failing = policy != "buffer_one" and random.random() < 0.3
+                if done and failing:
+                    items = [
+                        (lease.id, lease.fencing_token, {"message": "x"}, True) for lease in done
+                    ]
+                    store.fail(items, team_ids=[definition.team_id])
+                elif done:
+                    items = [(lease.id, lease.fencing_token, None) for lease in done]
+                    store.complete(items, team_ids=[definition.team_id])
+                time.sleep(random.random() / 500)
+        finally:
+            connections.close_all()
+
+    claimer = threading.Thread(target=worker)
+    claimer.start()
+    broken = []
+    try:
+        for minute in range(120):
+            materialise_at(scheduler, definition, start + timedelta(minutes=minute, seconds=1))
+            runs = unfinished(definition)
+            if not INVARIANTS[policy](runs):
+                broken.append((minute, runs))
+            time.sleep(random.random() / 500)
+    finally:
+        stop.set()
+        claimer.join(timeout=30)
+
+    assert broken == []
+    created = Run.objects.filter(definition=definition).count()
+    # Both sides did something: runs were leased, and fire times were both run and skipped.
+    assert len(set(leased)) >= 10
+    assert 10 <= created
+    if policy != "cancel_other":
+        assert created < 120
+    else:
+        assert Run.objects.filter(definition=definition, cancel_requested=True).exists()

@@ -53,7 +53,7 @@ def no_default(schema: dict[str, Any]) -> None:
 SCHEDULE_SCHEMA: dict[str, Any] = {
     "description": (
         "One of: cron (`cron` with optional `timeZone`, `jitterSeconds`, `missedRunPolicy`, "
-        "`startAt`, `endAt`), "
+        "`startAt`, `endAt`, `overlapPolicy`), "
         "one-off (`runAt`), delayed (`delaySeconds`), or `{}` for runs only triggered through "
         "the API or the dashboard."
     ),
@@ -100,6 +100,16 @@ SCHEDULE_SCHEMA: dict[str, Any] = {
                     "format": "date-time",
                     "description": "No fire time after this instant (with an offset or Z); "
                     "a fire time exactly at it runs. After startAt.",
+                },
+                "overlapPolicy": {
+                    "type": "string",
+                    "enum": list(sched.OVERLAP_POLICIES),
+                    "default": sched.DEFAULT_OVERLAP_POLICY,
+                    "description": "What a fire time does while runs of the job are waiting "
+                    "(scheduled, ready, retrying) or leased, whatever created them: `allow_all` "
+                    "a new run anyway; `skip` no new run; `buffer_one` no new run while one is "
+                    "waiting; `cancel_other` a new run, and the others are cancelled (waiting) "
+                    "or asked to stop (leased).",
                 },
             },
             "required": ["cron"],

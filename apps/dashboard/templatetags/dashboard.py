@@ -12,6 +12,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 
+from apps.jobs import schedule as sched
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import PRIORITY_NAMES
@@ -110,6 +111,15 @@ def pretty_json(value: Any) -> str:
 @register.filter
 def compact_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+
+
+@register.filter
+def overlap_policy(value: str | None) -> str:
+    """A schedule's overlapPolicy in words ("skip — no new run while one is waiting or running");
+    a schedule stored without one has the default."""
+    policy = value or sched.DEFAULT_OVERLAP_POLICY
+    words = sched.OVERLAP_POLICIES.get(policy)
+    return f"{policy} — {words}" if words else policy
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
