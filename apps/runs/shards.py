@@ -42,6 +42,7 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import QuerySet
 
 from scheduler_site import shardmap
+from scheduler_site.database import config_from_url
 from scheduler_site.shardmap import ShardMap
 
 # Shards a key of a run or definition can name: keys are a multiple of this plus the shard. The
@@ -152,8 +153,6 @@ def connect(url: str) -> str:
 
 def _register(alias: str, url: str) -> None:
     """Make a Django connection alias for a database a shard moved to."""
-    from scheduler_site.database import config_from_url
-
     template = settings.DATABASES[CONTROL]
     config = config_from_url(
         url,

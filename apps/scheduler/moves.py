@@ -10,7 +10,8 @@ window, with nothing lost or duplicated.
    leased, again and again until none is leased. Claims pass locked runs by (SKIP LOCKED);
    leased runs finish or expire as usual meanwhile. Past `wait` seconds with runs still leased,
    the move is refused and undone, naming them.
-4. Copy definitions, runs and attempts (COPY, binary) into one transaction on the target, with
+4. Copy definitions, runs, attempts and rate-window starts (COPY, binary) into one
+   transaction on the target, with
    fencing tokens lifted above the target's own (monotonic per run, as before), and compare
    the row counts and an MD5 checksum of every copied row on both sides.
 5. Commit the target, then point the shard at the target in the control database (the map's
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from django.conf import settings
 from django.core.management import call_command
 from django.db import connections, transaction
+from psycopg import sql as psql
 
 from apps.runs import shards
 from apps.runs.ids import public_run_id
@@ -86,8 +88,18 @@ SELECTS = {
         "SELECT {columns} FROM runs_attempt"
         " WHERE run_id IN (SELECT id FROM runs_run WHERE shard = %(shard)s)"
     ),
+    # The rate windows' starts: a rate limit holds across the move.
+    "runs_ratestart": (
+        "SELECT {columns} FROM runs_ratestart"
+        " WHERE definition_id IN (SELECT id FROM jobs_jobdefinition WHERE shard = %(shard)s)"
+    ),
 }
-ORDER = {"jobs_jobdefinition": "id", "runs_run": "id", "runs_attempt": "run_id, number"}
+ORDER = {
+    "jobs_jobdefinition": "id",
+    "runs_run": "id",
+    "runs_attempt": "run_id, number",
+    "runs_ratestart": "definition_id, started_at",
+}
 CHECKSUM = """
 SELECT count(*), coalesce(md5(string_agg(r::text, '|' ORDER BY {order})), '')
 FROM ({select}) AS r
@@ -124,9 +136,15 @@ WITH runs AS (SELECT id FROM runs_run WHERE shard = %(shard)s),
 attempts AS (DELETE FROM runs_attempt WHERE run_id IN (SELECT id FROM runs))
 DELETE FROM runs_run WHERE id IN (SELECT id FROM runs)
 """
-DELETE_DEFINITIONS = "DELETE FROM jobs_jobdefinition WHERE shard = %(shard)s"
+DELETE_DEFINITIONS = """
+WITH definitions AS (SELECT id FROM jobs_jobdefinition WHERE shard = %(shard)s),
+starts AS (DELETE FROM runs_ratestart WHERE definition_id IN (SELECT id FROM definitions))
+DELETE FROM jobs_jobdefinition WHERE id IN (SELECT id FROM definitions)
+"""
 
-COPIED_TABLES = ("jobs_jobdefinition", "runs_run", "runs_attempt")
+COPIED_TABLES = ("jobs_jobdefinition", "runs_run", "runs_attempt", "runs_ratestart")
+# Tables whose own key the target's sequence gives (nothing refers to it).
+FRESH_KEYS = ("runs_attempt", "runs_ratestart")
 
 
 class MoveError(Exception):
@@ -245,7 +263,7 @@ def _copy(shard: int, source: str, target: str, report: Moved) -> None:
         columns = _columns(source, table)
         if columns != _columns(target, table):
             raise MoveError(f"{table} differs between the databases: migrate both first.")
-        if table == "runs_attempt":
+        if table in FRESH_KEYS:
             columns = [c for c in columns if c != "id"]
         lifted = ", ".join(
             f"{c} + {int(lift)} AS {c}" if c == "fencing_token" and table != "jobs_jobdefinition"
@@ -291,8 +309,6 @@ def _copy(shard: int, source: str, target: str, report: Moved) -> None:
 
 def _inline(cursor, sql: str, params: dict) -> str:
     """COPY takes no parameters: the statement with them bound (by psycopg, quoted)."""
-    from psycopg import sql as psql
-
     return (
         psql.SQL(sql.replace("%(shard)s", "{shard}"))
         .format(shard=psql.Literal(params["shard"]))

@@ -16,7 +16,7 @@ from apps.jobs.enqueue import Wanted, enqueue_many
 from apps.jobs.models import JobDefinition
 from apps.jobs.schedule import shard_for
 from apps.runs import shards, store
-from apps.runs.models import Run, ShardPlacement
+from apps.runs.models import RateStart, Run, ShardPlacement
 from apps.runs.shards import MOVED_CONSTRAINT_PREFIX
 from apps.scheduler import moves
 from tests.conftest import Drain, Layout, assert_invariants_everywhere, claim
@@ -55,10 +55,15 @@ def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
     target_url = layout.servers[1].url
     shard = shards.shards_on(source)[0]
     moving_jobs = []
-    for name in _names_of_shard(shard, 2):
+    for n, name in enumerate(_names_of_shard(shard, 2)):
+        # The first is rate-limited (loosely: it must not hold the drain back), so its window's
+        # starts move too.
+        limit = {"rate_limit_count": 100_000, "rate_limit_period_seconds": 3600} if n == 0 else {}
         with shards.using(source):
             moving_jobs.append(
-                JobDefinition.objects.create(team=team_a, name=name, queue="q", timeout_seconds=60)
+                JobDefinition.objects.create(
+                    team=team_a, name=name, queue="q", timeout_seconds=60, **limit
+                )
             )
     staying = layout.job_on(target, team_a, "stay")
     made: list[int] = []
@@ -95,6 +100,13 @@ def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
     assert report.rows["jobs_jobdefinition"] == len(moving_jobs)
     assert report.rows["runs_run"] >= 300
     assert report.rows["runs_attempt"] > 0
+    rated = moving_jobs[0].pk
+    assert report.rows["runs_ratestart"] > 0
+    assert not RateStart.objects.using(source).filter(definition_id=rated).exists()
+    assert (
+        RateStart.objects.using(target).filter(definition_id=rated).count()
+        >= report.rows["runs_ratestart"]
+    )
     assert any(f"shard {shard} is moving" in detail for detail in refused)
     assert shards.alias_of_shard(shard) == target
     placed = ShardPlacement.objects.using(shards.CONTROL).get(shard=shard)
