@@ -155,7 +155,8 @@ def test_a_paused_definition_is_refused_to_the_api(web, operator_a, job_a, asgi_
 def test_editing_a_cron_previews_it_saves_it_and_the_audit_shows_the_diff(web, editor_a, team_a):
     spec = services.DefinitionSpec(
         name="reports.nightly", schedule={"cron": "0 2 * * *", "timeZone": "Europe/Berlin",
-        "jitterSeconds": 0, "missedRunPolicy": "run_once"}, queue="reports", priority=1,
+        "jitterSeconds": 0, "missedRunPolicy": "run_once", "overlapPolicy": "allow_all"},
+        queue="reports", priority=1,
         timeout_seconds=600, retry_max_attempts=3, retry_base_seconds=30, retry_max_seconds=1800,
         concurrency=None, payload={}, paused=False, dry_run=False,
     )  # fmt: skip
