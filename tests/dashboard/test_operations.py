@@ -111,6 +111,25 @@ def test_the_job_page_shows_why_definition(viewer_a, team_a):
     assert f'href="/runs/{holder.run_id}"' in body
 
 
+def test_the_job_page_states_its_rate_limit_and_its_limit_per_key(viewer_a, team_a):
+    limited = make_definition(
+        team_a,
+        "export.limited",
+        queue="exports",
+        rate_limit_count=100,
+        rate_limit_period_seconds=60,
+        concurrency_per_key=1,
+        concurrency_key_field="customer",
+    )
+    body = client_for(viewer_a).get(f"/jobs/{limited.name}").content.decode()
+    assert '<dd id="job-rate-limit">100 starts per 60 s (sliding window)</dd>' in body
+    assert "1 leased run per concurrency key; cron runs keyed by the payload" in body
+    assert '<span class="mono">customer</span>' in body
+    plain = make_definition(team_a, "export.plain", queue="exports")
+    body = client_for(viewer_a).get(f"/jobs/{plain.name}").content.decode()
+    assert 'id="job-rate-limit"' not in body and 'id="job-per-key"' not in body
+
+
 # --- owner and runbook ----------------------------------------------------------------------
 
 
