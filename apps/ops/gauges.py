@@ -41,6 +41,8 @@ class Snapshot:
     dead_rows: dict[str, int] = field(default_factory=dict)
     autovacuum: bool = True
     databases: list[ShardDatabase] = field(default_factory=list)
+    # Per rate-limited job: (starts within its window, its count).
+    rate_limits: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 # Claimable runs per (team, queue, priority): apps.runs.depth, from the partial index
@@ -58,6 +60,15 @@ SELECT s.shard, coalesce(extract(epoch FROM now() - (
     SELECT min(next_due_at) FROM jobs_jobdefinition d
     WHERE d.shard = s.shard AND NOT d.paused AND d.next_due_at IS NOT NULL)), 0)
 FROM unnest(%(shards)s::int[]) AS s(shard)
+"""
+# The rate-limited definitions and the starts within their windows: the definitions are few
+# (only those with a rate limit), each window read from ratestart_window.
+RATE_LIMITS = """
+SELECT d.name, d.rate_limit_count,
+       (SELECT count(*) FROM runs_ratestart s
+        WHERE s.definition_id = d.id
+          AND s.started_at > now() - make_interval(secs => d.rate_limit_period_seconds))
+FROM jobs_jobdefinition d WHERE d.rate_limit_count IS NOT NULL
 """
 # In the control database.
 OWNERS = (
@@ -108,6 +119,10 @@ def read() -> Snapshot:
                 cursor.execute(DLQ, {"teams": list(slugs)})
                 for team_id, dead in cursor.fetchall():
                     snapshot.dlq[slugs[team_id]] += dead
+                cursor.execute(RATE_LIMITS)
+                snapshot.rate_limits.update(
+                    (name, (used, count)) for name, count, used in cursor.fetchall()
+                )
                 cursor.execute(LAG, {"shards": shards.shards_on(alias)})
                 snapshot.lag.update(
                     (shard, max(0.0, float(lag))) for shard, lag in cursor.fetchall()

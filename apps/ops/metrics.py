@@ -91,6 +91,17 @@ class DatabaseCollector:
             "Age of the oldest transaction another session holds open in this shard database.",
             labels=["shards"],
         )
+        rate_used = GaugeMetricFamily(
+            "scheduler_rate_limit_used",
+            "Leases started within the rate window of a rate-limited job.",
+            labels=["job"],
+        )
+        rate_count = GaugeMetricFamily(
+            "scheduler_rate_limit", "The starts a rate-limited job's window allows.", labels=["job"]
+        )
+        for job, (used, count) in sorted(snapshot.rate_limits.items()):
+            rate_used.add_metric([job], used)
+            rate_count.add_metric([job], count)
         for database in snapshot.databases:
             up.add_metric([database.shards], 1 if database.up else 0)
             if database.up:
@@ -109,6 +120,8 @@ class DatabaseCollector:
             up,
             backlog,
             open_for,
+            rate_used,
+            rate_count,
         ]
 
 

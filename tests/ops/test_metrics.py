@@ -143,3 +143,16 @@ def test_dead_row_versions_and_autovacuum_are_reported(api_a, team_a):
     # Autovacuum may remove some in between, but not 30 at once within the naptime of a minute.
     assert value(samples, "scheduler_dead_row_versions", table="runs_run") >= before + 20
     assert value(samples, "scheduler_autovacuum_enabled") == (1.0 if autovacuum else 0.0)
+
+
+def test_a_rate_limited_jobs_window_is_a_gauge(api_a, team_a):
+    limited = make_definition(
+        team_a, "mail.limited", queue="mail", rate_limit_count=3, rate_limit_period_seconds=60
+    )
+    add_ready_runs(limited, 5)
+    before = scrape(api_a)
+    assert value(before, "scheduler_rate_limit", job="mail.limited") == 3
+    assert value(before, "scheduler_rate_limit_used", job="mail.limited") == 0
+    assert len(api_a.lease(["mail"], 5)) == 3
+    after = scrape(api_a)
+    assert value(after, "scheduler_rate_limit_used", job="mail.limited") == 3
