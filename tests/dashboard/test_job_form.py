@@ -212,3 +212,39 @@ def test_a_bad_overlap_policy_is_a_form_error_beside_its_select(editor_a):
     query = {"kind": "cron", "cron": "0 2 * * *", "name": "x", "overlap_policy": "queue"}
     preview = client.get("/jobs/-/preview", query, HTTP_HX_REQUEST="true").content.decode()
     assert 'id="err-overlap_policy" hx-swap-oob="true">must be one of' in preview
+
+
+def test_limits_are_set_in_the_form_and_a_half_given_rate_limit_is_refused_beside_it(editor_a):
+    client = client_for(editor_a)
+    limited = {
+        **FORM,
+        "concurrency_per_key": "1",
+        "concurrency_key_field": "customer",
+        "rate_limit_count": "100",
+        "rate_limit_period_seconds": "60",
+    }
+
+    response = client.post("/jobs/new", limited)
+
+    assert response.status_code == 302, response.context["form"].errors
+    job = JobDefinition.objects.get()
+    assert (job.concurrency_per_key, job.concurrency_key_field) == (1, "customer")
+    assert (job.rate_limit_count, job.rate_limit_period_seconds) == (100, 60)
+    edit = client.get(f"/jobs/{job.name}/edit").content.decode()
+    assert 'name="rate_limit_count" value="100"' in edit
+    # Emptied, the limits go.
+    cleared = {
+        **FORM,
+        "concurrency_per_key": "",
+        "rate_limit_count": "",
+        "rate_limit_period_seconds": "",
+    }
+    assert client.post(f"/jobs/{job.name}/edit", cleared).status_code == 302
+    job.refresh_from_db()
+    assert (job.concurrency_per_key, job.rate_limit_count) == (None, None)
+
+    half = client.post(f"/jobs/{job.name}/edit", {**FORM, "rate_limit_count": "5"})
+    assert half.status_code == 200
+    assert "rate_limit_period_seconds" in half.context["form"].errors
+    job.refresh_from_db()
+    assert job.rate_limit_count is None  # nothing saved
