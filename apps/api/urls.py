@@ -42,6 +42,7 @@ urlpatterns = [
     path("api/v1/jobs/<str:name>/backfill", ops.JobBackfillView.as_view(), name="api-job-backfill"),
     path("api/v1/queues", ops.QueuesView.as_view(), name="api-queues"),
     path("api/v1/alerts", ops.AlertsView.as_view(), name="api-alerts"),
+    path("api/v1/queues/<str:name>", ops.QueueSettingsView.as_view(), name="api-queue"),
     path("api/v1/queues/<str:name>/pause", ops.QueuePauseView.as_view(), name="api-queue-pause"),
     path("api/v1/queues/<str:name>/resume", ops.QueueResumeView.as_view(), name="api-queue-resume"),
     # Schema and health

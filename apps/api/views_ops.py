@@ -32,6 +32,10 @@ def queue_json(queue: queues.QueueView) -> shape.Queue:
         oldestReadyAt=format_utc(queue.oldest_ready_at),
         lastLeasedAt=format_utc(queue.last_leased_at),
         lastWorkerId=queue.last_worker_id,
+        rateLimit=None
+        if queue.rate is None
+        else {"count": queue.rate.count, "periodSeconds": queue.rate.period_seconds},
+        rateUsed=None if queue.rate is None else queue.rate.used,
     )
 
 
@@ -107,6 +111,44 @@ class QueuesView(ManageView):
         return Response(shape.QueueList(results=[queue_json(q) for q in found]))
 
 
+def _queue_name(name: str) -> None:
+    reason = limits.queue_name_problem(name)
+    if reason is not None:
+        raise ValidationError({"name": [reason]})
+
+
+def _queue_answer(request: Request, view: ManageView, name: str) -> Response:
+    (answer,) = [q for q in queues.overview(view.team(request)) if q.name == name]
+    return Response(queue_json(answer))
+
+
+class QueueSettingsView(ManageView):
+    @extend_schema(
+        operation_id="putQueue",
+        summary="Set a queue's rate limit (and, when given, its pause)",
+        description=(
+            "A rate limit holds for the queue's jobs together, on top of each job's own. "
+            "Audited as `queue.update`. Needs the `manage` scope."
+        ),
+        tags=["operations"],
+        parameters=[doc.QUEUE_NAME],
+        request=shape.QueueSettings,
+        responses=doc.responses({200: shape.Queue}, *doc.BODY_PROBLEMS),
+    )
+    def put(self, request: Request, name: str) -> Response:
+        _queue_name(name)
+        body = self.body(request, shape.QueueSettings)
+        rate = body.rateLimit
+        services.set_queue_settings(
+            self.team(request),
+            name,
+            self.actor(request),
+            rate_limit=None if rate is None else (rate.count, rate.periodSeconds),
+            paused=body.paused,
+        )
+        return _queue_answer(request, self, name)
+
+
 class QueuePauseView(ManageView):
     paused = True
 
@@ -119,12 +161,9 @@ class QueuePauseView(ManageView):
         responses=doc.responses({200: shape.Queue}, 400),
     )
     def post(self, request: Request, name: str) -> Response:
-        reason = limits.queue_name_problem(name)
-        if reason is not None:
-            raise ValidationError({"name": [reason]})
+        _queue_name(name)
         services.set_queue_paused(self.team(request), name, self.paused, self.actor(request))
-        (answer,) = [q for q in queues.overview(self.team(request)) if q.name == name]
-        return Response(queue_json(answer))
+        return _queue_answer(request, self, name)
 
 
 class QueueResumeView(QueuePauseView):

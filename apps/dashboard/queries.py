@@ -16,6 +16,7 @@ from django.db.models import Q, QuerySet
 
 from apps.audit.models import AuditEvent
 from apps.jobs.models import JobDefinition, Queue, database_of
+from apps.jobs.queues import RateWindow, rate_window
 from apps.runs import counters, depth, shards
 from apps.runs.models import (
     FINISHED_STATES,
@@ -214,6 +215,7 @@ class QueueRow:
     name: str
     paused: bool
     lanes: dict[str, dict[str, Any]]
+    rate: RateWindow | None = None
 
     @property
     def ready(self) -> int:
@@ -248,7 +250,9 @@ def queues(teams: list[Any], now: datetime) -> list[QueueRow]:
     for team_id, name in (pair for part in named for pair in part):
         row(team_id, name)
     for queue in Queue.objects.filter(team_id__in=team_ids):
-        row(queue.team_id, queue.name).paused = queue.paused
+        found = row(queue.team_id, queue.name)
+        found.paused = queue.paused
+        found.rate = rate_window(queue, now)
     for lane in queue_depth(team_ids, now):
         row(lane["team_id"], lane["queue"]).lanes[lane["priority_name"]] = lane
     return sorted(rows.values(), key=lambda r: (r.team.slug, r.name))

@@ -9,6 +9,7 @@ from typing import Any
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition, Queue, database_of
+from apps.jobs.queues import rate_window
 from apps.runs import shards
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
@@ -102,6 +103,26 @@ def _rate_limited(definition: JobDefinition, now: datetime) -> list[Reason]:
     ]
 
 
+def _queue_rate_limited(queue: Queue, now: datetime) -> list[Reason]:
+    window = rate_window(queue, now)
+    if window is None or not window.full:
+        return []
+    opens = window.next_slot_in or 0.0
+    return [
+        Reason(
+            "rate_limit",
+            f"Rate limit of the queue {queue.name}: {window.count}/{window.period_seconds} s, "
+            f"all used; the next slot opens in {opens:.0f} s.",
+            {
+                "queue": queue.name,
+                "count": window.count,
+                "periodSeconds": window.period_seconds,
+                "nextSlotInSeconds": round(opens, 3),
+            },
+        )
+    ]
+
+
 def _key_held(run: Run) -> list[Reason]:
     definition = run.definition
     if definition.concurrency_per_key is None or run.concurrency_key is None:
@@ -145,6 +166,8 @@ def _holds_of_definition(
             )
     if definition.rate_limit_count is not None:
         reasons += _rate_limited(definition, now)
+    if queue is not None:
+        reasons += _queue_rate_limited(queue, now)
     if queue is None or queue.last_leased_at is None or now - queue.last_leased_at > WORKER_SILENCE:
         last = queue.last_leased_at if queue is not None else None
         reasons.append(

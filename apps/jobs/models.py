@@ -126,6 +126,11 @@ class Queue(models.Model):
     # process), so "why is this not running?" can say that no worker is leasing the queue.
     last_leased_at = models.DateTimeField(null=True, blank=True)
     last_worker_id = models.CharField(max_length=200, blank=True, default="")
+    # At most `rate_limit_count` leases started from the queue (every job of it together) in
+    # any window of `rate_limit_period_seconds`: a sliding window over QueueStart, kept here in
+    # the control database so that it holds across shard databases (apps/runs/leasing.py).
+    rate_limit_count = models.PositiveIntegerField(null=True, blank=True)
+    rate_limit_period_seconds = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -134,3 +139,18 @@ class Queue(models.Model):
 
     def __str__(self) -> str:
         return f"{self.team_id}:{self.name}"
+
+
+class QueueStart(models.Model):
+    """One lease started from a rate-limited queue: the claim counts those within the queue's
+    window under the queue's row lock and drops the older ones (apps/runs/store.py)."""
+
+    id = models.BigAutoField(primary_key=True)
+    queue = models.ForeignKey(Queue, on_delete=models.CASCADE, db_index=False)
+    started_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [models.Index(fields=["queue", "started_at"], name="queuestart_window")]
+
+    def __str__(self) -> str:
+        return f"queue {self.queue_id} started a lease at {self.started_at}"

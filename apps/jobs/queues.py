@@ -1,13 +1,44 @@
-"""Queues as people see them: depth by priority, oldest ready run, pause state, last worker."""
+"""Queues as people see them: depth by priority, oldest ready run, pause state, last worker,
+rate limit and its use."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from apps.jobs.models import Queue
+from django.db.models import Count, Min
+
+from apps.jobs.models import Queue, QueueStart
 from apps.runs import depth
+from apps.runs.clock import database_now
 from apps.runs.models import PRIORITY_NAMES
+
+
+@dataclass(frozen=True)
+class RateWindow:
+    count: int
+    period_seconds: int
+    used: int  # leases started within the window
+    next_slot_in: float | None  # seconds until the oldest of them leaves it
+
+    @property
+    def full(self) -> bool:
+        return self.used >= self.count
+
+
+def rate_window(queue: Queue, now: datetime) -> RateWindow | None:
+    """The queue's rate window as the claim counts it (served by queuestart_window)."""
+    if queue.rate_limit_count is None:
+        return None
+    period = queue.rate_limit_period_seconds
+    found = QueueStart.objects.filter(
+        queue=queue, started_at__gt=now - timedelta(seconds=period)
+    ).aggregate(used=Count("id"), oldest=Min("started_at"))
+    oldest = found["oldest"]
+    opens = None
+    if oldest is not None:
+        opens = max(0.0, (oldest + timedelta(seconds=period) - now).total_seconds())
+    return RateWindow(queue.rate_limit_count, period, found["used"], opens)
 
 
 @dataclass
@@ -18,6 +49,7 @@ class QueueView:
     oldest_ready_at: datetime | None = None
     last_leased_at: datetime | None = None
     last_worker_id: str = ""
+    rate: RateWindow | None = None
 
 
 def overview(team) -> list[QueueView]:
@@ -25,11 +57,13 @@ def overview(team) -> list[QueueView]:
     views: dict[str, QueueView] = {}
     for name in team.jobs.values_list("queue", flat=True).distinct():
         views.setdefault(name, QueueView(name))
+    now = database_now()
     for queue in Queue.objects.filter(team=team):
         view = views.setdefault(queue.name, QueueView(queue.name))
         view.paused = queue.paused
         view.last_leased_at = queue.last_leased_at
         view.last_worker_id = queue.last_worker_id
+        view.rate = rate_window(queue, now)
     for lane in depth.claimable([team.pk]):
         view = views.setdefault(lane.queue, QueueView(lane.queue))
         view.depth[PRIORITY_NAMES[lane.priority]] = lane.ready

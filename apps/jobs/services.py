@@ -14,8 +14,8 @@ from django.db import transaction
 from apps.audit.record import Actor, record
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
-from apps.jobs.models import JobDefinition, Queue, database_to_write
-from apps.runs import payloads, shards
+from apps.jobs.models import JobDefinition, Queue, QueueStart, database_to_write
+from apps.runs import leasing, payloads, shards
 from apps.runs.clock import database_now
 from apps.runs.models import PRIORITY_NAMES
 from apps.runs.store import notify_ready
@@ -225,6 +225,47 @@ def set_paused(definition: JobDefinition, paused: bool, actor: Actor) -> JobDefi
             after={"paused": paused},
         )
     return locked
+
+
+def queue_settings(queue: Queue) -> dict[str, Any]:
+    """A queue's settings as the API and the audit show them."""
+    rate = None
+    if queue.rate_limit_count is not None:
+        rate = {"count": queue.rate_limit_count, "periodSeconds": queue.rate_limit_period_seconds}
+    return {"paused": queue.paused, "rateLimit": rate}
+
+
+def set_queue_settings(
+    team, queue_name: str, actor: Actor, *, rate_limit: tuple[int, int] | None, paused: bool | None
+) -> Queue:
+    """Set a queue's rate limit (None: no limit) and, when given, its pause; audited once.
+
+    A new limit holds at once in this process and within a second in every other
+    (apps/runs/leasing.py, QUEUE_LIMITS_SECONDS); the starts already in the window count."""
+    with transaction.atomic():
+        queue, _ = Queue.objects.select_for_update().get_or_create(team=team, name=queue_name)
+        before = queue_settings(queue)
+        queue.rate_limit_count, queue.rate_limit_period_seconds = rate_limit or (None, None)
+        if paused is not None:
+            queue.paused = paused
+        after = queue_settings(queue)
+        if after != before:
+            queue.save()
+            if rate_limit is None:
+                QueueStart.objects.filter(queue=queue).delete()
+            record(
+                actor,
+                "queue.update",
+                team=team,
+                target_type="queue",
+                target=queue_name,
+                before=before,
+                after=after,
+            )
+            if before["paused"] and not queue.paused:
+                notify_ready([queue_name])
+            transaction.on_commit(leasing.queue_limits.forget)
+    return queue
 
 
 def set_queue_paused(team, queue_name: str, paused: bool, actor: Actor) -> Queue:

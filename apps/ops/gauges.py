@@ -43,6 +43,8 @@ class Snapshot:
     databases: list[ShardDatabase] = field(default_factory=list)
     # Per rate-limited job: (starts within its window, its count).
     rate_limits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Per rate-limited queue, by (team slug, queue): the same.
+    queue_rate_limits: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
 
 
 # Claimable runs per (team, queue, priority): apps.runs.depth, from the partial index
@@ -70,7 +72,14 @@ SELECT d.name, d.rate_limit_count,
           AND s.started_at > now() - make_interval(secs => d.rate_limit_period_seconds))
 FROM jobs_jobdefinition d WHERE d.rate_limit_count IS NOT NULL
 """
-# In the control database.
+# In the control database: the rate-limited queues (few) and their windows (queuestart_window).
+QUEUE_RATE_LIMITS = """
+SELECT q.team_id, q.name, q.rate_limit_count,
+       (SELECT count(*) FROM jobs_queuestart s
+        WHERE s.queue_id = q.id
+          AND s.started_at > now() - make_interval(secs => q.rate_limit_period_seconds))
+FROM jobs_queue q WHERE q.rate_limit_count IS NOT NULL
+"""
 OWNERS = (
     "SELECT shard, CASE WHEN expires_at > now() THEN owner ELSE '' END FROM scheduler_shardlease"
 )
@@ -108,6 +117,10 @@ def read() -> Snapshot:
         snapshot.owners = dict(cursor.fetchall())
         cursor.execute(NODES)
         snapshot.nodes = {node: float(age) for node, age in cursor.fetchall()}
+        cursor.execute(QUEUE_RATE_LIMITS)
+        snapshot.queue_rate_limits = {
+            (slugs[team], queue): (used, count) for team, queue, count, used in cursor.fetchall()
+        }
         if shards.CONTROL not in shards.databases():
             _health(cursor, snapshot)
     snapshot.dlq = dict.fromkeys(slugs.values(), 0)

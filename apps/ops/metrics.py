@@ -102,6 +102,19 @@ class DatabaseCollector:
         for job, (used, count) in sorted(snapshot.rate_limits.items()):
             rate_used.add_metric([job], used)
             rate_count.add_metric([job], count)
+        queue_used = GaugeMetricFamily(
+            "scheduler_queue_rate_limit_used",
+            "Leases started within the rate window of a rate-limited queue.",
+            labels=["team", "queue"],
+        )
+        queue_count = GaugeMetricFamily(
+            "scheduler_queue_rate_limit",
+            "The starts a rate-limited queue's window allows.",
+            labels=["team", "queue"],
+        )
+        for (team, queue), (used, count) in sorted(snapshot.queue_rate_limits.items()):
+            queue_used.add_metric([team, queue], used)
+            queue_count.add_metric([team, queue], count)
         for database in snapshot.databases:
             up.add_metric([database.shards], 1 if database.up else 0)
             if database.up:
@@ -122,6 +135,8 @@ class DatabaseCollector:
             open_for,
             rate_used,
             rate_count,
+            queue_used,
+            queue_count,
         ]
 
 

@@ -12,6 +12,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 # A waiting lease call claims again at least this often: a freed concurrency slot sends no
 # NOTIFY (that would be one per completion), nor does a NOTIFY lost with a dropped connection.
 RECHECK_SECONDS = 2.0
+# How stale a process's list of rate-limited queues may be: a queue given a rate limit is held
+# to it by every web process within this time (at once by the process that set it).
+QUEUE_LIMITS_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,33 @@ class LeaseRequest:
 
 class _WorkerGone(Exception):
     """Raised inside the claim's transaction to roll it back."""
+
+
+class _QueueLimits:
+    """The rate-limited queues, read again from the control database once they are older than
+    QUEUE_LIMITS_SECONDS: one statement a second per process, not one per lease request."""
+
+    def __init__(self) -> None:
+        self._read_at = float("-inf")
+        self._queues: list[store.LimitedQueue] = []
+
+    def forget(self) -> None:
+        """Read them again on the next request (a queue's limit changed in this process)."""
+        self._read_at = float("-inf")
+
+    def asked(self, request: LeaseRequest) -> list[store.LimitedQueue]:
+        if time.monotonic() - self._read_at > QUEUE_LIMITS_SECONDS:
+            self._queues = store.limited_queues()
+            self._read_at = time.monotonic()
+        return [
+            queue
+            for queue in self._queues
+            if queue.name in request.queues
+            and (request.team_ids is None or queue.team_id in request.team_ids)
+        ]
+
+
+queue_limits = _QueueLimits()
 
 
 def claim_or_wait(
@@ -72,7 +103,7 @@ def claim_or_wait(
             return render([])
         seen = listener.generation
         lanes = store.control_lanes(request.queues, request.team_ids) if shards.physical() else None
-        held: dict[str, ExitStack] = {}
+        held = _Held()
         try:
             leases = _claim_everywhere(request, lanes, held)
             answer = render(leases)
@@ -99,9 +130,20 @@ def claim_or_wait(
 _rotation = itertools.count()
 
 
-def _finish(held: dict[str, ExitStack], error: BaseException | None) -> list[str]:
+class _Held(dict[str, ExitStack]):
+    """A request's open claim transaction on each database; `rated` when the control
+    database's holds the starts of rate-limited queues (it was opened first: it commits first)."""
+
+    rated = False
+
+
+def _finish(held: _Held, error: BaseException | None) -> list[str]:
     """Commit each database's claim transaction (roll back, given the `error` that ended the
-    request); return the shard databases whose commit failed (their server went away)."""
+    request); return the shard databases whose commit failed (their server went away).
+
+    The control database's comes first when the request took rooms in rate-limited queues
+    (`_queue_rooms`): when it fails to commit, the starts it recorded are gone, so every other
+    claim rolls back with it."""
     lost = []
     for alias, transaction in held.items():
         try:
@@ -109,16 +151,19 @@ def _finish(held: dict[str, ExitStack], error: BaseException | None) -> list[str
                 transaction.close()
             else:
                 transaction.__exit__(type(error), error, error.__traceback__)
-        except (OperationalError, InterfaceError):
+        except (OperationalError, InterfaceError) as exc:
             if not shards.physical() or error is not None:
                 raise
             logger.warning("shard database %s failed to commit a claim", alias, exc_info=True)
             lost.append(alias)
+            if held.rated and alias == shards.CONTROL:
+                error = exc
+                lost.extend(other for other in held if other != alias)
     return lost
 
 
 def _claim_everywhere(
-    request: LeaseRequest, lanes: store.Lanes | None, held: dict[str, ExitStack]
+    request: LeaseRequest, lanes: store.Lanes | None, held: _Held
 ) -> list[store.Lease]:
     """Claim from every shard database, one transaction each, all held open until the caller
     has built its answer (`held`, by database); a database that cannot be reached is passed
@@ -130,6 +175,7 @@ def _claim_everywhere(
     this did first, split every batch in three and halved the rate on three databases:
     bench/README.md, "Shards"). One database: one claim, as before shards had databases of
     their own."""
+    rooms = _queue_rooms(request, held)
     databases = shards.databases()
     start = next(_rotation) % len(databases)
     order = databases[start:] + databases[:start]
@@ -138,8 +184,52 @@ def _claim_everywhere(
         wanted = request.max_runs - sum(map(len, claimed.values()))
         if wanted <= 0:
             break
-        _claim_on(alias, request, lanes, wanted, held, claimed)
-    return [lease for alias in order for lease in claimed.get(alias, ())]
+        _claim_on(alias, request, lanes, wanted, held, claimed, _left(rooms, claimed))
+    leases = [lease for alias in order for lease in claimed.get(alias, ())]
+    if held.rated:
+        lanes_of = [(lease.team_id, lease.queue) for lease in leases]
+        store.record_queue_starts([rooms[lane][0] for lane in lanes_of if lane in rooms])
+    return leases
+
+
+def _queue_rooms(request: LeaseRequest, held: _Held) -> dict[tuple[int, str], tuple[int, int]]:
+    """For each rate-limited queue asked, by (team, queue): its id and the leases it may still
+    start, its row locked in a control-database transaction opened first in `held` (it records
+    the starts and commits first: store.py, "Before the claim"). With shards on databases of
+    their own, a lock not granted within the claims' lock timeout leaves those queues out of
+    this request."""
+    asked = queue_limits.asked(request)
+    if not asked:
+        return {}
+    stack = ExitStack()
+    try:
+        with shards.using(shards.CONTROL):
+            stack.enter_context(store.atomic())
+            if shards.physical():
+                store.limit_lock_waits()
+            found = store.queue_rooms(asked)
+    except BaseException as exc:
+        stack.__exit__(type(exc), exc, exc.__traceback__)
+        gave_up = isinstance(exc, OperationalError) and isinstance(
+            exc.__cause__, psycopg.errors.LockNotAvailable
+        )
+        if not gave_up:
+            raise
+        logger.info("lease request gave up waiting for a rate-limited queue's lock")
+        return {(queue.team_id, queue.name): (queue.id, 0) for queue in asked}
+    held[shards.CONTROL] = stack
+    held.rated = True
+    return {(queue.team_id, queue.name): (queue.id, found[queue.id][0]) for queue in asked}
+
+
+def _left(
+    rooms: dict[tuple[int, str], tuple[int, int]], claimed: dict[str, list[store.Lease]]
+) -> dict[tuple[int, str], int]:
+    """The room left in each rate-limited queue after this request's claims so far."""
+    if not rooms:
+        return {}
+    used = Counter((lease.team_id, lease.queue) for got in claimed.values() for lease in got)
+    return {lane: room - used[lane] for lane, (_, room) in rooms.items()}
 
 
 def _claim_on(
@@ -147,8 +237,9 @@ def _claim_on(
     request: LeaseRequest,
     lanes: store.Lanes | None,
     max_runs: int,
-    held: dict[str, ExitStack],
+    held: _Held,
     claimed: dict[str, list[store.Lease]],
+    queue_room: dict[tuple[int, str], int],
 ) -> None:
     """Claim up to `max_runs` more on one database, in this request's transaction there (begun
     by its first claim), into `claimed[alias]`."""
@@ -157,6 +248,8 @@ def _claim_on(
     try:
         with ExitStack() as mine, shards.using(alias):
             if alias not in claimed:
+                # On the control database after `_queue_rooms`, a savepoint in its transaction:
+                # a claim there that fails must not lose the queues' locks.
                 mine.enter_context(store.atomic())
                 if lanes is not None:
                     store.limit_lock_waits()
@@ -168,6 +261,7 @@ def _claim_on(
                 team_ids=request.team_ids,
                 jobs=request.jobs,
                 lanes=lanes,
+                queue_room=queue_room,
             )
             # Claimed: the transaction stays open with the others.
             if alias not in held:

@@ -242,22 +242,30 @@ def insert_keyed(runs: Sequence[NewRun], *, full: bool = False) -> dict[tuple[in
 # The lanes, read from the teams and queue settings of the same database (every shard on the
 # control database)…
 LANES_HERE = """
-    SELECT t.id AS team_id, q.name AS queue, p.priority
+    SELECT t.id AS team_id, q.name AS queue, p.priority, room.n AS room
     FROM teams_team t
     CROSS JOIN unnest(%(queues)s::text[]) AS q(name)
     CROSS JOIN (VALUES (0), (1), (2)) AS p(priority)
+    LEFT JOIN unnest(%(room_teams)s::bigint[], %(room_queues)s::text[], %(rooms)s::int[])
+         AS room(team_id, queue, n) ON room.team_id = t.id AND room.queue = q.name
     WHERE (%(team_ids)s::bigint[] IS NULL OR t.id = ANY(%(team_ids)s::bigint[]))
+      AND coalesce(room.n, 1) > 0
       AND NOT EXISTS (
           SELECT 1 FROM jobs_queue jq WHERE jq.team_id = t.id AND jq.name = q.name AND jq.paused
       )"""
 # … or, on a shard database of its own, from the control database's answer (control_lanes):
-# the teams, and the paused queues as (team, queue) pairs.
+# the teams, and the paused queues as (team, queue) pairs. Both join the room left in each
+# rate-limited queue's window (queue_rooms, taken before the claim): a lane without room is left
+# out, one with room gives at most that many candidates.
 LANES_GIVEN = """
-    SELECT t.id AS team_id, q.name AS queue, p.priority
+    SELECT t.id AS team_id, q.name AS queue, p.priority, room.n AS room
     FROM unnest(%(team_ids)s::bigint[]) AS t(id)
     CROSS JOIN unnest(%(queues)s::text[]) AS q(name)
     CROSS JOIN (VALUES (0), (1), (2)) AS p(priority)
-    WHERE NOT EXISTS (
+    LEFT JOIN unnest(%(room_teams)s::bigint[], %(room_queues)s::text[], %(rooms)s::int[])
+         AS room(team_id, queue, n) ON room.team_id = t.id AND room.queue = q.name
+    WHERE coalesce(room.n, 1) > 0
+      AND NOT EXISTS (
         SELECT 1 FROM unnest(%(paused_teams)s::bigint[], %(paused_queues)s::text[]) AS x(t, q)
         WHERE x.t = t.id AND x.q = q.name
     )"""
@@ -270,7 +278,7 @@ WITH lane AS ({{lanes}}
     -- at the head of the lane is scanned past on every claim (a known cost, see the README).
     SELECT c.* FROM lane
     CROSS JOIN LATERAL (
-        SELECT r.id, r.team_id, r.priority, r.definition_id, NULL::int AS concurrency,
+        SELECT r.id, r.team_id, r.queue, r.priority, r.definition_id, NULL::int AS concurrency,
                NULL::int AS per_key, NULL::text AS concurrency_key, NULL::int AS rate_count,
                NULL::int AS rate_period, r.available_at
         FROM runs_run r
@@ -281,7 +289,7 @@ WITH lane AS ({{lanes}}
           AND d.rate_limit_count IS NULL
           AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
         ORDER BY r.available_at, r.id
-        LIMIT %(max)s
+        LIMIT least(lane.room, %(max)s)
         FOR UPDATE OF r SKIP LOCKED
     ) AS c
     UNION ALL
@@ -301,7 +309,7 @@ WITH lane AS ({{lanes}}
      AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
     CROSS JOIN LATERAL (
         -- A run keeps the queue and priority it was created with, so match the lane's.
-        SELECT r.id, r.team_id, r.priority, r.definition_id, d.concurrency,
+        SELECT r.id, r.team_id, r.queue, r.priority, r.definition_id, d.concurrency,
                d.concurrency_per_key AS per_key, r.concurrency_key,
                d.rate_limit_count AS rate_count, d.rate_limit_period_seconds AS rate_period,
                r.available_at
@@ -313,13 +321,12 @@ WITH lane AS ({{lanes}}
                    WHERE k.definition_id = d.id AND k.concurrency_key = r.concurrency_key
                      AND k.state = 'leased') < d.concurrency_per_key)
         ORDER BY r.available_at, r.id
-        LIMIT least(coalesce(d.concurrency, %(max)s), coalesce(d.rate_limit_count, %(max)s),
-                    %(max)s)
+        LIMIT least(d.concurrency, d.rate_limit_count, lane.room, %(max)s)
         FOR UPDATE OF r SKIP LOCKED
     ) AS c
 )
-SELECT id, team_id, priority, definition_id, concurrency, per_key, concurrency_key, rate_count,
-       rate_period, (SELECT nextval('runs_claim_tick')) AS tick
+SELECT id, team_id, queue, priority, definition_id, concurrency, per_key, concurrency_key,
+       rate_count, rate_period, (SELECT nextval('runs_claim_tick')) AS tick
 FROM candidate
 ORDER BY priority, available_at, id
 """
@@ -377,6 +384,84 @@ def control_lanes(queues: Sequence[str], team_ids: Sequence[int] | None) -> Lane
             CONTROL_PAUSED, {"team_ids": _bigints(team_ids), "queues": array_literal(queues)}
         )
         return Lanes(list(team_ids), [tuple(row) for row in cursor.fetchall()])
+
+
+# Before the claim, only when a rate-limited queue is asked: its room. A queue's row and its starts
+# (jobs_queuestart) live in the control database, so one window holds for the queue across every
+# shard database (a share per database would cut a queue whose jobs sit in one shard to a third
+# of its rate on three). The lease request (apps/runs/leasing.py) locks the queues' rows there
+# before it claims anywhere: queue locks always come first, so they cannot close a cycle with
+# the shard databases' locks. It counts the starts in the window in a new statement (whose
+# snapshot sees every start committed before the lock was granted), claims at most the room,
+# records its starts, and commits the control database before the shard databases: a claim that
+# then fails to commit leaves starts counted that never happened (the window under-used), never
+# the reverse. Cost: one round trip to the control database per request that asks such a queue
+# (two with one database, lock and count), and requests for it wait for each other.
+# The rate-limited queues: read every second at most per process (leasing.py caches them).
+LIMITED_QUEUES = """
+SELECT id, team_id, name, rate_limit_count, rate_limit_period_seconds FROM jobs_queue
+WHERE rate_limit_count IS NOT NULL
+"""
+LOCK_QUEUES = "SELECT id FROM jobs_queue WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE"
+# Served by queuestart_window (queue_id, started_at); the starts past the window go first.
+COUNT_QUEUE_WINDOW = """
+WITH window_of AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(periods)s::int[]) AS w(queue_id, period)
+), forgotten AS (
+    DELETE FROM jobs_queuestart s USING window_of w
+    WHERE s.queue_id = w.queue_id AND s.started_at <= now() - make_interval(secs => w.period)
+)
+SELECT w.queue_id, count(s.id), min(s.started_at) + make_interval(secs => w.period)
+FROM window_of w
+LEFT JOIN jobs_queuestart s ON s.queue_id = w.queue_id
+ AND s.started_at > now() - make_interval(secs => w.period)
+GROUP BY w.queue_id, w.period
+"""
+RECORD_QUEUE_STARTS = """
+INSERT INTO jobs_queuestart (queue_id, started_at)
+SELECT q, now() FROM unnest(%(ids)s::bigint[]) AS q
+"""
+
+
+@dataclass(frozen=True)
+class LimitedQueue:
+    id: int
+    team_id: int
+    name: str
+    count: int
+    period_seconds: int
+
+
+def limited_queues() -> list[LimitedQueue]:
+    """Every queue with a rate limit (few: only those given one)."""
+    with placement.using(placement.CONTROL), server_cursor() as cursor:
+        cursor.execute(LIMITED_QUEUES)
+        return [LimitedQueue(*row) for row in cursor.fetchall()]
+
+
+def queue_rooms(queues: Sequence[LimitedQueue]) -> dict[int, tuple[int, datetime | None]]:
+    """Lock these queues' rows and answer, by queue id, the leases each may still start in its
+    window and when its oldest start leaves it. In the caller's control-database transaction,
+    which must record the starts (`record_queue_starts`) and commit before the claims do."""
+    ids = sorted(queue.id for queue in queues)
+    periods = {queue.id: queue.period_seconds for queue in queues}
+    with placement.using(placement.CONTROL), server_cursor() as cursor:
+        cursor.execute(LOCK_QUEUES, {"ids": _bigints(ids)})
+        cursor.execute(
+            COUNT_QUEUE_WINDOW,
+            {"ids": _bigints(ids), "periods": _bigints(periods[i] for i in ids)},
+        )
+        started = {i: (n, frees_at) for i, n, frees_at in cursor.fetchall()}
+    return {
+        queue.id: (queue.count - started[queue.id][0], started[queue.id][1]) for queue in queues
+    }
+
+
+def record_queue_starts(queue_ids: Sequence[int]) -> None:
+    """One start per lease of a rate-limited queue, in the transaction that locked it."""
+    if queue_ids:
+        with placement.using(placement.CONTROL), server_cursor() as cursor:
+            cursor.execute(RECORD_QUEUE_STARTS, {"ids": _bigints(queue_ids)})
 
 
 # Claim, step 2, only when a candidate's definition has a limit: lock those definitions (in id
@@ -483,19 +568,28 @@ class Lease:
     late: bool = False  # started later than its definition's lateness SLO
 
 
+Bucket = tuple  # ("definition", id) | ("key", definition id, key) | ("queue", team id, queue)
+
+
+def _buckets(row: dict[str, Any]) -> tuple[Bucket, ...]:
+    """The limits a candidate counts against, where they have one (`capacity` below)."""
+    return (
+        ("definition", row["definition_id"]),
+        ("key", row["definition_id"], row["concurrency_key"]),
+        ("queue", row["team_id"], row["queue"]),
+    )
+
+
 def _choose(
-    candidates: list[dict[str, Any]],
-    capacity: dict[int, int],
-    max_runs: int,
-    key_capacity: dict[tuple[int, str], int] | None = None,
+    candidates: list[dict[str, Any]], capacity: dict[Bucket, int], max_runs: int
 ) -> list[int]:
     """Pick up to `max_runs` candidates: weighted across priorities, round-robin across teams.
 
     1. Order each priority's candidates round-robin across teams (rotated by the tick).
     2. Give each slot of the claim its preferred priority from the 70/25/5 pattern; a slot whose
        priority has nothing left goes to the most urgent priority that has.
-    3. Skip candidates whose definition has no room left (concurrency or rate), or whose
-       concurrency key has none (`key_capacity`, by (definition, key)).
+    3. Skip candidates with a limit that has no room left (`capacity`, by bucket: a
+       definition's concurrency or rate, a concurrency key's, a queue's rate).
     """
     if not candidates:
         return []
@@ -507,28 +601,23 @@ def _choose(
         prio: interleave_teams(rows, lambda row: row["team_id"], tick)
         for prio, rows in lanes.items()
     }
-    if len(ordered) == 1 and not capacity and not key_capacity:
+    if len(ordered) == 1 and not capacity:
         # One priority, no limits: every slot falls back to the one lane.
         (rows,) = ordered.values()
         return [row["id"] for row in rows[:max_runs]]
     positions = dict.fromkeys(ordered, 0)
     capacity = dict(capacity)
-    key_capacity = dict(key_capacity or {})
 
     def next_from(prio: int) -> int | None:
         rows = ordered.get(prio, [])
         while positions.get(prio, 0) < len(rows):
             row = rows[positions[prio]]
             positions[prio] += 1
-            left = capacity.get(row["definition_id"])
-            key = (row["definition_id"], row.get("concurrency_key"))
-            key_left = key_capacity.get(key)
-            if (left is not None and left <= 0) or (key_left is not None and key_left <= 0):
+            limits = [bucket for bucket in _buckets(row) if bucket in capacity]
+            if any(capacity[bucket] <= 0 for bucket in limits):
                 continue
-            if left is not None:
-                capacity[row["definition_id"]] = left - 1
-            if key_left is not None:
-                key_capacity[key] = key_left - 1
+            for bucket in limits:
+                capacity[bucket] -= 1
             return row["id"]
         return None
 
@@ -545,12 +634,10 @@ def _choose(
     return chosen
 
 
-def _room_of_limited(
-    cursor: CursorWrapper, candidates: list[dict[str, Any]]
-) -> tuple[dict[int, int], dict[tuple[int, str], int]]:
+def _room_of_limited(cursor: CursorWrapper, candidates: list[dict[str, Any]]) -> dict[Bucket, int]:
     """Step 2: the room of each limited definition among the candidates (the least of its
-    concurrency and rate room), and of each limited key; both empty when none is limited (no
-    statement then)."""
+    concurrency and rate room), and of each limited key, by bucket; empty when none is limited
+    (no statement then)."""
     # The unlimited branch of the candidates answers NULL limits: one test per row.
     limited = {
         row["definition_id"]: row
@@ -560,16 +647,16 @@ def _room_of_limited(
         or row["rate_count"] is not None
     }
     if not limited:
-        return {}, {}
+        return {}
     ids = sorted(limited)
     cursor.execute(LOCK_LIMITED_DEFINITIONS, {"ids": _bigints(ids)})
-    capacity: dict[int, int] = {}
+    room: dict[int, int] = {}
     with_limit = [i for i in ids if limited[i]["concurrency"] is not None]
     if with_limit:
         cursor.execute(COUNT_LEASED, {"ids": _bigints(with_limit)})
         leased_now = dict(cursor.fetchall())
         for i in with_limit:
-            capacity[i] = limited[i]["concurrency"] - leased_now.get(i, 0)
+            room[i] = limited[i]["concurrency"] - leased_now.get(i, 0)
     rated = [i for i in ids if limited[i]["rate_count"] is not None]
     if rated:
         periods = [limited[i]["rate_period"] for i in rated]
@@ -578,15 +665,16 @@ def _room_of_limited(
         full = {}
         for i in rated:
             n, frees_at = started.get(i, (0, None))
-            room = limited[i]["rate_count"] - n
-            capacity[i] = min(capacity.get(i, room), room)
-            if room <= 0 and frees_at is not None:
+            left = limited[i]["rate_count"] - n
+            room[i] = min(room.get(i, left), left)
+            if left <= 0 and frees_at is not None:
                 full[i] = frees_at
         if full:
             cursor.execute(
                 BLOCK_RATE,
                 {"ids": _bigints(full), "untils": array_literal(list(full.values()))},
             )
+    capacity: dict[Bucket, int] = {("definition", i): left for i, left in room.items()}
     keys = sorted(
         {
             (row["definition_id"], row["concurrency_key"])
@@ -594,7 +682,6 @@ def _room_of_limited(
             if row["per_key"] is not None and row["concurrency_key"] is not None
         }
     )
-    key_capacity: dict[tuple[int, str], int] = {}
     if keys:
         cursor.execute(
             COUNT_LEASED_BY_KEY,
@@ -602,8 +689,8 @@ def _room_of_limited(
         )
         leased_by_key = {(i, k): n for i, k, n in cursor.fetchall()}
         for i, k in keys:
-            key_capacity[(i, k)] = limited[i]["per_key"] - leased_by_key.get((i, k), 0)
-    return capacity, key_capacity
+            capacity[("key", i, k)] = limited[i]["per_key"] - leased_by_key.get((i, k), 0)
+    return capacity
 
 
 def claim(
@@ -615,9 +702,11 @@ def claim(
     team_ids: Sequence[int] | None = None,
     jobs: Sequence[str] | None = None,
     lanes: Lanes | None = None,
+    queue_room: dict[tuple[int, str], int] | None = None,
 ) -> list[Lease]:
     """Lease up to `max_runs` claimable runs of the given queues (and jobs), in one transaction
-    on the current shard database; on one of its own, `lanes` from `control_lanes`.
+    on the current shard database; on one of its own, `lanes` from `control_lanes`. At most
+    `queue_room[(team, queue)]` of a rate-limited queue (from `queue_rooms`).
 
     Called inside a transaction (apps/runs/leasing.py builds the answer in it), the claim joins
     it without a savepoint, which would cost two more round trips per claim."""
@@ -626,6 +715,9 @@ def claim(
         "team_ids": _bigints(team_ids) if team_ids is not None else None,
         "jobs": array_literal(jobs) if jobs else None,
         "max": max_runs,
+        "room_teams": _bigints(team for team, _ in queue_room or ()),
+        "room_queues": array_literal([queue for _, queue in queue_room or ()]),
+        "rooms": _bigints((queue_room or {}).values()),
     }
     if lanes is not None:
         params.update(lanes.params())
@@ -634,8 +726,10 @@ def claim(
         candidates = _rows(cursor)
         if not candidates:
             return []
-        capacity, key_capacity = _room_of_limited(cursor, candidates)
-        chosen = _choose(candidates, capacity, max_runs, key_capacity)
+        capacity = _room_of_limited(cursor, candidates)
+        for (team, queue), left in (queue_room or {}).items():
+            capacity[("queue", team, queue)] = left
+        chosen = _choose(candidates, capacity, max_runs)
         if not chosen:
             return []
         cursor.execute(
@@ -643,7 +737,7 @@ def claim(
             {"ids": _bigints(chosen), "worker_id": worker_id, "lease_seconds": lease_seconds},
         )
         rows = _rows(cursor)
-        if capacity:  # some definition is limited: record the starts of the rate-limited
+        if capacity:  # some run is limited: record the starts of rate-limited definitions
             rated = {row["id"]: row["definition_id"] for row in candidates if row["rate_count"]}
             starts = [rated[run_id] for run_id in chosen if run_id in rated]
             if starts:

@@ -63,3 +63,58 @@ def test_a_queue_name_outside_the_queue_rule_is_refused(api_a):
         limits.QUEUE_NAME_RULE
     ]
     assert not Queue.objects.exists()
+
+
+def test_a_queue_rate_limit_is_set_used_explained_and_lifted_over_the_api(api_a, api_b, team_a):
+    """PUT /api/v1/queues/{name}: the limit holds for the queue's jobs together, the queue list
+    and why show its use, /metrics its window; null lifts it; each change audited once."""
+    first = make_definition(team_a, "rq.one", queue="rq")
+    second = make_definition(team_a, "rq.two", queue="rq")
+    add_ready_runs(first, 3)
+    add_ready_runs(second, 3, prefix="t")
+    answer = api_a.put("/api/v1/queues/rq", {"rateLimit": {"count": 4, "periodSeconds": 60}})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["rateLimit"] == {"count": 4, "periodSeconds": 60}
+    assert (answer.json()["rateUsed"], answer.json()["paused"]) == (0, False)
+    assert len(api_a.lease(["rq"], 10)) == 4
+    assert api_a.lease(["rq"], 10) == []
+
+    (queue,) = [q for q in api_a.get("/api/v1/queues").json()["results"] if q["name"] == "rq"]
+    assert (queue["rateUsed"], queue["rateLimit"]["count"]) == (4, 4)
+    reasons = api_a.get("/api/v1/jobs/rq.one/why").json()["reasons"]
+    (rate,) = [r for r in reasons if r["code"] == "rate_limit"]
+    assert rate["detail"]["queue"] == "rq" and 0 < rate["detail"]["nextSlotInSeconds"] <= 60
+    assert "Rate limit of the queue rq: 4/60 s" in rate["message"]
+    metrics = api_a.get("/metrics").text
+    assert f'scheduler_queue_rate_limit_used{{queue="rq",team="{team_a.slug}"}} 4.0' in metrics
+    assert f'scheduler_queue_rate_limit{{queue="rq",team="{team_a.slug}"}} 4.0' in metrics
+
+    # Another team's queue of the same name is its own.
+    assert api_b.get("/api/v1/queues").json()["results"] == []
+    lifted = api_a.put("/api/v1/queues/rq", {"rateLimit": None})
+    assert (lifted.json()["rateLimit"], lifted.json()["rateUsed"]) == (None, None)
+    assert len(api_a.lease(["rq"], 10)) == 2
+    events = AuditEvent.objects.filter(target_type="queue", target="rq").order_by("id")
+    assert [(e.action, e.after["rateLimit"]) for e in events] == [
+        ("queue.update", {"count": 4, "periodSeconds": 60}),
+        ("queue.update", None),
+    ]
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"rateLimit": {"count": 0, "periodSeconds": 60}}, "rateLimit.count"),
+        ({"rateLimit": {"count": 5}}, "rateLimit.periodSeconds"),
+        ({"rateLimit": {"count": 5, "periodSeconds": 60, "burst": 2}}, "rateLimit.burst"),
+        ({"paused": "yes"}, "paused"),
+        ({"rateLimit": "100/min"}, "rateLimit"),
+    ],
+)
+def test_bad_queue_settings_are_refused_and_change_nothing(api_a, team_a, body, field):
+    answer = api_a.put("/api/v1/queues/rq", body)
+    assert answer.status_code == 400, answer.text
+    assert answer.headers["content-type"].startswith("application/problem+json")
+    assert field in answer.json()["errors"]
+    assert not Queue.objects.filter(name="rq").exists()
+    assert not AuditEvent.objects.filter(target_type="queue").exists()

@@ -9,7 +9,9 @@ from collections import Counter
 import pytest
 from django.db import connections
 
-from apps.runs import shards, store
+from apps.jobs.models import Queue, QueueStart
+from apps.jobs.schedule import shard_for
+from apps.runs import leasing, shards, store
 from apps.runs.models import Run
 from tests.conftest import (
     add_ready_runs,
@@ -38,13 +40,15 @@ def keyed_runs(definition, keys: list[str], prefix: str) -> list[int]:
     return ids
 
 
-def claim_all(team, queue: str, claimers: int = 8, max_runs: int = 5) -> list[store.Lease]:
+def claim_all(
+    team, queue: str | list[str], claimers: int = 8, max_runs: int = 5
+) -> list[store.Lease]:
     """Eight claimers claim until none gets anything; every lease they took."""
 
     def worker(index: int) -> list[store.Lease]:
         taken: list[store.Lease] = []
         while batch := claim(
-            queues=[queue],
+            queues=[queue] if isinstance(queue, str) else queue,
             max_runs=max_runs,
             worker_id=f"w{index}",
             lease_seconds=60,
@@ -157,3 +161,43 @@ def test_why_names_a_spent_rate_limit_and_a_held_key(team_a):
         "key": "acme",
         "heldBy": [stored_one(Run, pk=first).run_id],
     }
+
+
+def names_on_every_database(prefix: str, per_database: int) -> list[str]:
+    """Job names whose shards cover every database, `per_database` on each."""
+    found: dict[str, list[str]] = {alias: [] for alias in shards.databases()}
+    for n in range(10_000):
+        name = f"{prefix}.{n}"
+        group = found[shards.alias_of_shard(shard_for(name))]
+        if len(group) < per_database:
+            group.append(name)
+        if all(len(group) == per_database for group in found.values()):
+            return [name for group in found.values() for name in group]
+    raise AssertionError("no such names")
+
+
+def test_a_queue_rate_limit_holds_for_its_jobs_together_across_databases(team_a, team_b):
+    """Eight claimers asking a rate-limited queue and a free one: the queue's window holds for
+    all of its jobs at once, whichever shard database holds them (with shards on servers of
+    their own, the window lives in the control database), and the free queue is drained."""
+    Queue.objects.create(team=team_a, name="bulk", rate_limit_count=9, rate_limit_period_seconds=2)
+    leasing.queue_limits.forget()
+    limited = [
+        make_definition(team_a, name, queue="bulk") for name in names_on_every_database("bulk", 2)
+    ]
+    for definition in limited:
+        add_ready_runs(definition, 10)
+    free_ids = add_ready_runs(make_definition(team_a, "free.one", queue="free"), 30, prefix="f")
+    # Another team's queue of the same name is not limited by this one's.
+    theirs = add_ready_runs(make_definition(team_b, "their.bulk", queue="bulk"), 12, prefix="b")
+
+    first = claim_all(team_a, ["bulk", "free"])
+    by_queue = Counter(lease.queue for lease in first)
+    assert by_queue == {"bulk": 9, "free": 30}
+    assert {lease.id for lease in first if lease.queue == "free"} == set(free_ids)
+    assert len(claim_all(team_b, ["bulk"])) == len(theirs)
+    assert QueueStart.objects.filter(queue__team=team_a).count() == 9
+    assert claim_all(team_a, ["bulk", "free"]) == []
+
+    time.sleep(2.1)  # the window slides past the first starts
+    assert len(claim_all(team_a, ["bulk"])) == 9

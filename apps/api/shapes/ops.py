@@ -11,6 +11,7 @@ from pydantic import with_config as typed_config
 from typing_extensions import TypedDict  # pydantic reads only this one on Python 3.11
 
 from apps.api.shapes import ANSWER, Body, Instant, problem
+from apps.api.shapes.jobs import RateLimit, RateLimitAnswer
 from apps.api.shapes.worker import RunState
 from apps.runs.filters import ISO_RULE
 
@@ -68,6 +69,17 @@ class BackfillRequest(Body):
     confirm: bool = Field(False, description="false: preview only; true: create.")
 
 
+class QueueSettings(Body):
+    """A queue's settings: its rate limit (absent or null: none) and, when given, its pause."""
+
+    rateLimit: RateLimit | None = Field(
+        None,
+        description="At most `count` leases started from the queue, all its jobs together, in "
+        "any window of `periodSeconds` (a sliding window, exact across shard databases).",
+    )
+    paused: bool | None = Field(None, description="Absent: unchanged.")
+
+
 # --- answers ----------------------------------------------------------------------------------
 
 
@@ -97,6 +109,11 @@ class Queue(TypedDict):
     oldestReadyAt: Instant | None
     lastLeasedAt: Instant | None
     lastWorkerId: str
+    rateLimit: RateLimitAnswer | None
+    rateUsed: Annotated[
+        int | None,
+        Field(description="Leases started within the current window; null without a rate limit."),
+    ]
 
 
 @typed_config(ANSWER)
