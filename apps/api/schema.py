@@ -13,6 +13,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema_serializer
 from rest_framework import serializers
 
+from apps.runs import workers
 from apps.runs.models import State
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
@@ -175,4 +176,19 @@ QUEUE_NAME = OpenApiParameter(
     OpenApiParameter.PATH,
     required=True,
     description="The queue's name.",
+)
+
+
+# --- operations: workers --------------------------------------------------------------------
+
+WORKER_MINUTES = OpenApiParameter(
+    "minutes",
+    {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": workers.MINUTES_MAX,
+        "default": workers.MINUTES_DEFAULT,
+    },
+    description=f"Workers seen in this many last minutes (1–{workers.MINUTES_MAX}); a worker "
+    "holding a leased run is listed whenever it was last seen.",
 )

@@ -5,6 +5,7 @@ from apps.api import views_health as health
 from apps.api import views_manage as manage
 from apps.api import views_ops as ops
 from apps.api import views_worker as worker
+from apps.api import views_workers as workers
 
 urlpatterns = [
     # Worker protocol
@@ -45,6 +46,7 @@ urlpatterns = [
     path("api/v1/queues/<str:name>", ops.QueueSettingsView.as_view(), name="api-queue"),
     path("api/v1/queues/<str:name>/pause", ops.QueuePauseView.as_view(), name="api-queue-pause"),
     path("api/v1/queues/<str:name>/resume", ops.QueueResumeView.as_view(), name="api-queue-resume"),
+    path("api/v1/workers", workers.WorkersView.as_view(), name="api-workers"),
     # Schema and health
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),

@@ -17,7 +17,7 @@ from apps.api.renderers import Rendered, render_json
 from apps.api.shapes import M, body_size, parse
 from apps.api.shapes import worker as shape
 from apps.audit.record import Actor, record_denied
-from apps.runs import leasing, store
+from apps.runs import activity, leasing, store
 from apps.runs.clock import format_utc
 from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import PRIORITY_NAMES
@@ -64,6 +64,15 @@ class WorkerView(FastPathView, APIView):
                 target_type="run",
                 target=denied[team.pk],
             )
+        return outcomes
+
+    @staticmethod
+    def beaten(call: Call, outcomes: list[store.Outcome]) -> list[store.Outcome]:
+        """Note the heartbeats that extended a lease, for the workers list: a dictionary update
+        here, a write every few seconds per team and process (apps/runs/activity.py)."""
+        activity.note_heartbeats(
+            call.token.team_id, [outcome.id for outcome in outcomes if outcome.status == 200]
+        )
         return outcomes
 
 
@@ -163,9 +172,8 @@ class HeartbeatView(WorkerView):
     def answer(self, call: Call, run_id: str) -> shape.HeartbeatAnswer:
         pk = _run_pk(run_id)
         body = self.body(call, shape.TokenBody)
-        (outcome,) = self.checked(
-            call, store.heartbeat([(pk, body.fencingToken)], team_ids=self.team_ids(call))
-        )
+        beats = store.heartbeat([(pk, body.fencingToken)], team_ids=self.team_ids(call))
+        (outcome,) = self.beaten(call, self.checked(call, beats))
         _single(outcome)
         return shape.HeartbeatAnswer(
             runId=run_id, leaseExpiresAt=format_utc(outcome.lease_expires_at)
@@ -289,11 +297,8 @@ class BatchHeartbeatsView(WorkerView):
     def answer(self, call: Call) -> shape.HeartbeatBatchAnswer:
         parsed = _parsed(self.body(call, shape.HeartbeatBatch).leases)
         known = [(pk, item.fencingToken) for pk, item in parsed if pk is not None]
-        outcomes = (
-            self.checked(call, store.heartbeat(known, team_ids=self.team_ids(call)))
-            if known
-            else []
-        )
+        beats = store.heartbeat(known, team_ids=self.team_ids(call)) if known else []
+        outcomes = self.beaten(call, self.checked(call, beats)) if beats else []
         by_pk = {outcome.id: outcome for outcome in outcomes}
         answer: list[shape.HeartbeatDone | shape.ItemRefused] = []
         for pk, item in parsed:

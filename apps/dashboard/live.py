@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 GROUP = "dashboard.live"
 
 # The pages whose `live` partial a socket may ask for.
-LIVE_PAGES = frozenset({"overview", "failures", "runs", "dlq", "run", "jobs", "job", "queues"})
+LIVE_PAGES = frozenset(
+    {"overview", "failures", "runs", "dlq", "run", "jobs", "job", "queues", "workers"}
+)
 
 # Each sub-select is served by one index and reads a row or a handful:
 #   max(id) of runs      primary key: a run was inserted (materialiser, trigger, API)

@@ -5,7 +5,17 @@ from __future__ import annotations
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from apps.dashboard.views import alerts, audit, jobs, overview, queues, runs, signin, teams
+from apps.dashboard.views import (
+    alerts,
+    audit,
+    jobs,
+    overview,
+    queues,
+    runs,
+    signin,
+    teams,
+    workers,
+)
 
 app_name = "dashboard"
 
@@ -45,6 +55,7 @@ urlpatterns = [
         {"paused": False},
         name="queue-resume",
     ),
+    path("workers", workers.workers, name="workers"),
     path("audit", audit.audit, name="audit"),
     path("teams", teams.teams, name="teams"),
     path("teams/<slug:slug>", teams.team_detail, name="team"),

@@ -271,3 +271,28 @@ class RateStart(models.Model):
 
     def __str__(self) -> str:
         return f"definition {self.definition_id} started a lease at {self.started_at}"
+
+
+class Worker(models.Model):
+    """A worker id a team's lease requests named (control database): the queues of its latest
+    request, when it last asked for work and when one of its runs last heartbeated. Written at
+    most every few seconds per worker and web process (apps/runs/activity.py), read by the
+    workers list (apps/runs/workers.py); rows idle for a day are deleted by retention."""
+
+    # The unique constraint below leads with the team: no index of its own.
+    team = models.ForeignKey(
+        "teams.Team", on_delete=models.CASCADE, related_name="+", db_index=False
+    )
+    worker_id = models.CharField(max_length=200)
+    queues = ArrayField(models.CharField(max_length=100), default=list)
+    last_lease_at = models.DateTimeField()
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            # The upserts' conflict target, and the index of a team's workers list.
+            models.UniqueConstraint(fields=["team", "worker_id"], name="worker_team_id_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.worker_id} (team {self.team_id})"

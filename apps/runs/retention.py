@@ -1,5 +1,6 @@
 """Retention: finished runs (and their attempts and payload blobs) leave after their team's
-retention, the audit trail after its own, in small batches that hold no lock for long.
+retention, the audit trail after its own, the rows of workers idle for a day (the workers list),
+in small batches that hold no lock for long.
 
 Dead runs stay until someone handles them (requeue or discard), whatever their age.
 """
@@ -11,7 +12,7 @@ import logging
 from django.conf import settings
 from django.db import connections, transaction
 
-from apps.runs import counters, payloads, shards
+from apps.runs import counters, payloads, shards, workers
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,9 @@ def delete_old_audit(batch: int) -> int:
 
 
 def handle_one_round(*, batch: int | None = None) -> int:
-    """Delete one batch per team on every shard database, and one of the audit trail; return
-    the rows deleted. A shard database that is down is passed over until the next round."""
+    """Delete one batch per team on every shard database, and one of the audit trail and of
+    idle workers; return the rows deleted. A shard database that is down is passed over until
+    the next round."""
     from apps.teams.models import Team
 
     batch = batch or settings.SCHEDULER_RETENTION_BATCH
@@ -111,7 +113,7 @@ def handle_one_round(*, batch: int | None = None) -> int:
     per_database, unavailable = shards.gather(one_database)
     if unavailable:
         log.warning("retention passed over shards %s: database unavailable", unavailable)
-    deleted = sum(per_database) + delete_old_audit(batch)
+    deleted = sum(per_database) + delete_old_audit(batch) + workers.forget_idle(batch)
     if deleted:
         log.info("retention deleted %d rows", deleted)
     return deleted
