@@ -2,7 +2,8 @@
 Procrastinate and Celery + Redis. See bench/README.md.
 
     python -m bench all --quick
-    python -m bench burndown|openloop|burst|materialise|soak|dashboard|enqueue|shards [--quick] [options]
+    python -m bench burndown|openloop|burst|materialise|soak|dashboard|enqueue|shards|flowcontrol
+        [--quick] [options]
     python -m bench profile      (py-spy of the store layer and the web process, EXPLAIN plans)
 """
 
@@ -16,7 +17,10 @@ import time
 from bench import common, report
 from bench.systems import SYSTEMS
 
-SCENARIOS = ("burndown", "openloop", "burst", "materialise", "soak", "dashboard", "enqueue", "shards")
+SCENARIOS = (
+    "burndown", "openloop", "burst", "materialise", "soak", "dashboard", "enqueue", "shards",
+    "flowcontrol",
+)
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:

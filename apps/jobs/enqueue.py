@@ -22,7 +22,7 @@ from django.db import IntegrityError, InterfaceError, OperationalError, transact
 from django.db.models.functions import Now
 
 from apps.audit.record import TARGETS_SHOWN, Actor, record, record_denied
-from apps.jobs.models import JobDefinition
+from apps.jobs.models import JobDefinition, database_of
 from apps.jobs.schedule import shard_for
 from apps.runs import payloads, shards
 from apps.runs.clock import format_utc
@@ -182,10 +182,27 @@ def enqueue_many(
         name = (new.definition_id, new.idempotency_key)
         if name in rows and name not in seen:
             answers.append(Enqueued(201, runs[name]))
-        else:
+        elif name in runs:
             answers.append(_existing(runs[name], item.payload))
+        else:
+            answers.append(_vanished(by_id[new.definition_id]))
         seen.add(name)
     return Batch(answers, now)
+
+
+def _vanished(definition: JobDefinition) -> Enqueued:
+    """The answer for an item whose insert found no definition row to insert for (nor a run
+    of that key): the job was deleted meanwhile (404), or its shard moved to another database
+    under the insert (503: the next try goes to the new one)."""
+    shards.refresh(force=True)
+    try:
+        with shards.reaching(database_of(definition.name)):
+            still = JobDefinition.objects.named(definition.name).filter(pk=definition.pk).exists()
+    except shards.Unavailable:
+        still = True  # its new database is down: a later try will tell
+    if still or definition.shard in shards.moving():
+        return Enqueued(503, detail=shards.moving_detail(definition.shard))
+    return Enqueued(404, detail="No such job.")
 
 
 @contextmanager

@@ -114,6 +114,15 @@ class JobDefinition(models.Model):
     def priority_name(self) -> str:
         return PRIORITY_NAMES[self.priority]
 
+    @property
+    def limited(self) -> bool:
+        """Whether any limit holds its runs (their `limited`; apps/runs/store.py, LIMITED)."""
+        return (
+            self.concurrency is not None
+            or self.concurrency_per_key is not None
+            or self.rate_limit_count is not None
+        )
+
 
 class Queue(models.Model):
     """A team's named queue; a row exists once it has been paused or leased from."""

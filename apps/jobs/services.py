@@ -18,7 +18,7 @@ from apps.jobs.models import JobDefinition, Queue, QueueStart, database_to_write
 from apps.runs import leasing, payloads, shards
 from apps.runs.clock import database_now
 from apps.runs.models import PRIORITY_NAMES
-from apps.runs.store import notify_ready
+from apps.runs.store import mark_limited, notify_ready
 
 
 def initial_next_due_at(schedule_json: dict, now: datetime) -> datetime | None:
@@ -156,7 +156,7 @@ def update_definition(
     with shards.writing(database_to_write(definition.name)):
         locked = JobDefinition.objects.select_for_update().get(pk=definition.pk)
         before = snapshot(locked)
-        was_paused = locked.paused
+        was_paused, was_limited = locked.paused, locked.limited
         _apply_spec(locked, spec, database_now())
         after = snapshot(locked)
         if before == after:
@@ -164,6 +164,8 @@ def update_definition(
         if was_paused and not locked.paused:
             locked.next_due_at = initial_next_due_at(locked.schedule, database_now())
         locked.save()
+        if locked.limited != was_limited:
+            mark_limited(locked.pk, locked.limited)
         record(
             actor,
             "job.update",

@@ -94,6 +94,12 @@ class Run(models.Model):
     # (`…/cancelled`), and whatever its worker reports, or its lease's expiry, ends it cancelled.
     # A default in the database: the store's inserts name only the columns they set.
     cancel_requested = models.BooleanField(default=False, db_default=False)
+    # Its definition has a limit (concurrency, per key or rate): the claim takes it through the
+    # definition (run_waiting_by_def, run_waiting_limited), and the claim's scan of a queue for
+    # everyone else's runs never reads it (run_claimable leads with this column after the lane).
+    # Set from the definition at insert (under a share lock on it) and rewritten for every
+    # unfinished run when the definition's limits come or go (apps/runs/store.py, LIMITED).
+    limited = models.BooleanField(default=False, db_default=False)
     dry_run = models.BooleanField(default=False)
     # Inline when small; otherwise NULL and the payload is in storage under payload_key.
     payload = models.JSONField(null=True, blank=True)
@@ -127,8 +133,11 @@ class Run(models.Model):
             # `id` last, so ORDER BY available_at, id is read off the index without a sort.
             # `state` included so the overview splits the backlog by state from the index alone
             # (reading the rows took 160 ms with 150 000 waiting).
+            # `limited` before the time: the claim's scan of a lane for the runs of definitions
+            # without limits reads only those (a limited job's backlog of 100 000 at the head of
+            # the lane was scanned past on every claim: bench/README.md, "Flow control").
             models.Index(
-                fields=["team", "queue", "priority", "available_at", "id"],
+                fields=["team", "queue", "priority", "limited", "available_at", "id"],
                 include=["state"],
                 name="run_claimable",
                 condition=models.Q(state__in=WAITING_STATES),
@@ -147,6 +156,14 @@ class Run(models.Model):
             ),
             models.Index(
                 fields=["definition"], name="run_leased_by_def", condition=models.Q(state="leased")
+            ),
+            # The claim's runs of a definition with a limit per key: its keys are visited one
+            # index probe each (a hot key's backlog is never read row by row), then each key's
+            # oldest runs. Only runs of limited definitions are written here.
+            models.Index(
+                fields=["definition", "concurrency_key", "available_at", "id"],
+                name="run_waiting_limited",
+                condition=models.Q(state__in=WAITING_STATES, limited=True),
             ),
             # Per-key concurrency: the leased runs of one key of a definition. Only keyed runs
             # of leased state: small, and written only by runs that carry a key.

@@ -34,6 +34,11 @@ from apps.runs.shards import ID_SPACE
 T = TypeVar("T", bound=tuple)
 
 WAITING = "('scheduled', 'ready', 'retrying')"
+# A definition `d` with a limit: its runs are `limited` (apps/runs/models.py, Run.limited).
+LIMITED = (
+    "(d.concurrency IS NOT NULL OR d.concurrency_per_key IS NOT NULL"
+    " OR d.rate_limit_count IS NOT NULL)"
+)
 READY_CHANNEL = "runs_ready"
 
 log = logging.getLogger(__name__)
@@ -117,7 +122,7 @@ _INSERT_RUNS = """
 INSERT INTO runs_run (
     id, definition_id, team_id, queue, priority, shard, state, trigger, due_at, available_at,
     attempt, max_attempts, idempotency_key, concurrency_key, lease_seconds, worker_id, dry_run,
-    payload, payload_key, created_at
+    payload, payload_key, created_at, limited
 )
 -- The id names the run's shard (apps/runs/shards.py).
 SELECT nextval('runs_run_id_seq') * {space} + d.shard, i.definition_id, d.team_id, d.queue,
@@ -130,7 +135,7 @@ SELECT nextval('runs_run_id_seq') * {space} + d.shard, i.definition_id, d.team_i
                 200) END),
        60, '', d.dry_run,
        CASE WHEN i.own THEN i.payload ELSE d.payload END,
-       CASE WHEN i.own THEN i.payload_key ELSE d.payload_key END, now()
+       CASE WHEN i.own THEN i.payload_key ELSE d.payload_key END, now(), {limited}
 FROM json_to_recordset(%(rows)s::json)
      AS i(definition_id bigint, trigger text, due_at timestamptz, available_at timestamptz,
           idempotency_key text, concurrency_key text, own boolean, payload jsonb,
@@ -142,15 +147,20 @@ WHERE d.id = ANY(%(definition_ids)s::bigint[])
 -- One order for every inserter: two batches naming the same keys in different orders would
 -- otherwise each wait on the other's uncommitted row (a deadlock).
 ORDER BY i.definition_id, i.idempotency_key
+-- The share lock makes `limited` exact: a change of the definition's limits (which rewrites its
+-- runs' flags, MARK_LIMITED) waits for this insert to commit, or this insert for it, and then
+-- reads the definition as changed.
+FOR SHARE OF d
 ON CONFLICT DO NOTHING
 RETURNING id, queue, available_at <= now() AS ready_now, definition_id, idempotency_key{more}
 """
-INSERT_RUNS = _INSERT_RUNS.format(more="", space=ID_SPACE)
+INSERT_RUNS = _INSERT_RUNS.format(more="", space=ID_SPACE, limited=LIMITED)
 # The same, answering every column a new run's representation needs, so that a batch created
 # through the API is answered without reading its runs back (1 000 runs read through the ORM
 # took 60 ms, more than their insert).
 INSERT_RUNS_RETURNING_ROWS = _INSERT_RUNS.format(
     space=ID_SPACE,
+    limited=LIMITED,
     more=(
         ", team_id, priority, state, trigger, due_at, available_at, attempt, max_attempts,"
         " dry_run, payload::text AS payload, payload_key, concurrency_key, created_at"
@@ -273,9 +283,12 @@ LANES_GIVEN = """
 _CLAIM_CANDIDATES = f"""
 WITH lane AS ({{lanes}}
 ), candidate AS (
-    -- Runs of definitions without a concurrency limit: the lane's oldest, up to max. Runs of
-    -- paused or limited definitions are filtered out row by row, so a large backlog of theirs
-    -- at the head of the lane is scanned past on every claim (a known cost, see the README).
+    -- Runs of definitions without a limit: the lane's oldest, up to max, read from the part of
+    -- run_claimable where `limited` is false (runs of limited definitions are not in that range).
+    -- Runs of paused definitions are filtered out row by row, so a large backlog of theirs at
+    -- the head of the lane is scanned past on every claim (a known cost, see the README); so
+    -- are the runs inserted before their definition got a limit and not yet marked (none: the
+    -- change marks them in its transaction).
     SELECT c.* FROM lane
     CROSS JOIN LATERAL (
         SELECT r.id, r.team_id, r.queue, r.priority, r.definition_id, NULL::int AS concurrency,
@@ -284,7 +297,7 @@ WITH lane AS ({{lanes}}
         FROM runs_run r
         JOIN jobs_jobdefinition d ON d.id = r.definition_id
         WHERE r.team_id = lane.team_id AND r.queue = lane.queue AND r.priority = lane.priority
-          AND r.state IN {WAITING} AND r.available_at <= now()
+          AND NOT r.limited AND r.state IN {WAITING} AND r.available_at <= now()
           AND NOT d.paused AND d.concurrency IS NULL AND d.concurrency_per_key IS NULL
           AND d.rate_limit_count IS NULL
           AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
@@ -293,37 +306,111 @@ WITH lane AS ({{lanes}}
         FOR UPDATE OF r SKIP LOCKED
     ) AS c
     UNION ALL
-    -- Runs of each limited definition of the lane (a concurrency limit, a limit per key, or a
-    -- rate limit), at most its limit of them, so a definition at its limit cannot crowd the
-    -- lane's other definitions out of the batch. A key at its limit is passed over here, so one
-    -- hot key cannot fill the definition's share with runs that step 2 would refuse (its
-    -- leased runs counted on the partial index run_leased_by_key). Served by the definitions'
-    -- team index and the partial index run_waiting_by_def.
+    -- Runs of each definition of the lane with a concurrency or rate limit (and none per key),
+    -- at most its limit of them, so a definition at its limit cannot crowd the lane's other
+    -- definitions out of the batch. Served by the definitions' team index and the partial
+    -- index run_waiting_by_def.
     SELECT c.* FROM lane
     JOIN jobs_jobdefinition d
-      ON d.team_id = lane.team_id AND NOT d.paused
-     AND (d.concurrency IS NOT NULL OR d.concurrency_per_key IS NOT NULL
-          OR d.rate_limit_count IS NOT NULL)
+      ON d.team_id = lane.team_id AND NOT d.paused AND d.concurrency_per_key IS NULL
+     AND (d.concurrency IS NOT NULL OR d.rate_limit_count IS NOT NULL)
      -- A spent rate window (set by the claim that found it full) skips the definition whole.
      AND (d.rate_blocked_until IS NULL OR d.rate_blocked_until <= now())
      AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
     CROSS JOIN LATERAL (
         -- A run keeps the queue and priority it was created with, so match the lane's.
         SELECT r.id, r.team_id, r.queue, r.priority, r.definition_id, d.concurrency,
-               d.concurrency_per_key AS per_key, r.concurrency_key,
+               NULL::int AS per_key, r.concurrency_key,
                d.rate_limit_count AS rate_count, d.rate_limit_period_seconds AS rate_period,
                r.available_at
         FROM runs_run r
         WHERE r.definition_id = d.id AND r.queue = lane.queue AND r.priority = lane.priority
           AND r.state IN {WAITING} AND r.available_at <= now()
-          AND (d.concurrency_per_key IS NULL OR r.concurrency_key IS NULL
-               OR (SELECT count(*) FROM runs_run k
-                   WHERE k.definition_id = d.id AND k.concurrency_key = r.concurrency_key
-                     AND k.state = 'leased') < d.concurrency_per_key)
         ORDER BY r.available_at, r.id
         LIMIT least(d.concurrency, d.rate_limit_count, lane.room, %(max)s)
         FOR UPDATE OF r SKIP LOCKED
     ) AS c
+    UNION ALL
+    -- Runs of each definition with a limit per key of the lanes' teams, from
+    -- run_waiting_limited, in the lanes. Its keys with waiting runs are visited one index
+    -- probe each, in key order from the one after the key this process last leased of it
+    -- (`after`), wrapping round, at most %(keys)s of them: every key is reached in turn,
+    -- however many there are. A key at its limit costs one count of its leased runs
+    -- (run_leased_by_key), never a scan of its backlog; one with room gives its oldest runs, as
+    -- many as that room. Then the runs without a key, held by the definition's own limits
+    -- only. Once per definition, not per lane: the visit is the costly part (a definition
+    -- with 1 000 keys all at their limit: bench/README.md, "Flow control").
+    SELECT c.* FROM jobs_jobdefinition d
+    LEFT JOIN unnest(%(after_ids)s::bigint[], %(after_keys)s::text[]) AS after(id, key)
+      ON after.id = d.id
+    CROSS JOIN LATERAL (
+        WITH RECURSIVE visit(key, n, wrapped, first) AS (
+            SELECT coalesce(f.next, f.first)::text, 1, f.next IS NULL, f.first::text
+            FROM (SELECT
+                (SELECT k.concurrency_key FROM runs_run k
+                 WHERE k.definition_id = d.id AND k.state IN {WAITING} AND k.limited
+                   AND k.concurrency_key > coalesce(after.key, '')
+                 ORDER BY k.concurrency_key LIMIT 1) AS next,
+                (SELECT k.concurrency_key FROM runs_run k
+                 WHERE k.definition_id = d.id AND k.state IN {WAITING} AND k.limited
+                   AND k.concurrency_key IS NOT NULL
+                 ORDER BY k.concurrency_key LIMIT 1) AS first
+            ) AS f
+            UNION ALL
+            SELECT coalesce(s.next, CASE WHEN NOT v.wrapped THEN v.first END)::text, v.n + 1,
+                   v.wrapped OR s.next IS NULL, v.first
+            FROM visit v
+            CROSS JOIN LATERAL (
+                SELECT (SELECT k.concurrency_key FROM runs_run k
+                        WHERE k.definition_id = d.id AND k.state IN {WAITING} AND k.limited
+                          AND k.concurrency_key > v.key
+                        ORDER BY k.concurrency_key LIMIT 1) AS next
+            ) AS s
+            WHERE v.key IS NOT NULL AND v.n < %(keys)s
+              AND NOT (v.wrapped AND v.key >= coalesce(after.key, ''))
+        )
+        SELECT r.* FROM visit v
+        CROSS JOIN LATERAL (
+            SELECT r.id, r.team_id, r.queue, r.priority, r.definition_id, d.concurrency,
+                   d.concurrency_per_key AS per_key, r.concurrency_key,
+                   d.rate_limit_count AS rate_count,
+                   d.rate_limit_period_seconds AS rate_period, r.available_at
+            FROM runs_run r
+            WHERE r.definition_id = d.id AND r.concurrency_key = v.key
+              AND r.state IN {WAITING} AND r.limited AND r.available_at <= now()
+              AND EXISTS (SELECT 1 FROM lane WHERE lane.team_id = r.team_id
+                          AND lane.queue = r.queue AND lane.priority = r.priority)
+            ORDER BY r.available_at, r.id
+            LIMIT greatest(0, d.concurrency_per_key - (
+                SELECT count(*) FROM runs_run l
+                WHERE l.definition_id = d.id AND l.concurrency_key = v.key
+                  AND l.state = 'leased'))
+            FOR UPDATE OF r SKIP LOCKED
+        ) AS r
+        WHERE v.key IS NOT NULL AND NOT (v.wrapped AND v.key > coalesce(after.key, ''))
+        UNION ALL
+        SELECT * FROM (
+            SELECT r.id, r.team_id, r.queue, r.priority, r.definition_id, d.concurrency,
+                   d.concurrency_per_key AS per_key, r.concurrency_key,
+                   d.rate_limit_count AS rate_count,
+                   d.rate_limit_period_seconds AS rate_period, r.available_at
+            FROM runs_run r
+            WHERE r.definition_id = d.id AND r.concurrency_key IS NULL
+              AND r.state IN {WAITING} AND r.limited AND r.available_at <= now()
+              AND EXISTS (SELECT 1 FROM lane WHERE lane.team_id = r.team_id
+                          AND lane.queue = r.queue AND lane.priority = r.priority)
+            -- The key first (NULL throughout): run_waiting_limited's order, so that index is
+            -- read, not run_waiting_by_def past every keyed run of the definition.
+            ORDER BY r.concurrency_key, r.available_at, r.id
+            LIMIT least(d.concurrency, d.rate_limit_count, %(max)s)
+            FOR UPDATE OF r SKIP LOCKED
+        ) AS unkeyed
+        LIMIT least(d.concurrency, d.rate_limit_count, %(max)s)
+    ) AS c
+    WHERE d.team_id IN (SELECT team_id FROM lane) AND NOT d.paused
+      AND d.concurrency_per_key IS NOT NULL
+      AND (d.rate_blocked_until IS NULL OR d.rate_blocked_until <= now())
+      AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
 )
 SELECT id, team_id, queue, priority, definition_id, concurrency, per_key, concurrency_key,
        rate_count, rate_period, (SELECT nextval('runs_claim_tick')) AS tick
@@ -462,6 +549,23 @@ def record_queue_starts(queue_ids: Sequence[int]) -> None:
     if queue_ids:
         with placement.using(placement.CONTROL), server_cursor() as cursor:
             cursor.execute(RECORD_QUEUE_STARTS, {"ids": _bigints(queue_ids)})
+
+
+# A definition's limits came or went: its unfinished runs' `limited` follows, in the transaction
+# that changed the definition (its row locked: inserts of its runs wait, FOR SHARE above). Dead
+# runs too, so that a requeued one is taken by the right part of the claim. Served by
+# run_definition_recent (definition_id, -id).
+MARK_LIMITED = """
+UPDATE runs_run SET limited = %(limited)s
+WHERE definition_id = %(definition)s AND limited <> %(limited)s
+  AND state IN ('scheduled', 'ready', 'retrying', 'leased', 'dead')
+"""
+
+
+def mark_limited(definition_id: int, limited: bool) -> None:
+    """Set `limited` on the definition's unfinished runs (on the current shard database)."""
+    with server_cursor() as cursor:
+        cursor.execute(MARK_LIMITED, {"definition": definition_id, "limited": limited})
 
 
 # Claim, step 2, only when a candidate's definition has a limit: lock those definitions (in id
@@ -693,6 +797,26 @@ def _room_of_limited(cursor: CursorWrapper, candidates: list[dict[str, Any]]) ->
     return capacity
 
 
+# Per definition with a limit per key: the greatest key this process's last claim of it leased,
+# where the next claim's visit of its keys starts (the visit wraps round, so any start reaches
+# every key; starting past the last served spreads the claims over the keys). At most this many
+# more keys are visited than the batch asks for: those at their limit are passed over.
+KEYS_SPARE = 16
+_key_after: dict[int, str] = {}
+
+
+def _note_keys_leased(candidates: list[dict[str, Any]], chosen: list[int]) -> None:
+    leased = set(chosen)
+    greatest: dict[int, str] = {}
+    for row in candidates:
+        key = row["concurrency_key"]
+        if row["per_key"] is not None and key is not None and row["id"] in leased:
+            greatest[row["definition_id"]] = max(key, greatest.get(row["definition_id"], key))
+    if len(_key_after) > 1_000:  # definitions come and go: forget them all now and then
+        _key_after.clear()
+    _key_after.update(greatest)
+
+
 def claim(
     *,
     queues: Sequence[str],
@@ -710,11 +834,15 @@ def claim(
 
     Called inside a transaction (apps/runs/leasing.py builds the answer in it), the claim joins
     it without a savepoint, which would cost two more round trips per claim."""
+    after = list(_key_after.items())  # one copy: other threads' claims update it
     params = {
         "queues": array_literal(queues),
         "team_ids": _bigints(team_ids) if team_ids is not None else None,
         "jobs": array_literal(jobs) if jobs else None,
         "max": max_runs,
+        "after_ids": _bigints(definition for definition, _ in after),
+        "after_keys": array_literal([key for _, key in after]),
+        "keys": max_runs + KEYS_SPARE,
         "room_teams": _bigints(team for team, _ in queue_room or ()),
         "room_queues": array_literal([queue for _, queue in queue_room or ()]),
         "rooms": _bigints((queue_room or {}).values()),
@@ -742,6 +870,7 @@ def claim(
             starts = [rated[run_id] for run_id in chosen if run_id in rated]
             if starts:
                 cursor.execute(RECORD_RATE_STARTS, {"ids": _bigints(starts)})
+            _note_keys_leased(candidates, chosen)
     # Large payloads are read from storage after the claim's statements (inside the caller's
     # transaction when there is one: an unreadable payload then rolls the claim back).
     leases = [
@@ -796,11 +925,13 @@ SELECT min(n.available_at)
 FROM {{teams}}
 CROSS JOIN unnest(%(queues)s::text[]) AS q(name)
 CROSS JOIN (VALUES (0), (1), (2)) AS p(priority)
+CROSS JOIN (VALUES (false), (true)) AS l(limited)
 CROSS JOIN LATERAL (
-    -- the lane's next run by the clock: the first entry of run_claimable past now()
+    -- the lane's next run by the clock: the first entry of run_claimable past now(), among the
+    -- runs of definitions without limits and among the others (the index's two ranges)
     SELECT r.available_at FROM runs_run r
     WHERE r.team_id = t.id AND r.queue = q.name AND r.priority = p.priority
-      AND r.state IN {WAITING} AND r.available_at > now()
+      AND r.limited = l.limited AND r.state IN {WAITING} AND r.available_at > now()
     ORDER BY r.available_at
     LIMIT 1
 ) AS n

@@ -123,3 +123,31 @@ def test_concurrent_batches_with_overlapping_keys_create_each_key_once(team_a, j
     created = sum(status == 201 for statuses in results for status in statuses)
     assert created == 200
     assert all(set(statuses) <= {200, 201} for statuses in results)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_item_whose_job_is_deleted_under_the_insert_is_a_404_not_a_failed_batch(team_a, jobs):
+    """The insert takes a share lock on the definition (so that its runs' `limited` is exact):
+    a job deleted meanwhile leaves the insert nothing to insert for, which the item reports."""
+    from tests.conftest import other_session
+
+    doomed = make_definition(team_a, "billing.doomed", queue="billing")
+    answers: list = []
+    with other_session() as deleter:
+        deleter.execute("DELETE FROM jobs_jobdefinition WHERE id = %s", [doomed.pk])
+        making = threading.Thread(
+            target=lambda: answers.extend(
+                enqueue_many(
+                    [team_a.pk],
+                    [Wanted("billing.doomed", "d-1"), Wanted("billing.remind", "r-9")],
+                    Actor.system(),
+                ).answers
+            )
+        )
+        making.start()
+        making.join(1.0)
+        assert making.is_alive()  # waiting for the delete's lock on the definition
+        deleter.commit()
+    making.join(10)
+    connections.close_all()
+    assert [answer.status for answer in answers] == [404, 201]

@@ -3,6 +3,7 @@ own database connection, in both layouts."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 
@@ -151,15 +152,16 @@ def test_why_names_a_spent_rate_limit_and_a_held_key(team_a):
     assert "Rate limit: 2/60 s" in limit.message
 
     keyed = make_definition(team_a, "export.one", queue="keyed", concurrency_per_key=1)
-    first, second = keyed_runs(keyed, ["acme", "acme"], "k")
-    assert [lease.id for lease in claim_all(team_a, "keyed")] == [first]
-    waiting = stored_one(Run, pk=second)
-    reasons = diagnosis.why_run(waiting, database_now())
+    pair = keyed_runs(keyed, ["acme", "acme"], "k")
+    # One of the two (the older one unless two claimers raced for them).
+    (lease,) = claim_all(team_a, "keyed")
+    (other,) = set(pair) - {lease.id}
+    reasons = diagnosis.why_run(stored_one(Run, pk=other), database_now())
     (held,) = [reason for reason in reasons if reason.code == "key_concurrency_limit"]
     assert held.detail == {
         "limit": 1,
         "key": "acme",
-        "heldBy": [stored_one(Run, pk=first).run_id],
+        "heldBy": [stored_one(Run, pk=lease.id).run_id],
     }
 
 
@@ -201,3 +203,34 @@ def test_a_queue_rate_limit_holds_for_its_jobs_together_across_databases(team_a,
 
     time.sleep(2.1)  # the window slides past the first starts
     assert len(claim_all(team_a, ["bulk"])) == 9
+
+
+def test_every_key_of_many_is_reached_in_turn_past_a_hot_one(team_a):
+    """300 keys at one lease each, a hot key's backlog ahead of them all: claims of five visit
+    the keys from where the last one stopped, wrapping round, so each key is leased once and
+    the hot key once, without any run being completed."""
+    definition = make_definition(team_a, "export.many", queue="many", concurrency_per_key=1)
+    keyed_runs(definition, ["0-hot"] * 400, "hot")
+    keyed_runs(definition, [f"k{n:03d}" for n in range(300)], "cold")
+    leased: list[store.Lease] = []
+    while batch := claim(queues=["many"], max_runs=5, worker_id="w", team_ids=[team_a.pk]):
+        leased += batch
+    keys = Counter(stored_one(Run, pk=lease.id).concurrency_key for lease in leased)
+    assert keys == {"0-hot": 1, **{f"k{n:03d}": 1 for n in range(300)}}
+
+
+def test_a_limit_given_or_lifted_after_runs_exist_holds_their_runs_or_frees_them(team_a):
+    from apps.audit.record import Actor
+    from apps.jobs import services
+
+    definition = make_definition(team_a, "late.limit", queue="late")
+    add_ready_runs(definition, 6)
+    spec = services.spec_of(definition)
+    limited = services.update_definition(
+        definition, dataclasses.replace(spec, concurrency=2), Actor.system()
+    )
+    assert {run.limited for run in stored(Run, definition_id=definition.pk)} == {True}
+    assert len(claim_all(team_a, "late")) == 2
+    services.update_definition(limited, dataclasses.replace(spec, concurrency=None), Actor.system())
+    assert {run.limited for run in stored(Run, definition_id=definition.pk)} == {False}
+    assert len(claim_all(team_a, "late")) == 4  # the rest, now taken as anyone's runs

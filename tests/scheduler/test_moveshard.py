@@ -71,6 +71,7 @@ def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
         made += layout.new_runs(job, 150, "before")
 
     refused: list[str] = []
+    failures: list[BaseException] = []
     stop = threading.Event()
 
     def producer() -> None:
@@ -80,9 +81,12 @@ def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
                 n += 1
                 items = [Wanted(job.name, f"during-{n}") for job in [*moving_jobs, staying]]
                 answers = enqueue_many([team_a.pk], items, Actor.system()).answers
+                assert {a.status for a in answers} <= {201, 503}, answers
                 made.extend(a.run.pk for a in answers if a.status == 201)
                 refused.extend(a.detail for a in answers if a.status == 503)
                 time.sleep(0.05)
+        except BaseException as exc:  # the test thread asserts on it
+            failures.append(exc)
         finally:
             connections.close_all()
 
@@ -97,6 +101,7 @@ def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
             stop.set()
             making.join(30)
 
+    assert failures == []
     assert report.rows["jobs_jobdefinition"] == len(moving_jobs)
     assert report.rows["runs_run"] >= 300
     assert report.rows["runs_attempt"] > 0
