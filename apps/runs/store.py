@@ -333,9 +333,9 @@ WITH lane AS ({{lanes}}
     UNION ALL
     -- Runs of each definition with a limit per key of the lanes' teams, from
     -- run_waiting_limited, in the lanes. Its keys with waiting runs are visited one index
-    -- probe each, in key order from the one after the key this process last leased of it
-    -- (`after`), wrapping round, at most %(keys)s of them: every key is reached in turn,
-    -- however many there are. A key at its limit costs one count of its leased runs
+    -- probe each, in key order from the one after where this process's last visit of it ended
+    -- (`after`: the last key its previous visit reached), wrapping round, at most %(keys)s of
+    -- them: every key is reached in turn, however many there are. A key at its limit costs one count of its leased runs
     -- (run_leased_by_key), never a scan of its backlog; one with room gives its oldest runs, as
     -- many as that room. Then the runs without a key, held by the definition's own limits
     -- only. Once per definition, not per lane: the visit is the costly part (a definition
@@ -368,8 +368,12 @@ WITH lane AS ({{lanes}}
             ) AS s
             WHERE v.key IS NOT NULL AND v.n < %(keys)s
               AND NOT (v.wrapped AND v.key >= coalesce(after.key, ''))
+        ), reached AS (
+            SELECT key, n FROM visit
+            WHERE key IS NOT NULL AND NOT (wrapped AND key > coalesce(after.key, ''))
         )
-        SELECT r.* FROM visit v
+        SELECT * FROM (
+        SELECT r.* FROM reached v
         CROSS JOIN LATERAL (
             SELECT r.id, r.team_id, r.queue, r.priority, r.definition_id, d.concurrency,
                    d.concurrency_per_key AS per_key, r.concurrency_key,
@@ -387,7 +391,6 @@ WITH lane AS ({{lanes}}
                   AND l.state = 'leased'))
             FOR UPDATE OF r SKIP LOCKED
         ) AS r
-        WHERE v.key IS NOT NULL AND NOT (v.wrapped AND v.key > coalesce(after.key, ''))
         UNION ALL
         SELECT * FROM (
             SELECT r.id, r.team_id, r.queue, r.priority, r.definition_id, d.concurrency,
@@ -406,6 +409,14 @@ WITH lane AS ({{lanes}}
             FOR UPDATE OF r SKIP LOCKED
         ) AS unkeyed
         LIMIT least(d.concurrency, d.rate_limit_count, %(max)s)
+        ) AS found
+        UNION ALL
+        -- A marker (no run): the last key reached, where this process's next visit starts, so
+        -- that keys past a stretch of full ones are reached too; in `concurrency`, 1 when the
+        -- visit stopped at its count of keys (more are left), else 0.
+        SELECT NULL, d.team_id, NULL, NULL, d.id,
+               ((SELECT max(n) FROM visit) >= %(keys)s)::int, d.concurrency_per_key,
+               (SELECT key FROM reached ORDER BY n DESC LIMIT 1), NULL, NULL, NULL
     ) AS c
     WHERE d.team_id IN (SELECT team_id FROM lane) AND NOT d.paused
       AND d.concurrency_per_key IS NOT NULL
@@ -797,24 +808,36 @@ def _room_of_limited(cursor: CursorWrapper, candidates: list[dict[str, Any]]) ->
     return capacity
 
 
-# Per definition with a limit per key: the greatest key this process's last claim of it leased,
-# where the next claim's visit of its keys starts (the visit wraps round, so any start reaches
-# every key; starting past the last served spreads the claims over the keys). At most this many
-# more keys are visited than the batch asks for: those at their limit are passed over.
+# Per definition with a limit per key: the last key this process's last visit of its keys
+# reached (the candidates' markers), where the next visit starts, wrapping round: every key is
+# reached in turn, past any stretch of keys at their limit. At most this many more keys are
+# visited than the batch asks for: those at their limit are passed over.
 KEYS_SPARE = 16
 _key_after: dict[int, str] = {}
 
 
-def _note_keys_leased(candidates: list[dict[str, Any]], chosen: list[int]) -> None:
-    leased = set(chosen)
-    greatest: dict[int, str] = {}
-    for row in candidates:
-        key = row["concurrency_key"]
-        if row["per_key"] is not None and key is not None and row["id"] in leased:
-            greatest[row["definition_id"]] = max(key, greatest.get(row["definition_id"], key))
+# A claim that found nothing while some visit stopped short looks again from where it stopped,
+# at most this many times (a definition whose keys are all at their limit: 2.5 ms a look at
+# batch 100).
+KEY_LOOKS = 8
+
+
+def _without_markers(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+    """The candidates with their markers (id NULL) taken out and noted in `_key_after`, and
+    whether some visit of keys stopped short (more keys left to look at)."""
+    if all(row["id"] is not None for row in rows):
+        return rows, False
     if len(_key_after) > 1_000:  # definitions come and go: forget them all now and then
         _key_after.clear()
-    _key_after.update(greatest)
+    short = False
+    for row in rows:
+        if row["id"] is None:
+            short = short or row["concurrency"] == 1
+            if row["concurrency_key"] is None:
+                _key_after.pop(row["definition_id"], None)
+            else:
+                _key_after[row["definition_id"]] = row["concurrency_key"]
+    return [row for row in rows if row["id"] is not None], short
 
 
 def claim(
@@ -834,14 +857,11 @@ def claim(
 
     Called inside a transaction (apps/runs/leasing.py builds the answer in it), the claim joins
     it without a savepoint, which would cost two more round trips per claim."""
-    after = list(_key_after.items())  # one copy: other threads' claims update it
     params = {
         "queues": array_literal(queues),
         "team_ids": _bigints(team_ids) if team_ids is not None else None,
         "jobs": array_literal(jobs) if jobs else None,
         "max": max_runs,
-        "after_ids": _bigints(definition for definition, _ in after),
-        "after_keys": array_literal([key for _, key in after]),
         "keys": max_runs + KEYS_SPARE,
         "room_teams": _bigints(team for team, _ in queue_room or ()),
         "room_queues": array_literal([queue for _, queue in queue_room or ()]),
@@ -850,8 +870,16 @@ def claim(
     if lanes is not None:
         params.update(lanes.params())
     with atomic(savepoint=False), server_cursor() as cursor:
-        cursor.execute(CLAIM_CANDIDATES if lanes is None else CLAIM_CANDIDATES_GIVEN_LANES, params)
-        candidates = _rows(cursor)
+        for _ in range(KEY_LOOKS):
+            after = list(_key_after.items())  # one copy: other threads' claims update it
+            params["after_ids"] = _bigints(definition for definition, _ in after)
+            params["after_keys"] = array_literal([key for _, key in after])
+            cursor.execute(
+                CLAIM_CANDIDATES if lanes is None else CLAIM_CANDIDATES_GIVEN_LANES, params
+            )
+            candidates, short = _without_markers(_rows(cursor))
+            if candidates or not short:
+                break
         if not candidates:
             return []
         capacity = _room_of_limited(cursor, candidates)
@@ -870,7 +898,6 @@ def claim(
             starts = [rated[run_id] for run_id in chosen if run_id in rated]
             if starts:
                 cursor.execute(RECORD_RATE_STARTS, {"ids": _bigints(starts)})
-            _note_keys_leased(candidates, chosen)
     # Large payloads are read from storage after the claim's statements (inside the caller's
     # transaction when there is one: an unreadable payload then rolls the claim back).
     leases = [

@@ -36,13 +36,13 @@ INSERT_HELD = """
 INSERT INTO runs_run (
     id, definition_id, team_id, queue, priority, shard, state, trigger, due_at, available_at,
     attempt, max_attempts, idempotency_key, concurrency_key, lease_seconds, worker_id, dry_run,
-    payload, payload_key, created_at, limited
+    payload, payload_key, created_at{limited}
 )
 SELECT nextval('runs_run_id_seq') * 1024 + d.shard, d.id, d.team_id, d.queue, d.priority,
        d.shard, 'ready', 'api', now() - interval '1 hour',
        now() - interval '1 hour' + g * interval '1 microsecond', 0, 3, 'held-' || g,
        CASE WHEN %(keys)s > 0 THEN 'k' || lpad((g %% %(keys)s)::text, 4, '0') END,
-       60, '', false, d.payload, d.payload_key, now(), true
+       60, '', false, d.payload, d.payload_key, now(){flag}
 FROM jobs_jobdefinition d CROSS JOIN generate_series(1, %(n)s) AS g
 WHERE d.name = %(job)s
 """
@@ -88,6 +88,18 @@ def limited_definition(project: ProjectDatabase, case: str) -> None:
     )
 
 
+def held_insert(project: ProjectDatabase) -> str:
+    """INSERT_HELD, marking the runs `limited` where the schema has the column (it can then be
+    run against commits from before it, for comparison)."""
+    marked = project.execute(
+        "SELECT 1 FROM information_schema.columns"
+        " WHERE table_name = 'runs_run' AND column_name = 'limited'"
+    )
+    return INSERT_HELD.format(
+        limited=", limited" if marked else "", flag=", true" if marked else ""
+    )
+
+
 def run(opts) -> list:
     n = opts.runs or (20_000 if opts.quick else 200_000)
     cap = opts.cap or (15.0 if opts.quick else 90.0)
@@ -106,7 +118,7 @@ def run(opts) -> list:
                     if case != "alone":
                         limited_definition(project, case)
                         params = {"job": LIMITED_JOB, "n": BACKLOG, "keys": KEYS.get(case, 0)}
-                        project.execute(INSERT_HELD, params)
+                        project.execute(held_insert(project), params)
                         if case in KEYS:
                             project.execute(HOLD_KEYS, params)
                         else:

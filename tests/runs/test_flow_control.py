@@ -234,3 +234,29 @@ def test_a_limit_given_or_lifted_after_runs_exist_holds_their_runs_or_frees_them
     services.update_definition(limited, dataclasses.replace(spec, concurrency=None), Actor.system())
     assert {run.limited for run in stored(Run, definition_id=definition.pk)} == {False}
     assert len(claim_all(team_a, "late")) == 4  # the rest, now taken as anyone's runs
+
+
+def test_a_free_key_past_a_long_stretch_of_full_ones_is_reached(team_a):
+    """150 keys whose one slot is held, then one free key: each claim visits at most the batch
+    plus 16 keys, starting where the last visit ended, so the free key is reached within a few
+    claims, not never."""
+    definition = make_definition(team_a, "export.stretch", queue="stretch", concurrency_per_key=1)
+    full = keyed_runs(definition, [f"a{n:03d}" for n in range(150) for _ in range(2)], "full")
+    (free,) = keyed_runs(definition, ["zzz"], "free")
+    holders = claim_all(team_a, "stretch")  # one run of every key
+    assert len(holders) == 151
+    store.complete(
+        [(lease.id, lease.fencing_token, None) for lease in holders if lease.id == free],
+        team_ids=[team_a.pk],
+    )
+    (late,) = keyed_runs(definition, ["zzz"], "late")
+    got: list[int] = []
+    for _ in range(20):
+        got += [
+            lease.id
+            for lease in claim(queues=["stretch"], max_runs=5, worker_id="w", team_ids=[team_a.pk])
+        ]
+        if got:
+            break
+    assert got == [late]
+    assert set(full) >= {lease.id for lease in holders} - {free}
