@@ -130,6 +130,28 @@ def test_the_job_page_states_its_rate_limit_and_its_limit_per_key(viewer_a, team
     assert 'id="job-rate-limit"' not in body and 'id="job-per-key"' not in body
 
 
+def test_the_queues_page_shows_each_rate_limit_and_its_use(viewer_a, team_a):
+    from apps.jobs.models import Queue, QueueStart
+
+    add_ready_runs(make_definition(team_a, "mail.out", queue="mail"), 1)
+    add_ready_runs(make_definition(team_a, "mail.free", queue="free"), 1)
+    queue = Queue.objects.create(
+        team=team_a, name="mail", rate_limit_count=2, rate_limit_period_seconds=60
+    )
+    body = client_for(viewer_a).get("/queues").content.decode()
+    mail = body[body.index('id="queue-team-a-mail"') :].split("</tr>")[0]
+    assert "0 of 2</span> per 60 s" in mail and "next slot" not in mail
+    free = body[body.index('id="queue-team-a-free"') :].split("</tr>")[0]
+    assert '<span class="muted">none</span>' in free
+    QueueStart.objects.bulk_create(
+        [QueueStart(queue=queue, started_at=db_now() - timedelta(seconds=s)) for s in (10, 20)]
+    )
+    body = client_for(viewer_a).get("/queues").content.decode()
+    mail = body[body.index('id="queue-team-a-mail"') :].split("</tr>")[0]
+    assert "2 of 2</span> per 60 s" in mail and "state-failed" in mail
+    assert re.search(r"next slot in (39|40)\.\d s", mail), mail  # the oldest: 20 s ago
+
+
 # --- owner and runbook ----------------------------------------------------------------------
 
 
