@@ -23,6 +23,7 @@ from apps.runs.models import (
     PRIORITY_NAMES,
     Run,
     State,
+    Trigger,
     reported_state,
 )
 
@@ -103,6 +104,7 @@ GROUP BY team_id, queue, priority
 class Overview:
     counts: dict[str, int]
     dlq: int
+    failing: int  # stored retrying or dead: what the failures list shows
     failures_24h: int
     failures_by_hour: list[tuple[datetime, int]]
     per_minute: list[tuple[datetime, int, int]]
@@ -116,9 +118,11 @@ def overview(team_ids: list[int], now: datetime) -> Overview:
     for row in _fetch_everywhere(SETTLED_COUNTS, params):
         counts[row["state"]] += row["n"]
     lanes, waiting = _queue_lanes(team_ids, now, by_state=True)
+    retrying = 0
     for state, due, later in waiting:
         counts[State.READY] += due
         counts[state] += later if state != State.READY else 0
+        retrying += due + later if state == State.RETRYING else 0
 
     # The windows come from the per-minute counters (apps/runs/counters.py), by whole minutes.
     hour0 = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=23)
@@ -158,6 +162,7 @@ def overview(team_ids: list[int], now: datetime) -> Overview:
     return Overview(
         counts=counts,
         dlq=counts[State.DEAD],
+        failing=retrying + counts[State.DEAD],
         failures_24h=sum(by_hour.values()),
         failures_by_hour=[(h, by_hour.get(h, 0)) for h in hours],
         per_minute=[(m, *by_minute.get(m, (0, 0))) for m in minutes],
@@ -309,6 +314,22 @@ def recent_runs(definition: JobDefinition, now: datetime, limit: int = 20) -> li
         run.definition = definition
         run.shown_state = reported_state(run.state, run.available_at, now)
     return runs
+
+
+def next_scheduled_run(definition: JobDefinition, now: datetime) -> Run | None:
+    """The earliest run the scheduler has created ahead of a cron time of the definition that
+    is still to come (the partial index run_waiting_by_def: definition_id, available_at)."""
+    with shards.reaching(database_of(definition.name)):
+        return (
+            Run.objects.filter(
+                definition=definition,
+                state=State.SCHEDULED,
+                trigger__in=[Trigger.CRON, Trigger.CATCH_UP],
+                available_at__gt=now,
+            )
+            .order_by("available_at", "id")
+            .first()
+        )
 
 
 # --- audit ----------------------------------------------------------------------------------

@@ -44,3 +44,55 @@
     document.body.dataset.liveUpdates = String(Number(document.body.dataset.liveUpdates || 0) + 1);
   });
 })();
+
+// Times: every `<time data-when>` (the `when` template tag) shows the reader's local time with
+// its zone, the ISO instant on hover, and an age ("3 min ago") that keeps counting. The age is
+// measured against the server's clock (the page's `data-server-now`), not the reader's.
+(function () {
+  "use strict";
+  var skew = 0;
+  var stamp = document.body && document.body.dataset.serverNow;
+  if (stamp && !isNaN(Date.parse(stamp))) skew = Date.parse(stamp) - Date.now();
+
+  function two(n) { return (n < 10 ? "0" : "") + n; }
+  function zoneName(date) {
+    try {
+      var parts = new Intl.DateTimeFormat(undefined, { timeZoneName: "short" }).formatToParts(date);
+      for (var i = 0; i < parts.length; i++) if (parts[i].type === "timeZoneName") return parts[i].value;
+    } catch (e) { /* an old browser: the offset below */ }
+    var offset = -date.getTimezoneOffset();
+    return "UTC" + (offset >= 0 ? "+" : "-") + two(Math.floor(Math.abs(offset) / 60)) + ":" + two(Math.abs(offset) % 60);
+  }
+  function local(date, short) {
+    var time = two(date.getHours()) + ":" + two(date.getMinutes()) + ":" + two(date.getSeconds());
+    var day = date.getFullYear() + "-" + two(date.getMonth() + 1) + "-" + two(date.getDate());
+    return (short ? time : day + " " + time) + " " + zoneName(date);
+  }
+  function age(ms) {
+    var s = Math.floor(Math.abs(ms) / 1000), text;
+    if (s < 60) text = s + " s";
+    else if (s < 3600) text = Math.floor(s / 60) + " min";
+    else if (s < 86400) text = Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " min";
+    else text = Math.floor(s / 86400) + " d " + Math.floor((s % 86400) / 3600) + " h";
+    return ms < 0 ? "in " + text : text + " ago";
+  }
+  function refresh(root) {
+    var now = Date.now() + skew;
+    (root || document).querySelectorAll("time[data-when]").forEach(function (el) {
+      var at = Date.parse(el.getAttribute("datetime"));
+      if (isNaN(at)) return;
+      var date = new Date(at);
+      if (!el.dataset.localised) {
+        el.textContent = local(date, el.dataset.when === "short");
+        el.dataset.localised = "1";
+      }
+      var next = el.nextElementSibling;
+      if (next && next.classList.contains("age")) next.textContent = age(now - at);
+    });
+  }
+  document.addEventListener("DOMContentLoaded", function () { refresh(); });
+  document.addEventListener("htmx:afterSwap", function (event) { refresh(event.target); });
+  document.addEventListener("htmx:wsAfterMessage", function () { refresh(); });
+  setInterval(refresh, 5000);
+  if (document.readyState !== "loading") refresh();
+})();

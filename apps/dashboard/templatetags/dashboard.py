@@ -51,16 +51,19 @@ def iso(value: datetime | None) -> str:
 
 @register.simple_tag(takes_context=True)
 def when(context: template.Context, value: datetime | None, short: bool = False) -> str:
-    """A time in UTC with its relative age ("3 min ago", "in 2 h"), both server-rendered."""
+    """A time with its relative age ("3 min ago", "in 2 h"): rendered in UTC, then shown by
+    the dashboard's script in the reader's local time with its zone (the ISO instant on hover)
+    and its age kept current (static/dashboard/dashboard.js, `data-when`)."""
     if value is None:
         return mark_safe('<span class="muted">—</span>')
     now = context.get("now") or timezone.now()
     stamp = value.astimezone(UTC)
-    shown = stamp.strftime("%H:%M:%S" if short else "%Y-%m-%d %H:%M:%S")
+    shown = stamp.strftime("%H:%M:%S UTC" if short else "%Y-%m-%d %H:%M:%S UTC")
     return format_html(
-        '<time datetime="{}" title="{}">{}</time> <span class="age">{}</span>',
+        '<time datetime="{}" title="{}" data-when="{}">{}</time> <span class="age">{}</span>',
         iso(stamp),
-        utc(stamp),
+        iso(stamp),
+        "short" if short else "long",
         shown,
         _age(now - stamp),
     )

@@ -3,6 +3,8 @@ resume, trigger now, dry-run, delete. Every change goes through apps.jobs.servic
 
 from __future__ import annotations
 
+from datetime import UTC, date, datetime, time, timedelta
+
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.db import IntegrityError
@@ -24,6 +26,7 @@ from apps.dashboard.forms import (
 from apps.dashboard.http import HtmxHttpRequest, actor, done, plural, render_page, signed_in
 from apps.jobs import backfill, diagnosis, enqueue, services
 from apps.jobs import schedule as sched
+from apps.jobs.firetimes import load_zone
 from apps.jobs.models import JobDefinition, database_of
 from apps.jobs.sync import InvalidEntry
 from apps.runs import shards
@@ -103,6 +106,8 @@ def job_detail(request: HtmxHttpRequest, name: str) -> HttpResponse:
         "times": times,
         "schedule_problem": problem,
         "reasons": diagnosis.why_definition(definition, now),
+        # The scheduler creates a cron time's run ahead of it: that run is the next fire.
+        "next_run": queries.next_scheduled_run(definition, now),
         "is_cron": is_cron,
         "backfill_form": BackfillForm(),
         "recent": queries.recent_runs(definition, now),
@@ -169,6 +174,7 @@ def _form_page(request: HtmxHttpRequest, form: DefinitionForm, definition=None) 
         "times": times,
         "schedule_errors": errors,
         "schedule_field_names": ("kind", *SCHEDULE_FIELDS),
+        "preview_from": form.data.get("preview_from", "") if form.is_bound else "",
     }
     return render_page(request, "dashboard/job_form.html", context)
 
@@ -178,8 +184,28 @@ def _schedule_preview(data, now) -> tuple[list[dict], dict[str, str]]:
     errors = schedule_errors(schedule)
     if errors:
         return [], errors
+    start = _preview_start(data.get("preview_from") or "", schedule, now)
+    if isinstance(start, str):
+        return [], {"preview_from": start}
     name = data.get("name") or "preview"
-    return sched.preview(name, sched.parse_schedule(schedule), now, PREVIEW_COUNT), {}
+    return sched.preview(name, sched.parse_schedule(schedule), start, PREVIEW_COUNT), {}
+
+
+def _preview_start(raw: str, schedule: dict, now: datetime) -> datetime | str:
+    """Where the form's preview starts: now, or midnight of the chosen day in the schedule's
+    zone (the fire times from that day on), or why the day cannot be read."""
+    if not raw:
+        return now
+    try:
+        day = date.fromisoformat(raw)
+    except ValueError:
+        return "A day as YYYY-MM-DD."
+    if not 2 <= day.year <= 9998:
+        return "A day between the years 2 and 9998."
+    # A cron schedule's zone was checked with it; the other kinds count from UTC's midnight.
+    zone = load_zone(schedule["timeZone"]) if "timeZone" in schedule else UTC
+    # Just before midnight: a fire time at 00:00 of that day is the first shown.
+    return datetime.combine(day, time(0), zone) - timedelta(microseconds=1)
 
 
 @signed_in
@@ -232,7 +258,7 @@ def job_preview(request: HtmxHttpRequest) -> HttpResponse:
         "now": now,
         "times": times,
         "schedule_errors": errors,
-        "schedule_field_names": ("kind", *SCHEDULE_FIELDS),
+        "schedule_field_names": ("kind", "preview_from", *SCHEDULE_FIELDS),
         "oob": True,
     }
     return render_page(request, "dashboard/job_form.html#preview", context)

@@ -12,6 +12,12 @@ from apps.teams import access
 STATE_ORDER = ["ready", "scheduled", "leased", "retrying", "dead", "succeeded", "cancelled"]
 
 
+def _per_minute(minutes: list[tuple]) -> str:
+    """Attempts ended per minute over these minutes: one decimal below 10."""
+    rate = sum(ok + bad for _, ok, bad in minutes) / max(1, len(minutes))
+    return f"{rate:.1f}" if rate < 10 else f"{rate:,.0f}"
+
+
 @signed_in
 def overview(request: HtmxHttpRequest) -> HttpResponse:
     now = database_now()
@@ -46,8 +52,9 @@ def overview(request: HtmxHttpRequest) -> HttpResponse:
             classes=["bar-ok", "bar-failed"],
             tick_every=10,
         ),
-        # The last minute is still running: average the hour instead.
-        "runs_per_minute": round(sum(ok + bad for _, ok, bad in stats.per_minute) / 60),
+        # The ten whole minutes before this one (it is still running): beside the chart's last
+        # bars, not an hour's average that a busy quarter of an hour rounds down to 0.
+        "runs_per_minute": _per_minute(stats.per_minute[-11:-1]),
         "live": True,
     }
     return render_page(request, "dashboard/overview.html", context)
