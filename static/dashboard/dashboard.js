@@ -96,3 +96,16 @@
   setInterval(refresh, 5000);
   if (document.readyState !== "loading") refresh();
 })();
+
+// Narrow screens: the sections fold behind the "Menu" button (CSS shows it below 700 px).
+(function () {
+  "use strict";
+  var top = document.querySelector("header.top");
+  var toggle = top && top.querySelector(".menu-toggle");
+  if (!toggle) return;
+  top.classList.add("foldable");
+  toggle.addEventListener("click", function () {
+    var open = top.classList.toggle("open");
+    toggle.setAttribute("aria-expanded", String(open));
+  });
+})();

@@ -1,0 +1,64 @@
+"""Every page at a phone's width (390 px): nothing wider than the screen but the tables' own
+scrolling boxes, and the sections behind a "Menu" button."""
+
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import expect
+
+from apps.runs.models import Run
+from tests.conftest import add_ready_runs
+from tests.dashboard.conftest import BrowserPage, failed_runs
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PHONE = {"width": 390, "height": 844}
+
+
+def test_every_page_fits_a_phone_and_the_sections_fold_behind_a_menu(
+    browser, asgi_server, admin_a, job_a
+):
+    failed_runs(job_a, 2, message="connection reset by peer " * 8)
+    add_ready_runs(job_a, 3, prefix="ready")
+    run = Run.objects.filter(state="dead").first()
+    context = browser.new_context(viewport=PHONE)
+    context.set_default_timeout(10_000)
+    try:
+        web = BrowserPage(context, asgi_server)
+        web.sign_in(admin_a)
+        page = web.page
+        paths = [
+            "/",
+            "/failures",
+            "/runs",
+            f"/runs/{run.run_id}",
+            "/dlq",
+            "/jobs",
+            f"/jobs/{job_a.name}",
+            "/jobs/new",
+            f"/jobs/{job_a.name}/edit",
+            "/alerts",
+            "/queues",
+            "/workers",
+            "/audit",
+            "/teams",
+            "/teams/team-a",
+        ]
+        too_wide = {}
+        for path in paths:
+            assert web.goto(path).status == 200, path
+            expect(page.locator("h1").first).to_be_visible()
+            width = page.evaluate("document.documentElement.scrollWidth")
+            if width > PHONE["width"]:
+                too_wide[path] = width
+        assert too_wide == {}
+
+        sections = page.locator("nav#sections")
+        expect(sections).to_be_hidden()
+        page.click("button.menu-toggle")
+        expect(sections.get_by_role("link", name="Failures")).to_be_visible()
+        sections.get_by_role("link", name="Queues").click()
+        expect(page).to_have_url(asgi_server.url + "/queues")
+        assert web.console_errors == []
+    finally:
+        context.close()
