@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import timedelta
 
 from django.contrib.auth import get_user_model
 from django.db import transaction
@@ -18,6 +19,10 @@ TEAM_SLUG = "demo"
 USERNAME = "demo"
 PASSWORD = "demo-password"
 QUEUE = "demo"
+# A partner's API allows one call every 150 s: the queue's rate limit holds its runs, the job's
+# lateness SLO of 20 s makes them late, and the queues page shows the window in use.
+THROTTLED_QUEUE = "demo-throttled"
+THROTTLE = (1, 150)
 WORKER_TOKEN_NAME = "demo worker"
 
 
@@ -61,6 +66,12 @@ DEMO_JOBS = [
         payload={"failureRate": 0.5},
     ),
     _spec("demo.delayed-email", {"delaySeconds": 20}, payload={"to": "ops@example.com"}),
+    replace(
+        _spec("demo.partner-sync", {"cron": "* * * * *", "jitterSeconds": 0}),
+        queue=THROTTLED_QUEUE,
+        lateness_slo_seconds=20,
+        owner="partners-oncall@example.com",
+    ),
 ]
 
 
@@ -81,6 +92,13 @@ def seed_runs(team: Team) -> None:
         idempotency_key=None,
         trigger="manual",
         payload={"alwaysFail": True},
+    )
+    # A run of the throttled job that was due five minutes ago: late as soon as it starts.
+    create_run(
+        JobDefinition.objects.named("demo.partner-sync").get(),
+        actor,
+        idempotency_key=None,
+        run_at=timezone.now() - timedelta(minutes=5),
     )
 
 
@@ -114,5 +132,6 @@ def load_demo() -> Demo:
         revoked_at=timezone.now()
     )
     _, raw = ApiToken.issue(team, ["worker", "manage"], name=WORKER_TOKEN_NAME)
+    services.set_queue_settings(team, THROTTLED_QUEUE, actor, rate_limit=THROTTLE, paused=None)
     seed_runs(team)
     return Demo(team, raw)

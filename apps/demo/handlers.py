@@ -44,3 +44,9 @@ def _fraction(key: str) -> float:
 def delayed_email(ctx) -> dict:
     logger.info("would send an email to %s", ctx.payload.get("to"))
     return {"sent": True}
+
+
+@handler("demo.partner-sync")
+def partner_sync(ctx) -> dict:
+    logger.info("synced with the partner (run %s, due %s)", ctx.run_id, ctx.idempotency_key)
+    return {"synced": True}

@@ -98,7 +98,19 @@ def test_run_command_brings_the_demo_up_and_stops_cleanly(tmp_path):
             "demo.every-minute",
             "demo.flaky",
             "demo.delayed-email",
+            "demo.partner-sync",
         }
+        # A rate-limited queue in use, and a run started later than its job's SLO.
+        wait_for(
+            lambda: any(
+                q["name"] == "demo-throttled" and q["rateLimit"] and q["rateUsed"] == 1
+                for q in api.get("/api/v1/queues").json()["results"]
+            ),
+            60,
+            "the throttled queue's window in use",
+        )
+        late = wait_for(lambda: api.get("/api/v1/alerts").json()["results"], 60, "a late run")
+        assert late[0]["kind"] == "late" and late[0]["job"] == "demo.partner-sync"
         started = children_of(process.pid)
         assert len(started) >= 3, started  # web, scheduler, worker
 

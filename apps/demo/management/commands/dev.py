@@ -22,7 +22,7 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.demo.data import PASSWORD, QUEUE, USERNAME, load_demo
+from apps.demo.data import PASSWORD, QUEUE, THROTTLED_QUEUE, USERNAME, load_demo
 from apps.runs import shards
 from scheduler_site import embedded_db, shardmap
 
@@ -96,6 +96,8 @@ class Command(BaseCommand):
                 "apps.demo.handlers",
                 "--queue",
                 QUEUE,
+                "--queue",
+                THROTTLED_QUEUE,
                 "--url",
                 url,
                 "--token",
