@@ -69,6 +69,7 @@ BODIES: dict[str, Any] = {
     "completeRun": {"fencingToken": 1, "result": {"rows": [1, 2]}},
     "failRun": {"fencingToken": 1, "error": {"message": "m", "type": "t"}, "retryable": True},
     "heartbeatRun": {"fencingToken": 1},
+    "putQueue": {"rateLimit": {"count": 5, "periodSeconds": 60}, "paused": False},
 }
 
 
