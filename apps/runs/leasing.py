@@ -251,8 +251,6 @@ def _claim_on(
                 # On the control database after `_queue_rooms`, a savepoint in its transaction:
                 # a claim there that fails must not lose the queues' locks.
                 mine.enter_context(store.atomic())
-                if lanes is not None:
-                    store.limit_lock_waits()
             got = store.claim(
                 queues=request.queues,
                 max_runs=max_runs,

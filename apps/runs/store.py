@@ -24,7 +24,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 from django.db.backends.utils import CursorWrapper
 from psycopg.types.datetime import TimestamptzLoader
 
-from apps.runs import counters, logs, metrics, payloads
+from apps.runs import counters, fingerprints, logs, metrics, payloads
 from apps.runs import shards as placement
 from apps.runs.fairness import interleave_teams, slot_priorities
 from apps.runs.ids import public_run_id
@@ -280,6 +280,9 @@ LANES_GIVEN = """
         WHERE x.t = t.id AND x.q = q.name
     )"""
 
+# How long a claim on a shard database of its own waits for a lock (CLAIM_LOCK_TIMEOUT, below).
+CLAIM_LOCK_WAIT = "200ms"
+
 _CLAIM_CANDIDATES = f"""
 WITH lane AS ({{lanes}}
 ), candidate AS (
@@ -422,14 +425,25 @@ WITH lane AS ({{lanes}}
       AND d.concurrency_per_key IS NOT NULL
       AND (d.rate_blocked_until IS NULL OR d.rate_blocked_until <= now())
       AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
-)
+){{bounded}}
 SELECT id, team_id, queue, priority, definition_id, concurrency, per_key, concurrency_key,
        rate_count, rate_period, (SELECT nextval('runs_claim_tick')) AS tick
-FROM candidate
+FROM candidate{{bounded_join}}
 ORDER BY priority, available_at, id
 """
-CLAIM_CANDIDATES = _CLAIM_CANDIDATES.format(lanes=LANES_HERE)
-CLAIM_CANDIDATES_GIVEN_LANES = _CLAIM_CANDIDATES.format(lanes=LANES_GIVEN)
+CLAIM_CANDIDATES = _CLAIM_CANDIDATES.format(lanes=LANES_HERE, bounded="", bounded_join="")
+# On a shard database of its own, the statement also bounds the lock waits of the rest of the
+# claim's transaction (CLAIM_LOCK_TIMEOUT: step 2's definition locks, the lease's counter row),
+# in its own round trip rather than one more; read only when there is a candidate, as the rest
+# of the claim is.
+CLAIM_CANDIDATES_GIVEN_LANES = _CLAIM_CANDIDATES.format(
+    lanes=LANES_GIVEN,
+    bounded=(
+        ", bounded AS MATERIALIZED (\n"
+        f"    SELECT set_config('lock_timeout', '{CLAIM_LOCK_WAIT}', true) AS lock_timeout\n)"
+    ),
+    bounded_join=" CROSS JOIN bounded",
+)
 
 
 @dataclass(frozen=True)
@@ -464,7 +478,7 @@ WHERE paused AND team_id = ANY(%(team_ids)s::bigint[]) AND name = ANY(%(queues)s
 # database up for the request (its part rolls back; the runs stay claimable). Without it, eight
 # claimers on three databases (tests/runs/test_shard_databases.py) hung for good in one run of
 # four.
-CLAIM_LOCK_TIMEOUT = "SET LOCAL lock_timeout = '200ms'"
+CLAIM_LOCK_TIMEOUT = f"SET LOCAL lock_timeout = '{CLAIM_LOCK_WAIT}'"
 
 
 def limit_lock_waits() -> None:
@@ -1121,10 +1135,15 @@ BACKOFF_UNTIL = (
     " d.retry_base_seconds * power(2::float8, least(r.attempt - 1, 40))))"
 )
 
+# The error's fingerprint (its group on the failures page) comes with each item, computed in
+# Python by `fail` (apps/runs/fingerprints.py: 10 µs for a short message, 50 µs at the longest
+# head it reads, measured here); it and the failure time are what the partial index
+# run_failed_by_fingerprint holds. The attempt keeps the worker's stack trace.
 FAIL = f"""
 WITH input AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(errors)s::jsonb[],
-                         %(retryables)s::boolean[]) AS i(id, token, error, retryable)
+                         %(retryables)s::boolean[], %(fingerprints)s::bigint[])
+        AS i(id, token, error, retryable, fingerprint)
 ), {leased_targets()}, failed AS (
     UPDATE runs_run r
     SET state = {NEXT_STATE.format(retryable="t.retryable")},
@@ -1135,6 +1154,8 @@ WITH input AS (
                                 AND NOT r.cancel_requested
                            THEN NULL ELSE now() END,
         last_error = t.error,
+        error_fingerprint = t.fingerprint,
+        failed_at = now(),
         lease_expires_at = NULL
     FROM target t, jobs_jobdefinition d
     WHERE r.id = t.id AND d.id = r.definition_id
@@ -1144,7 +1165,8 @@ WITH input AS (
     UPDATE runs_attempt a
     SET ended_at = now(), outcome = CASE WHEN f.state = 'cancelled' THEN 'cancelled' ELSE 'failed' END,
         error_message = left(coalesce(f.last_error->>'message', ''), 10000),
-        error_type = left(coalesce(f.last_error->>'type', ''), 200)
+        error_type = left(coalesce(f.last_error->>'type', ''), 200),
+        error_stack = coalesce(f.last_error->>'stack', '')
     FROM failed f WHERE a.fencing_token = f.fencing_token
 ), counted AS ({counters.count_failed("failed")})
 SELECT id, state, available_at, queue FROM failed
@@ -1152,7 +1174,8 @@ SELECT id, state, available_at, queue FROM failed
 
 # Reap: leases past their expiry become failed attempts, `timed_out` when the attempt's deadline
 # has passed and `lease_expired` otherwise. Served by the partial index run_leased_expiry. The
-# UPDATE repeats the conditions, so a completion that committed after the SELECT wins.
+# UPDATE repeats the conditions, so a completion that committed after the SELECT wins. The two
+# reasons' fingerprints are parameters (REAPED_FINGERPRINTS), as the fail statement's are.
 REAP = f"""
 WITH expired AS (
     SELECT id FROM runs_run
@@ -1174,6 +1197,9 @@ WITH expired AS (
             ELSE jsonb_build_object('type', 'lease_expired', 'message',
                  format('lease of worker %%s expired without a heartbeat', r.worker_id))
         END,
+        error_fingerprint = CASE WHEN r.timeout_at <= now() THEN %(timed_out)s::bigint
+                                 ELSE %(lease_expired)s::bigint END,
+        failed_at = now(),
         lease_expires_at = NULL
     FROM expired e, jobs_jobdefinition d
     WHERE r.id = e.id AND d.id = r.definition_id
@@ -1369,7 +1395,15 @@ def _fail_params(items: Sequence[tuple[int, int, dict[str, Any], bool]]) -> dict
         "tokens": _bigints(t for _, t, _, _ in items),
         "errors": [json.dumps(e) for _, _, e, _ in items],
         "retryables": [bool(r) for _, _, _, r in items],
+        "fingerprints": _bigints(fingerprints.of_error(e) for _, _, e, _ in items),
     }
+
+
+# The groups of the reaper's two reasons (their messages name the worker or the attempt, their
+# groups do not: apps/runs/fingerprints.py).
+REAPED_FINGERPRINTS = {
+    reason: fingerprints.of(reason, "") for reason in ("timed_out", "lease_expired")
+}
 
 
 @dataclass(frozen=True)
@@ -1393,7 +1427,7 @@ def reap(*, shards: Sequence[int] | None = None, batch: int = 500) -> list[Reape
         held = None if shards is None else mine
         try:
             with placement.using(alias), atomic(), server_cursor() as cursor:
-                cursor.execute(REAP, {"shards": held, "batch": batch})
+                cursor.execute(REAP, {"shards": held, "batch": batch, **REAPED_FINGERPRINTS})
                 reaped += [
                     Reaped(row["id"], row["state"], row["queue"], row["outcome"])
                     for row in _rows(cursor)

@@ -384,3 +384,21 @@ def test_killing_one_shard_server_while_eight_workers_drain_confines_the_loss(la
         assert set(states) == set(ids)  # none lost
         assert set(states.values()) == {"succeeded"}, alias
     assert_invariants_everywhere()
+
+
+def test_a_claim_on_a_shard_database_of_its_own_bounds_its_lock_waits(layout, team_a):
+    """The candidates statement sets the transaction's lock timeout (no round trip of its own):
+    the rest of the claim gives a database up rather than wait on a lock across databases."""
+    first = layout.aliases[0]
+    job = layout.job_on(first, team_a, "bounded")
+    layout.new_runs(job, 2, "b")
+    lanes = store.control_lanes([job.queue], [team_a.pk])
+    with shards.using(first), store.atomic(), store.server_cursor() as cursor:
+        cursor.execute("SHOW lock_timeout")
+        before = cursor.fetchone()[0]
+        leased = store.claim(
+            queues=[job.queue], max_runs=2, worker_id="w", lease_seconds=60,
+            team_ids=[team_a.pk], lanes=lanes,
+        )  # fmt: skip
+        cursor.execute("SHOW lock_timeout")
+        assert (before, cursor.fetchone()[0], len(leased)) == ("0", "200ms", 2)
