@@ -63,7 +63,7 @@ INSERT INTO runs_run (
     definition_id, team_id, queue, priority, shard, state, trigger, due_at, available_at,
     attempt, max_attempts, idempotency_key, fencing_token, lease_expires_at, timeout_at,
     lease_seconds, worker_id, dry_run, payload, payload_key, result, last_error, created_at,
-    started_at, late_seconds, finished_at
+    started_at, late_seconds, finished_at, error_fingerprint, failed_at
 )
 SELECT d.id, d.team_id, d.queue, d.priority, d.shard, s.state, 'cron', t.due,
        CASE s.state WHEN 'scheduled' THEN now() + make_interval(secs => 60 + g %% 3600)
@@ -76,12 +76,17 @@ SELECT d.id, d.team_id, d.queue, d.priority, d.shard, s.state, 'cron', t.due,
        60, CASE WHEN s.started THEN 'bench-worker/' || (g %% 50) ELSE '' END, false,
        jsonb_build_object('invoice', g, 'format', 'csv'), '', NULL,
        CASE WHEN s.state IN ('dead', 'retrying') THEN jsonb_build_object(
-           'message', 'upstream timed out after 30 s (request ' || g || ')', 'type', 'TimeoutError')
+           'message', format((%(messages)s::text[])[1 + g %% %(errors)s], g),
+           'type', (%(types)s::text[])[1 + g %% %(errors)s])
        END,
        t.due,
        CASE WHEN s.started THEN t.due + interval '2 seconds' + make_interval(secs => (g %% 97) / 100.0) END,
        CASE WHEN s.started THEN (g %% 97) / 100.0 END,
-       CASE WHEN s.state IN ('succeeded', 'dead', 'cancelled') THEN t.due + interval '5 seconds' END
+       CASE WHEN s.state IN ('succeeded', 'dead', 'cancelled') THEN t.due + interval '5 seconds' END,
+       -- The group and time the fail statement stores (apps/runs/fingerprints.py, FAILURES).
+       CASE WHEN s.state IN ('dead', 'retrying')
+            THEN (%(fingerprints)s::bigint[])[1 + g %% %(errors)s] END,
+       CASE WHEN s.state IN ('dead', 'retrying') THEN t.due + interval '5 seconds' END
 FROM generate_series(1, %(n)s) AS g
 CROSS JOIN defs
 JOIN jobs_jobdefinition d ON d.id = defs.ids[1 + g %% array_length(defs.ids, 1)]
@@ -96,6 +101,30 @@ CROSS JOIN LATERAL (
           FROM (SELECT (g / array_length(defs.ids, 1)) %% 100 AS p) AS percent) AS picked
 ) AS s
 """
+
+# The errors of failed runs, in turn: a few groups, as an incident's failures look; each
+# message differs per run (its `%s` is the run's number), its group does not.
+FAILURES = [
+    ("TimeoutError", "upstream timed out after 30 s (request %s)"),
+    ("KeyError", "'customer %s'"),
+    ("ConnectionError", "connection to db-%s.internal:5432 refused"),
+    ("ValueError", "invoice %s has no lines"),
+    ("PermissionError", "token for account %s was revoked"),
+    ("RuntimeError", "export %s failed: disk quota exceeded"),
+    ("LookupError", "no such order 5f2c1e9a-0000-4000-8000-%s"),
+]
+
+
+def failure_params() -> dict[str, object]:
+    from apps.runs import fingerprints
+
+    return {
+        "errors": len(FAILURES),
+        "types": [kind for kind, _ in FAILURES],
+        "messages": [message for _, message in FAILURES],
+        "fingerprints": [fingerprints.of(kind, message % 1) for kind, message in FAILURES],
+    }
+
 
 INSERT_ATTEMPTS = """
 INSERT INTO runs_attempt (run_id, number, fencing_token, worker_id, leased_at, last_heartbeat_at,
@@ -154,7 +183,7 @@ def load(runs: int) -> None:
         for j in range(DEFINITIONS_PER_TEAM)
     )
     with connection.cursor() as cursor:
-        cursor.execute(INSERT_RUNS, {"n": runs})
+        cursor.execute(INSERT_RUNS, {"n": runs, **failure_params()})
         cursor.execute(INSERT_ATTEMPTS)
         # The per-minute counters the claim and completion statements would have written.
         cursor.execute(counters.REBUILD, {"hours": counters.KEEP_HOURS})
@@ -177,6 +206,8 @@ def screens() -> dict[str, str]:
         "overview": "/",
         "failures": "/failures",
         "failures, error text": "/failures?error=request+4242",
+        "failures, grouped": "/failures?view=groups",
+        "dlq, grouped": "/dlq?view=groups",
         "failures, page 2": f"/failures?cursor={dead.run_id}",
         "runs": "/runs",
         "runs, state=ready": "/runs?state=ready",

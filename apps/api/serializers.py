@@ -91,6 +91,8 @@ def attempt_json(attempt) -> run_shape.Attempt:
         if attempt.error_message or attempt.error_type
         else None
     )
+    if error is not None and attempt.error_stack:
+        error["stack"] = attempt.error_stack
     return run_shape.Attempt(
         attempt=attempt.number,
         fencingToken=attempt.fencing_token,

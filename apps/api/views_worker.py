@@ -17,7 +17,7 @@ from apps.api.renderers import Rendered, render_json
 from apps.api.shapes import M, body_size, parse
 from apps.api.shapes import worker as shape
 from apps.audit.record import Actor, record_denied
-from apps.runs import activity, leasing, store
+from apps.runs import activity, leasing, limits, store
 from apps.runs.clock import format_utc
 from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import PRIORITY_NAMES
@@ -253,7 +253,7 @@ def _error(error: shape.ErrorBody | None) -> dict[str, str]:
         return {"message": "", "type": ""}
     answer = {"message": error.message, "type": error.type}
     if error.stack:
-        answer["stack"] = error.stack[-shape.STACK_MAX_CHARS :]
+        answer["stack"] = limits.cut_stack(error.stack)
     return answer
 
 

@@ -157,6 +157,8 @@ def render(scope: dict[str, Any], path: str) -> str:
     request.COOKIES = _cookies(scope)
     host = dict(scope.get("headers", [])).get(b"host", b"localhost").decode("latin-1")
     request.META = {
+        # `request.get_full_path()` (the `next` of a page's forms) keeps the page's filters.
+        "QUERY_STRING": parts.query,
         "HTTP_HOST": host,
         "SERVER_NAME": host.split(":")[0],
         "SERVER_PORT": "80",

@@ -47,6 +47,9 @@ class RunFilter:
     due_from: datetime | None = None
     due_to: datetime | None = None
     error: str = ""  # a substring of the last error's message or type
+    # The last error's group (apps/runs/fingerprints.py): a team's runs of one group, newest
+    # first, are read from run_failed_by_fingerprint (team_id, error_fingerprint, state, id).
+    fingerprint: int | None = None
 
 
 @dataclass
@@ -79,6 +82,8 @@ def _branch(
         queryset = queryset.filter(
             Q(last_error__message__icontains=flt.error) | Q(last_error__type__icontains=flt.error)
         )
+    if flt.fingerprint is not None:
+        queryset = queryset.filter(error_fingerprint=flt.fingerprint)
     return queryset
 
 

@@ -4,18 +4,24 @@ A bulk action's filter never widens by accident. Every field is a non-empty valu
 `null`, `""`, `false` and `[]` are errors, not "match anything" (a discard with
 `{"job": null}` once emptied a team's whole dead-letter queue), and an empty filter is an error
 too. Acting on everything is said outright: `{"all": true}`.
+
+The API's filters say job, queue and since; the dashboard's also say a due window, a text of
+the error and an error group (`fingerprint`, apps/runs/fingerprints.py). What a filter selects
+is said twice, once per caller's need: `apply` (a queryset, the API's selection by filter) and
+`where` (SQL conditions, the dashboard's count and its one statement per shard database).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.utils.dateparse import parse_datetime
 
-from apps.runs import limits
+from apps.runs import fingerprints, limits, shards
 from apps.runs.clock import format_utc
 
 FIELDS = ("job", "queue", "since", "all")
@@ -34,8 +40,14 @@ class FilterError(ValueError):
 class BulkFilter:
     job: str | None = None
     queue: str | None = None
-    since: datetime | None = None
+    since: datetime | None = None  # created at or after
     everything: bool = False
+    # The dashboard's list filters (not the API's): due at or after / before, a text the last
+    # error's message or type contains, and the last error's group.
+    due_from: datetime | None = None
+    due_to: datetime | None = None
+    error: str | None = None
+    fingerprint: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The filter as the caller gave it (for the audit trail)."""
@@ -48,7 +60,57 @@ class BulkFilter:
             answer["queue"] = self.queue
         if self.since is not None:
             answer["since"] = format_utc(self.since)
+        if self.due_from is not None:
+            answer["dueFrom"] = format_utc(self.due_from)
+        if self.due_to is not None:
+            answer["dueBefore"] = format_utc(self.due_to)
+        if self.error is not None:
+            answer["error"] = self.error
+        if self.fingerprint is not None:
+            answer["group"] = fingerprints.to_hex(self.fingerprint)
         return answer
+
+    def where(self) -> tuple[str, dict[str, Any]]:
+        """SQL conditions on `runs_run r` that select what this filter does, and their
+        parameters (named `filter_…`). `everything` adds none: the caller's team and state
+        conditions still hold."""
+        conditions: list[str] = []
+        params: dict[str, Any] = {}
+        if self.job is not None:
+            # A job's name is unique (job_team_name): no row, no run.
+            conditions.append(
+                "r.definition_id = (SELECT id FROM jobs_jobdefinition WHERE name = %(filter_job)s)"
+            )
+            params["filter_job"] = self.job
+        for column, key, value in (
+            ("queue", "filter_queue", self.queue),
+            ("error_fingerprint", "filter_fingerprint", self.fingerprint),
+        ):
+            if value is not None:
+                conditions.append(f"r.{column} = %({key})s")
+                params[key] = value
+        for condition, key, value in (
+            ("r.created_at >= %(filter_since)s", "filter_since", self.since),
+            ("r.due_at >= %(filter_due_from)s", "filter_due_from", self.due_from),
+            ("r.due_at < %(filter_due_to)s", "filter_due_to", self.due_to),
+        ):
+            if value is not None:
+                conditions.append(condition)
+                params[key] = value
+        if self.error is not None:
+            conditions.append(
+                "(r.last_error->>'message' ILIKE %(filter_error)s"
+                " OR r.last_error->>'type' ILIKE %(filter_error)s)"
+            )
+            escaped = self.error.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            params["filter_error"] = f"%{escaped}%"
+        return " AND ".join(conditions) or "true", params
+
+    def describe(self) -> str:
+        """The filter in a line, for a confirmation and an audit event's target."""
+        if self.everything:
+            return "all"
+        return " ".join(f"{key}={value}" for key, value in self.as_json().items())
 
 
 def parse_instant(raw: object) -> datetime | None:
@@ -106,4 +168,43 @@ def apply(queryset: QuerySet, flt: BulkFilter) -> QuerySet:
         queryset = queryset.filter(queue=flt.queue)
     if flt.since is not None:
         queryset = queryset.filter(created_at__gte=flt.since)
+    if flt.due_from is not None:
+        queryset = queryset.filter(due_at__gte=flt.due_from)
+    if flt.due_to is not None:
+        queryset = queryset.filter(due_at__lt=flt.due_to)
+    if flt.error is not None:
+        queryset = queryset.filter(
+            Q(last_error__message__icontains=flt.error) | Q(last_error__type__icontains=flt.error)
+        )
+    if flt.fingerprint is not None:
+        queryset = queryset.filter(error_fingerprint=flt.fingerprint)
     return queryset
+
+
+# How many runs of these teams, in these states, a filter selects on the current shard
+# database: what a confirmation shows before anything changes. Served by run_team_state
+# (team_id, state, -id), or for a group by run_failed_by_fingerprint (team_id,
+# error_fingerprint, state, id).
+COUNT = """
+SELECT count(*) FROM runs_run r
+WHERE r.team_id = ANY(%(teams)s::bigint[]) AND r.state = ANY(%(states)s::text[]) AND {where}
+"""
+
+
+def count(team_ids: Sequence[int], states: Sequence[str], flt: BulkFilter) -> int:
+    """The runs of `team_ids` in `states` that `flt` selects, on every shard database (one
+    that is down raises `shards.Unavailable`: a count without it would be wrong)."""
+    if not team_ids or not states:
+        return 0
+    where, params = flt.where()
+
+    def here() -> int:
+        with shards.cursor() as cursor:
+            cursor.execute(
+                COUNT.format(where=where),
+                {"teams": list(team_ids), "states": list(states), **params},
+            )
+            return cursor.fetchone()[0]
+
+    counts, _ = shards.gather(here, strict=True)
+    return sum(counts)

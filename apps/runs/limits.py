@@ -30,6 +30,25 @@ WORKER_ID_MAX = 200
 WORKER_ID_RULE = "Printable ASCII without leading or trailing spaces, up to 200 characters."
 
 
+# A worker's stack trace (`error.stack`): past this many characters its end is kept, where the
+# error is, under a line saying how much of its start was cut; the report is never refused for
+# it (the whole body's size limit already bounds it). The SDK cuts the same way before sending.
+STACK_MAX_CHARS = 64 * 1024
+
+
+def cut_stack(stack: str, limit: int = STACK_MAX_CHARS) -> str:
+    """`stack` itself, or its last characters under a marker line, `limit` characters in all."""
+    if len(stack) <= limit:
+        return stack
+    marker = ""
+    while True:  # the count's digits are part of the length it counts: until it holds still
+        kept = limit - len(marker)
+        again = f"[{len(stack) - kept} characters cut]\n"
+        if again == marker:
+            return marker + stack[len(stack) - kept :]
+        marker = again
+
+
 def _name_problem(value: object, pattern: re.Pattern, longest: int, rule: str) -> str | None:
     if not isinstance(value, str):
         return "Not a valid string."

@@ -7,14 +7,20 @@ runs of a definition is `apps.jobs.enqueue`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from django.db import transaction
 
 from apps.audit.record import Actor, record
 from apps.runs import shards
+from apps.runs.filters import BulkFilter
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run
 from apps.runs.store import atomic, notify_ready, server_cursor
+
+if TYPE_CHECKING:
+    from apps.teams.models import Team
 
 
 class TransitionError(Exception):
@@ -129,6 +135,135 @@ def retry(runs: Sequence[Run], actor: Actor) -> list[Run]:
     dead = [run for run in runs if run.state == "dead"]
     waiting = [run for run in runs if run.state != "dead"]
     return _transition(RETRY_NOW, waiting, actor, "run.retry", wakes=True) + requeue(dead, actor)
+
+
+# --- everything a filter selects ------------------------------------------------------------
+# One statement per shard database, whatever the count: no run is read into Python, and the
+# action is audited once per team with the filter and the count (not once per run: 5 000
+# events for one decision drowned the audit trail). Served by run_team_state (team_id, state,
+# -id), or for an error group by run_failed_by_fingerprint; the WHERE's state list is the
+# transition's precondition, as in the statements above.
+
+
+@dataclass(frozen=True)
+class MatchingAction:
+    audit: str  # the audit event's action
+    states: frozenset[str]  # the stored states it changes
+    after: str  # the state they end in
+    wakes: bool  # claimable at once: wake the queues' waiting workers
+    sql: str  # the UPDATE, up to its WHERE's filter conditions
+
+
+_MATCHING = """
+WITH changed AS (
+    {update}
+      AND r.team_id = ANY(%(teams)s::bigint[]) AND r.state = ANY(%(states)s::text[])
+      AND {{where}}
+    RETURNING r.team_id, r.queue
+)
+SELECT team_id, queue, count(*) FROM changed GROUP BY team_id, queue
+"""
+MATCHING = {
+    # A retrying run skips the rest of its backoff; a dead one is requeued (a fresh budget).
+    "retry": MatchingAction(
+        "run.retry",
+        frozenset({"retrying", "dead"}),
+        "ready",
+        True,
+        _MATCHING.format(
+            update="""UPDATE runs_run r
+    SET state = 'ready', available_at = now(), finished_at = NULL,
+        max_attempts = CASE WHEN r.state = 'dead' THEN r.attempt + d.retry_max_attempts
+                            ELSE r.max_attempts END
+    FROM jobs_jobdefinition d
+    WHERE d.id = r.definition_id"""
+        ),
+    ),
+    "requeue": MatchingAction(
+        "dlq.requeue",
+        frozenset({"dead"}),
+        "ready",
+        True,
+        _MATCHING.format(
+            update="""UPDATE runs_run r
+    SET state = 'ready', available_at = now(), finished_at = NULL,
+        max_attempts = r.attempt + d.retry_max_attempts
+    FROM jobs_jobdefinition d
+    WHERE d.id = r.definition_id"""
+        ),
+    ),
+    # Waiting runs only: a leased one is asked to stop one at a time (`cancel`).
+    "cancel": MatchingAction(
+        "run.cancel",
+        frozenset({"scheduled", "ready", "retrying"}),
+        "cancelled",
+        False,
+        _MATCHING.format(
+            update="""UPDATE runs_run r SET state = 'cancelled', finished_at = now()
+    WHERE true"""
+        ),
+    ),
+    "discard": MatchingAction(
+        "dlq.discard",
+        frozenset({"dead"}),
+        "cancelled",
+        False,
+        _MATCHING.format(update="UPDATE runs_run r SET state = 'cancelled'\n    WHERE true"),
+    ),
+}
+
+
+def act_on_matching(
+    name: str,
+    teams: Sequence[Team],
+    states: Sequence[str],
+    flt: BulkFilter,
+    actor: Actor,
+) -> int:
+    """Apply the action `name` (MATCHING) to every run of `teams` in `states` (those the
+    action accepts) that `flt` selects; return how many changed.
+
+    1. Refuse while a shard is being moved (`shards.Moving`) and when a shard database cannot
+       be reached (`shards.Unavailable`): every database's transaction is open before any
+       statement runs, so nothing changes then.
+    2. One UPDATE per shard database; its queues' waiting workers woken when runs are ready.
+    3. One audit event per team that had runs changed, with the filter, the states and the
+       count, committed last in the control database.
+    """
+    action = MATCHING[name]
+    wanted = sorted(action.states.intersection(states))
+    by_id = {team.pk: team for team in teams}
+    if not wanted or not by_id:
+        return 0
+    moving = sorted(shards.moving())
+    if moving:
+        raise shards.Moving(moving[0])
+    where, params = flt.where()
+    sql = action.sql.format(where=where)
+    params = {**params, "teams": sorted(by_id), "states": wanted}
+    changed: dict[int, int] = {}
+    with shards.writing_everywhere():
+        for alias in shards.databases():
+            # Django's cursor, which binds on the client: planned for these values, so a group's
+            # states prove the partial index's predicate (a prepared, generic plan could not).
+            with shards.using(alias), shards.cursor() as cursor:
+                cursor.execute(sql, params)
+                rows = cursor.fetchall()
+                if action.wakes:
+                    notify_ready(queue for _, queue, _ in rows)
+            for team_id, _, count in rows:
+                changed[team_id] = changed.get(team_id, 0) + count
+        for team_id, count in sorted(changed.items()):
+            record(
+                actor,
+                action.audit,
+                team=by_id[team_id],
+                target_type="filter",
+                target=flt.describe()[:300],
+                before={"filter": flt.as_json(), "states": wanted},
+                after={"state": action.after, "count": count},
+            )
+    return sum(changed.values())
 
 
 def require_one(changed: list[Run], run: Run, verb: str) -> Run:

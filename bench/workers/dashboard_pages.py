@@ -30,11 +30,13 @@ def addresses() -> list[tuple[str, str]]:
     return [
         ("/", "/"),
         ("/failures", "/failures"),
+        ("/failures?view=groups", "/failures?view=groups"),
         ("/runs", "/runs"),
         ("/runs?state=ready", "/runs?state=ready"),
         ("/runs?job=<name>", f"/runs?job={job}"),
         ("/runs/<runId>", f"/runs/{run_id}"),
         ("/dlq", "/dlq"),
+        ("/dlq?view=groups", "/dlq?view=groups"),
         ("/jobs", "/jobs"),
         ("/jobs/new", "/jobs/new"),
         ("/jobs/<name>", f"/jobs/{job}"),

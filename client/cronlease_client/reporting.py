@@ -22,6 +22,23 @@ logger = logging.getLogger("cronlease_client")
 MAX_BATCH = 1000  # the server's limit on items in one batch request
 MAX_ERROR_MESSAGE = 10000
 MAX_ERROR_TYPE = 200
+# The scheduler keeps a stack trace's last 64 KB (65 536 characters); cut here too, the same
+# way, so a deep recursion's trace does not make the request itself too large.
+MAX_STACK = 64 * 1024
+
+
+def cut_stack(stack: str, limit: int = MAX_STACK) -> str:
+    """`stack` itself, or its end (where the error is) under a line saying how much of its start
+    was cut, `limit` characters in all (as the scheduler's apps/runs/limits.py cuts it)."""
+    if len(stack) <= limit:
+        return stack
+    marker = ""
+    while True:  # the count's digits are part of the length it counts: until it holds still
+        kept = limit - len(marker)
+        again = f"[{len(stack) - kept} characters cut]\n"
+        if again == marker:
+            return marker + stack[len(stack) - kept :]
+        marker = again
 
 
 @dataclass(frozen=True)
@@ -33,7 +50,8 @@ class Report:
     error_type: str = ""
     message: str = ""
     retryable: bool = True
-    traceback: str = ""
+    traceback: str = ""  # for this process's log; empty for a deliberate Retryable/NonRetryable
+    stack: str = ""  # for the scheduler (`error.stack`): where any exception was raised
 
     def item(self, run_id: str, fencing_token: int) -> dict[str, Any]:
         if self.outcome == "succeeded":
@@ -43,15 +61,18 @@ class Report:
                 "outcome": "succeeded",
                 "result": self.result,
             }
+        # Truncated here: one oversized message must not get the whole batch refused.
+        error = {
+            "type": self.error_type[:MAX_ERROR_TYPE],
+            "message": self.message[:MAX_ERROR_MESSAGE],
+        }
+        if self.stack:
+            error["stack"] = cut_stack(self.stack)
         return {
             "runId": run_id,
             "fencingToken": fencing_token,
             "outcome": "failed",
-            # Truncated here: one oversized message must not get the whole batch refused.
-            "error": {
-                "type": self.error_type[:MAX_ERROR_TYPE],
-                "message": self.message[:MAX_ERROR_MESSAGE],
-            },
+            "error": error,
             "retryable": self.retryable,
         }
 
@@ -83,8 +104,10 @@ def describe_failure(exc: BaseException, ctx_retryable: bool | None = None) -> R
     """Turn a handler's exception into a failed Report.
 
     Retryable/NonRetryable decide for themselves; any other exception is retried unless the
-    handler set `ctx.retryable = False`.
+    handler set `ctx.retryable = False`. Either way the scheduler gets the stack trace (with
+    the chain of causes), cut to its last 64 KB.
     """
+    full = "".join(traceback.format_exception(exc))
     if isinstance(exc, HandlerError):
         cause = exc.__cause__
         error_type = exc.error_type or type(cause if cause is not None else exc).__name__
@@ -96,13 +119,14 @@ def describe_failure(exc: BaseException, ctx_retryable: bool | None = None) -> R
         error_type = type(exc).__name__
         message = str(exc)
         retryable = ctx_retryable is not False
-        trace = "".join(traceback.format_exception(exc))
+        trace = full
     return Report(
         "failed",
         error_type=error_type,
         message=message or error_type,
         retryable=retryable,
         traceback=trace,
+        stack=cut_stack(full),
     )
 
 

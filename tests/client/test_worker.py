@@ -61,6 +61,7 @@ def test_a_raising_handler_fails_the_run_with_its_error_and_it_is_retried(team_a
 
     (run,) = wait_for(runs_when([pk], "dead"), what="the run dead after its two attempts")
     assert run.attempt == 2
+    assert run.last_error.pop("stack").endswith("ValueError: bad row on attempt 2")
     assert run.last_error == {"type": "ValueError", "message": "bad row on attempt 2"}
     attempts = list(Attempt.objects.filter(run_id=pk).order_by("number"))
     assert [(a.number, a.outcome, a.error_type) for a in attempts] == [
@@ -112,6 +113,7 @@ def test_a_non_retryable_failure_goes_straight_to_dead(team_a, make_worker, hand
 
     (run,) = wait_for(runs_when([pk], "dead"), what="the run dead")
     assert run.attempt == 1
+    assert "Traceback (most recent call last)" in run.last_error.pop("stack")
     assert run.last_error == error
 
 
@@ -225,6 +227,7 @@ def test_process_pool_runs_handlers_and_reports_their_errors(team_a, make_worker
 
     runs = wait_for(runs_when(charges, "succeeded"), timeout=60, what="charges done")
     (dead,) = wait_for(runs_when([failing], "dead"), timeout=30, what="flaky run dead")
+    assert "ConnectionError: upstream unavailable" in dead.last_error.pop("stack")
     assert dead.last_error == {
         "type": "ConnectionError",
         "message": "upstream unavailable on attempt 1",

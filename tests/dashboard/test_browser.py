@@ -91,8 +91,10 @@ def test_a_failed_run_appears_without_reload_then_is_inspected_and_retried(web, 
     expect(page.locator("dd.mono", has_text=run.idempotency_key)).to_be_visible()
     web.screenshot("run-detail-dead")
 
-    page.get_by_role("button", name="Retry").click()
-    expect(page.locator(".messages")).to_contain_text(f"Retried {run.run_id}")
+    # A dead run offers one way back (Requeue, with a fresh budget), not Retry beside it.
+    expect(page.get_by_role("button", name="Retry")).to_have_count(0)
+    page.get_by_role("button", name="Requeue").click()
+    expect(page.locator(".messages")).to_contain_text(f"Requeued {run.run_id}")
     expect(page.locator("#run-body .state").first).to_have_text("ready")
     assert Run.objects.get(pk=run.pk).state == "ready"
     assert AuditEvent.objects.filter(target=run.run_id, source="dashboard").exists()

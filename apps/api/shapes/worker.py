@@ -12,10 +12,8 @@ from typing_extensions import TypedDict  # pydantic reads only this one on Pytho
 from apps.api.shapes import ANSWER, Body, Instant, json_value, name_check, problem
 from apps.runs import limits
 
-BIGINT = 2**63 - 1
-STACK_MAX_CHARS = (
-    64 * 1024
-)  # every integer here meets a PostgreSQL bigint (fencing tokens above all)
+BIGINT = 2**63 - 1  # every integer here meets a PostgreSQL bigint (fencing tokens above all)
+STACK_MAX_CHARS = limits.STACK_MAX_CHARS
 
 QueueName = Annotated[
     str,
@@ -114,8 +112,9 @@ class ErrorBody(Body):
     stack: str | None = Field(
         None,
         description=(
-            "The stack trace, kept with the run's last error; past STACK_MAX_CHARS (64 KB) it "
-            "is cut, keeping its end (where the error is), rather than refusing the report."
+            "The stack trace, kept with the run's last error and the attempt; past "
+            "65 536 characters (64 KB) it is cut, keeping its end (where the error is) under "
+            "a line saying how much was cut, rather than refusing the report."
         ),
     )
     # Accepted and not kept: older SDKs send them.

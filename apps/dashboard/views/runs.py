@@ -1,5 +1,7 @@
-"""Failures, runs and the dead-letter queue (one list, three presets), a run's page, and the run
-actions — retry, cancel, requeue, discard — one at a time or in bulk after a confirmation."""
+"""Failures, runs and the dead-letter queue (one list, three presets; failures and the DLQ also
+grouped by error), a run's page, the run-id search, and the run actions — retry, cancel,
+requeue, discard — one at a time, on ticked rows, or on everything a filter or an error group
+selects, each in bulk after a confirmation that shows the count."""
 
 from __future__ import annotations
 
@@ -7,16 +9,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from django.contrib import messages
+from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse
+from django.shortcuts import redirect
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from apps.audit.record import Actor
 from apps.dashboard import queries
 from apps.dashboard.forms import RunFilterForm
-from apps.dashboard.http import HtmxHttpRequest, actor, done, plural, render_page, signed_in
-from apps.jobs import diagnosis, runlist
-from apps.runs import payloads, transitions
+from apps.dashboard.http import (
+    HtmxHttpRequest,
+    actor,
+    done,
+    is_live,
+    plural,
+    render_page,
+    signed_in,
+)
+from apps.jobs import diagnosis, runlist, triage
+from apps.runs import filters, payloads, transitions
 from apps.runs.clock import database_now
 from apps.runs.ids import parse_run_id
 from apps.runs.models import WAITING_STATES, Run, State, reported_state
@@ -53,12 +65,14 @@ class ListMode:
     template_states: list[str]  # the state filter's choices
     actions: list[str]
     empty: str
+    grouped: bool = False  # may be shown grouped by error, and acted on by filter or group
 
 
 MODES = {
     "failures": ListMode(
         "dashboard:failures", "Failures", ["retrying", "dead"], ["retry", "cancel"],
         "Nothing is failing. Runs that failed and are waiting to retry, or are dead, show here.",
+        grouped=True,
     ),
     "runs": ListMode(
         "dashboard:runs", "Runs", [s.value for s in State], ["retry", "cancel"],
@@ -66,9 +80,12 @@ MODES = {
     ),
     "dlq": ListMode(
         "dashboard:dlq", "Dead-letter queue", [], ["requeue", "discard"],
-        "The dead-letter queue is empty.",
+        "The dead-letter queue is empty.", grouped=True,
     ),
 }  # fmt: skip
+
+# The list filters a bulk action by filter carries to its confirmation and back.
+FILTER_FIELDS = ("team", "queue", "job", "state", "range", "due_from", "due_to", "error", "group")
 
 
 def _branches(mode: str, state: str) -> list[runlist.Branch]:
@@ -79,37 +96,51 @@ def _branches(mode: str, state: str) -> list[runlist.Branch]:
     return list(runlist.REPORTED_TO_STORED.get(state, runlist.ALL_STORED))
 
 
+def _stored_states(mode_name: str, state: str) -> list[str]:
+    """The stored states a list of failures or dead runs shows (its branches, without the clock)."""
+    return sorted({stored for stored, _ in _branches(mode_name, state)})
+
+
 def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
     mode = MODES[mode_name]
     now = database_now()
     teams = list(access.visible_teams(request.user))
     form = RunFilterForm(request.GET, teams=teams, states=mode.template_states)
     page = runlist.RunPage([], None)
+    grouping = None
     cursor = None
     if form.is_valid():
         data = form.cleaned_data
         cursor = data["cursor"]
         team_ids = [t.pk for t in teams if not data["team"] or t.slug == data["team"]]
-        due_from, due_to = form.window(now)
-        flt = runlist.RunFilter(
-            team_ids=team_ids,
-            branches=_branches(mode_name, data["state"]),
-            queue=data["queue"],
-            job=data["job"],
-            due_from=due_from,
-            due_to=due_to,
-            error=data["error"],
-        )
-        page = runlist.run_page(flt, now, before=cursor)
+        if mode.grouped and data["view"] == "groups":
+            states = _stored_states(mode_name, data["state"])
+            grouping = triage.groups(team_ids, states, form.bulk_filter(now))
+        else:
+            due_from, due_to = form.window(now)
+            flt = runlist.RunFilter(
+                team_ids=team_ids,
+                branches=_branches(mode_name, data["state"]),
+                queue=data["queue"],
+                job=data["job"],
+                due_from=due_from,
+                due_to=due_to,
+                error=data["error"],
+                fingerprint=data["group"],
+            )
+            page = runlist.run_page(flt, now, before=cursor)
     context = {
         "now": now,
         "mode": mode,
         "mode_name": mode_name,
         "form": form,
         "page": page,
+        "grouping": grouping,
         "cursor": cursor,
         "actions": [ACTIONS[name] for name in mode.actions],
         "can_act": any(access.has_role(request.user, t, Role.OPERATOR) for t in teams),
+        # The filter as the page was asked for it, for the actions on everything it selects.
+        "carry": [(key, request.GET[key]) for key in FILTER_FIELDS if request.GET.get(key)],
         "live": True,
     }
     return render_page(request, "dashboard/runs.html", context, regions=("page", "results"))
@@ -122,6 +153,14 @@ def failures(request: HtmxHttpRequest) -> HttpResponse:
 
 @signed_in
 def runs(request: HtmxHttpRequest) -> HttpResponse:
+    """The runs list; with `?run=<runId>` (the header's search box), that run's page, or the
+    list saying there is no such run (another team's run is no more found than a missing one)."""
+    wanted = request.GET.get("run", "").strip()
+    if wanted and not is_live(request):  # the live updates of such a page are the list's
+        run = queries.visible_run(access.visible_team_ids(request.user), parse_run_id(wanted))
+        if run is not None:
+            return redirect("dashboard:run", run.run_id)
+        messages.warning(request, f"No such run: {wanted[:60]}", fail_silently=True)
     return _run_list(request, "runs")
 
 
@@ -147,20 +186,37 @@ def run_detail(request: HtmxHttpRequest, run_id: str) -> HttpResponse:
     context = {
         "now": now,
         "run": run,
+        # The last error is the run's own while it is failing (retrying, dead); a run that went
+        # on (succeeded, requeued, cancelled) shows it only as history, in its attempt.
+        "failing": run.state in FAILING_STATES and bool(run.last_error),
         # "Why is this not running?" only asks about a run that waits.
         "reasons": diagnosis.why_run(run, now) if run.state in WAITING_STATES else None,
         "late": run.is_late(),
         "attempts": attempts,
         "payload": payloads.load(run.payload, run.payload_key),
         "history": queries.audit_for_target(run.team_id, "run", run.run_id),
-        "actions": [
-            a
-            for a in ACTIONS.values()
-            if run.state in a.applies_to and not (a.name == "cancel" and run.cancel_requested)
-        ],
+        "actions": _actions_for(run),
         "live": True,
     }
     return render_page(request, "dashboard/run_detail.html", context)
+
+
+FAILING_STATES = frozenset({"retrying", "dead"})
+
+
+def _actions_for(run: Run) -> list[RunAction]:
+    """The actions a run's page offers: those its state allows, once each. A dead run's retry
+    is its requeue, so it is offered as Requeue alone (both buttons did the same)."""
+    offered = []
+    for action in ACTIONS.values():
+        if run.state not in action.applies_to:
+            continue
+        if action.name == "cancel" and run.cancel_requested:
+            continue
+        if action.name == "retry" and run.state == State.DEAD:
+            continue
+        offered.append(action)
+    return offered
 
 
 @require_POST
@@ -219,3 +275,72 @@ def bulk(request: HtmxHttpRequest) -> HttpResponse:
     if skipped:
         message += f" {plural(skipped, 'run')} had changed state and {'was' if skipped == 1 else 'were'} left as {'it was' if skipped == 1 else 'they were'}."
     return done(request, fallback, message, messages.SUCCESS if changed else messages.WARNING)
+
+
+@require_POST
+@signed_in
+def bulk_matching(request: HtmxHttpRequest) -> HttpResponse:
+    """An action on everything a list's filter (or one of its error groups) selects.
+
+    Step 1 (no `confirm`): count what it would change, on every shard database, and ask.
+    Step 2: one statement per shard database, audited once per team with the filter
+    (`transitions.act_on_matching`). The relative time range of step 1 travels to step 2 as
+    the absolute window it meant, so both steps select the same runs.
+    """
+    mode_name = request.POST.get("mode", "")
+    mode = MODES.get(mode_name)
+    if mode is None or not mode.grouped:
+        raise Http404("No such list.")
+    fallback = reverse(mode.url_name)
+    spec = ACTIONS.get(request.POST.get("action", ""))
+    if spec is None or spec.name not in mode.actions:
+        return done(request, fallback, "Choose an action.", messages.WARNING)
+    now = database_now()
+    teams = list(access.visible_teams(request.user))
+    form = RunFilterForm(request.POST, teams=teams, states=mode.template_states)
+    if not form.is_valid():
+        return done(request, fallback, "Fix the filter first.", messages.WARNING)
+    data = form.cleaned_data
+    if data["team"]:
+        chosen = [t for t in teams if t.slug == data["team"]]
+        access.require_role_in_all(request.user, (t.pk for t in chosen), Role.OPERATOR)
+    else:
+        # "All teams" acts on those the user may act on (the confirmation names them).
+        chosen = [t for t in teams if access.has_role(request.user, t, Role.OPERATOR)]
+        if not chosen:
+            raise PermissionDenied("This needs the operator role in a team.")
+    states = sorted(
+        transitions.MATCHING[spec.name].states & set(_stored_states(mode_name, data["state"]))
+    )
+    flt = form.bulk_filter(now)
+    if request.POST.get("confirm") != "yes":
+        due_from, due_to = form.window(now)
+        carry = [
+            (key, request.POST[key])
+            for key in ("team", "queue", "job", "state", "error", "group")
+            if request.POST.get(key)
+        ]
+        carry += [
+            (key, moment.replace(tzinfo=None).isoformat())
+            for key, moment in (("due_from", due_from), ("due_to", due_to))
+            if moment is not None
+        ]
+        context = {
+            "spec": spec,
+            "matching": True,
+            "count": filters.count([t.pk for t in chosen], states, flt),
+            "described": {"teams": ", ".join(t.slug for t in chosen), **flt.as_json()},
+            "states": states,
+            "mode_name": mode_name,
+            "carry": carry,
+            "next": request.POST.get("next", ""),
+        }
+        return render_page(request, "dashboard/bulk_confirm.html", context, regions=("dialog",))
+    changed = transitions.act_on_matching(spec.name, chosen, states, flt, actor(request))
+    return done(
+        request,
+        fallback,
+        f"{spec.past} {plural(changed, 'run')}"
+        + ("." if flt.everything else f" matching {flt.describe()}."),
+        messages.SUCCESS if changed else messages.WARNING,
+    )

@@ -312,6 +312,8 @@ def _call(
             str(cause) if cause is not None else "the task raised Retry",
             error_type=type(cause).__name__ if cause is not None else "Retry",
         )
+        # The stack the scheduler keeps is the task's: the cause's traceback, or the Retry's.
+        request.__cause__ = cause if cause is not None else exc
         return describe_failure(request), None
     except Exception as exc:
         return describe_failure(exc, ctx.retryable), None

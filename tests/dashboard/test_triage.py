@@ -1,0 +1,184 @@
+"""Triage on the dashboard, server side: failures and the DLQ grouped by error, actions on
+everything a filter or a group selects (the count first, then one statement per database and
+one audit event), the run-id search, and what a run's page says about its errors."""
+
+from __future__ import annotations
+
+from html import escape
+
+import pytest
+from django.test import Client
+
+from apps.audit.models import AuditEvent
+from apps.runs import fingerprints, store
+from apps.runs.models import Run
+from apps.teams.models import Membership
+from tests.conftest import add_ready_runs, make_definition
+from tests.dashboard.conftest import XSS, client_for, failed_runs
+from tests.triage_runs import insert_failed, person
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def operator(team_a):
+    return person("oscar-operator", team_a, "operator")
+
+
+@pytest.fixture
+def viewer(team_a):
+    return person("vera-viewer", team_a, "viewer")
+
+
+def test_failures_grouped_by_error_show_counts_times_jobs_and_act_per_group(operator, team_a):
+    charge = make_definition(team_a, "billing.charge", queue="billing")
+    refund = make_definition(team_a, "billing.refund", queue="billing")
+    keyed = insert_failed(charge, 25, message=f"{XSS} 'user %s'")
+    insert_failed(refund, 5, prefix="refund-", message=f"{XSS} 'user %s'")
+    insert_failed(charge, 3, state="retrying", error_type="TimeoutError", message="after %s s")
+    client = client_for(operator)
+
+    body = client.get("/failures?view=groups").content.decode()
+    assert "33 runs in 2 error groups" in body
+    key = fingerprints.to_hex(keyed)
+    row = body.split(f'id="group-{key}"')[1].split("</tr>")[0]
+    # The group's words, escaped, with its placeholders (the script's 1 is a number too).
+    assert escape("KeyError: <script>alert(<n>)</script> '<str>'") in row
+    assert XSS not in body
+    assert ">30</a>" in row and "billing.charge</a>, <a" in row and "billing.refund" in row
+    assert row.count("<time") == 2  # first and last seen
+    assert f'name="group" value="{key}"' in row
+    assert "Retry 30…" in row and "Cancel 30…" in row
+    # The group's count links to its runs: the list of that group alone.
+    runs = client.get(f"/failures?group={key}").content.decode()
+    assert runs.count('id="run-row-') == 30
+    assert 'id="group-filter"' in runs
+    assert client.get("/failures?group=nothex").status_code == 200  # a form error, not a 500
+
+
+def test_a_group_action_shows_the_count_then_changes_it_in_one_audited_step(operator, team_a):
+    job = make_definition(team_a, "billing.charge", queue="billing")
+    keyed = insert_failed(job, 40)
+    insert_failed(job, 7, error_type="TimeoutError", message="after %s s", prefix="t-")
+    client = client_for(operator)
+    ask = {"mode": "dlq", "action": "requeue", "group": fingerprints.to_hex(keyed), "next": "/dlq"}
+
+    confirm = client.post("/runs/matching", ask, HTTP_HX_REQUEST="true").content.decode()
+    assert "Requeue 40 runs?" in confirm
+    assert f'group</dt><dd class="mono">{fingerprints.to_hex(keyed)}' in confirm
+    assert Run.objects.filter(state="dead").count() == 47  # nothing changed yet
+
+    done = client.post("/runs/matching", {**ask, "confirm": "yes"})
+    assert done.status_code == 302 and done["Location"] == "/dlq"
+    assert Run.objects.filter(state="ready").count() == 40
+    assert Run.objects.filter(state="dead").count() == 7
+    (event,) = AuditEvent.objects.filter(action="dlq.requeue")
+    assert (event.source, event.actor, event.after["count"]) == (
+        "dashboard",
+        operator.username,
+        40,
+    )
+
+
+def test_everything_matching_a_filter_is_counted_and_acted_on_with_the_window_it_meant(
+    operator, team_a
+):
+    job = make_definition(team_a, "billing.charge", queue="billing")
+    other = make_definition(team_a, "billing.refund", queue="billing")
+    insert_failed(job, 12)
+    insert_failed(other, 3, prefix="other-")
+    client = client_for(operator)
+    page = client.get("/dlq?job=billing.charge&range=24h").content.decode()
+    assert 'id="matching-form"' in page and "Requeue all matching…" in page
+    assert '<input type="hidden" name="range" value="24h">' in page
+
+    ask = {"mode": "dlq", "action": "discard", "job": "billing.charge", "range": "24h"}
+    confirm = client.post("/runs/matching", ask).content.decode()
+    assert "Discard 12 runs?" in confirm
+    # The relative range travels on as the absolute window it meant at the count.
+    assert 'name="due_from" value="' in confirm and 'name="range"' not in confirm
+    client.post("/runs/matching", {**ask, "confirm": "yes"})
+    assert Run.objects.filter(definition=job, state="cancelled").count() == 12
+    assert Run.objects.filter(definition=other, state="dead").count() == 3
+    (event,) = AuditEvent.objects.filter(action="dlq.discard")
+    assert event.before["filter"]["job"] == "billing.charge"
+    assert "dueFrom" in event.before["filter"]
+
+
+def test_acting_on_a_filter_needs_the_operator_role_and_a_list_that_offers_it(
+    viewer, operator, team_a, team_b
+):
+    job = make_definition(team_a, "billing.charge", queue="billing")
+    theirs = make_definition(team_b, "search.reindex", queue="search")
+    insert_failed(job, 2)
+    insert_failed(theirs, 3)
+    ask = {"mode": "dlq", "action": "requeue", "confirm": "yes"}
+    assert Client().post("/runs/matching", ask)["Location"].startswith("/accounts/login/")
+    assert client_for(viewer).post("/runs/matching", ask).status_code == 403
+    assert "Everything matching" not in client_for(viewer).get("/dlq").content.decode()
+    client = client_for(operator)
+    assert client.post("/runs/matching", {**ask, "mode": "runs"}).status_code == 404
+    client.post("/runs/matching", {**ask, "action": "cancel"})  # not a DLQ action
+    assert set(Run.objects.values_list("state", flat=True)) == {"dead"}
+    assert not AuditEvent.objects.exists()
+
+    # A viewer of team B too: "all teams" means the teams where they may act, and says so.
+    Membership.objects.create(user=operator, team=team_b, role="viewer")
+    assert client.post("/runs/matching", {**ask, "team": "team-b"}).status_code == 403
+    confirm = client.post("/runs/matching", {"mode": "dlq", "action": "requeue"}).content.decode()
+    assert "Requeue 2 runs?" in confirm
+    assert 'teams</dt><dd class="mono">team-a</dd>' in confirm
+    client.post("/runs/matching", ask)
+    assert Run.objects.filter(state="ready").count() == 2
+    assert Run.objects.filter(definition=theirs, state="dead").count() == 3
+
+
+def test_the_run_id_search_goes_to_the_run_or_says_there_is_none(viewer, team_a, team_b):
+    mine = make_definition(team_a, "billing.charge", queue="billing")
+    theirs = make_definition(team_b, "search.reindex", queue="search")
+    (pk,) = add_ready_runs(mine, 1)
+    (other,) = add_ready_runs(theirs, 1)
+    run_id = Run.objects.get(pk=pk).run_id
+    client = client_for(viewer)
+    assert 'name="run"' in client.get("/").content.decode()  # in the header of every page
+
+    found = client.get("/runs", {"run": f"  {run_id.lower()} "})
+    assert found.status_code == 302 and found["Location"] == f"/runs/{run_id}"
+    for wanted in (Run.objects.get(pk=other).run_id, "run_ZZZZZZZZ", f"{XSS}"):
+        page = client.get("/runs", {"run": wanted})
+        assert page.status_code == 200
+        assert f"No such run: {escape(wanted)}" in page.content.decode()
+
+
+def test_a_dead_runs_page_offers_one_way_back_and_folds_its_stack(operator, team_a):
+    job = make_definition(team_a, "billing.charge", queue="billing", retry_max_attempts=1)
+    add_ready_runs(job, 1)
+    (lease,) = store.claim(queues=["billing"], max_runs=1, worker_id="w/1", lease_seconds=60)
+    stack = f'Traceback (most recent call last):\n  File "charge.py", line 9\n{XSS}'
+    store.fail(
+        [(lease.id, lease.fencing_token, {"type": "E", "message": "boom", "stack": stack}, True)],
+        team_ids=[team_a.pk],
+    )
+    run = Run.objects.get(pk=lease.id)
+    body = client_for(operator).get(f"/runs/{run.run_id}").content.decode()
+    buttons = [b.split(">")[1] for b in body.split('<button class="btn')[1:]]
+    assert "Requeue</button" in buttons and "Discard</button" in buttons
+    assert "Retry</button" not in buttons
+    assert '<details class="stack" id="last-error-stack">' in body
+    assert escape(stack) in body and XSS not in body
+    assert "Stack trace of attempt 1" in body
+
+
+def test_a_succeeded_run_shows_its_earlier_errors_as_history_only(viewer, team_a):
+    job = make_definition(team_a, "billing.charge", queue="billing", retry_max_attempts=2)
+    (run,) = failed_runs(job, retryable=True, message="card declined")
+    Run.objects.filter(pk=run.pk).update(available_at=run.created_at)
+    (lease,) = store.claim(queues=["billing"], max_runs=1, worker_id="w/2", lease_seconds=60)
+    store.complete([(lease.id, lease.fencing_token, None)], team_ids=[team_a.pk])
+    client = client_for(viewer)
+    body = client.get(f"/runs/{run.run_id}").content.decode()
+    assert 'id="last-error"' not in body and 'id="earlier-error"' in body
+    assert "RuntimeError: card declined" in body  # in attempt 1, as history
+    listed = client.get("/runs?state=succeeded").content.decode()
+    row = listed.split(f'id="run-row-{run.pk}"')[1].split("</tr>")[0]
+    assert "error-text" not in row and "card declined" in row
