@@ -44,6 +44,7 @@ INSTALLED_APPS = [
     "apps.jobs",
     "apps.runs",
     "apps.scheduler",
+    "apps.notify",
     "apps.api",
     "apps.demo",
     "apps.ops",
@@ -306,6 +307,46 @@ for _network in SCHEDULER_OPS_ALLOWED_NETWORKS:
         raise ImproperlyConfigured(f"SCHEDULER_OPS_ALLOWED_NETWORKS: {exc}") from exc
 # When set, /metrics and /readyz also need `Authorization: Bearer <this token>`.
 SCHEDULER_OPS_TOKEN = env_str("SCHEDULER_OPS_TOKEN")
+
+# --- notifications (apps/notify; README, "Notifications") ---------------------------------------
+# Webhook and Slack targets on loopback, private, link-local, reserved or multicast addresses are
+# refused (SSRF), when a channel is saved and again at each delivery, unless this is true.
+SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS = env_bool("SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS", False)
+# How often the scheduler looks for dead runs, late and missed runs, a full DLQ, shards without
+# an owner, and recoveries (seconds).
+SCHEDULER_NOTIFY_INTERVAL_SECONDS = float(env_str("SCHEDULER_NOTIFY_INTERVAL_SECONDS", "10"))
+# An open incident is paged again this often (0: never).
+SCHEDULER_NOTIFY_REMINDER_SECONDS = env_int("SCHEDULER_NOTIFY_REMINDER_SECONDS", 3600)
+# An incident closes (with a recovery message) once it has seen nothing new for this long and
+# its job's latest run succeeded (or its condition is over): a flapping job stays one incident.
+SCHEDULER_NOTIFY_RECOVERY_SECONDS = env_int("SCHEDULER_NOTIFY_RECOVERY_SECONDS", 300)
+# A team's dead-letter queue at or over this many runs opens a `dlq.threshold` incident.
+SCHEDULER_NOTIFY_DLQ_THRESHOLD = env_int("SCHEDULER_NOTIFY_DLQ_THRESHOLD", 100)
+# A shard whose lease has been expired (or never taken) this long is `scheduler.shard_unowned`.
+SCHEDULER_NOTIFY_SHARD_UNOWNED_SECONDS = env_int("SCHEDULER_NOTIFY_SHARD_UNOWNED_SECONDS", 30)
+# How far back the first look of a new installation goes for dead, late and missed runs.
+SCHEDULER_NOTIFY_LOOKBACK_SECONDS = env_int("SCHEDULER_NOTIFY_LOOKBACK_SECONDS", 900)
+# Deliveries: attempts before giving up, the backoff before attempt n (base · 2^(n-2), capped),
+# and the timeout of one HTTP or SMTP conversation.
+SCHEDULER_NOTIFY_MAX_ATTEMPTS = env_int("SCHEDULER_NOTIFY_MAX_ATTEMPTS", 8)
+SCHEDULER_NOTIFY_BACKOFF_SECONDS = env_int("SCHEDULER_NOTIFY_BACKOFF_SECONDS", 15)
+SCHEDULER_NOTIFY_BACKOFF_MAX_SECONDS = env_int("SCHEDULER_NOTIFY_BACKOFF_MAX_SECONDS", 3600)
+SCHEDULER_NOTIFY_TIMEOUT_SECONDS = float(env_str("SCHEDULER_NOTIFY_TIMEOUT_SECONDS", "10"))
+# Most channels per team.
+SCHEDULER_NOTIFY_MAX_CHANNELS = env_int("SCHEDULER_NOTIFY_MAX_CHANNELS", 50)
+# The dashboard's address as people reach it: the links in notifications start with it.
+SCHEDULER_PUBLIC_URL = env_str("SCHEDULER_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/")
+# Email channels: Django's mail backends, SMTP unless EMAIL_BACKEND says otherwise
+# (`django.core.mail.backends.console.EmailBackend` prints them; `make run` uses it).
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_USE_SSL = env_bool("EMAIL_USE_SSL", False)
+EMAIL_TIMEOUT = SCHEDULER_NOTIFY_TIMEOUT_SECONDS
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "cronlease@localhost")
 
 # JSON lines by default (one run can be followed across processes by its run_id); LOG_FORMAT=plain
 # for a terminal.

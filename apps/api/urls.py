@@ -1,6 +1,7 @@
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from apps.api import views_channels as channels
 from apps.api import views_health as health
 from apps.api import views_manage as manage
 from apps.api import views_ops as ops
@@ -47,6 +48,23 @@ urlpatterns = [
     path("api/v1/queues/<str:name>/pause", ops.QueuePauseView.as_view(), name="api-queue-pause"),
     path("api/v1/queues/<str:name>/resume", ops.QueueResumeView.as_view(), name="api-queue-resume"),
     path("api/v1/workers", workers.WorkersView.as_view(), name="api-workers"),
+    # Notifications
+    path("api/v1/channels", channels.ChannelsView.as_view(), name="api-channels"),
+    path(
+        "api/v1/channels/<str:channel_id>",
+        channels.ChannelDetailView.as_view(),
+        name="api-channel",
+    ),
+    path(
+        "api/v1/channels/<str:channel_id>/test",
+        channels.ChannelTestView.as_view(),
+        name="api-channel-test",
+    ),
+    path(
+        "api/v1/channels/<str:channel_id>/deliveries",
+        channels.ChannelDeliveriesView.as_view(),
+        name="api-channel-deliveries",
+    ),
     # Schema and health
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),

@@ -8,8 +8,11 @@ from typing import Any
 from zoneinfo import available_timezones
 
 from django import forms
+from pydantic import ValidationError as PydanticError
 
 from apps.api.errors import PayloadTooLarge
+from apps.api.shapes import field_errors
+from apps.api.shapes.channels import ChannelSettings
 from apps.api.shapes.jobs import parse_definition
 from apps.audit.models import Source
 from apps.jobs import schedule as sched
@@ -17,7 +20,9 @@ from apps.jobs import services
 from apps.jobs.models import JobDefinition
 from apps.jobs.services import DefinitionSpec
 from apps.jobs.sync import InvalidEntry
-from apps.runs import limits
+from apps.notify import channels as notify_channels
+from apps.runs import fingerprints, limits
+from apps.runs.filters import BulkFilter
 from apps.runs.ids import parse_run_id
 from apps.runs.models import PRIORITIES
 from apps.teams.models import Role, Scope
@@ -52,6 +57,10 @@ class RunFilterForm(forms.Form):
         required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
     )
     error = forms.CharField(required=False, max_length=200)
+    # An error group (apps/runs/fingerprints.py), as 16 hex digits.
+    group = forms.CharField(required=False, max_length=16)
+    # "groups": the failures grouped by error instead of one row per run.
+    view = forms.ChoiceField(required=False, choices=[("", "runs"), ("groups", "groups")])
     cursor = forms.CharField(required=False, max_length=40, widget=forms.HiddenInput)
 
     def __init__(self, data: Any, *, teams: list[Any], states: list[str]) -> None:
@@ -62,6 +71,30 @@ class RunFilterForm(forms.Form):
     def clean_cursor(self) -> int | None:
         raw = self.cleaned_data.get("cursor") or ""
         return parse_run_id(raw) if raw else None
+
+    def clean_group(self) -> int | None:
+        raw = self.cleaned_data.get("group") or ""
+        if not raw:
+            return None
+        found = fingerprints.from_hex(raw.lower())
+        if found is None:
+            raise forms.ValidationError("Not an error group (16 hex digits).")
+        return found
+
+    def bulk_filter(self, now: datetime) -> BulkFilter:
+        """The filter as a bulk action by filter says it (apps/runs/filters.py): what the list
+        shows, and what its count and its one statement per shard database select."""
+        data = self.cleaned_data
+        due_from, due_to = self.window(now)
+        flt = BulkFilter(
+            job=data.get("job") or None,
+            queue=data.get("queue") or None,
+            due_from=due_from,
+            due_to=due_to,
+            error=data.get("error") or None,
+            fingerprint=data.get("group"),
+        )
+        return flt if flt.as_json() else BulkFilter(everything=True)
 
     def window(self, now: datetime) -> tuple[datetime | None, datetime | None]:
         data = self.cleaned_data
@@ -85,6 +118,7 @@ class AuditFilterForm(forms.Form):
         "queue.pause", "queue.resume", "run.create", "run.cancel", "run.retry",
         "job.backfill", "job.overlap_cancel", "dlq.requeue", "dlq.discard", "token.create",
         "token.revoke", "member.set", "member.remove", "team.create",
+        "channel.create", "channel.update", "channel.delete", "channel.test",
     ]  # fmt: skip
 
     def __init__(self, data: Any, *, teams: list[Any]) -> None:
@@ -441,3 +475,84 @@ def _rate_limit(data: dict[str, Any]) -> dict[str, Any] | None:
     if count is None and period is None:
         return None
     return {key: value for key, value in (("count", count), ("periodSeconds", period)) if value}
+
+
+# --- notification channels --------------------------------------------------------------------
+
+CHANNEL_KINDS = [
+    ("webhook", "Webhook (signed JSON)"),
+    ("slack", "Slack incoming webhook"),
+    ("email", "Email"),
+]
+CHANNEL_EVENTS = [
+    ("run.dead", "run.dead — a run reached the DLQ"),
+    ("job.late", "job.late — a run started later than its SLO"),
+    ("job.missed", "job.missed — a cron time had no successful run"),
+    ("dlq.threshold", "dlq.threshold — the DLQ is over its threshold"),
+    ("scheduler.shard_unowned", "scheduler.shard_unowned — shards without a scheduler"),
+    ("job.recovered", "job.recovered — a paged job recovered"),
+]
+
+
+def _names(raw: str) -> list[str]:
+    return [part for part in raw.replace(",", " ").split() if part]
+
+
+class ChannelForm(forms.Form):
+    """A notification channel of `team`, validated by the API's own channel model and by the
+    domain's check (apps/notify/channels.py), each reason beside its field."""
+
+    name = forms.CharField(max_length=100, help_text="e.g. on-call pager")
+    kind = forms.ChoiceField(choices=CHANNEL_KINDS, initial="webhook")
+    target = forms.CharField(
+        max_length=2000,
+        help_text="An https:// URL, or an email address",
+        widget=forms.TextInput(attrs={"autocomplete": "off", "spellcheck": "false"}),
+    )
+    events = forms.MultipleChoiceField(
+        choices=CHANNEL_EVENTS,
+        initial=["run.dead", "job.recovered"],
+        widget=forms.CheckboxSelectMultiple,
+    )
+    jobs = forms.CharField(
+        required=False, max_length=20000, help_text="Job names, comma-separated; empty: all"
+    )
+    queues = forms.CharField(
+        required=False, max_length=10000, help_text="Queue names, comma-separated; empty: all"
+    )
+
+    FIELDS = ("name", "kind", "target", "events", "jobs", "queues")
+
+    def __init__(self, data: Any = None, *, team: Any) -> None:
+        super().__init__(data)
+        self.team = team
+        self.spec = None
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        body = {
+            "name": data.get("name", "x"),
+            "kind": data.get("kind", "webhook"),
+            "target": data.get("target", "x"),
+            "events": data.get("events") or [],
+            "jobs": _names(data.get("jobs") or ""),
+            "queues": _names(data.get("queues") or ""),
+        }
+        try:
+            self.spec = ChannelSettings.model_validate(body).to_spec()
+        except PydanticError as exc:
+            self.add_reasons(field_errors(exc))
+        # The domain's rules too (the target's address, the team's names and limit), whatever
+        # else is wrong, so that one answer says everything; it checks again when it saves.
+        self.add_reasons(notify_channels.check(self.team, notify_channels.ChannelSpec(**body)))
+        return data
+
+    def add_reasons(self, errors: dict[str, list[str]]) -> None:
+        """Put the API's or the domain's reasons (`jobs[2]`, `body`) beside the form's fields."""
+        for path, reasons in errors.items():
+            field = path.split("[")[0]
+            field = field if field in self.FIELDS else None
+            if field is not None and field in self.errors:
+                continue
+            for reason in reasons:
+                self.add_error(field, reason if path == field else f"{path}: {reason}")

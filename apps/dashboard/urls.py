@@ -8,6 +8,7 @@ from django.urls import path
 from apps.dashboard.views import (
     alerts,
     audit,
+    channels,
     jobs,
     overview,
     queues,
@@ -26,6 +27,7 @@ urlpatterns = [
     path("failures", runs.failures, name="failures"),
     path("runs", runs.runs, name="runs"),
     path("runs/bulk", runs.bulk, name="bulk"),
+    path("runs/matching", runs.bulk_matching, name="bulk-matching"),
     path("runs/<str:run_id>", runs.run_detail, name="run"),
     path("runs/<str:run_id>/<str:action>", runs.run_action, name="run-action"),
     path("dlq", runs.dlq, name="dlq"),
@@ -70,5 +72,22 @@ urlpatterns = [
         "teams/<slug:slug>/tokens/<int:token_id>/revoke",
         teams.token_revoke,
         name="token-revoke",
+    ),
+    path("teams/<slug:slug>/channels", channels.channel_create, name="channel-create"),
+    path("teams/<slug:slug>/channels/<int:channel_id>", channels.channel_detail, name="channel"),
+    path(
+        "teams/<slug:slug>/channels/<int:channel_id>/test",
+        channels.channel_test,
+        name="channel-test",
+    ),
+    path(
+        "teams/<slug:slug>/channels/<int:channel_id>/enable",
+        channels.channel_enable,
+        name="channel-enable",
+    ),
+    path(
+        "teams/<slug:slug>/channels/<int:channel_id>/delete",
+        channels.channel_delete,
+        name="channel-delete",
     ),
 ]

@@ -12,6 +12,8 @@ from django.utils import timezone
 from apps.audit.record import Actor
 from apps.jobs import services
 from apps.jobs.models import JobDefinition
+from apps.notify import channels
+from apps.notify.models import Channel
 from apps.runs.models import PRIORITIES
 from apps.teams.models import ApiToken, Membership, Role, Team
 
@@ -102,6 +104,24 @@ def seed_runs(team: Team) -> None:
     )
 
 
+# Pages the demo team: `make run` prints its emails in the scheduler's output (the console
+# email backend); the flaky job's dead runs page it, and it hears when the job recovers.
+DEMO_CHANNEL = "demo on-call"
+
+
+def ensure_channel(team: Team, actor: Actor) -> None:
+    """Give the demo team its email channel, once."""
+    if Channel.objects.filter(team=team, name=DEMO_CHANNEL).exists():
+        return
+    spec = channels.ChannelSpec(
+        name=DEMO_CHANNEL,
+        kind="email",
+        target="oncall@example.com",
+        events=["run.dead", "job.recovered"],
+    )
+    channels.create(team, spec, actor)
+
+
 @dataclass(frozen=True)
 class Demo:
     team: Team
@@ -133,5 +153,6 @@ def load_demo() -> Demo:
     )
     _, raw = ApiToken.issue(team, ["worker", "manage"], name=WORKER_TOKEN_NAME)
     services.set_queue_settings(team, THROTTLED_QUEUE, actor, rate_limit=THROTTLE, paused=None)
+    ensure_channel(team, actor)
     seed_runs(team)
     return Demo(team, raw)

@@ -1,4 +1,5 @@
-"""The scheduler loop: hold shard leases, reap expired run leases, materialise due runs.
+"""The scheduler loop: hold shard leases, reap expired run leases, materialise due runs, and
+(in a thread of its own, apps/notify/loop.py) page the teams' notification channels.
 
 Shaped like healthchecks' sendalerts: every step is a `handle_one_…() -> bool` method ("did
 work, call me again") that tests call directly; `run()` strings them together, once per tick.
@@ -20,6 +21,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db import close_old_connections, connection
 
+from apps.notify import loop as notifier
 from apps.runs import retention, shards, store
 from apps.scheduler import leases
 from apps.scheduler.materialiser import grace_for, materialise_batch
@@ -289,6 +291,9 @@ class Scheduler:
             self.tick_seconds,
             self.lease_seconds,
         )
+        # Notifications (apps/notify/loop.py) in a thread of their own: a slow webhook never
+        # delays the renewal of this node's shard leases.
+        notifying = None if once else notifier.start(f"notifier {self.node_id}")
         try:
             while not self.shutdown:
                 started = time.monotonic()
@@ -313,6 +318,8 @@ class Scheduler:
                 close_old_connections()
                 self._wake.wait(max(0.0, self.tick_seconds - (time.monotonic() - started)))
         finally:
+            if notifying is not None:
+                notifying[1].set()  # it finishes the message on the wire, if any, then stops
             try:
                 self.leave()
             except Exception:
@@ -322,3 +329,5 @@ class Scheduler:
                     self.lease_seconds,
                 )
             connection.close()
+            if notifying is not None:
+                notifying[0].join(settings.SCHEDULER_NOTIFY_TIMEOUT_SECONDS + 5)

@@ -151,6 +151,8 @@ def asgi_server(django_db_setup, django_db_blocker) -> Iterator[LiveServer]:
         **os.environ,
         "DATABASE_URL": database_url,
         "DASHBOARD_LIVE_INTERVAL": "0.3",
+        # Notification channels of the browser tests post to receivers on this machine.
+        "SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS": "true",
         "SCHEDULER_APPLICATION_NAME": "scheduler:test-dashboard-web",
         "LOG_LEVEL": "WARNING",
         "PYTHONPATH": str(REPO),

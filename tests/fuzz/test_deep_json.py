@@ -70,6 +70,15 @@ BODIES: dict[str, Any] = {
     "failRun": {"fencingToken": 1, "error": {"message": "m", "type": "t"}, "retryable": True},
     "heartbeatRun": {"fencingToken": 1},
     "putQueue": {"rateLimit": {"count": 5, "periodSeconds": 60}, "paused": False},
+    "createChannel": {
+        "name": "deep",
+        "kind": "email",
+        "target": "oncall@example.com",
+        "events": ["run.dead"],
+        "jobs": ["{job}"],
+        "queues": ["fuzz"],
+    },
+    "updateChannel": {"events": ["run.dead", "job.recovered"], "jobs": ["{job}"]},
 }
 
 

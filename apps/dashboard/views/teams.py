@@ -1,4 +1,5 @@
-"""Teams: the user's teams and roles; for admins, members and API tokens."""
+"""Teams: the user's teams and roles; for admins, members, API tokens and notification
+channels (apps/dashboard/views/channels.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from django.views.decorators.http import require_POST
 
 from apps.dashboard.forms import MemberForm, TokenForm
 from apps.dashboard.http import HtmxHttpRequest, actor, done, render_page, signed_in
+from apps.dashboard.views import channels as channel_views
 from apps.teams import access, services
 from apps.teams.models import ApiToken, Membership, Role, Team
 
@@ -32,7 +34,12 @@ def _team(request: HtmxHttpRequest, slug: str) -> Team:
 
 @signed_in
 def team_detail(request: HtmxHttpRequest, slug: str) -> HttpResponse:
-    team = _team(request, slug)
+    return team_detail_page(request, _team(request, slug))
+
+
+def team_detail_page(request: HtmxHttpRequest, team: Team, *, channel_form=None) -> HttpResponse:
+    """The team page: members, tokens and notification channels (`channel_form`: the create
+    form with its errors)."""
     context = {
         "team": team,
         "members": Membership.objects.filter(team=team)
@@ -46,6 +53,7 @@ def team_detail(request: HtmxHttpRequest, slug: str) -> HttpResponse:
         "roles": Role.choices,
         # Shown once: taken out of the session by the first page that displays it.
         "new_token": request.session.pop(NEW_TOKEN_KEY, None),
+        **channel_views.team_context(request, team, channel_form),
     }
     return render_page(request, "dashboard/team_detail.html", context)
 

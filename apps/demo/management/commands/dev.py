@@ -71,6 +71,10 @@ class Command(BaseCommand):
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "LOG_FORMAT": os.environ.get("LOG_FORMAT", "plain"),
+            # The demo channel's emails are printed by the scheduler, not sent.
+            "EMAIL_BACKEND": os.environ.get(
+                "EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend"
+            ),
         }
         # Web and scheduler count into one folder, so /metrics adds up both processes.
         metrics_dir = Path(settings.DATA_DIR) / "prometheus"

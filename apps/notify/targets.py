@@ -1,0 +1,136 @@
+"""Where a channel may send: the syntax of its target, and the SSRF guard.
+
+A webhook or Slack URL must be http(s) with a host name. Its host is resolved and every address
+it names must be a global one: loopback, private, shared, link-local (cloud metadata at
+169.254.169.254), reserved, unspecified and multicast addresses are refused, IPv4 inside IPv6
+included, unless `SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS` is true. The check runs when a channel
+is saved and again at every delivery, and the delivery connects to the very address that was
+checked (`pinned`), so a name that resolves elsewhere between the check and the connection
+(DNS rebinding) cannot lead it inside.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import EmailValidator
+
+MAX_TARGET = 2000
+SCHEMES = ("http", "https")
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class TargetRefused(ValueError):
+    """The target may not be sent to; the message says why, in words for its owner."""
+
+
+class TargetUnresolved(TargetRefused):
+    """The target's host does not resolve now (DNS may answer later: a delivery retries)."""
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` is not a URL a channel can post to; None when it is."""
+    if len(url) > MAX_TARGET:
+        return f"At most {MAX_TARGET} characters."
+    if any(ch.isspace() or ord(ch) < 32 for ch in url):
+        return "A URL has no spaces or control characters."
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # a port out of range or not a number raises here
+    except ValueError:
+        return "Not a valid URL."
+    if parts.scheme not in SCHEMES:
+        return "An http:// or https:// URL."
+    if not parts.hostname:
+        return "The URL names no host."
+    if port == 0:
+        return "Not a valid port."
+    return None
+
+
+def email_problem(address: str) -> str | None:
+    """Why `address` is not an email address; None when it is."""
+    if len(address) > 254:
+        return "At most 254 characters."
+    try:
+        EmailValidator()(address)
+    except ValidationError:
+        return "Not a valid email address."
+    return None
+
+
+def address_problem(address: Address) -> str | None:
+    """What kind of address a channel may not send to this is (SSRF), e.g. "a loopback
+    address"; None when it may."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_multicast:
+        return "a multicast address"
+    if address.is_loopback:
+        return "a loopback address"
+    if address.is_link_local:
+        return "a link-local address"
+    if address.is_private or not address.is_global:
+        return "a private or reserved address"
+    return None
+
+
+def allow_private() -> bool:
+    return bool(settings.SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A URL's host, port and the addresses it resolved to (checked unless allowed)."""
+
+    host: str
+    port: int
+    addresses: list[Address]
+
+
+def resolve(url: str) -> Resolved:
+    """Resolve the URL's host and check every address it names; raise TargetRefused."""
+    reason = url_problem(url)
+    if reason is not None:
+        raise TargetRefused(reason)
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise TargetUnresolved(f"The host {host} cannot be resolved ({exc}).") from None
+    addresses: list[Address] = []
+    for *_, sockaddr in found:
+        address = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+        if address not in addresses:
+            addresses.append(address)
+    if not addresses:
+        raise TargetUnresolved(f"The host {host} resolves to no address.")
+    if not allow_private():
+        for address in addresses:
+            kind = address_problem(address)
+            if kind is None:
+                continue
+            named = host if address.compressed == host.strip("[]") else f"{host} ({address})"
+            raise TargetRefused(
+                f"{named} is {kind}: targets on loopback or private addresses are refused "
+                "(SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS)."
+            )
+    return Resolved(host, port, addresses)
+
+
+def check_url(url: str) -> None:
+    """The check when a channel is saved: the syntax, then (unless private targets are
+    allowed, where the name may not even resolve from here) the addresses."""
+    reason = url_problem(url)
+    if reason is not None:
+        raise TargetRefused(reason)
+    if not allow_private():
+        resolve(url)

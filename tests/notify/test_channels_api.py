@@ -1,0 +1,156 @@
+"""`/api/v1/channels` over real HTTP: create (secret shown once), read, change, test, the
+delivery log, delete; another team's channel, bad input, limits and refused targets."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from django.core.cache import cache
+
+from apps.audit.models import AuditEvent
+from apps.notify.models import Channel, Delivery
+from tests.notify.conftest import readme_verifier
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def webhook(receiver, **fields) -> dict:
+    return {
+        "name": "pager",
+        "kind": "webhook",
+        "target": receiver.url,
+        "events": ["run.dead", "job.recovered"],
+        **fields,
+    }
+
+
+def test_a_webhook_channel_is_created_tested_logged_changed_and_deleted(api_a, receiver):
+    created = api_a.post("/api/v1/channels", webhook(receiver, jobs=["billing.export"]))
+    assert created.status_code == 201, created.text
+    channel = created.json()
+    secret = channel["secret"]
+    assert secret.startswith("whsec_") and len(secret) > 40
+    assert channel["jobs"] == ["billing.export"] and channel["queues"] == []
+    base = f"/api/v1/channels/{channel['id']}"
+
+    shown = api_a.get(base).json()
+    assert "secret" not in shown and shown["target"] == receiver.url
+    assert [c["name"] for c in api_a.get("/api/v1/channels").json()["results"]] == ["pager"]
+
+    tested = api_a.post(f"{base}/test")
+    assert tested.status_code == 200, tested.text
+    delivery = tested.json()
+    assert delivery["state"] == "sent" and delivery["lastStatus"] == 200
+    assert delivery["attempts"] == 1 and delivery["attemptLog"][0]["ok"] is True
+    (request,) = receiver.requests
+    signature = request.headers["X-Cronlease-Signature"]
+    assert readme_verifier()(secret, request.body, signature)
+    assert not readme_verifier()("whsec_wrong", request.body, signature)
+    body = orjson.loads(request.body)
+    assert body["event"] == "test" and body["team"] == "team-a"
+    assert body["url"] == "https://cronlease.example.test/teams/team-a"
+    log = api_a.get(f"{base}/deliveries", params={"limit": 1}).json()
+    assert [d["id"] for d in log["results"]] == [delivery["id"]] and log["next"] is None
+
+    changed = api_a.patch(base, {"events": ["dlq.threshold"], "enabled": False})
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["events"] == ["dlq.threshold"] and changed.json()["name"] == "pager"
+    assert "secret" not in changed.json()
+    kind = api_a.patch(base, {"kind": "email"})
+    assert kind.status_code == 400 and "kind" in kind.json()["errors"]
+
+    assert api_a.delete(base).status_code == 204
+    assert not Channel.objects.exists() and not Delivery.objects.exists()
+    actions = list(
+        AuditEvent.objects.filter(target_type="channel")
+        .order_by("pk")
+        .values_list("action", "source")
+    )
+    assert actions == [
+        ("channel.create", "api"),
+        ("channel.test", "api"),
+        ("channel.update", "api"),
+        ("channel.delete", "api"),
+    ]
+    update = AuditEvent.objects.get(action="channel.update")
+    assert update.before["events"] == ["run.dead", "job.recovered"]
+    assert update.after["enabled"] is False
+
+
+REFUSED = [
+    "http://127.0.0.1:9/hook",
+    "http://localhost:9/hook",
+    "http://[::1]/hook",
+    "http://169.254.169.254/latest/meta-data",
+    "https://10.1.2.3/hook",
+    "http://[::ffff:192.168.0.1]/",
+]
+
+
+def test_other_teams_bad_input_limits_and_private_targets_are_refused(
+    api_a, api_b, receiver, settings
+):
+    # Many calls in a second: throttling has tests of its own (tests/api/test_throttling.py).
+    settings.SCHEDULER_API_RATES = {"worker": "", "manage": "", "enqueue": ""}
+    cache.clear()
+    # Another team's channel: a 404 whatever the call, audited.
+    theirs = api_b.post("/api/v1/channels", webhook(receiver)).json()
+    base = f"/api/v1/channels/{theirs['id']}"
+    assert api_a.get(base).status_code == 404
+    assert api_a.patch(base, {"name": "mine"}).status_code == 404
+    assert api_a.delete(base).status_code == 404
+    assert api_a.post(f"{base}/test").status_code == 404
+    assert api_a.get(f"{base}/deliveries").status_code == 404
+    assert api_a.get("/api/v1/channels").json()["results"] == []
+    assert receiver.requests == [] and not Delivery.objects.exists()
+    assert AuditEvent.objects.filter(action="access.denied").count() == 5
+    for missing in ("99999999", "abc", "9" * 30):
+        assert api_a.get(f"/api/v1/channels/{missing}").status_code == 404
+
+    # Every bad field named at once; nothing written.
+    bad = api_a.post(
+        "/api/v1/channels",
+        {"name": "", "kind": "pager", "target": "x", "events": ["run.exploded"], "jobs": ["A B"]},
+    )
+    assert bad.status_code == 400
+    assert bad.headers["content-type"] == "application/problem+json"
+    assert {"name", "kind", "events[0]", "jobs[0]"} <= set(bad.json()["errors"])
+    mail = {"name": "mail", "kind": "email", "target": "not-an-address", "events": ["run.dead"]}
+    answer = api_a.post("/api/v1/channels", mail)
+    assert answer.json()["errors"] == {"target": ["Not a valid email address."]}
+
+    # A second channel of a name, and one past the team's limit.
+    settings.SCHEDULER_NOTIFY_MAX_CHANNELS = 2
+    mail["target"] = "ops@example.com"
+    assert api_a.post("/api/v1/channels", mail).status_code == 201
+    again = api_a.post("/api/v1/channels", mail)
+    assert again.status_code == 400 and "name" in again.json()["errors"]
+    assert api_a.post("/api/v1/channels", {**mail, "name": "mail-2"}).status_code == 201
+    full = api_a.post("/api/v1/channels", {**mail, "name": "mail-3"})
+    assert full.status_code == 400
+    assert "SCHEDULER_NOTIFY_MAX_CHANNELS" in full.json()["errors"]["body"][0]
+
+    # Loopback, private, link-local and mapped addresses, by name or number (SSRF).
+    settings.SCHEDULER_NOTIFY_MAX_CHANNELS = 50
+    settings.SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS = False
+    for target in REFUSED:
+        answer = api_a.post(
+            "/api/v1/channels",
+            {"name": "hook", "kind": "slack", "target": target, "events": ["run.dead"]},
+        )
+        assert answer.status_code == 400, (target, answer.text)
+        (reason,) = answer.json()["errors"]["target"]
+        assert "SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS" in reason, reason
+    hook = {
+        "name": "hook",
+        "kind": "webhook",
+        "target": "ftp://example.com/",
+        "events": ["run.dead"],
+    }
+    assert api_a.post("/api/v1/channels", hook).json()["errors"]["target"] == [
+        "An http:// or https:// URL."
+    ]
+    assert not Channel.objects.filter(name="hook").exists()
+    settings.SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS = True
+    allowed = api_a.post("/api/v1/channels", {**hook, "target": REFUSED[0]})
+    assert allowed.status_code == 201, allowed.text

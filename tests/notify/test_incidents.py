@@ -1,0 +1,165 @@
+"""Detection and deduplication against real runs: one page per incident, reminders, one
+recovery, team-wide conditions, and never another team's events."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import orjson
+import pytest
+from django.db import connection
+from django.db.models import F
+
+from apps.notify.models import Delivery, Incident
+from apps.scheduler import leases
+from tests.conftest import add_ready_runs, claim, everywhere, make_definition
+from tests.notify.conftest import die, drain, make_channel, messages_of, readme_verifier, succeed
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_a_flapping_job_pages_once_and_recovers_once_on_its_teams_channels_only(
+    team_a, team_b, receiver, notifier, settings
+):
+    job = make_definition(team_a, "billing.flaky", queue="billing", retry_max_attempts=1)
+    channel = make_channel(team_a, receiver.url)
+    # Channels that must stay silent: another job's, another event's, another team's.
+    make_channel(team_a, receiver.url + "?other-job", name="other", jobs=["billing.other"])
+    make_channel(team_a, receiver.url + "?other-queue", name="queue", queues=["search"])
+    make_channel(team_a, receiver.url + "?late", name="late", events=["job.late"])
+    make_channel(team_b, receiver.url + "?team-b", name="b")
+    for flap in range(3):
+        die(job, prefix=f"dead-{flap}")
+        notifier.handle_one_detection(force=True)
+        succeed(job, prefix=f"ok-{flap}")
+        notifier.handle_one_detection(force=True)
+    drain(notifier)
+    assert messages_of(receiver) == [("run.dead", "open")]
+    assert receiver.requests[0].path == "/hooks/cronlease"
+    incident = Incident.objects.get()
+    assert incident.occurrences == 3 and incident.closed_at is None
+
+    settings.SCHEDULER_NOTIFY_RECOVERY_SECONDS = 0  # quiet long enough
+    notifier.handle_one_detection(force=True)
+    notifier.handle_one_detection(force=True)  # nothing twice
+    drain(notifier)
+    assert messages_of(receiver) == [("run.dead", "open"), ("job.recovered", "resolved")]
+    page, recovery = (orjson.loads(r.body) for r in receiver.requests)
+    assert page["job"] == "billing.flaky" and page["team"] == "team-a"
+    assert page["url"] == f"https://cronlease.example.test/runs/{page['runId']}"
+    assert "is dead after 1 attempt (RuntimeError: boom)" in page["summary"]
+    assert recovery["incident"]["id"] == page["incident"]["id"]
+    assert recovery["incident"]["closedAt"] is not None
+    verify = readme_verifier()
+    assert all(
+        verify(channel.secret, r.body, r.headers["X-Cronlease-Signature"])
+        for r in receiver.requests
+    )
+
+    die(job, prefix="dead-again")  # after the recovery: a new incident, a new page
+    notifier.handle_one_detection(force=True)
+    notifier.handle_one_detection(force=True)  # quiet, but its latest run is dead: still open
+    drain(notifier)
+    assert messages_of(receiver)[2:] == [("run.dead", "open")]
+    assert Incident.objects.filter(closed_at__isnull=True).count() == 1
+    assert {r.path for r in receiver.requests} == {"/hooks/cronlease"}
+
+
+def test_team_wide_conditions_page_once_are_reminded_and_resolve(
+    team_a, team_b, receiver, notifier, settings
+):
+    """A full DLQ, then a shard without a scheduler: conditions seen on every look."""
+    settings.SCHEDULER_NOTIFY_DLQ_THRESHOLD = 2
+    job = make_definition(team_a, "billing.export", queue="billing", retry_max_attempts=1)
+    make_channel(team_a, receiver.url, events=["dlq.threshold"])
+    die(job, "a")
+    notifier.handle_one_detection(force=True)
+    die(job, "b")
+    notifier.handle_one_detection(force=True)
+    notifier.handle_one_detection(force=True)
+    drain(notifier)
+    assert messages_of(receiver) == [("dlq.threshold", "open")]
+    page = orjson.loads(receiver.requests[0].body)
+    assert page["job"] is None and page["summary"].startswith("The dead-letter queue holds 2 runs")
+    assert page["url"] == "https://cronlease.example.test/dlq?team=team-a"
+
+    settings.SCHEDULER_NOTIFY_REMINDER_SECONDS = 3600
+    Incident.objects.update(
+        opened_at=F("opened_at") - timedelta(hours=2),
+        last_notified_at=F("last_notified_at") - timedelta(hours=2),
+    )
+    notifier.handle_one_detection(force=True)
+    notifier.handle_one_detection(force=True)  # reminded just now: nothing
+    drain(notifier)
+    assert messages_of(receiver)[1:] == [("dlq.threshold", "reminder")]
+    assert orjson.loads(receiver.requests[1].body)["summary"].startswith("Still open after 2 h")
+
+    everywhere("UPDATE runs_run SET state = 'cancelled' WHERE state = 'dead'")
+    settings.SCHEDULER_NOTIFY_RECOVERY_SECONDS = 0
+    notifier.handle_one_detection(force=True)
+    drain(notifier)
+    assert messages_of(receiver)[2:] == [("dlq.threshold", "resolved")]
+
+    # Shard of team A's job unowned for an hour; team B's jobs are elsewhere.
+    settings.SCHEDULER_NOTIFY_RECOVERY_SECONDS = 3600
+    elsewhere = next(
+        make_definition(team_b, f"search.reindex-{n}")
+        for n in range(100)
+        if _shard_of(f"search.reindex-{n}") != job.shard
+    )
+    make_channel(team_a, receiver.url + "?a", name="shards", events=["scheduler.shard_unowned"])
+    make_channel(team_b, receiver.url + "?b", events=["scheduler.shard_unowned"])
+    leases.ensure_shards(settings.SCHEDULER_SHARD_COUNT)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE scheduler_shardlease SET owner = 'node', expires_at = CASE WHEN shard = %s"
+            " THEN now() - interval '1 hour' ELSE now() + interval '1 hour' END",
+            [job.shard],
+        )
+    receiver.requests.clear()
+    notifier.handle_one_detection(force=True)
+    drain(notifier)
+    assert [r.path for r in receiver.requests] == ["/hooks/cronlease?a"]
+    page = orjson.loads(receiver.requests[0].body)
+    assert page["event"] == "scheduler.shard_unowned"
+    assert page["summary"].startswith(f"Shard {job.shard} of the team's jobs has had no scheduler")
+    assert elsewhere.shard != job.shard
+
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE scheduler_shardlease SET expires_at = now() + interval '1 hour'")
+    settings.SCHEDULER_NOTIFY_RECOVERY_SECONDS = 0
+    notifier.handle_one_detection(force=True)
+    drain(notifier)
+    assert messages_of(receiver)[-1] == ("scheduler.shard_unowned", "resolved")
+
+
+def _shard_of(name: str) -> int:
+    from apps.jobs.schedule import shard_for
+
+    return shard_for(name)
+
+
+def test_late_runs_and_missed_cron_times_each_page_once(team_a, receiver, notifier):
+    job = make_definition(
+        team_a,
+        "billing.nightly",
+        queue="billing",
+        schedule={"cron": "*/5 * * * *", "jitterSeconds": 0},
+        lateness_slo_seconds=60,
+        timeout_seconds=60,
+    )
+    everywhere(
+        "UPDATE jobs_jobdefinition SET created_at = now() - interval '2 hours' WHERE id = %s",
+        [job.pk],
+    )
+    add_ready_runs(job, 1, age_seconds=300)  # claimed 300 s after it became available
+    claim(queues=["billing"], max_runs=1, worker_id="w", team_ids=[team_a.pk])
+    make_channel(team_a, receiver.url, events=["job.late", "job.missed"])
+    notifier.handle_one_detection(force=True)
+    notifier.handle_one_detection(force=True)
+    drain(notifier)
+    assert sorted(messages_of(receiver)) == [("job.late", "open"), ("job.missed", "open")]
+    bodies = {orjson.loads(r.body)["event"]: orjson.loads(r.body) for r in receiver.requests}
+    assert "started 300" in bodies["job.late"]["summary"] and bodies["job.late"]["runId"]
+    assert "No successful run for the cron time" in bodies["job.missed"]["summary"]
+    assert Delivery.objects.count() == 2
