@@ -97,7 +97,7 @@ class Run(models.Model):
     # Its definition has a limit (concurrency, per key or rate): the claim takes it through the
     # definition (run_waiting_by_def, run_waiting_limited), and the claim's scan of a queue for
     # everyone else's runs never reads it (run_claimable leads with this column after the lane).
-    # Set from the definition at insert (under a share lock on it) and rewritten for every
+    # Set from the definition at insert (under a key-share lock on it) and rewritten for every
     # unfinished run when the definition's limits come or go (apps/runs/store.py, LIMITED).
     limited = models.BooleanField(default=False, db_default=False)
     dry_run = models.BooleanField(default=False)

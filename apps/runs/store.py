@@ -147,10 +147,12 @@ WHERE d.id = ANY(%(definition_ids)s::bigint[])
 -- One order for every inserter: two batches naming the same keys in different orders would
 -- otherwise each wait on the other's uncommitted row (a deadlock).
 ORDER BY i.definition_id, i.idempotency_key
--- The share lock makes `limited` exact: a change of the definition's limits (which rewrites its
--- runs' flags, MARK_LIMITED) waits for this insert to commit, or this insert for it, and then
--- reads the definition as changed.
-FOR SHARE OF d
+-- The key-share lock makes `limited` exact: a change of the definition's limits (under the
+-- edit's FOR UPDATE, which rewrites its runs' flags: MARK_LIMITED) waits for this insert to
+-- commit, or this insert for it, and then reads the definition as changed. The scheduler's own
+-- lock on the definition (NO KEY UPDATE) does not conflict with it, as the deferred foreign-key
+-- check's lock of the same strength never did.
+FOR KEY SHARE OF d
 ON CONFLICT DO NOTHING
 RETURNING id, queue, available_at <= now() AS ready_now, definition_id, idempotency_key{more}
 """

@@ -57,7 +57,10 @@ FOR SHARE
 
 # Served by the partial index job_due_by_shard (shard, next_due_at) WHERE NOT paused AND
 # next_due_at IS NOT NULL. SKIP LOCKED: a definition being edited is taken next tick instead of
-# stalling the shard behind the editor's transaction. A definition with an overlap policy is
+# stalling the shard behind the editor's transaction. NO KEY UPDATE, which an edit's FOR UPDATE
+# still excludes, but an insert of the definition's runs (FOR KEY SHARE, apps/runs/store.py)
+# does not: a definition that producers enqueue to all the time is never passed over. A
+# definition with an overlap policy is
 # due at its fire time, not within the lookahead (module docstring); the test of its schedule
 # filters rows the index found.
 SELECT_DUE = """
@@ -66,7 +69,7 @@ WHERE shard = %(shard)s AND NOT paused AND next_due_at IS NOT NULL AND next_due_
   AND (next_due_at <= %(now)s OR coalesce(schedule ->> 'overlapPolicy', 'allow_all') = 'allow_all')
 ORDER BY next_due_at
 LIMIT %(batch)s
-FOR UPDATE OF jobs_jobdefinition SKIP LOCKED
+FOR NO KEY UPDATE OF jobs_jobdefinition SKIP LOCKED
 """
 
 # skip and buffer_one: does the definition have a waiting run, a leased one? Each EXISTS is one

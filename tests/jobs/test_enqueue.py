@@ -127,7 +127,7 @@ def test_concurrent_batches_with_overlapping_keys_create_each_key_once(team_a, j
 
 @pytest.mark.django_db(transaction=True)
 def test_an_item_whose_job_is_deleted_under_the_insert_is_a_404_not_a_failed_batch(team_a, jobs):
-    """The insert takes a share lock on the definition (so that its runs' `limited` is exact):
+    """The insert takes a key-share lock on the definition (so that its runs' `limited` is exact):
     a job deleted meanwhile leaves the insert nothing to insert for, which the item reports."""
     from tests.conftest import other_session
 

@@ -18,7 +18,7 @@ from apps.notify import detect
 from apps.notify.loop import Notifier
 
 # The browser test's fixtures: a team admin, the live ASGI server and headless Chromium.
-from tests.dashboard.conftest import admin_a, asgi_server, browser, web  # noqa: F401
+from tests.dashboard.conftest import admin_a  # noqa: F401
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -10,7 +10,9 @@ import pytest
 from playwright.sync_api import expect
 
 from apps.notify.models import Channel
-from tests.notify.conftest import readme_verifier
+# The receiver and the notification settings of tests/notify (the browser and the server are
+# this directory's session fixtures: one Playwright per session).
+from tests.notify.conftest import notify_settings, readme_verifier, receiver  # noqa: F401
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
