@@ -10,6 +10,7 @@ import pytest
 from playwright.sync_api import expect
 
 from apps.notify.models import Channel
+
 # The receiver and the notification settings of tests/notify (the browser and the server are
 # this directory's session fixtures: one Playwright per session).
 from tests.notify.conftest import notify_settings, readme_verifier, receiver  # noqa: F401
@@ -21,7 +22,9 @@ def no_sideways_scroll(page, width: int) -> None:
     assert page.evaluate("document.documentElement.scrollWidth") <= width
 
 
-def test_a_channel_is_created_in_the_dashboard_and_a_test_message_delivered(web, admin_a, receiver):
+def test_a_channel_is_created_in_the_dashboard_and_a_test_message_delivered(  # noqa: F811
+    web, admin_a, receiver
+):
     web.sign_in(admin_a)
     page = web.page
     page.set_viewport_size({"width": 1366, "height": 900})
