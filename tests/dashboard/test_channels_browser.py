@@ -22,8 +22,10 @@ def no_sideways_scroll(page, width: int) -> None:
     assert page.evaluate("document.documentElement.scrollWidth") <= width
 
 
-def test_a_channel_is_created_in_the_dashboard_and_a_test_message_delivered(  # noqa: F811
-    web, admin_a, receiver
+def test_a_channel_is_created_in_the_dashboard_and_a_test_message_delivered(
+    web,
+    admin_a,
+    receiver,  # noqa: F811 (tests/notify's fixture, imported above)
 ):
     web.sign_in(admin_a)
     page = web.page
