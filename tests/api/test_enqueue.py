@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
+import time_machine
 from django.core.cache import cache
 
 from apps.runs.models import Run
@@ -143,6 +146,14 @@ def test_a_bad_batch_is_refused_whole(api_a, jobs, body):
 def test_enqueue_is_limited_per_run_created_not_per_request(api_a, jobs, settings):
     settings.SCHEDULER_API_RATES = {"worker": "", "manage": "20/s", "enqueue": "1500/min"}
     batch = [{"job": "billing.remind"} for _ in range(1000)]
+    # The budget is a fixed window: start just after a minute begins, or a slow first batch
+    # could be counted in one minute and the second in the next.
+    minute = datetime.now(UTC).replace(second=1, microsecond=0) + timedelta(minutes=1)
+    with time_machine.travel(minute, tick=True):
+        _over_budget(api_a, batch)
+
+
+def _over_budget(api_a, batch: list[dict]) -> None:
     assert api_a.post("/api/v1/runs", {"runs": batch}).status_code == 200
     refused = api_a.post("/api/v1/runs", {"runs": batch})
     assert refused.status_code == 429

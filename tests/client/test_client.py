@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
+import time_machine
 from cronlease_client import (
     ApiError,
     AsyncClient,
@@ -504,7 +505,11 @@ def test_enqueue_over_the_runs_budget_waits_for_the_next_window_and_creates_each
     wire = CountingTransport()
     producer = Client(live_server.url, token_a, batch_size=2, retries=5, http_transport=wire)
 
-    results = producer.enqueue_many([Enqueue("shop.send-receipt") for _ in range(5)])
+    # The budget is a fixed window: start as a second begins, or the first batch could be
+    # counted in one second and the second batch in the next.
+    second = datetime.now(UTC).replace(microsecond=20_000) + timedelta(seconds=2)
+    with time_machine.travel(second, tick=True):
+        results = producer.enqueue_many([Enqueue("shop.send-receipt") for _ in range(5)])
 
     assert [result.status for result in results] == [201] * 5
     # The second batch would pass 3 runs in the second: refused whole, then sent again.

@@ -1,0 +1,13 @@
+"""The product's settings, with the one change Django advises for tests: a fast password hasher.
+
+PBKDF2's 1 000 000 iterations cost 0.3-0.4 s per user a test makes, and most dashboard tests
+make one or two. Processes the suite starts (the ASGI server of the browser tests, `manage.py`
+commands) inherit DJANGO_SETTINGS_MODULE, so they read the hashes these make.
+"""
+
+from scheduler_site.settings import *  # noqa: F403
+
+PASSWORD_HASHERS = [
+    "django.contrib.auth.hashers.MD5PasswordHasher",
+    "django.contrib.auth.hashers.PBKDF2PasswordHasher",
+]
