@@ -517,20 +517,23 @@ SELECT id, team_id, name, rate_limit_count, rate_limit_period_seconds FROM jobs_
 WHERE rate_limit_count IS NOT NULL
 """
 LOCK_QUEUES = "SELECT id FROM jobs_queue WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE"
-# Served by queuestart_window (queue_id, started_at); the starts past the window go first.
-COUNT_QUEUE_WINDOW = """
+# The starts within each window of these (definitions or queues), and when the oldest leaves it;
+# the starts past the window are deleted first.
+_COUNT_WINDOW = """
 WITH window_of AS (
-    SELECT * FROM unnest(%(ids)s::bigint[], %(periods)s::int[]) AS w(queue_id, period)
+    SELECT * FROM unnest(%(ids)s::bigint[], %(periods)s::int[]) AS w({key}, period)
 ), forgotten AS (
-    DELETE FROM jobs_queuestart s USING window_of w
-    WHERE s.queue_id = w.queue_id AND s.started_at <= now() - make_interval(secs => w.period)
+    DELETE FROM {starts} s USING window_of w
+    WHERE s.{key} = w.{key} AND s.started_at <= now() - make_interval(secs => w.period)
 )
-SELECT w.queue_id, count(s.id), min(s.started_at) + make_interval(secs => w.period)
+SELECT w.{key}, count(s.id), min(s.started_at) + make_interval(secs => w.period)
 FROM window_of w
-LEFT JOIN jobs_queuestart s ON s.queue_id = w.queue_id
+LEFT JOIN {starts} s ON s.{key} = w.{key}
  AND s.started_at > now() - make_interval(secs => w.period)
-GROUP BY w.queue_id, w.period
+GROUP BY w.{key}, w.period
 """
+# Served by queuestart_window (queue_id, started_at).
+COUNT_QUEUE_WINDOW = _COUNT_WINDOW.format(starts="jobs_queuestart", key="queue_id")
 RECORD_QUEUE_STARTS = """
 INSERT INTO jobs_queuestart (queue_id, started_at)
 SELECT q, now() FROM unnest(%(ids)s::bigint[]) AS q
@@ -616,20 +619,7 @@ JOIN runs_run r ON r.definition_id = k.definition_id AND r.concurrency_key = k.c
 WHERE r.state = 'leased'
 GROUP BY r.definition_id, r.concurrency_key
 """
-COUNT_RATE_WINDOW = """
-WITH window_of AS (
-    SELECT * FROM unnest(%(ids)s::bigint[], %(periods)s::int[]) AS w(definition_id, period)
-), forgotten AS (
-    DELETE FROM runs_ratestart s USING window_of w
-    WHERE s.definition_id = w.definition_id
-      AND s.started_at <= now() - make_interval(secs => w.period)
-)
-SELECT w.definition_id, count(s.id), min(s.started_at) + make_interval(secs => w.period)
-FROM window_of w
-LEFT JOIN runs_ratestart s ON s.definition_id = w.definition_id
- AND s.started_at > now() - make_interval(secs => w.period)
-GROUP BY w.definition_id, w.period
-"""
+COUNT_RATE_WINDOW = _COUNT_WINDOW.format(starts="runs_ratestart", key="definition_id")
 # A window this claim fills (or found full): no claim looks at the definition again before its
 # oldest start leaves the window (the definition is locked by this claim).
 BLOCK_RATE = """

@@ -58,12 +58,13 @@ def test_single_claims_split_seventy_twenty_five_five(team_a):
         definition = make_definition(team_a, name, queue="mix", priority=priority)
         add_ready_runs(definition, 1000)
     served = Counter()
-    for i in range(1000):
+    # Twenty turns of the 20-slot pattern (single claims on three databases took 14 s for 1 000).
+    for i in range(400):
         (lease,) = claim(queues=["mix"], max_runs=1, worker_id=f"w{i % 8}")
         served[lease.job] += 1
-    assert abs(served[names["critical"]] / 10 - 70) <= 5
-    assert abs(served[names["default"]] / 10 - 25) <= 5
-    assert abs(served[names["bulk"]] / 10 - 5) <= 5
+    assert abs(served[names["critical"]] / 4 - 70) <= 5
+    assert abs(served[names["default"]] / 4 - 25) <= 5
+    assert abs(served[names["bulk"]] / 4 - 5) <= 5
 
 
 def test_a_priority_without_work_yields_its_share(team_a):
