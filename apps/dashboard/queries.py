@@ -129,7 +129,7 @@ def overview(team_ids: list[int], now: datetime) -> Overview:
     minute0 = now.replace(second=0, microsecond=0) - timedelta(minutes=59)
     by_hour: dict[datetime, int] = {}
     by_minute: dict[datetime, tuple[int, int]] = {}
-    windows, _ = shards.gather(lambda: counters.window(team_ids, hour0))
+    windows, _ = shards.gather(lambda: counters.window(team_ids, hour0, minute0))
     for row in (row for window in windows for row in window):
         hour = row.minute.replace(minute=0)
         by_hour[hour] = by_hour.get(hour, 0) + row.failed

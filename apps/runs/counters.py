@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import transaction
+from psycopg.types.datetime import TimestamptzLoader
 
 from apps.runs import shards
 from apps.runs.metrics import LATENCY_BUCKETS
@@ -91,12 +92,14 @@ def count_failed(source: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Reading. Served by minute_counts_key (minute, team_id, …): a range of minutes, then the teams.
 
+# Summed per hour, except the minutes since `recent`, one row each: a day's window is some
+# eighty rows, not one per minute and lane (twenty thousand at 1 M runs: 100 ms of Python).
 WINDOW = """
-SELECT minute, queue, priority, sum(started) AS started, sum(succeeded) AS succeeded,
-       sum(failed) AS failed
+SELECT CASE WHEN minute >= %(recent)s THEN minute ELSE date_trunc('hour', minute) END,
+       sum(succeeded) AS succeeded, sum(failed) AS failed
 FROM runs_minutecounts
 WHERE minute >= %(since)s AND team_id = ANY(%(teams)s::bigint[])
-GROUP BY minute, queue, priority
+GROUP BY 1
 """
 LATENCY = """
 SELECT queue, priority, latency
@@ -107,19 +110,19 @@ WHERE minute >= %(since)s AND team_id = ANY(%(teams)s::bigint[]) AND latency <> 
 
 @dataclass(frozen=True)
 class Minute:
-    minute: datetime
-    queue: str
-    priority: int
-    started: int
+    minute: datetime  # an hour's start for the hours before `recent`
     succeeded: int
     failed: int
 
 
-def window(team_ids: list[int], since: datetime) -> list[Minute]:
-    """Counts per minute and lane since `since` (a minute boundary), summed over slots, from the
-    current shard database."""
+def window(team_ids: list[int], since: datetime, recent: datetime) -> list[Minute]:
+    """Attempts ended since `since` (a minute boundary), summed over lanes and slots: per hour,
+    and per minute from `recent` on, from the current shard database."""
     with shards.cursor() as cursor:
-        cursor.execute(WINDOW, {"teams": team_ids, "since": since})
+        # psycopg's C loader of the times, not Django's Python one (a fifth of the overview's
+        # time at 1 M runs when it read a row per minute and lane).
+        cursor.cursor.adapters.register_loader("timestamptz", TimestamptzLoader)
+        cursor.execute(WINDOW, {"teams": team_ids, "since": since, "recent": recent})
         return [Minute(*row) for row in cursor.fetchall()]
 
 
