@@ -226,11 +226,36 @@ def _unless_unreachable(alias: str, keys: Iterable[Any], down: dict[Any, str]) -
         down.update(dict.fromkeys(keys, shards.moving_detail(shard)))
 
 
-def _definitions(names: set[str]) -> tuple[dict[str, JobDefinition], dict[str, str]]:
+def _definitions(
+    names: set[str], *, again: bool = True
+) -> tuple[dict[str, JobDefinition], dict[str, str]]:
     """The definitions of these names, each read from its shard's database, with that
     database's clock: a request of one run is then two round trips and one transaction (the
     lookup, and the insert with its audit event). And the names whose database is down, with
-    what to tell about it."""
+    what to tell about it.
+
+    A name not found is looked for again when the shard map, read afresh, puts it elsewhere:
+    its shard has just moved (`manage.py moveshard`), and this process's map is up to a second
+    old."""
+    found, down = _definitions_on_map(names)
+    missing = names - found.keys() - down.keys()
+    if missing and again and shards.physical():
+        before = {name: shards.alias_of_shard(shard_for(name)) for name in missing}
+        shards.refresh(force=True)
+        moved = {
+            name
+            for name in missing
+            if shards.alias_of_shard(shard_for(name)) != before[name]
+            or shard_for(name) in shards.moving()
+        }
+        if moved:
+            more, more_down = _definitions(moved, again=False)
+            found.update(more)
+            down.update(more_down)
+    return found, down
+
+
+def _definitions_on_map(names: set[str]) -> tuple[dict[str, JobDefinition], dict[str, str]]:
     groups: dict[str, set[str]] = {}
     found: dict[str, JobDefinition] = {}
     down: dict[str, str] = {}

@@ -40,9 +40,9 @@ from tests.fuzz.conftest import FuzzTeam, assert_problem_details, row_counts
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-# Bounded for CI (8 examples per operation: about 15 s in all). For a deeper search (10+ minutes; the coverage phase
+# Bounded for CI (6 examples per operation: about 12 s in all). For a deeper search (10+ minutes; the coverage phase
 # alone sends a few thousand requests): FUZZ_MAX_EXAMPLES=100 FUZZ_PHASES=examples,coverage,fuzzing
-MAX_EXAMPLES = int(os.environ.get("FUZZ_MAX_EXAMPLES", "8"))
+MAX_EXAMPLES = int(os.environ.get("FUZZ_MAX_EXAMPLES", "6"))
 PHASES = os.environ.get("FUZZ_PHASES", "examples,fuzzing").split(",")
 
 

@@ -142,9 +142,10 @@ def test_every_body_field_survives_deep_and_wide_json(fuzz_team, live_server) ->
             assert op_id in BODIES, f"{op_id} takes a body: add a valid one to BODIES"
         base = BODIES.get(op_id, {})
         for where in positions(base):
-            # Width is refused by the parser whatever the position; depth is checked where it
-            # lands: below the top level, the one deep value (halves the test's 40 s).
-            hostile = HOSTILE if len(where) < 2 else {"past the limit": HOSTILE["past the limit"]}
+            # Width is refused by the parser whatever the position (tried on the whole body);
+            # depth is checked wherever it lands, with the one deep value below the body (the
+            # test took 40 s with every value everywhere).
+            hostile = HOSTILE if not where else {"past the limit": HOSTILE["past the limit"]}
             for label, value in hostile.items():
                 names = {"run": fuzz_team.run_ids[0], "job": "fuzz.adhoc"}
                 url = path.replace("{name}", "fuzz.adhoc").replace("{run_id}", names["run"])
