@@ -25,10 +25,12 @@ from apps.runs.models import PRIORITIES, Run
 from apps.runs.store import Lease, NewRun, insert_runs
 from apps.teams.models import ApiToken, Team
 from scheduler_site import shardmap
-from tests import shard_layout
+from tests import flush, shard_layout
 from tests.servers import Server
 
 M = TypeVar("M")
+
+flush.install()
 
 
 def child_database_url(alias: str = "default") -> str:
