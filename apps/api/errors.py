@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
+from django.db import InterfaceError, OperationalError
 from django.http import JsonResponse
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
 from apps.runs import shards
+
+logger = logging.getLogger(__name__)
 
 TYPE_BASE = "https://docs.cronlease.dev/problems/"
 
@@ -42,6 +46,16 @@ class ShardUnavailable(exceptions.APIException):
     status_code = status.HTTP_503_SERVICE_UNAVAILABLE
     default_detail = "The database of this run's shard cannot be reached."
     default_code = "shard-unavailable"
+
+
+class DatabaseFailed(exceptions.APIException):
+    """The database failed the request's statement or its commit (a lost connection, a
+    serialization failure, a cancelled statement): what that transaction wrote is rolled back,
+    and the same request may be sent again."""
+
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    default_detail = "The database failed this request; try again."
+    default_code = "database-unavailable"
 
 
 class PayloadTooLarge(exceptions.APIException):
@@ -92,6 +106,9 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
         )
     elif isinstance(exc, shards.Unavailable):
         exc = ShardUnavailable(str(exc))
+    elif isinstance(exc, OperationalError | InterfaceError):
+        logger.error("database failure answered 503", exc_info=exc)
+        exc = DatabaseFailed(f"The database failed this request ({type(exc).__name__}); try again.")
     response = exception_handler(exc, context)
     if response is None:
         return None
@@ -112,6 +129,8 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
             body = problem(response.status_code, str(detail), code=code)
     response.data = body
     response.content_type = "application/problem+json"
+    if isinstance(exc, DatabaseFailed | ShardUnavailable):
+        response["Retry-After"] = "1"
     return response
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from django.db import InterfaceError, OperationalError
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
@@ -17,12 +19,14 @@ from apps.api.renderers import Rendered, render_json
 from apps.api.shapes import M, body_size, parse
 from apps.api.shapes import worker as shape
 from apps.audit.record import Actor, record_denied
-from apps.runs import activity, leasing, limits, store
+from apps.runs import activity, leasing, limits, shards, store
 from apps.runs.clock import format_utc
 from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import PRIORITY_NAMES
 from apps.teams import access
 from apps.teams.models import Team
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerView(FastPathView, APIView):
@@ -103,7 +107,8 @@ def lease_json(lease: store.Lease) -> shape.Lease:
             "Claim up to `max` ready runs of the given queues for this worker, ordered by "
             "priority then `availableAt`. With `waitSeconds` > 0 the call long-polls until work "
             "is ready or the wait is over, then answers (possibly an empty list). "
-            "Needs the `worker` scope."
+            "`results` (the items of `POST /api/v1/results`) are applied first and answered "
+            "in `results`, a status each. Needs the `worker` scope."
         ),
         tags=["worker"],
         request=shape.LeaseRequest,
@@ -111,10 +116,14 @@ def lease_json(lease: store.Lease) -> shape.Lease:
     )
 )
 class LeasesView(WorkerView):
-    """Claim up to `max` runs; with `waitSeconds`, wait for work (woken by NOTIFY) before answering empty."""
+    """Apply the results a worker carries, then claim up to `max` runs; with `waitSeconds`, wait
+    for work (woken by NOTIFY) before answering empty."""
 
     def answer(self, call: Call) -> Rendered:
         args = self.body(call, shape.LeaseRequest)
+        # Applied and committed before the claim, so the slots they free (a job's concurrency,
+        # a key's) are free to it; if they cannot be applied the request fails before leasing.
+        results = report_results(self, call, args.results) if args.results else None
         request = leasing.LeaseRequest(
             team_id=call.token.team_id,
             team_ids=self.team_ids(call),
@@ -127,11 +136,30 @@ class LeasesView(WorkerView):
         )
         # Set by the ASGI handler when the worker hangs up (absent under WSGI and in tests).
         gone = getattr(call.request, "client_gone", None)
-        return leasing.claim_or_wait(request, render_leases, gone=gone)
+        if results is None:
+            return leasing.claim_or_wait(request, render_leases, gone=gone)
+        if any(item["status"] == 503 for item in results):
+            # A result its database could not take: no new work until it has been reported.
+            return render_leases([], results)
+        try:
+            return leasing.claim_or_wait(
+                request, lambda leases: render_leases(leases, results), gone=gone
+            )
+        except (OperationalError, InterfaceError, shards.Unavailable):
+            # The results are committed: they are answered (a 5xx would have the worker send
+            # them again); the claim's failure leases nothing, and the next request meets it.
+            logger.warning("claim failed after the results were applied", exc_info=True)
+            return render_leases([], results)
 
 
-def render_leases(leases: list[store.Lease]) -> Rendered:
-    return Rendered(render_json(shape.LeaseList(leases=[lease_json(lease) for lease in leases])))
+def render_leases(
+    leases: list[store.Lease],
+    results: list[shape.ResultDone | shape.ItemRefused] | None = None,
+) -> Rendered:
+    answer = shape.LeaseList(leases=[lease_json(lease) for lease in leases])
+    if results is not None:
+        answer["results"] = results
+    return Rendered(render_json(answer))
 
 
 def _run_pk(run_id: str) -> int:
@@ -332,38 +360,46 @@ class BatchHeartbeatsView(WorkerView):
 )
 class BatchResultsView(WorkerView):
     def answer(self, call: Call) -> shape.ResultBatchAnswer:
-        parsed = _parsed(self.body(call, shape.ResultBatch).results)
-        known = [(pk, item) for pk, item in parsed if pk is not None]
-        team_ids = self.team_ids(call)
-        succeeded = [
-            (pk, item.fencingToken, item.result)
-            for pk, item in known
-            if item.outcome == "succeeded"
-        ]
-        failed = [
-            (pk, item.fencingToken, _error(item.error), item.retryable)
-            for pk, item in known
-            if item.outcome == "failed"
-        ]
-        by_pk: dict[int, store.Outcome] = {}
-        for outcome in self.checked(
-            call,
-            (store.complete(succeeded, team_ids=team_ids) if succeeded else [])
-            + (store.fail(failed, team_ids=team_ids) if failed else []),
-        ):
-            by_pk[outcome.id] = outcome
-        answer: list[shape.ResultDone | shape.ItemRefused] = []
-        for pk, item in parsed:
-            outcome = by_pk.get(pk) if pk is not None else None
-            if outcome is None or outcome.status != 200:
-                answer.append(_refused(item.runId, outcome))
-            else:
-                answer.append(
-                    shape.ResultDone(
-                        runId=item.runId,
-                        status=200,
-                        state=outcome.state,
-                        availableAt=_retry_at(outcome),
-                    )
+        return shape.ResultBatchAnswer(
+            results=report_results(self, call, self.body(call, shape.ResultBatch).results)
+        )
+
+
+def report_results(
+    view: WorkerView, call: Call, items: list[shape.ResultItem]
+) -> list[shape.ResultDone | shape.ItemRefused]:
+    """Complete or fail each item's run; an answer per item, in order. An error that stops
+    them (a database gone mid-statement, not a shard known to be down) propagates."""
+    parsed = _parsed(items)
+    known = [(pk, item) for pk, item in parsed if pk is not None]
+    team_ids = view.team_ids(call)
+    succeeded = [
+        (pk, item.fencingToken, item.result) for pk, item in known if item.outcome == "succeeded"
+    ]
+    failed = [
+        (pk, item.fencingToken, _error(item.error), item.retryable)
+        for pk, item in known
+        if item.outcome == "failed"
+    ]
+    by_pk: dict[int, store.Outcome] = {}
+    for outcome in view.checked(
+        call,
+        (store.complete(succeeded, team_ids=team_ids) if succeeded else [])
+        + (store.fail(failed, team_ids=team_ids) if failed else []),
+    ):
+        by_pk[outcome.id] = outcome
+    answer: list[shape.ResultDone | shape.ItemRefused] = []
+    for pk, item in parsed:
+        outcome = by_pk.get(pk) if pk is not None else None
+        if outcome is None or outcome.status != 200:
+            answer.append(_refused(item.runId, outcome))
+        else:
+            answer.append(
+                shape.ResultDone(
+                    runId=item.runId,
+                    status=200,
+                    state=outcome.state,
+                    availableAt=_retry_at(outcome),
                 )
-        return shape.ResultBatchAnswer(results=answer)
+            )
+    return answer

@@ -1,8 +1,9 @@
 """Outcomes: what an attempt came to, and how the scheduler is told with its fencing token.
 
-The worker and the Celery bridge's tasks report the same way: one Report per attempt, sent in
-`POST /api/v1/results` under the lease's fencing token (a batch at a time for the worker, one for a
-Celery task); the transport retries what may pass (network errors, 429, 5xx).
+The worker and the Celery bridge's tasks report the same way: one Report per attempt, sent under
+the lease's fencing token in `POST /api/v1/results` (a batch at a time for the worker, one for a
+Celery task) or carried by the next lease request (`results`, read back with `read_answers`);
+the transport retries what may pass (network errors, 429, 5xx).
 """
 
 from __future__ import annotations
@@ -160,6 +161,41 @@ def log_failure(run: LeasedRun, report: Report) -> None:
 Batch = Sequence[tuple[LeasedRun, Report]]
 
 
+def result_items(batch: Batch) -> list[dict[str, Any]]:
+    """The batch as `results` items, for `POST /api/v1/results` or a lease request."""
+    return [report.item(run.run_id, run.token) for run, report in batch]
+
+
+def read_answers(batch: Batch, answers: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """Log the scheduler's answer to each reported outcome; {run id: new state} of the accepted."""
+    answered = {item["runId"]: item for item in answers}
+    states = {}
+    for run, report in batch:
+        item = answered.get(run.run_id, {})
+        if item.get("status") == 200:
+            states[run.run_id] = str(item.get("state", ""))
+            if not logger.isEnabledFor(logging.DEBUG):
+                continue
+            logger.debug(
+                "reported run_id=%s outcome=%s state=%s",
+                run.run_id,
+                report.outcome,
+                item.get("state"),
+                extra=run.fields(),
+            )
+        else:
+            logger.warning(
+                "result refused run_id=%s job=%s attempt=%s status=%s: %s",
+                run.run_id,
+                run.job,
+                run.attempt,
+                item.get("status"),
+                item.get("detail", "no answer for this run"),
+                extra=run.fields(),
+            )
+    return states
+
+
 def send_results(
     http: Transport,
     batch: Batch,
@@ -176,9 +212,8 @@ def send_results(
     `attempts` is the transport's (its default when 0). Each part of the batch goes to `settled`
     once the scheduler has answered it, or could not be reached.
     """
-    items = [report.item(run.run_id, run.token) for run, report in batch]
     try:
-        answer = http.post("/api/v1/results", {"results": items}, attempts=attempts)
+        answer = http.post("/api/v1/results", {"results": result_items(batch)}, attempts=attempts)
     except ApiError as exc:
         if exc.status in (400, 413) and len(batch) > 1:
             states: dict[str, str] = {}
@@ -207,31 +242,7 @@ def send_results(
         if settled is not None:
             settled(batch)
         return {}
-    answered = {item["runId"]: item for item in answer.get("results", [])}
-    states = {}
-    for run, report in batch:
-        item = answered.get(run.run_id, {})
-        if item.get("status") == 200:
-            states[run.run_id] = str(item.get("state", ""))
-            if not logger.isEnabledFor(logging.DEBUG):
-                continue
-            logger.debug(
-                "reported run_id=%s outcome=%s state=%s",
-                run.run_id,
-                report.outcome,
-                item.get("state"),
-                extra=run.fields(),
-            )
-        else:
-            logger.warning(
-                "result refused run_id=%s job=%s attempt=%s status=%s: %s",
-                run.run_id,
-                run.job,
-                run.attempt,
-                item.get("status"),
-                item.get("detail", "no answer for this run"),
-                extra=run.fields(),
-            )
+    states = read_answers(batch, answer.get("results", []))
     if settled is not None:
         settled(batch)
     return states

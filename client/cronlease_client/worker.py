@@ -2,13 +2,15 @@
 
 Threads, each with its own HTTP connection:
 - lease loop: long-polls `POST /api/v1/leases` for as many runs as there are free slots (and
-  waits while `concurrency` results are still unreported);
+  waits while `concurrency` results are still unreported), carrying the outcomes that finished
+  since its last request (`results`): one request reports and leases;
 - slots (`concurrency` of them): run one handler at a time (in the thread, or in a pool process);
 - heartbeat: every `heartbeat_interval` extends every held lease in one `POST /api/v1/heartbeats`;
   an item answered 409 or 404 means the run is someone else's now: its context's `lease_lost` is
   set and whatever its handler returns is dropped;
-- reporter: sends outcomes in `POST /api/v1/results` batches (a batch closes when full, after a
-  50 ms window, or at once when no other handler is running);
+- reporter: sends in `POST /api/v1/results` the outcomes the lease loop will not carry soon (it
+  is long-polling or backing off, or no slot is free): a batch closes when full, after a 50 ms
+  window, or at once when no other handler is running;
 - supervisor: on stop, waits for in-flight handlers up to `grace_seconds`, fails the rest as
   retryable `WorkerShutdown`, flushes the reporter and closes everything.
 
@@ -26,8 +28,9 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from multiprocessing.managers import SyncManager
 from typing import Any, Literal, Protocol
 
@@ -44,6 +47,8 @@ from cronlease_client.reporting import (
     describe_failure,
     describe_result,
     log_failure,
+    read_answers,
+    result_items,
     send_results,
 )
 from cronlease_client.transport import backoff_delay
@@ -51,6 +56,9 @@ from cronlease_client.transport import backoff_delay
 logger = logging.getLogger("cronlease_client")
 
 RESULTS_WINDOW_SECONDS = 0.05
+# How long outcomes wait for the lease loop to carry them before the reporter sends them itself
+# (the lease loop asks within FILL_WAIT_SECONDS of a slot freeing, so this is a safety bound).
+CARRY_WAIT_SECONDS = 0.25
 # After a full batch (more work is probably waiting) the next lease call waits up to this long
 # for half the slots to free: fewer, fuller requests instead of one per freed slot.
 FILL_WAIT_SECONDS = 0.05
@@ -182,7 +190,13 @@ class Worker(Daemon):
         self._busy = 0  # leases handed to the slots whose handler has not returned
         self._abandoning = False
         self._tasks: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[tuple[_Run, Report] | None] = queue.SimpleQueue()
+        # Outcomes not yet sent, oldest first, under `_lock`: the lease loop carries them or
+        # the reporter sends them, whichever takes them first.
+        self._unsent: list[tuple[_Run, Report]] = []
+        self._unsent_since = 0.0  # when the oldest of them finished (monotonic)
+        # The lease loop is in a request or a pause (else it carries what is unsent next).
+        self._lease_away = False
+        self._unsent_closed = False  # no more outcomes: the reporter sends the rest and ends
         self._executor: ProcessPoolExecutor | None = None
         self._manager: SyncManager | None = None
 
@@ -266,9 +280,9 @@ class Worker(Daemon):
 
     # -- leasing ----------------------------------------------------------------------------
 
-    def _free_slots(self, wanted: int = 1) -> int:
+    def _free_slots(self, wanted: int = 1) -> tuple[int, list[tuple[_Run, Report]]]:
         """Block until a slot is free (or the worker stops), then up to FILL_WAIT_SECONDS more
-        until `wanted` are; return how many are free."""
+        until `wanted` are; return how many are free, and the outcomes to carry."""
         with self._lock:
             while self._free() <= 0 and not self.shutdown.is_set():
                 self._lock.wait(0.5)
@@ -278,7 +292,24 @@ class Worker(Daemon):
                 if left <= 0:
                     break
                 self._lock.wait(left)
-            return 0 if self.shutdown.is_set() else self._free()
+            if self.shutdown.is_set():
+                return 0, []
+            carried = self._unsent[:MAX_BATCH]
+            del self._unsent[:MAX_BATCH]
+            self._lock.notify_all()
+            return self._free(), carried
+
+    @contextmanager
+    def _away(self) -> Iterator[None]:
+        """The lease loop is in a request or a pause: the reporter sends what finishes meanwhile."""
+        with self._lock:
+            self._lease_away = True
+            self._lock.notify_all()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._lease_away = False
 
     def _free(self) -> int:
         """Slots free to lease into; call with the lock held.
@@ -296,7 +327,7 @@ class Worker(Daemon):
         wanted = 1
         try:
             while not self.shutdown.is_set():
-                free = self._free_slots(wanted)
+                free, carried = self._free_slots(wanted)
                 if not free:
                     continue
                 asked = min(free, self.batch_size)
@@ -307,20 +338,32 @@ class Worker(Daemon):
                     "leaseSeconds": self.lease_seconds,
                     "waitSeconds": self.wait_seconds,
                 }
-                try:
-                    answer = self._lease_http.post(
-                        "/api/v1/leases", body, timeout=self.wait_seconds + self.http_timeout
-                    )
-                except ApiError as exc:
-                    if not exc.transient:
-                        self._fail_fatally(exc)
-                        return
-                    failures += 1
-                    delay = backoff_delay(failures, base=0.5, cap=30.0)
-                    logger.warning("leasing failed; retrying in %.1fs: %s", delay, exc)
-                    self.shutdown.wait(delay)
-                    continue
+                if carried:
+                    body["results"] = result_items(carried)
+                with self._away():
+                    try:
+                        answer = self._lease_http.post(
+                            "/api/v1/leases", body, timeout=self.wait_seconds + self.http_timeout
+                        )
+                    except ApiError as exc:
+                        if carried:
+                            # Sent apart, where a bad item is split from its neighbours and a
+                            # failure retried: the lease is then asked again without them.
+                            self._send_results(carried)
+                            if exc.status in (400, 413):
+                                continue
+                        if not exc.transient:
+                            self._fail_fatally(exc)
+                            return
+                        failures += 1
+                        delay = backoff_delay(failures, base=0.5, cap=30.0)
+                        logger.warning("leasing failed; retrying in %.1fs: %s", delay, exc)
+                        self.shutdown.wait(delay)
+                        continue
                 failures = 0
+                if carried:
+                    read_answers(carried, answer.get("results", []))
+                    self._forget(carried)
                 leases = answer.get("leases", [])
                 # A full answer means a backlog: fill the next request. Otherwise ask as soon
                 # as one slot frees, so a run that falls due later starts at once.
@@ -331,7 +374,8 @@ class Worker(Daemon):
                 )
                 if not leases and not self.wait_seconds:
                     # Without a long poll an empty answer comes back at once: do not spin.
-                    self.shutdown.wait(1.0)
+                    with self._away():
+                        self.shutdown.wait(1.0)
                 # Leases that arrive after stop() are still ours: run them within the grace.
                 refused = [lease for lease in leases if not self._dispatch(lease)]
                 if refused:
@@ -418,7 +462,7 @@ class Worker(Daemon):
             else:
                 dropped = ""
                 run.finished = True
-                self._results.put((run, report))
+                self._queue_outcome(run, report)
             if dropped:
                 self._inflight.pop(run.run_id, None)
             self._lock.notify_all()
@@ -493,28 +537,46 @@ class Worker(Daemon):
 
     # -- reporting --------------------------------------------------------------------------
 
+    def _queue_outcome(self, run: _Run, report: Report) -> None:
+        """Hold an outcome for the lease loop or the reporter; call with the lock held."""
+        if not self._unsent:
+            self._unsent_since = time.monotonic()
+        self._unsent.append((run, report))
+        self._lock.notify_all()
+
+    def _report_wait(self, size: int) -> float:
+        """With the lock held: 0 when the reporter should send now, else how long to wait.
+
+        The lease loop carries what is unsent when it is between requests and a slot is free
+        (it asks within FILL_WAIT_SECONDS). Otherwise, or after CARRY_WAIT_SECONDS all the
+        same, the reporter sends: when the batch is full, after the window, or at once when no
+        handler is running (nothing else is coming soon)."""
+        if not self._unsent:
+            return 0.5
+        if self._unsent_closed:
+            return 0.0
+        waited = time.monotonic() - self._unsent_since
+        carries = not self._lease_away and not self._lease_done.is_set()
+        if carries and self._free() > 0 and not self.shutdown.is_set():
+            return max(0.0, CARRY_WAIT_SECONDS - waited)
+        if len(self._unsent) >= size:
+            return 0.0
+        if self._busy == 0:
+            return 0.0
+        return max(0.0, RESULTS_WINDOW_SECONDS - waited)
+
     def _report_loop(self) -> None:
-        size = max(self.batch_size, self.concurrency)
-        done = False
-        while not done:
-            first = self._results.get()
-            if first is None:
-                break
-            batch = [first]
-            deadline = time.monotonic() + RESULTS_WINDOW_SECONDS
-            while len(batch) < min(size, MAX_BATCH):
-                # No handler running: nothing else is coming soon, so do not wait the window out.
-                left = 0.0 if self._busy == 0 else deadline - time.monotonic()
-                try:
-                    item = (
-                        self._results.get(timeout=left) if left > 0 else self._results.get_nowait()
-                    )
-                except queue.Empty:
+        size = min(max(self.batch_size, self.concurrency), MAX_BATCH)
+        while True:
+            with self._lock:
+                while (wait := self._report_wait(size)) > 0 or not self._unsent:
+                    if self._unsent_closed and not self._unsent:
+                        break
+                    self._lock.wait(wait or 0.5)
+                if not self._unsent:
                     break
-                if item is None:
-                    done = True
-                    break
-                batch.append(item)
+                batch = self._unsent[:size]
+                del self._unsent[:size]
             try:
                 self._send_results(batch)
             except Exception:
@@ -579,8 +641,11 @@ class Worker(Daemon):
                 extra=run.fields(),
             )
             if not self._forced.is_set():
-                self._results.put((run, shutdown))
-        self._results.put(None)
+                with self._lock:
+                    self._queue_outcome(run, shutdown)
+        with self._lock:
+            self._unsent_closed = True
+            self._lock.notify_all()
         for _ in range(self.concurrency):
             self._tasks.put(None)
         if not self._forced.is_set():

@@ -414,3 +414,20 @@ def test_acks_late_is_refused(celery_installed):
 
     with pytest.raises(ValueError, match="acknowledged on receipt"):
         cronlease_task(Celery("refused", broker="memory://"), "x.y", acks_late=True)
+
+
+@e2e
+def test_a_dry_run_is_answered_by_the_next_lease_request(team_a, spawn, ledger, broker):
+    """A run the bridge answers itself (a dry run its task does not take) goes to no Celery
+    worker: its answer rides on the bridge's next lease request, not a request of its own."""
+    definition = make_definition(team_a, "billing.send-invoice", queue="celery-dry", dry_run=True)
+    pk = add_cron_run(definition)
+    spawn["celery_worker"]()
+    bridge = spawn["bridge"]("celery-dry")
+
+    (run,) = wait_for(runs_when([pk], "succeeded"), timeout=30, what="the dry run answered")
+    assert run.result == {"dryRun": True, "skipped": True}
+    assert read_calls(ledger) == []
+    wait_for(lambda: "reported run_id=" in bridge.output(), what="the bridge read its answer")
+    assert "/api/v1/leases" in bridge.output()  # its requests are logged
+    assert "/api/v1/results" not in bridge.output()

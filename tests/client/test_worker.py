@@ -262,11 +262,36 @@ def test_results_and_heartbeats_travel_in_batches(team_a, make_worker, monkeypat
     ).start()
 
     wait_for(runs_when(ids, "succeeded"), what="all eight runs succeeded")
-    results = [size for path, size in calls if path == "/api/v1/results"]
+    # Sent apart or carried by the next lease request.
+    results = [size for path, size in calls if path in ("/api/v1/results", "/api/v1/leases")]
     heartbeats = [size for path, size in calls if path == "/api/v1/heartbeats"]
     assert sum(results) == 8
     assert len(results) < 8, results
     assert 8 in heartbeats, heartbeats
+
+
+def test_with_a_backlog_the_lease_requests_carry_the_results(team_a, make_worker, monkeypatch):
+    """One request per batch instead of two: the outcomes that finished while the worker waited
+    for slots ride on its next lease request, and each is answered there."""
+    definition = make_definition(team_a, "demo.carried", queue="carried")
+    ids = add_ready_runs(definition, 200)
+    sent: dict[str, int] = {"/api/v1/results": 0, "/api/v1/leases": 0}
+    answered: list[int] = []
+    real_post = Transport.post
+
+    def spy(self: Transport, path: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        answer = real_post(self, path, body, **kwargs)
+        if path in sent and body.get("results"):
+            sent[path] += len(body["results"])
+            answered.extend(item["status"] for item in answer["results"])
+        return answer
+
+    monkeypatch.setattr(Transport, "post", spy)
+    make_worker(["carried"], handlers={"demo.carried": lambda ctx: None}, concurrency=4).start()
+    wait_for(runs_when(ids, "succeeded"), what="all 200 runs succeeded")
+    wait_for(lambda: sum(sent.values()) == 200, what="every outcome answered")
+    assert answered == [200] * 200
+    assert sent["/api/v1/leases"] > sent["/api/v1/results"], sent
 
 
 def test_after_a_full_answer_the_next_lease_call_waits_to_fill_a_batch(

@@ -4,7 +4,7 @@ claim, a heartbeat, a completion, a long poll and a materialisation.
 Each statement to be cut is first made to wait for a lock that the test holds in an open
 transaction, so the backend is terminated exactly while it is inside that statement (found in
 pg_stat_activity by application_name, waiting on the lock). The killed transaction rolls back;
-the client gets a retryable answer (500), retries through the SDK's transport, and the retry
+the client gets a retryable answer (503 with Retry-After), retries through the SDK's transport, and the retry
 creates no second attempt or run. The same processes keep serving: nothing is restarted.
 Last, `pg_cancel_backend` (what a statement or lock timeout does) on the scheduler's insert:
 no fire time may be skipped for it.
@@ -92,7 +92,7 @@ class Call:
 
 def cut_while_waiting(h, lock_sql: str, params: list[Any], path: str, body: dict) -> Call:
     """Hold `lock_sql`'s locks, send the call, terminate the API backend that waits for them,
-    let the SDK see the 500, then release the locks so its retry goes through."""
+    let the SDK see the 503, then release the locks so its retry goes through."""
     with h.db.holding(lock_sql, params):
         call = Call(h.services.api_url, h.token, path, body)
         (pid,) = wait_for(
@@ -101,7 +101,7 @@ def cut_while_waiting(h, lock_sql: str, params: list[Any], path: str, body: dict
         h.db.terminate([pid])
         wait_for(lambda: call.recorder.statuses, 15, "the first answer")
     call.result()
-    assert call.recorder.statuses == [500, 200], call.recorder.statuses
+    assert call.recorder.statuses == [503, 200], call.recorder.statuses
     return call
 
 

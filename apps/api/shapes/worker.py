@@ -51,41 +51,6 @@ ItemStatus = Literal[200, 201, 400, 404, 409, 413, 503]
 # --- requests ---------------------------------------------------------------------------------
 
 
-class LeaseRequest(Body):
-    """Claim up to `max` ready runs of these queues (and jobs) for this worker."""
-
-    queues: list[QueueName] = Field(min_length=1, max_length=100)
-    jobs: list[JobName] | None = Field(
-        None,
-        min_length=1,
-        max_length=1000,
-        description="Only runs of these jobs (a Celery bridge that has tasks for some jobs).",
-    )
-    max: int = Field(
-        1,
-        ge=1,
-        json_schema_extra=lambda schema: schema.update(maximum=settings.SCHEDULER_MAX_CLAIM),
-    )
-    workerId: WorkerId
-    leaseSeconds: int = Field(60, ge=1, le=86400)
-    waitSeconds: int = Field(
-        0,
-        ge=0,
-        description="Long-poll this long when nothing is ready.",
-        json_schema_extra=lambda schema: schema.update(maximum=settings.SCHEDULER_MAX_WAIT_SECONDS),
-    )
-
-    @field_validator("max")
-    @classmethod
-    def _max(cls, value: int) -> int:
-        return _at_most(value, settings.SCHEDULER_MAX_CLAIM)
-
-    @field_validator("waitSeconds")
-    @classmethod
-    def _wait(cls, value: int) -> int:
-        return _at_most(value, settings.SCHEDULER_MAX_WAIT_SECONDS)
-
-
 def _at_most(value: int, limit: int) -> int:
     if value > limit:
         raise problem("too_large", f"Ensure this value is less than or equal to {limit}.")
@@ -159,6 +124,56 @@ class ResultBatch(Body):
         return _repeats("results", [item.runId for item in self.results])
 
 
+class LeaseRequest(Body):
+    """Claim up to `max` ready runs of these queues (and jobs) for this worker."""
+
+    queues: list[QueueName] = Field(min_length=1, max_length=100)
+    jobs: list[JobName] | None = Field(
+        None,
+        min_length=1,
+        max_length=1000,
+        description="Only runs of these jobs (a Celery bridge that has tasks for some jobs).",
+    )
+    max: int = Field(
+        1,
+        ge=1,
+        json_schema_extra=lambda schema: schema.update(maximum=settings.SCHEDULER_MAX_CLAIM),
+    )
+    workerId: WorkerId
+    leaseSeconds: int = Field(60, ge=1, le=86400)
+    waitSeconds: int = Field(
+        0,
+        ge=0,
+        description="Long-poll this long when nothing is ready.",
+        json_schema_extra=lambda schema: schema.update(maximum=settings.SCHEDULER_MAX_WAIT_SECONDS),
+    )
+
+    results: list[ResultItem] | None = Field(
+        None,
+        min_length=1,
+        max_length=1000,
+        description=(
+            "Finished runs' outcomes, the items of `POST /api/v1/results`: applied first, "
+            "with the same rules and a status each in the answer's `results`, so a worker "
+            "reports and asks for more in one request. An error that stops them being applied "
+            "answers the whole request with it and leases nothing."
+        ),
+    )
+
+    @field_validator("max")
+    @classmethod
+    def _max(cls, value: int) -> int:
+        return _at_most(value, settings.SCHEDULER_MAX_CLAIM)
+
+    def problems(self) -> dict[str, list[str]]:
+        return _repeats("results", [item.runId for item in self.results or ()])
+
+    @field_validator("waitSeconds")
+    @classmethod
+    def _wait(cls, value: int) -> int:
+        return _at_most(value, settings.SCHEDULER_MAX_WAIT_SECONDS)
+
+
 def _repeats(field: str, run_ids: list[str]) -> dict[str, list[str]]:
     """One run, one item: a batch naming a run twice is refused (each item has one answer, and
     a repeated id would multiply the work, and the audit of a denied one)."""
@@ -192,11 +207,6 @@ class Lease(TypedDict):
     maxAttempts: int
     dueAt: Instant
     dryRun: bool
-
-
-@typed_config(ANSWER)
-class LeaseList(TypedDict):
-    leases: list[Lease]
 
 
 @typed_config(ANSWER)
@@ -266,4 +276,15 @@ class HeartbeatBatchAnswer(TypedDict):
 class ResultBatchAnswer(TypedDict):
     results: Annotated[
         list[ResultDone | ItemRefused], Field(description="One answer per item, in order.")
+    ]
+
+
+@typed_config(ANSWER)
+class LeaseList(TypedDict):
+    leases: list[Lease]
+    results: NotRequired[
+        Annotated[
+            list[ResultDone | ItemRefused],
+            Field(description="When the request carried `results`: one answer per item, in order."),
+        ]
     ]

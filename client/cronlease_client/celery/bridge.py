@@ -26,7 +26,13 @@ from cronlease_client.celery.tasks import (
 )
 from cronlease_client.errors import ApiError
 from cronlease_client.lifecycle import Daemon
-from cronlease_client.reporting import MAX_BATCH, SKIPPED_DRY_RUN, LeasedRun, Report
+from cronlease_client.reporting import (
+    MAX_BATCH,
+    SKIPPED_DRY_RUN,
+    LeasedRun,
+    Report,
+    read_answers,
+)
 from cronlease_client.transport import backoff_delay
 
 logger = logging.getLogger("cronlease_client")
@@ -45,6 +51,10 @@ class _Pending(LeasedRun):
     """A lease sent to Celery whose task has not started yet: the bridge keeps it alive."""
 
     sent_at: float  # time.monotonic()
+
+
+def _leased(lease: Mapping[str, Any]) -> LeasedRun:
+    return LeasedRun(lease["runId"], lease["job"], lease["attempt"], lease["fencingToken"])
 
 
 class Bridge(Daemon):
@@ -109,6 +119,9 @@ class Bridge(Daemon):
         self._receiving = threading.Event()
         self._pending: dict[str, _Pending] = {}
         self._closing = False  # past the grace period: no more messages are sent
+        # Leases answered without Celery (a dry run skipped, a job without a task), carried by
+        # the next lease request; the lease loop's alone.
+        self._unanswered: list[tuple[Mapping[str, Any], Report]] = []
         self._receiver: Any = None
 
     def pending(self) -> list[str]:
@@ -288,6 +301,9 @@ class Bridge(Daemon):
             self.failure = f"the lease loop crashed: {exc}"
             self.shutdown.set()
         finally:
+            if self._unanswered:
+                self._answer(self._unanswered)
+                self._unanswered = []
             self._lease_done.set()
             with self._lock:
                 self._lock.notify_all()
@@ -298,19 +314,36 @@ class Bridge(Daemon):
         room = self._room()
         if not room:
             return 0
-        answer = self._lease_http.post(
-            "/api/v1/leases",
-            {
-                "queues": self.queues,
-                # Only the jobs that have a Celery task: the queue may hold others.
-                "jobs": sorted(self.tasks),
-                "max": room,
-                "workerId": self.worker_id,
-                "leaseSeconds": self.lease_seconds,
-                "waitSeconds": self.wait_seconds,
-            },
-            timeout=self.wait_seconds + self.http_timeout,
-        )
+        body: dict[str, Any] = {
+            "queues": self.queues,
+            # Only the jobs that have a Celery task: the queue may hold others.
+            "jobs": sorted(self.tasks),
+            "max": room,
+            "workerId": self.worker_id,
+            "leaseSeconds": self.lease_seconds,
+            "waitSeconds": self.wait_seconds,
+        }
+        carried, self._unanswered = self._unanswered, []
+        if carried:
+            body["results"] = [
+                report.item(lease["runId"], lease["fencingToken"]) for lease, report in carried
+            ]
+        try:
+            answer = self._lease_http.post(
+                "/api/v1/leases", body, timeout=self.wait_seconds + self.http_timeout
+            )
+        except ApiError as exc:
+            if not carried:
+                raise
+            self._answer(carried)  # apart, then lease again without them
+            if exc.status in (400, 413):
+                return 0
+            raise
+        if carried:
+            read_answers(
+                [(_leased(lease), report) for lease, report in carried],
+                answer.get("results", []),
+            )
         leases = answer.get("leases", [])
         if not leases and not self.wait_seconds:
             self.shutdown.wait(1.0)  # without a long poll an empty answer comes back at once
@@ -368,7 +401,13 @@ class Bridge(Daemon):
                         )
                     )
         if answered:
-            self._answer(answered)
+            with self._lock:
+                room_left = len(self._pending) < self.prefetch
+            if failure is None and room_left and not self.shutdown.is_set():
+                # The next lease request, which follows at once, carries them.
+                self._unanswered.extend(answered)
+            else:
+                self._answer(answered)
         if failure is not None:
             raise PublishFailed(str(failure)) from failure
 
@@ -410,6 +449,7 @@ class Bridge(Daemon):
         )
 
     def _answer(self, answered: list[tuple[Mapping[str, Any], Report]]) -> None:
+        """Send the answers now, in `POST /api/v1/results`."""
         items = [report.item(lease["runId"], lease["fencingToken"]) for lease, report in answered]
         try:
             self._lease_http.post("/api/v1/results", {"results": items}, attempts=3)
