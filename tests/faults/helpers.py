@@ -345,11 +345,21 @@ def attempts_of(db: Db, run_id: int) -> list[tuple[int, int, str, str, str]]:
     )
 
 
+def definition_url(definition_id: int) -> str:
+    """The URL of the database that holds this definition and its runs (its id names its
+    shard); the control database's with every shard on it."""
+    from apps.runs import shards
+    from tests.conftest import child_database_url
+
+    return child_database_url(shards.alias_of_shard(definition_id % shards.ID_SPACE))
+
+
 @contextmanager
-def snapshot(db: Db) -> Iterator[psycopg.Connection]:
+def snapshot(db: Db, url: str | None = None) -> Iterator[psycopg.Connection]:
     """A connection whose reads all see one snapshot (a REPEATABLE READ transaction), so that
-    processes writing meanwhile cannot make two reads disagree."""
-    with psycopg.connect(db.url, application_name="faults:check") as conn:
+    processes writing meanwhile cannot make two reads disagree; on the database at `url` (the
+    control database's by default)."""
+    with psycopg.connect(url or db.url, application_name="faults:check") as conn:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         with conn.transaction():
             yield conn
@@ -361,7 +371,7 @@ def every_fire_time_once(db: Db, definition_id: int, first_due: Any, schedule: A
     from apps.jobs import firetimes
     from apps.jobs import schedule as sched
 
-    with psycopg.connect(db.url, application_name="faults:check") as conn:
+    with psycopg.connect(definition_url(definition_id), application_name="faults:check") as conn:
         next_due, due = conn.execute(
             "SELECT d.next_due_at, array(SELECT due_at FROM runs_run"
             " WHERE definition_id = d.id ORDER BY due_at) FROM jobs_jobdefinition d"

@@ -3,7 +3,8 @@ held) on a connection of its own while the other side runs; a side that must wai
 waiting for that lock in pg_stat_activity before the first one commits.
 
 The shared reaper is frozen meanwhile (while its connection is idle), so the only reaper in
-each race is the test's own call of `store.reap`.
+each race is the test's own call of `store.reap`. Both layouts: with shards on servers of their
+own, the held transaction is on the database of the job's shard, where its runs are.
 """
 
 from __future__ import annotations
@@ -14,17 +15,21 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
+from django.db import connections, transaction
 
 from apps.audit.record import Actor
-from apps.runs import store, transitions
+from apps.runs import shards, store, transitions
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run
-from tests.conftest import expire_lease
+from tests.conftest import claim, expire_lease
 from tests.faults.conftest import WEB
 from tests.faults.helpers import all_in, attempts_of, runs, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.shards,
+    pytest.mark.django_db(transaction=True, databases="__all__"),
+]
 
 
 class TransactionThread:
@@ -35,7 +40,8 @@ class TransactionThread:
     _COMMIT = object()
     _ROLLBACK = object()
 
-    def __init__(self) -> None:
+    def __init__(self, alias: str) -> None:
+        self.alias = alias  # the database it holds its transaction on
         self._calls: queue.Queue[Any] = queue.Queue()
         self._answers: queue.Queue[tuple[bool, Any]] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -51,7 +57,7 @@ class TransactionThread:
 
     def _serve(self) -> None:
         try:
-            with transaction.atomic():
+            with shards.using(self.alias), transaction.atomic(using=self.alias):
                 while (call := self._calls.get(timeout=60)) is not self._COMMIT:
                     if call is self._ROLLBACK:
                         raise RuntimeError("rolled back")
@@ -63,7 +69,7 @@ class TransactionThread:
         except BaseException:  # noqa: BLE001 - handed to run()'s caller, or a rollback
             pass
         finally:
-            connection.close()
+            connections.close_all()  # this thread's, on every database it reached
 
     def run(self, call: Callable[[], Any], timeout: float = 15) -> Any:
         self._calls.put(call)
@@ -104,14 +110,14 @@ class InBackground:
 
 def leases(queue: str, count: int) -> list[store.Lease]:
     """Lease `count` runs of `queue` as worker `racer`, for a minute."""
-    found = store.claim(queues=[queue], max_runs=count, worker_id="racer", lease_seconds=60)
+    found = claim(queues=[queue], max_runs=count, worker_id="racer", lease_seconds=60)
     assert len(found) == count
     return found
 
 
 def expired_ids() -> list[int]:
-    """The reaper's read, on its own: the leases that have expired."""
-    with connection.cursor() as cursor:
+    """The reaper's read, on its own: the leases that have expired (on the current database)."""
+    with shards.cursor() as cursor:
         cursor.execute(
             "SELECT id FROM runs_run WHERE state = 'leased' AND lease_expires_at <= now()"
         )
@@ -123,13 +129,14 @@ def test_a_completion_racing_the_reaper_stays_succeeded(harness):
     definition = h.definition("faults.work", "race", retry_max_attempts=3)
     h.add_runs(definition, [{}] * 3)
     team = [h.team.pk]
-    with h.services.reaper_paused():
+    alias = shards.alias_of_shard(definition.shard)
+    with h.services.reaper_paused(), shards.using(alias):
         held_row, read_first, reaped_first = leases("race", 3)
 
         # 1. The completion has updated the row but not committed when the reaper runs: the
         #    reaper skips the locked row (SKIP LOCKED) instead of waiting or overwriting it.
         expire_lease(held_row.id)
-        with TransactionThread() as completion:
+        with TransactionThread(alias) as completion:
             done = completion.run(
                 lambda: store.complete(
                     [(held_row.id, held_row.fencing_token, {"by": "worker"})], team_ids=team
@@ -143,7 +150,7 @@ def test_a_completion_racing_the_reaper_stays_succeeded(harness):
         # 2. The reaper reads the expired lease; the completion commits; then the reaper writes,
         #    in the same transaction. Its UPDATE re-checks state and expiry: it changes nothing.
         expire_lease(read_first.id)
-        with TransactionThread() as reaper:
+        with TransactionThread(alias) as reaper:
             assert reaper.run(expired_ids) == [read_first.id]
             done = store.complete([(read_first.id, read_first.fencing_token, None)], team_ids=team)
             assert done[0].status == 200
@@ -154,7 +161,7 @@ def test_a_completion_racing_the_reaper_stays_succeeded(harness):
         #    completion arrives (over HTTP). The completion waits for the lock, then finds the
         #    run no longer leased: 409, and the reaper's outcome stands.
         expire_lease(reaped_first.id)
-        with TransactionThread() as reaper, h.http() as http:
+        with TransactionThread(alias) as reaper, h.http() as http:
             assert [reaped.id for reaped in reaper.run(store.reap)] == [reaped_first.id]
             call = InBackground(
                 lambda: http.post(
@@ -187,7 +194,8 @@ def test_a_cancel_racing_the_reaper_ends_cancelled_and_never_runs_again(harness)
     definition = h.definition("faults.work", "cancel", retry_max_attempts=3)
     h.add_runs(definition, [{}] * 2)
     team = [h.team.pk]
-    with h.services.reaper_paused(), h.http() as http:
+    alias = shards.alias_of_shard(definition.shard)
+    with h.services.reaper_paused(), h.http() as http, shards.using(alias):
         during, before = leases("cancel", 2)
 
         def cancel(lease: store.Lease):
@@ -198,7 +206,7 @@ def test_a_cancel_racing_the_reaper_ends_cancelled_and_never_runs_again(harness)
         #    UPDATE waits for the reaper's row, then reads the run as the reaper left it
         #    (retrying) and cancels it at once; it is not told to a worker that no longer has it.
         expire_lease(during.id)
-        with TransactionThread() as reaper:
+        with TransactionThread(alias) as reaper:
             assert [reaped.id for reaped in reaper.run(store.reap)] == [during.id]
             waiting = InBackground(lambda: cancel(during))
             wait_for(lambda: h.db.backends(WEB, waiting_on_lock=True), 15, "the cancel to wait")
@@ -213,10 +221,10 @@ def test_a_cancel_racing_the_reaper_ends_cancelled_and_never_runs_again(harness)
         #    claim skips the locked row instead of leasing it; after the commit it is cancelled.
         expire_lease(before.id)
         assert [reaped.id for reaped in store.reap()] == [before.id]
-        with TransactionThread() as canceller:
+        with TransactionThread(alias) as canceller:
             run = Run.objects.get(pk=before.id)
             assert canceller.run(lambda: transitions.cancel([run], Actor.system())) == [run]
-            assert store.claim(queues=["cancel"], max_runs=5, worker_id="w", lease_seconds=60) == []
+            assert claim(queues=["cancel"], max_runs=5, worker_id="w", lease_seconds=60) == []
             canceller.commit()
         assert runs(h.db, [before.id])[before.id]["state"] == "cancelled"
 

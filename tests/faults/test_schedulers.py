@@ -1,5 +1,6 @@
 """Scheduler faults with real `manage.py scheduler` processes (tick 0.2 s, shard leases of 2 s):
-two nodes that both believe they own a shard, and a scheduler that was down for 150 ticks.
+two nodes that both believe they own a shard, and a scheduler that was down for 150 ticks. Both
+layouts: the shard leases are in the control database, each job and its runs in its shard's.
 """
 
 from __future__ import annotations
@@ -12,10 +13,20 @@ import pytest
 from apps.scheduler import leases
 from apps.scheduler.daemon import Scheduler
 from tests.conftest import db_now
-from tests.faults.helpers import every_fire_time_once, frozen, snapshot, wait_for
+from tests.faults.helpers import (
+    definition_url,
+    every_fire_time_once,
+    frozen,
+    snapshot,
+    wait_for,
+)
 from tests.scheduler.helpers import leases_by_owner, names_in_shard
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.shards,
+    pytest.mark.django_db(transaction=True, databases="__all__"),
+]
 
 ALL = list(range(16))
 TTL = 2
@@ -152,7 +163,7 @@ def test_a_scheduler_down_for_150_ticks_applies_the_missed_run_policy_with_its_c
 
     def state(definition) -> tuple[list, list, object, str]:
         """Catch-up due times, cron due times, next_due_at and the note, in one snapshot."""
-        with snapshot(db) as conn:
+        with snapshot(db, definition_url(definition.pk)) as conn:
             due = conn.execute(
                 "SELECT due_at, trigger FROM runs_run WHERE definition_id = %s ORDER BY due_at",
                 [definition.pk],
