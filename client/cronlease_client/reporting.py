@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cronlease_client.errors import ApiError, HandlerError
-from cronlease_client.transport import Transport
+from cronlease_client.transport import Transport, backoff_delay
 
 logger = logging.getLogger("cronlease_client")
 
@@ -166,13 +166,26 @@ def result_items(batch: Batch) -> list[dict[str, Any]]:
     return [report.item(run.run_id, run.token) for run, report in batch]
 
 
-def read_answers(batch: Batch, answers: Sequence[dict[str, Any]]) -> dict[str, str]:
-    """Log the scheduler's answer to each reported outcome; {run id: new state} of the accepted."""
+def read_answers(
+    batch: Batch, answers: Sequence[dict[str, Any]], *, retrying: bool = False
+) -> tuple[dict[str, str], list[tuple[LeasedRun, Report]]]:
+    """Log the scheduler's answer to each reported outcome. Return {run id: new state} of the
+    accepted, and, when `retrying`, the outcomes answered 503 (their shard's database could not
+    be reached: nothing was applied) to be sent again."""
     answered = {item["runId"]: item for item in answers}
     states = {}
+    again = []
     for run, report in batch:
         item = answered.get(run.run_id, {})
-        if item.get("status") == 200:
+        if retrying and item.get("status") == 503:
+            again.append((run, report))
+            logger.info(
+                "result not taken yet run_id=%s: %s; sending it again",
+                run.run_id,
+                item.get("detail", ""),
+                extra=run.fields(),
+            )
+        elif item.get("status") == 200:
             states[run.run_id] = str(item.get("state", ""))
             if not logger.isEnabledFor(logging.DEBUG):
                 continue
@@ -193,7 +206,13 @@ def read_answers(batch: Batch, answers: Sequence[dict[str, Any]]) -> dict[str, s
                 item.get("detail", "no answer for this run"),
                 extra=run.fields(),
             )
-    return states
+    return states, again
+
+
+# Outcomes answered 503 (their shard's database unreachable) are sent again this many times,
+# after growing pauses (0.5 s up to 8 s, about 20 s in all): a database restart or a failover
+# is over by then; past it the lease expires and the scheduler retries the run.
+UNAVAILABLE_RETRIES = 5
 
 
 def send_results(
@@ -202,6 +221,7 @@ def send_results(
     *,
     attempts: int = 0,
     settled: Callable[[Batch], None] | None = None,
+    unavailable_retries: int = UNAVAILABLE_RETRIES,
 ) -> dict[str, str]:
     """Report outcomes in `POST /api/v1/results`; return {run id: new state} of those accepted.
 
@@ -209,6 +229,7 @@ def send_results(
        not sink its neighbours, so each is sent again on its own.
     2. A 413 for one success: the run is completed without its result.
     3. Any other failure is logged: the leases expire and the scheduler retries the runs.
+    4. Items answered 503 are sent again, `unavailable_retries` times at most.
     `attempts` is the transport's (its default when 0). Each part of the batch goes to `settled`
     once the scheduler has answered it, or could not be reached.
     """
@@ -242,7 +263,17 @@ def send_results(
         if settled is not None:
             settled(batch)
         return {}
-    states = read_answers(batch, answer.get("results", []))
+    states, again = read_answers(
+        batch, answer.get("results", []), retrying=unavailable_retries > 0
+    )
+    if again:
+        tried = UNAVAILABLE_RETRIES - unavailable_retries + 1
+        if not http.cancel.wait(backoff_delay(tried, base=0.5, cap=8.0)):
+            states.update(
+                send_results(
+                    http, again, attempts=attempts, unavailable_retries=unavailable_retries - 1
+                )
+            )
     if settled is not None:
         settled(batch)
     return states

@@ -197,6 +197,7 @@ class Worker(Daemon):
         # The lease loop is in a request or a pause (else it carries what is unsent next).
         self._lease_away = False
         self._unsent_closed = False  # no more outcomes: the reporter sends the rest and ends
+        self._apart: list[tuple[_Run, Report]] = []  # never carried: the reporter sends them
         self._executor: ProcessPoolExecutor | None = None
         self._manager: SyncManager | None = None
 
@@ -362,8 +363,14 @@ class Worker(Daemon):
                         continue
                 failures = 0
                 if carried:
-                    read_answers(carried, answer.get("results", []))
-                    self._forget(carried)
+                    _, again = read_answers(carried, answer.get("results", []), retrying=True)
+                    self._forget([one for one in carried if one not in again])
+                    if again:
+                        # Sent again apart, by the reporter: carried, they would keep this
+                        # worker's lease requests empty (no lease beside an unsettled report).
+                        with self._lock:
+                            self._apart.extend(again)
+                            self._lock.notify_all()
                 leases = answer.get("leases", [])
                 # A full answer means a backlog: fill the next request. Otherwise ask as soon
                 # as one slot frees, so a run that falls due later starts at once.
@@ -569,14 +576,19 @@ class Worker(Daemon):
         size = min(max(self.batch_size, self.concurrency), MAX_BATCH)
         while True:
             with self._lock:
-                while (wait := self._report_wait(size)) > 0 or not self._unsent:
+                while not self._apart and (
+                    (wait := self._report_wait(size)) > 0 or not self._unsent
+                ):
                     if self._unsent_closed and not self._unsent:
                         break
                     self._lock.wait(wait or 0.5)
-                if not self._unsent:
+                if self._apart:
+                    batch, self._apart = self._apart, []
+                elif not self._unsent:
                     break
-                batch = self._unsent[:size]
-                del self._unsent[:size]
+                else:
+                    batch = self._unsent[:size]
+                    del self._unsent[:size]
             try:
                 self._send_results(batch)
             except Exception:

@@ -98,3 +98,37 @@ def test_an_outcome_the_scheduler_refuses_has_no_new_state():
     http, _ = scheduler(answer)
 
     assert send_results(http, [(run(1), Report("succeeded"))]) == {}
+
+
+def test_an_item_answered_503_is_sent_again_alone_until_it_is_taken():
+    answers = iter(["down", "down", "up"])
+
+    def answer(items: list[dict]) -> httpx.Response:
+        if next(answers) == "down":
+            return httpx.Response(
+                200,
+                json={
+                    "results": [
+                        {"runId": i["runId"], "status": 503, "detail": "shards 8-15 unavailable"}
+                        if i["runId"] == "run_B"
+                        else {"runId": i["runId"], "status": 200, "state": "succeeded"}
+                        for i in items
+                    ]
+                },
+            )
+        return accepted(items)
+
+    transport, requests = scheduler(answer)
+    settled: list = []
+    batch = [
+        (LeasedRun("run_A", "j", 1, 7), Report("succeeded", 1)),
+        (LeasedRun("run_B", "j", 1, 8), Report("succeeded", 2)),
+    ]
+    states = send_results(transport, batch, settled=settled.extend)
+    assert states == {"run_A": "succeeded", "run_B": "done"}
+    assert [[item["runId"] for item in items] for items in requests] == [
+        ["run_A", "run_B"],
+        ["run_B"],
+        ["run_B"],
+    ]
+    assert [run.run_id for run, _ in settled] == ["run_A", "run_B"]  # once, at the end

@@ -14,7 +14,7 @@ from django.db import connections
 
 from apps.jobs.models import JobDefinition
 from apps.runs import leasing, shards, store
-from apps.runs.ids import parse_run_id
+from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import Attempt, Run
 from tests.conftest import Drain, Layout, assert_invariants_everywhere, stored_run
 from tests.runs.test_claim_concurrency import run_in_threads
@@ -402,3 +402,34 @@ def test_a_claim_on_a_shard_database_of_its_own_bounds_its_lock_waits(layout, te
         )  # fmt: skip
         cursor.execute("SHOW lock_timeout")
         assert (before, cursor.fetchone()[0], len(leased)) == ("0", "200ms", 2)
+
+
+def test_a_result_sent_while_its_shard_server_is_down_is_taken_once_it_is_back(
+    layout, team_a, live_server, token_a, caplog
+):
+    """The SDK's report of a run on a server that is down is answered 503 for that item; the
+    SDK sends it again, with pauses, and the restarted server takes it: the work is not lost
+    to a lease expiry (and done again) for a restart."""
+    from cronlease_client.reporting import LeasedRun, Report, send_results
+    from cronlease_client.transport import Transport
+
+    job = layout.job_on(layout.aliases[1], team_a, "back")
+    (run,) = layout.leased_runs(job, 1)
+    leased = LeasedRun(public_run_id(run.pk), job.name, 1, run.fencing_token)
+    http = Transport(live_server.url, token_a)
+    states: dict = {}
+    caplog.set_level("INFO", logger="cronlease_client")
+    with layout.down(1):
+        sending = threading.Thread(
+            target=lambda: states.update(
+                send_results(http, [(leased, Report("succeeded", {"after": "restart"}))])
+            )
+        )
+        sending.start()
+        time.sleep(0.3)  # its first answer is a 503: the server is down
+    sending.join(30)
+    http.close()
+    assert states == {leased.run_id: "succeeded"}
+    assert "result not taken yet" in caplog.text  # answered 503 first, then sent again
+    stored = Run.objects.using(layout.aliases[1]).get(pk=run.pk)
+    assert (stored.state, stored.result) == ("succeeded", {"after": "restart"})
