@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from django.db import connections
 
 from apps.runs import depth, shards
+from apps.runs.floors import OLDEST_TRANSACTION
 from apps.teams.models import Team
 
 
@@ -84,14 +85,6 @@ OWNERS = (
     "SELECT shard, CASE WHEN expires_at > now() THEN owner ELSE '' END FROM scheduler_shardlease"
 )
 NODES = "SELECT node_id, extract(epoch FROM now() - last_seen_at) FROM scheduler_schedulernode"
-# The oldest transaction any other session of this database holds open: while it lasts, vacuum
-# cannot remove the versions every claim and completion leaves behind, and claims slow down (to
-# a quarter of the rate in the 10-minute soak, bench/README.md).
-OLDEST_TRANSACTION = """
-SELECT coalesce(extract(epoch FROM now() - min(xact_start)), 0) FROM pg_stat_activity
-WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'
-"""
-
 # Every claim and completion leaves a dead version of the run (and of its attempt) behind. With
 # autovacuum off (some shared or test servers run so) nothing removes them and the claim slows
 # as they pile up: the statistics collector's count, and whether autovacuum runs at all.

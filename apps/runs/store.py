@@ -27,6 +27,7 @@ from psycopg.types.datetime import TimestamptzLoader
 from apps.runs import counters, fingerprints, logs, metrics, payloads
 from apps.runs import shards as placement
 from apps.runs.fairness import interleave_teams, slot_priorities
+from apps.runs.floors import OLDEST_TRANSACTION, floors
 from apps.runs.ids import public_run_id
 from apps.runs.logs import run_event
 from apps.runs.shards import ID_SPACE
@@ -254,12 +255,17 @@ def insert_keyed(runs: Sequence[NewRun], *, full: bool = False) -> dict[tuple[in
 # The lanes, read from the teams and queue settings of the same database (every shard on the
 # control database)…
 LANES_HERE = """
-    SELECT t.id AS team_id, q.name AS queue, p.priority, room.n AS room
+    SELECT t.id AS team_id, q.name AS queue, p.priority, room.n AS room,
+           fl.at AS floor_at, fl.id AS floor_id
     FROM teams_team t
     CROSS JOIN unnest(%(queues)s::text[]) AS q(name)
     CROSS JOIN (VALUES (0), (1), (2)) AS p(priority)
     LEFT JOIN unnest(%(room_teams)s::bigint[], %(room_queues)s::text[], %(rooms)s::int[])
          AS room(team_id, queue, n) ON room.team_id = t.id AND room.queue = q.name
+    LEFT JOIN unnest(%(floor_teams)s::bigint[], %(floor_queues)s::text[],
+                     %(floor_priorities)s::int[], %(floor_ats)s::timestamptz[],
+                     %(floor_ids)s::bigint[]) AS fl(team_id, queue, priority, at, id)
+         ON fl.team_id = t.id AND fl.queue = q.name AND fl.priority = p.priority
     WHERE (%(team_ids)s::bigint[] IS NULL OR t.id = ANY(%(team_ids)s::bigint[]))
       AND coalesce(room.n, 1) > 0
       AND NOT EXISTS (
@@ -268,14 +274,20 @@ LANES_HERE = """
 # … or, on a shard database of its own, from the control database's answer (control_lanes):
 # the teams, and the paused queues as (team, queue) pairs. Both join the room left in each
 # rate-limited queue's window (queue_rooms, taken before the claim): a lane without room is left
-# out, one with room gives at most that many candidates.
+# out, one with room gives at most that many candidates. Both join the lanes' claim floors
+# (apps/runs/floors.py: given only while another session holds an old snapshot).
 LANES_GIVEN = """
-    SELECT t.id AS team_id, q.name AS queue, p.priority, room.n AS room
+    SELECT t.id AS team_id, q.name AS queue, p.priority, room.n AS room,
+           fl.at AS floor_at, fl.id AS floor_id
     FROM unnest(%(team_ids)s::bigint[]) AS t(id)
     CROSS JOIN unnest(%(queues)s::text[]) AS q(name)
     CROSS JOIN (VALUES (0), (1), (2)) AS p(priority)
     LEFT JOIN unnest(%(room_teams)s::bigint[], %(room_queues)s::text[], %(rooms)s::int[])
          AS room(team_id, queue, n) ON room.team_id = t.id AND room.queue = q.name
+    LEFT JOIN unnest(%(floor_teams)s::bigint[], %(floor_queues)s::text[],
+                     %(floor_priorities)s::int[], %(floor_ats)s::timestamptz[],
+                     %(floor_ids)s::bigint[]) AS fl(team_id, queue, priority, at, id)
+         ON fl.team_id = t.id AND fl.queue = q.name AND fl.priority = p.priority
     WHERE coalesce(room.n, 1) > 0
       AND NOT EXISTS (
         SELECT 1 FROM unnest(%(paused_teams)s::bigint[], %(paused_queues)s::text[]) AS x(t, q)
@@ -293,7 +305,8 @@ WITH lane AS ({{lanes}}
     -- Runs of paused definitions are filtered out row by row, so a large backlog of theirs at
     -- the head of the lane is scanned past on every claim (a known cost, see the README); so
     -- are the runs inserted before their definition got a limit and not yet marked (none: the
-    -- change marks them in its transaction).
+    -- change marks them in its transaction). A lane with a floor starts past it: a bound of
+    -- the index scan (row comparison on its last two columns), not a walk.
     SELECT c.* FROM lane
     CROSS JOIN LATERAL (
         SELECT r.id, r.team_id, r.queue, r.priority, r.definition_id, NULL::int AS concurrency,
@@ -303,6 +316,8 @@ WITH lane AS ({{lanes}}
         JOIN jobs_jobdefinition d ON d.id = r.definition_id
         WHERE r.team_id = lane.team_id AND r.queue = lane.queue AND r.priority = lane.priority
           AND NOT r.limited AND r.state IN {WAITING} AND r.available_at <= now()
+          AND (r.available_at, r.id)
+              > (coalesce(lane.floor_at, '-infinity'), coalesce(lane.floor_id, 0))
           AND NOT d.paused AND d.concurrency IS NULL AND d.concurrency_per_key IS NULL
           AND d.rate_limit_count IS NULL
           AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
@@ -429,7 +444,7 @@ WITH lane AS ({{lanes}}
       AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
 ){{bounded}}
 SELECT id, team_id, queue, priority, definition_id, concurrency, per_key, concurrency_key,
-       rate_count, rate_period, (SELECT nextval('runs_claim_tick')) AS tick
+       rate_count, rate_period, available_at, (SELECT nextval('runs_claim_tick')) AS tick
 FROM candidate{{bounded_join}}
 ORDER BY priority, available_at, id
 """
@@ -828,6 +843,18 @@ _key_after: dict[int, str] = {}
 KEY_LOOKS = 8
 
 
+def _floor_params(given: dict[str, list[Any]] | None) -> dict[str, str]:
+    """The claim statement's floor arrays (empty: every lane from its head)."""
+    given = given or {"teams": [], "queues": [], "priorities": [], "ats": [], "ids": []}
+    return {
+        "floor_teams": _bigints(given["teams"]),
+        "floor_queues": array_literal(given["queues"]),
+        "floor_priorities": _bigints(given["priorities"]),
+        "floor_ats": array_literal(given["ats"]),
+        "floor_ids": _bigints(given["ids"]),
+    }
+
+
 def _without_markers(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
     """The candidates with their markers (id NULL) taken out and noted in `_key_after`, and
     whether some visit of keys stopped short (more keys left to look at)."""
@@ -875,7 +902,13 @@ def claim(
     }
     if lanes is not None:
         params.update(lanes.params())
+    alias = placement.current()
     with atomic(savepoint=False), server_cursor() as cursor:
+        if floors.due_check(alias):
+            cursor.execute(OLDEST_TRANSACTION)
+            floors.checked(alias, cursor.fetchone()[0])
+        floored = floors.active(alias)
+        params.update(_floor_params(floors.params(alias) if floored else None))
         for _ in range(KEY_LOOKS):
             after = list(_key_after.items())  # one copy: other threads' claims update it
             params["after_ids"] = _bigints(definition for definition, _ in after)
@@ -892,6 +925,8 @@ def claim(
         for (team, queue), left in (queue_room or {}).items():
             capacity[("queue", team, queue)] = left
         chosen = _choose(candidates, capacity, max_runs)
+        if floored:
+            floors.advance(alias, candidates, set(chosen))
         if not chosen:
             return []
         cursor.execute(
