@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError
 from drf_spectacular.utils import extend_schema, extend_schema_view
@@ -27,6 +28,7 @@ from apps.teams import access
 from apps.teams.models import Team
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class WorkerView(FastPathView, APIView):
@@ -327,21 +329,17 @@ class BatchHeartbeatsView(WorkerView):
         known = [(pk, item.fencingToken) for pk, item in parsed if pk is not None]
         beats = store.heartbeat(known, team_ids=self.team_ids(call)) if known else []
         outcomes = self.beaten(call, self.checked(call, beats)) if beats else []
-        by_pk = {outcome.id: outcome for outcome in outcomes}
-        answer: list[shape.HeartbeatDone | shape.ItemRefused] = []
-        for pk, item in parsed:
-            outcome = by_pk.get(pk) if pk is not None else None
-            if outcome is None or outcome.status != 200:
-                answer.append(_refused(item.runId, outcome))
-            else:
-                answer.append(
-                    shape.HeartbeatDone(
-                        runId=item.runId,
-                        status=200,
-                        leaseExpiresAt=format_utc(outcome.lease_expires_at),
-                    )
-                )
-        return shape.HeartbeatBatchAnswer(leases=answer)
+        return shape.HeartbeatBatchAnswer(
+            leases=_per_item(
+                parsed,
+                {outcome.id: outcome for outcome in outcomes},
+                lambda item, outcome: shape.HeartbeatDone(
+                    runId=item.runId,
+                    status=200,
+                    leaseExpiresAt=format_utc(outcome.lease_expires_at),
+                ),
+            )
+        )
 
 
 @extend_schema_view(
@@ -388,18 +386,27 @@ def report_results(
         + (store.fail(failed, team_ids=team_ids) if failed else []),
     ):
         by_pk[outcome.id] = outcome
-    answer: list[shape.ResultDone | shape.ItemRefused] = []
+    return _per_item(
+        parsed,
+        by_pk,
+        lambda item, outcome: shape.ResultDone(
+            runId=item.runId, status=200, state=outcome.state, availableAt=_retry_at(outcome)
+        ),
+    )
+
+
+def _per_item(
+    parsed: list[tuple[int | None, Any]],
+    by_pk: dict[int, store.Outcome],
+    done: Callable[[Any, store.Outcome], T],
+) -> list[T | shape.ItemRefused]:
+    """A batch's answer, item by item in order: `done(item, outcome)` for those that took,
+    the refusal (404, 409, 503) for the others."""
+    answer: list[T | shape.ItemRefused] = []
     for pk, item in parsed:
         outcome = by_pk.get(pk) if pk is not None else None
         if outcome is None or outcome.status != 200:
             answer.append(_refused(item.runId, outcome))
         else:
-            answer.append(
-                shape.ResultDone(
-                    runId=item.runId,
-                    status=200,
-                    state=outcome.state,
-                    availableAt=_retry_at(outcome),
-                )
-            )
+            answer.append(done(item, outcome))
     return answer

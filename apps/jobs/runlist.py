@@ -128,16 +128,20 @@ def run_page(
 def _page_ids(flt: RunFilter, now: datetime, before: int | None, limit: int) -> list[int]:
     """Up to `limit + 1` ids of the current shard database's runs, newest first."""
     definition_id = None
+    team_ids = flt.team_ids
     if flt.job:
-        definition_id = (
+        found = (
             JobDefinition.objects.filter(name=flt.job, team_id__in=flt.team_ids)
-            .values_list("pk", flat=True)
+            .values_list("pk", "team_id")
             .first()
         )
-        if definition_id is None:
+        if found is None:
             return []
+        # Its team's branches only: another team's would each read that team's runs in the
+        # state whole, finding none of the job's (1.9 s at 10 M runs over five teams).
+        definition_id, team_ids = found[0], [found[1]]
     branches = []
-    for team_id in flt.team_ids:
+    for team_id in team_ids:
         for state, clock in flt.branches:
             queryset = _branch(flt, team_id, state, clock, definition_id, now)
             if before is not None:

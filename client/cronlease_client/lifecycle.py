@@ -19,7 +19,7 @@ from typing import Any, Self
 
 from cronlease_client.errors import ApiError
 from cronlease_client.reporting import MAX_BATCH
-from cronlease_client.transport import Refusal, Transport, heartbeat_leases
+from cronlease_client.transport import Refusal, Transport, backoff_delay, heartbeat_leases
 
 logger = logging.getLogger("cronlease_client")
 
@@ -170,6 +170,17 @@ class Daemon:
         self.error = exc
         logger.error("the scheduler refused this %s (%s); stopping", self.kind, exc)
         self.shutdown.set()
+
+    def _lease_failed(self, exc: ApiError, failures: int) -> bool:
+        """After the `failures`-th lease request in a row failed: stop for good on an answer
+        that asking again will not change (False), else wait out a capped backoff (True)."""
+        if not exc.transient:
+            self._fail_fatally(exc)
+            return False
+        delay = backoff_delay(failures, base=0.5, cap=30.0)
+        logger.warning("leasing failed; retrying in %.1fs: %s", delay, exc)
+        self.shutdown.wait(delay)
+        return True
 
     # -- heartbeats -------------------------------------------------------------------------
 

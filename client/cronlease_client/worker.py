@@ -51,7 +51,6 @@ from cronlease_client.reporting import (
     result_items,
     send_results,
 )
-from cronlease_client.transport import backoff_delay
 
 logger = logging.getLogger("cronlease_client")
 
@@ -353,13 +352,9 @@ class Worker(Daemon):
                             self._send_results(carried)
                             if exc.status in (400, 413):
                                 continue
-                        if not exc.transient:
-                            self._fail_fatally(exc)
-                            return
                         failures += 1
-                        delay = backoff_delay(failures, base=0.5, cap=30.0)
-                        logger.warning("leasing failed; retrying in %.1fs: %s", delay, exc)
-                        self.shutdown.wait(delay)
+                        if not self._lease_failed(exc, failures):
+                            return
                         continue
                 failures = 0
                 if carried:

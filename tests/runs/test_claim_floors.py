@@ -62,6 +62,19 @@ def lease_and_finish(team, count: int) -> None:
         store.complete([(x.id, x.fencing_token, None) for x in leases], team_ids=[team.pk])
 
 
+def made_older() -> int:
+    """The newest waiting run, made claimable with an availableAt an hour back, older than any
+    floor (as a catch-up run is); its id."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE runs_run SET available_at = %s WHERE id = ("
+            " SELECT id FROM runs_run WHERE state = 'scheduled' ORDER BY available_at DESC"
+            " LIMIT 1) RETURNING id",
+            [db_now() - timedelta(hours=1)],
+        )
+        return cursor.fetchone()[0]
+
+
 def test_with_an_old_snapshot_a_claim_starts_past_the_runs_claimed_before(team_a, old_snapshot):
     add_ready_runs(make_definition(team_a, "floor.job", queue="q"), 1100)
     lease_and_finish(team_a, 1000)  # their entries stay in run_claimable: vacuum cannot drop them
@@ -85,15 +98,7 @@ def test_a_run_left_behind_a_floor_is_claimed_within_its_lifetime(team_a, old_sn
     definition = make_definition(team_a, "floor.job", queue="q")
     add_ready_runs(definition, 200)
     lease_and_finish(team_a, 100)  # a floor now stands after the first 100
-    # A run that becomes claimable with an older availableAt than the floor (a catch-up run).
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE runs_run SET available_at = %s WHERE id = ("
-            " SELECT id FROM runs_run WHERE state = 'scheduled' ORDER BY available_at DESC"
-            " LIMIT 1) RETURNING id",
-            [db_now() - timedelta(hours=1)],
-        )
-        (behind,) = cursor.fetchone()
+    behind = made_older()
     started = time.monotonic()
     leases = claim(team_a, 10)
     assert behind not in [lease.id for lease in leases]  # the floor passed it by
@@ -108,14 +113,7 @@ def test_without_an_old_snapshot_no_run_waits_behind_a_floor(team_a):
     definition = make_definition(team_a, "floor.job", queue="q")
     add_ready_runs(definition, 200)
     lease_and_finish(team_a, 100)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE runs_run SET available_at = %s WHERE id = ("
-            " SELECT id FROM runs_run WHERE state = 'scheduled' ORDER BY available_at DESC"
-            " LIMIT 1) RETURNING id",
-            [db_now() - timedelta(hours=1)],
-        )
-        (behind,) = cursor.fetchone()
+    behind = made_older()
     (first,) = claim(team_a, 1)
     assert first.id == behind  # the oldest, at once
     assert not floors.active("default")

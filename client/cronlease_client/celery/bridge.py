@@ -280,13 +280,9 @@ class Bridge(Daemon):
                 try:
                     self.lease_once()
                 except ApiError as exc:
-                    if not exc.transient:
-                        self._fail_fatally(exc)
-                        return
                     failures += 1
-                    delay = backoff_delay(failures, base=0.5, cap=30.0)
-                    logger.warning("leasing failed; retrying in %.1fs: %s", delay, exc)
-                    self.shutdown.wait(delay)
+                    if not self._lease_failed(exc, failures):
+                        return
                 except PublishFailed as exc:
                     failures += 1
                     delay = backoff_delay(failures, base=0.5, cap=30.0)
