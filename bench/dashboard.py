@@ -93,14 +93,38 @@ JOIN jobs_jobdefinition d ON d.id = defs.ids[1 + g %% array_length(defs.ids, 1)]
 CROSS JOIN LATERAL (SELECT now() - make_interval(secs => g * 86000.0 / %(n)s) AS due) AS t
 CROSS JOIN LATERAL (
     SELECT state, state NOT IN ('scheduled', 'ready', 'cancelled') AS started
-    FROM (SELECT CASE WHEN p < 70 THEN 'succeeded' WHEN p < 78 THEN 'dead'
-                      WHEN p < 83 THEN 'retrying' WHEN p < 88 THEN 'scheduled'
-                      WHEN p < 93 THEN 'ready' WHEN p < 95 THEN 'leased'
+    FROM (SELECT CASE WHEN p < %(succeeded)s THEN 'succeeded' WHEN p < %(dead)s THEN 'dead'
+                      WHEN p < %(retrying)s THEN 'retrying' WHEN p < %(scheduled)s THEN 'scheduled'
+                      WHEN p < %(ready)s THEN 'ready' WHEN p < %(leased)s THEN 'leased'
                       ELSE 'cancelled' END AS state
-          -- g / definitions, so that every definition gets runs in every state
-          FROM (SELECT (g / array_length(defs.ids, 1)) %% 100 AS p) AS percent) AS picked
+          -- g / definitions, so that every definition gets runs in every state: its runs go
+          -- through the shares every %(cycle)s runs
+          FROM (SELECT ((g / array_length(defs.ids, 1)) %% %(cycle)s) * 10000 / %(cycle)s AS p)
+               AS share) AS picked
 ) AS s
 """
+
+# Each state's share of the runs, in hundredths of a percent (the docstring's: a busy day with
+# a large backlog and many failures, the dashboard's hard case).
+SHARES = {
+    "succeeded": 7000, "dead": 800, "retrying": 500, "scheduled": 500, "ready": 500,
+    "leased": 200, "cancelled": 500,
+}  # fmt: skip
+
+
+def share_cuts(shares: dict[str, int], runs: int) -> dict[str, int]:
+    """INSERT_RUNS's parameters: each state's upper bound of `p` (0-9999), in its order, and
+    the cycle of a definition's runs through them (100 for whole percents, as this benchmark's
+    data has always been; finer shares need as many runs per definition as there are)."""
+    assert sum(shares.values()) == 10_000, shares
+    whole = all(share % 100 == 0 for share in shares.values())
+    per_definition = runs // (TEAMS * DEFINITIONS_PER_TEAM)
+    cuts, total = {"cycle": 100 if whole else max(100, min(10_000, per_definition))}, 0
+    for state in ("succeeded", "dead", "retrying", "scheduled", "ready", "leased"):
+        total += shares[state]
+        cuts[state] = total
+    return cuts
+
 
 # The errors of failed runs, in turn: a few groups, as an incident's failures look; each
 # message differs per run (its `%s` is the run's number), its group does not.
@@ -147,7 +171,7 @@ CROSS JOIN (SELECT array_agg(id ORDER BY id) AS ids FROM teams_team) AS t
 """
 
 
-def load(runs: int) -> None:
+def load(runs: int, shares: dict[str, int] = SHARES) -> None:
     from django.contrib.auth import get_user_model
     from django.db import connection
 
@@ -183,7 +207,7 @@ def load(runs: int) -> None:
         for j in range(DEFINITIONS_PER_TEAM)
     )
     with connection.cursor() as cursor:
-        cursor.execute(INSERT_RUNS, {"n": runs, **failure_params()})
+        cursor.execute(INSERT_RUNS, {"n": runs, **failure_params(), **share_cuts(shares, runs)})
         cursor.execute(INSERT_ATTEMPTS)
         # The per-minute counters the claim and completion statements would have written.
         cursor.execute(counters.REBUILD, {"hours": counters.KEEP_HOURS})
