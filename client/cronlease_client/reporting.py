@@ -263,9 +263,7 @@ def send_results(
         if settled is not None:
             settled(batch)
         return {}
-    states, again = read_answers(
-        batch, answer.get("results", []), retrying=unavailable_retries > 0
-    )
+    states, again = read_answers(batch, answer.get("results", []), retrying=unavailable_retries > 0)
     if again:
         tried = UNAVAILABLE_RETRIES - unavailable_retries + 1
         if not http.cancel.wait(backoff_delay(tried, base=0.5, cap=8.0)):
