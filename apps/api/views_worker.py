@@ -6,7 +6,6 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from django.db import InterfaceError, OperationalError
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
@@ -20,7 +19,7 @@ from apps.api.renderers import Rendered, render_json
 from apps.api.shapes import M, body_size, parse
 from apps.api.shapes import worker as shape
 from apps.audit.record import Actor, record_denied
-from apps.runs import activity, leasing, limits, shards, store
+from apps.runs import activity, leasing, limits, store
 from apps.runs.clock import format_utc
 from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import PRIORITY_NAMES
@@ -147,10 +146,11 @@ class LeasesView(WorkerView):
             return leasing.claim_or_wait(
                 request, lambda leases: render_leases(leases, results), gone=gone
             )
-        except (OperationalError, InterfaceError, shards.Unavailable):
+        except Exception:
             # The results are committed: they are answered (a 5xx would have the worker send
-            # them again); the claim's failure leases nothing, and the next request meets it.
-            logger.warning("claim failed after the results were applied", exc_info=True)
+            # them again). The claim, whatever failed it (its database, an answer that could
+            # not be built), rolled back and leases nothing; the next request meets the fault.
+            logger.exception("claim failed after the results were applied")
             return render_leases([], results)
 
 

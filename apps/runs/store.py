@@ -843,9 +843,18 @@ _key_after: dict[int, str] = {}
 KEY_LOOKS = 8
 
 
-def _floor_params(given: dict[str, list[Any]] | None) -> dict[str, str]:
-    """The claim statement's floor arrays (empty: every lane from its head)."""
-    given = given or {"teams": [], "queues": [], "priorities": [], "ats": [], "ids": []}
+# No floors (no old snapshot held, the usual case): every lane from its head, built once.
+NO_FLOORS = {
+    "floor_teams": "{}",
+    "floor_queues": "{}",
+    "floor_priorities": "{}",
+    "floor_ats": "{}",
+    "floor_ids": "{}",
+}
+
+
+def _floor_params(given: dict[str, list[Any]]) -> dict[str, str]:
+    """The claim statement's floor arrays."""
     return {
         "floor_teams": _bigints(given["teams"]),
         "floor_queues": array_literal(given["queues"]),
@@ -908,7 +917,7 @@ def claim(
             cursor.execute(OLDEST_TRANSACTION)
             floors.checked(alias, cursor.fetchone()[0])
         floored = floors.active(alias)
-        params.update(_floor_params(floors.params(alias) if floored else None))
+        params.update(_floor_params(floors.params(alias)) if floored else NO_FLOORS)
         for _ in range(KEY_LOOKS):
             after = list(_key_after.items())  # one copy: other threads' claims update it
             params["after_ids"] = _bigints(definition for definition, _ in after)

@@ -178,3 +178,27 @@ def test_a_lease_request_without_results_answers_as_before(api_a, team_a):
     answer = api_a.post("/api/v1/leases", {"queues": ["q"], "max": 1, "workerId": "w"})
     assert answer.status_code == 200
     assert set(answer.json()) == {"leases"}
+
+
+def test_a_claim_that_fails_after_the_results_committed_still_answers_them(
+    api_a, team_a, monkeypatch
+):
+    """The results are committed before the claim: an answer that cannot be built (a lease that
+    cannot be rendered) rolls the claim back, and the request answers the results, no leases,
+    never a 5xx that would have the worker send them again."""
+    from apps.api import views_worker
+
+    definition = make_definition(team_a, "jobs.render", queue="q")
+    add_ready_runs(definition, 3)
+    (held,) = api_a.lease(["q"], 1)
+
+    def lease_json_that_breaks(lease):
+        raise RuntimeError("cannot render this lease")
+
+    monkeypatch.setattr(views_worker, "lease_json", lease_json_that_breaks)
+    answer = _lease(api_a, [_succeeded(held)], max_runs=2)
+    assert answer.status_code == 200, answer.text
+    assert [item["status"] for item in answer.json()["results"]] == [200]
+    assert answer.json()["leases"] == []
+    states = sorted(run.state for run in stored(Run))
+    assert states.count("succeeded") == 1 and "leased" not in states  # the claim rolled back
