@@ -237,15 +237,16 @@ def _definitions(
     A name not found is looked for again when the shard map, read afresh, puts it elsewhere:
     its shard has just moved (`manage.py moveshard`), and this process's map is up to a second
     old."""
-    found, down = _definitions_on_map(names)
+    found, down, looked_in = _definitions_on_map(names)
     missing = names - found.keys() - down.keys()
     if missing and again and shards.physical():
-        before = {name: shards.alias_of_shard(shard_for(name)) for name in missing}
+        # Against the database each name was looked for in: another thread may have read
+        # the new map between that lookup and this refresh.
         shards.refresh(force=True)
         moved = {
             name
             for name in missing
-            if shards.alias_of_shard(shard_for(name)) != before[name]
+            if shards.alias_of_shard(shard_for(name)) != looked_in[name]
             or shard_for(name) in shards.moving()
         }
         if moved:
@@ -255,7 +256,11 @@ def _definitions(
     return found, down
 
 
-def _definitions_on_map(names: set[str]) -> tuple[dict[str, JobDefinition], dict[str, str]]:
+def _definitions_on_map(
+    names: set[str],
+) -> tuple[dict[str, JobDefinition], dict[str, str], dict[str, str]]:
+    """The definitions found, the names whose database is down or shard moving (with what to
+    tell), and the database each other name was looked for in."""
     groups: dict[str, set[str]] = {}
     found: dict[str, JobDefinition] = {}
     down: dict[str, str] = {}
@@ -276,7 +281,8 @@ def _definitions_on_map(names: set[str]) -> tuple[dict[str, JobDefinition], dict
                 .filter(name__in=part)
             )
             found.update((d.name, d) for d in shards.with_teams(query))
-    return found, down
+    looked_in = {name: alias for alias, part in groups.items() for name in part}
+    return found, down, looked_in
 
 
 def _by_database(
