@@ -42,7 +42,9 @@ def config_from_url(
         # min_size is kept open; a request waits up to `timeout` for a connection beyond it.
         options["pool"] = {"min_size": min(2, pool_size), "max_size": pool_size, "timeout": 10}
     return {
-        "ENGINE": "django.db.backends.postgresql",
+        # Django's backend, with pooled connections checked by the backend rather than by the
+        # pool (scheduler_site/postgresql/base.py).
+        "ENGINE": "scheduler_site.postgresql" if pool_size else "django.db.backends.postgresql",
         "NAME": unquote(parsed.path.lstrip("/")) or "postgres",
         "USER": unquote(parsed.username or ""),
         "PASSWORD": unquote(parsed.password or ""),
@@ -50,8 +52,9 @@ def config_from_url(
         "PORT": str(parsed.port or ""),
         # A pooled connection goes back to the pool at the end of each request (age 0).
         "CONN_MAX_AGE": 0 if pool_size else 60,
-        # Checked before use: a connection PostgreSQL has dropped is replaced, not handed out.
-        "CONN_HEALTH_CHECKS": True,
+        # Checked before use: a connection PostgreSQL has dropped is replaced, not handed out
+        # (pooled ones by the backend itself, not by the pool: see its module).
+        "CONN_HEALTH_CHECKS": not pool_size,
         "OPTIONS": options,
         # Parallel test sessions on one server each name their own test database.
         "TEST": {"NAME": os.environ.get("TEST_DATABASE_NAME") or None},

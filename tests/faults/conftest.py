@@ -212,6 +212,10 @@ class Harness:
         with shards.using(shards.alias_of_shard(definition.shard)):
             return insert_runs(runs)
 
+    def database_of(self, definition: JobDefinition) -> str:
+        """The URL of the database that holds this definition and its runs."""
+        return child_database_url(shards.alias_of_shard(definition.shard))
+
     # -- processes -------------------------------------------------------------------------
 
     def start(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql as pg_sql
 
 from tests.waiting import wait_for  # noqa: F401 - shared by this package's tests
 
@@ -77,11 +78,15 @@ class Db:
 
     @contextmanager
     def holding(
-        self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None
+        self,
+        sql: str,
+        params: Sequence[Any] | dict[str, Any] | None = None,
+        *,
+        url: str | None = None,
     ) -> Iterator[psycopg.Connection]:
-        """Run `sql` in a transaction on a second connection and keep it open (its locks held)
-        until the block ends, then roll it back."""
-        with psycopg.connect(self.url, application_name="faults:holder") as holder:
+        """Run `sql` in a transaction on a second connection (to `url`, by default the control
+        database) and keep it open (its locks held) until the block ends, then roll it back."""
+        with psycopg.connect(url or self.url, application_name="faults:holder") as holder:
             holder.execute(sql, params)
             try:
                 yield holder
@@ -109,12 +114,70 @@ class Db:
         )
 
     def terminate(self, pids: Sequence[int]) -> None:
-        for pid in pids:
-            self.scalar("SELECT pg_terminate_backend(%s)", [pid])
+        """Terminate these backends, on whichever server each is (the servers share this
+        machine, so a pid names one backend of one of them)."""
+        for conn in self.conns:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid = ANY(%s)",
+                [list(pids)],
+            )
+
+    @contextmanager
+    def terminating_first_waiter(
+        self, application_name: str, *, url: str | None = None, timeout: float = 15
+    ) -> Iterator[None]:
+        """Within the block, terminate the first backend of `application_name` on the database
+        at `url` (the control database by default) that waits for a lock, the moment it does;
+        at the end, assert that one was terminated.
+
+        The watch runs in the server (a loop polling pg_stat_activity every 2 ms) rather than
+        from here: a claim on a shard database of its own waits at most 200 ms for a lock
+        (store.CLAIM_LOCK_WAIT) before it gives up, too short a window to hit from a poll
+        across a busy machine."""
+        watch = pg_sql.SQL(WATCH_AND_TERMINATE).format(
+            name=pg_sql.Literal(application_name), seconds=pg_sql.Literal(timeout)
+        )
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                with psycopg.connect(url or self.url, autocommit=True) as conn:
+                    conn.execute(watch)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the block
+                failure.append(exc)
+
+        watcher = threading.Thread(target=run, daemon=True)
+        watcher.start()
+        yield
+        watcher.join(timeout + 5)
+        assert not watcher.is_alive() and not failure, failure or "the watch did not end"
 
     def close(self) -> None:
         for conn in self.conns:
             conn.close()
+
+
+# A DO block (its parameters are written in): pg_stat_clear_snapshot makes each pass read
+# pg_stat_activity afresh rather than the transaction's first snapshot.
+WATCH_AND_TERMINATE = """
+DO $$
+DECLARE
+    deadline timestamptz := clock_timestamp() + make_interval(secs => {seconds});
+BEGIN
+    LOOP
+        PERFORM pg_stat_clear_snapshot();
+        PERFORM pg_terminate_backend(pid) FROM pg_stat_activity
+        WHERE datname = current_database() AND application_name = {name}
+          AND wait_event_type = 'Lock';
+        EXIT WHEN FOUND;
+        IF clock_timestamp() > deadline THEN
+            RAISE EXCEPTION 'no backend of % waited for a lock', {name};
+        END IF;
+        PERFORM pg_sleep(0.002);
+    END LOOP;
+END
+$$
+"""
 
 
 # The exact check behind "every concurrency limit held at every instant": a deferred trigger
