@@ -1,6 +1,10 @@
 """PostgreSQL restarted under load: API server, reaper and workers run against a server of the
 test's own (the `pgserver` package's binaries), which the test stops (`pg_ctl stop -m fast`:
 every connection dies), keeps down for half a second, and starts again, mid-load.
+
+Both layouts. With shards on servers of their own, the test starts two servers: the restarted
+one holds the control database and shards 0-7, the other shards 8-15, and the load is runs of
+a job on each. (A shard server killed outright while workers drain: tests/shards.)
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from apps.runs import store
+from apps.jobs.schedule import shard_for
+from apps.runs import shards, store
 from apps.teams.models import TOKEN_PREFIX, hash_token
+from scheduler_site import shardmap
+from tests.faults.handlers import WORK_JOBS
 from tests.faults.helpers import (
     Db,
     LeaseSampler,
@@ -31,14 +38,19 @@ from tests.faults.helpers import (
     wait_http_ok,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.shards,
+    pytest.mark.django_db(transaction=True, databases="__all__"),
+]
 
 RUNS = 40
 LIMIT = 3
 
 
 def insert_runs(db: Db, definition_id: int, count: int) -> list[int]:
-    """Insert `count` runs claimable now, with the product's own INSERT statement."""
+    """Insert `count` runs claimable now, with the product's own INSERT statement (on every
+    database of `db`: it inserts only where the definition is)."""
     now = db.scalar("SELECT now()")
     rows = [
         {
@@ -46,7 +58,7 @@ def insert_runs(db: Db, definition_id: int, count: int) -> list[int]:
             "trigger": "api",
             "due_at": (now - timedelta(seconds=1, milliseconds=-i)).isoformat(),
             "available_at": (now - timedelta(seconds=1, milliseconds=-i)).isoformat(),
-            "idempotency_key": f"restart-{i}",
+            "idempotency_key": f"restart-{definition_id}-{i}",
             "own": False,
             "payload": None,
             "payload_key": "",
@@ -75,14 +87,27 @@ def create_team_token(db: Db) -> str:
     return raw
 
 
+def job_names() -> list[str]:
+    """The jobs of the load: one; with shards on servers of their own, one on each server
+    (shards 0-7 and 8-15: `shardmap.spread` over two), both run by the `work` handler."""
+    if not shards.physical():
+        return ["faults.work"]
+    on_restarted = next(name for name in WORK_JOBS if shard_for(name) < 8)
+    return [on_restarted, next(name for name in WORK_JOBS if shard_for(name) >= 8)]
+
+
 def test_a_postgres_restart_mid_load_loses_and_doubles_no_run(harness):
     h = harness
     root = Path(tempfile.mkdtemp(prefix="faults-pg-"))
     pg = OwnPostgres(root)
+    other = OwnPostgres(Path(tempfile.mkdtemp(prefix="faults-pg-"))) if shards.physical() else None
+    others = [other.url] if other else []
     sampler: LeaseSampler | None = None
     db: Db | None = None
     try:
-        env = process_env(pg.url, root / "data")
+        # The map is this test's own (the session's names the suite's servers).
+        shard_map = shardmap.spread(16, [pg.url, *others]) if other else ""
+        env = process_env(pg.url, root / "data", SCHEDULER_SHARD_DATABASES=shard_map)
         # The API server starts while the schema is migrated (it needs it only to answer).
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -97,33 +122,39 @@ def test_a_postgres_restart_mid_load_loses_and_doubles_no_run(harness):
             base_env=env,
             SCHEDULER_APPLICATION_NAME="faults:reaper",
         )
-        db = Db(pg.url)
+        control = Db(pg.url)
+        token = create_team_token(control)
+        control.close()
+        db = Db(pg.url, others=others)
         install_peak_recorder(db)
-        token = create_team_token(db)
         # The workers start now and wait for work (their start-up overlaps the rest).
-        sampler = LeaseSampler(pg.url).start()
+        sampler = LeaseSampler([pg.url, *others]).start()
         workers = [
             h.worker(f"restart-{i}", "restart", concurrency=2, lease=3, url=url, token=token)
             for i in range(2)
         ]
         wait_http_ok(f"{url}/readyz", api)
+        names = job_names()
         with h.http(token, url) as http:
-            created = http.put(
-                "/api/v1/jobs/faults.work",
-                json={
-                    "name": "faults.work",
-                    "schedule": {},
-                    "queue": "restart",
-                    "timeoutSeconds": 60,
-                    "retry": {"maxAttempts": 5, "baseSeconds": 0, "maxSeconds": 0},
-                    "concurrency": LIMIT,
-                    "payload": {"seconds": 0.2},
-                },
-            )
-            assert created.status_code in (200, 201), created.text
-        definition_id = db.scalar("SELECT id FROM jobs_jobdefinition WHERE name = 'faults.work'")
-        ids = insert_runs(db, definition_id, RUNS)
-        assert len(ids) == RUNS
+            for name in names:
+                created = http.put(
+                    f"/api/v1/jobs/{name}",
+                    json={
+                        "name": name,
+                        "schedule": {},
+                        "queue": "restart",
+                        "timeoutSeconds": 60,
+                        "retry": {"maxAttempts": 5, "baseSeconds": 0, "maxSeconds": 0},
+                        "concurrency": LIMIT,
+                        "payload": {"seconds": 0.2},
+                    },
+                )
+                assert created.status_code in (200, 201), created.text
+        definition_ids = [
+            db.scalar("SELECT id FROM jobs_jobdefinition WHERE name = %s", [name]) for name in names
+        ]
+        for definition_id in definition_ids:
+            assert len(insert_runs(db, definition_id, RUNS // len(names))) == RUNS // len(names)
 
         def succeeded() -> int:
             return db.scalar("SELECT count(*) FROM runs_run WHERE state = 'succeeded'")
@@ -140,7 +171,7 @@ def test_a_postgres_restart_mid_load_loses_and_doubles_no_run(harness):
         pg.stop()
         time.sleep(0.5)
         pg.start()
-        db = Db(pg.url)
+        db = Db(pg.url, others=others)
         assert succeeded() < RUNS
 
         wait_for(lambda: succeeded() == RUNS, 90, "every run to succeed after the restart")
@@ -167,7 +198,7 @@ def test_a_postgres_restart_mid_load_loses_and_doubles_no_run(harness):
         sampler.stop()
         assert sampler.failures > 0  # it did see the database go away
         peaks = check_invariants(db, sampler)
-        assert peaks[definition_id] <= LIMIT
+        assert all(peaks[definition_id] <= LIMIT for definition_id in definition_ids)
     finally:
         if sampler is not None:
             sampler.stop()
@@ -176,3 +207,5 @@ def test_a_postgres_restart_mid_load_loses_and_doubles_no_run(harness):
         if db is not None:
             db.close()
         pg.close()
+        if other is not None:
+            other.close()

@@ -13,7 +13,11 @@ import pytest
 from apps.runs.ids import public_run_id
 from tests.faults.helpers import Proc, all_in, attempts_of, runs, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases="__all__")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.shards,
+    pytest.mark.django_db(transaction=True, databases="__all__"),
+]
 
 # The first attempt of these runs outlives any test; later attempts are quick.
 LONG_FIRST = {"seconds": 0.2, "firstAttemptSeconds": 60}
