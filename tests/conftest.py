@@ -89,6 +89,16 @@ def _fresh_token_cache() -> Iterator[None]:
     forget_cached_tokens()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_control_state() -> None:
+    """Claims keep the control database's teams, paused and rate-limited queues for a second
+    (apps/runs/leasing.py `control_state`); each test starts without that memory, as a new
+    process would, since tests write those rows straight through the ORM."""
+    from apps.runs.leasing import control_state
+
+    control_state.forget()
+
+
 @pytest.fixture
 def team_a(db) -> Team:
     return Team.objects.create(slug="team-a", name="Team A")

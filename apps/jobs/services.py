@@ -243,7 +243,7 @@ def set_queue_settings(
     """Set a queue's rate limit (None: no limit) and, when given, its pause; audited once.
 
     A new limit holds at once in this process and within a second in every other
-    (apps/runs/leasing.py, QUEUE_LIMITS_SECONDS); the starts already in the window count."""
+    (apps/runs/leasing.py, CONTROL_STATE_SECONDS); the starts already in the window count."""
     with transaction.atomic():
         queue, _ = Queue.objects.select_for_update().get_or_create(team=team, name=queue_name)
         before = queue_settings(queue)
@@ -266,7 +266,7 @@ def set_queue_settings(
             )
             if before["paused"] and not queue.paused:
                 notify_ready([queue_name])
-            transaction.on_commit(leasing.queue_limits.forget)
+            transaction.on_commit(leasing.control_state.forget)
     return queue
 
 
@@ -285,6 +285,8 @@ def set_queue_paused(team, queue_name: str, paused: bool, actor: Actor) -> Queue
                 before={"paused": not paused},
                 after={"paused": paused},
             )
+            # Held at once by this process's claims, within a second by every other's.
+            transaction.on_commit(leasing.control_state.forget)
             if not paused:
                 notify_ready([queue_name])
     return queue

@@ -31,9 +31,11 @@ logger = logging.getLogger(__name__)
 # A waiting lease call claims again at least this often: a freed concurrency slot sends no
 # NOTIFY (that would be one per completion), nor does a NOTIFY lost with a dropped connection.
 RECHECK_SECONDS = 2.0
-# How stale a process's list of rate-limited queues may be: a queue given a rate limit is held
-# to it by every web process within this time (at once by the process that set it).
-QUEUE_LIMITS_SECONDS = 1.0
+# How stale a process's copy of the control database's state for claims may be (the
+# rate-limited queues; with shards on databases of their own, the teams and the paused queues
+# too): a change is held by every web process within this time (at once by the process that
+# made it).
+CONTROL_STATE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -52,31 +54,62 @@ class _WorkerGone(Exception):
     """Raised inside the claim's transaction to roll it back."""
 
 
-class _QueueLimits:
-    """The rate-limited queues, read again from the control database once they are older than
-    QUEUE_LIMITS_SECONDS: one statement a second per process, not one per lease request."""
+class _ControlState:
+    """What a claim reads from the control database and rarely changes, read again once older
+    than CONTROL_STATE_SECONDS: a statement or two a second per process, not one per lease
+    request.
+
+    - The rate-limited queues (both layouts).
+    - With shards on databases of their own, the teams and the paused queues, which a claim on
+      one database finds by joining its own tables. Read per request, they were a round trip
+      to the control database before every claim: the store layer on three databases ran at
+      0.80-0.85 of one database, 0.90 with them read once a second (bench/README.md, "Shards").
+    """
 
     def __init__(self) -> None:
         self._read_at = float("-inf")
-        self._queues: list[store.LimitedQueue] = []
+        self._limited: list[store.LimitedQueue] = []
+        self._teams: list[int] = []
+        self._paused: frozenset[tuple[int, str]] = frozenset()
 
     def forget(self) -> None:
-        """Read them again on the next request (a queue's limit changed in this process)."""
+        """Read it again on the next request (a queue's limit or pause changed in this
+        process)."""
         self._read_at = float("-inf")
 
-    def asked(self, request: LeaseRequest) -> list[store.LimitedQueue]:
-        if time.monotonic() - self._read_at > QUEUE_LIMITS_SECONDS:
-            self._queues = store.limited_queues()
-            self._read_at = time.monotonic()
+    def _fresh(self) -> None:
+        if time.monotonic() - self._read_at <= CONTROL_STATE_SECONDS:
+            return
+        self._limited = store.limited_queues()
+        if shards.physical():
+            teams, paused = store.control_lanes()
+            self._teams, self._paused = teams, frozenset(paused)
+        self._read_at = time.monotonic()
+
+    def limited(self, request: LeaseRequest) -> list[store.LimitedQueue]:
+        """The rate-limited queues among those the request asks for."""
+        self._fresh()
         return [
             queue
-            for queue in self._queues
+            for queue in self._limited
             if queue.name in request.queues
             and (request.team_ids is None or queue.team_id in request.team_ids)
         ]
 
+    def lanes(self, request: LeaseRequest) -> store.Lanes:
+        """The request's teams and their paused queues among those it asks for."""
+        self._fresh()
+        team_ids = list(self._teams if request.team_ids is None else request.team_ids)
+        wanted = set(team_ids)
+        paused = [
+            (team, queue)
+            for team, queue in self._paused
+            if team in wanted and queue in request.queues
+        ]
+        return store.Lanes(team_ids, paused)
 
-queue_limits = _QueueLimits()
+
+control_state = _ControlState()
 
 
 def claim_or_wait(
@@ -102,7 +135,7 @@ def claim_or_wait(
             # A dead worker's long poll must not lease it runs that nobody would run.
             return render([])
         seen = listener.generation
-        lanes = store.control_lanes(request.queues, request.team_ids) if shards.physical() else None
+        lanes = control_state.lanes(request) if shards.physical() else None
         held = _Held()
         try:
             leases = _claim_everywhere(request, lanes, held)
@@ -198,7 +231,7 @@ def _queue_rooms(request: LeaseRequest, held: _Held) -> dict[tuple[int, str], tu
     the starts and commits first: store.py, "Before the claim"). With shards on databases of
     their own, a lock not granted within the claims' lock timeout leaves those queues out of
     this request."""
-    asked = queue_limits.asked(request)
+    asked = control_state.limited(request)
     if not asked:
         return {}
     stack = ExitStack()

@@ -479,13 +479,10 @@ class Lanes:
 
 
 # The control database's part of a claim with shards on databases of their own: the teams
-# (served by the primary key) and their paused queues among those asked (by the unique
-# (team_id, name) index).
+# (served by the primary key) and the paused queues (a sequential scan of the queue rows: a few
+# per team, read once a second per process, apps/runs/leasing.py `control_state`).
 CONTROL_TEAMS = "SELECT id FROM teams_team ORDER BY id"
-CONTROL_PAUSED = """
-SELECT team_id, name FROM jobs_queue
-WHERE paused AND team_id = ANY(%(team_ids)s::bigint[]) AND name = ANY(%(queues)s::text[])
-"""
+CONTROL_PAUSED = "SELECT team_id, name FROM jobs_queue WHERE paused"
 
 
 # A claim on one shard database holds its row locks (the leased runs, a minute-counter row)
@@ -504,15 +501,13 @@ def limit_lock_waits() -> None:
         cursor.execute(CLAIM_LOCK_TIMEOUT)
 
 
-def control_lanes(queues: Sequence[str], team_ids: Sequence[int] | None) -> Lanes:
+def control_lanes() -> tuple[list[int], list[tuple[int, str]]]:
+    """Every team's id, and every paused queue as (team, queue), from the control database."""
     with placement.using(placement.CONTROL), server_cursor() as cursor:
-        if team_ids is None:
-            cursor.execute(CONTROL_TEAMS)
-            team_ids = [row[0] for row in cursor.fetchall()]
-        cursor.execute(
-            CONTROL_PAUSED, {"team_ids": _bigints(team_ids), "queues": array_literal(queues)}
-        )
-        return Lanes(list(team_ids), [tuple(row) for row in cursor.fetchall()])
+        cursor.execute(CONTROL_TEAMS)
+        team_ids = [row[0] for row in cursor.fetchall()]
+        cursor.execute(CONTROL_PAUSED)
+        return team_ids, [tuple(row) for row in cursor.fetchall()]
 
 
 # Before the claim, only when a rate-limited queue is asked: its room. A queue's row and its starts
@@ -894,8 +889,9 @@ def claim(
     queue_room: dict[tuple[int, str], int] | None = None,
 ) -> list[Lease]:
     """Lease up to `max_runs` claimable runs of the given queues (and jobs), in one transaction
-    on the current shard database; on one of its own, `lanes` from `control_lanes`. At most
-    `queue_room[(team, queue)]` of a rate-limited queue (from `queue_rooms`).
+    on the current shard database; on one of its own, `lanes` from the control database
+    (apps/runs/leasing.py `control_state`). At most `queue_room[(team, queue)]` of a
+    rate-limited queue (from `queue_rooms`).
 
     Called inside a transaction (apps/runs/leasing.py builds the answer in it), the claim joins
     it without a savepoint, which would cost two more round trips per claim."""

@@ -183,7 +183,7 @@ def test_a_queue_rate_limit_holds_for_its_jobs_together_across_databases(team_a,
     all of its jobs at once, whichever shard database holds them (with shards on servers of
     their own, the window lives in the control database), and the free queue is drained."""
     Queue.objects.create(team=team_a, name="bulk", rate_limit_count=9, rate_limit_period_seconds=2)
-    leasing.queue_limits.forget()
+    leasing.control_state.forget()
     limited = [
         make_definition(team_a, name, queue="bulk") for name in names_on_every_database("bulk", 2)
     ]

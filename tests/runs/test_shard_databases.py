@@ -12,11 +12,13 @@ import httpx
 import pytest
 from django.db import connections
 
-from apps.jobs.models import JobDefinition
+from apps.audit.record import Actor
+from apps.jobs import services
+from apps.jobs.models import JobDefinition, Queue
 from apps.runs import leasing, shards, store
 from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import Attempt, Run
-from tests.conftest import Drain, Layout, assert_invariants_everywhere, stored_run
+from tests.conftest import Drain, Layout, assert_invariants_everywhere, claim, stored_run
 from tests.runs.test_claim_concurrency import run_in_threads
 
 pytestmark = [
@@ -386,13 +388,40 @@ def test_killing_one_shard_server_while_eight_workers_drain_confines_the_loss(la
     assert_invariants_everywhere()
 
 
+def test_a_paused_queue_holds_at_once_in_the_process_that_paused_it_and_within_a_second_elsewhere(
+    layout, team_a
+):
+    """With shards on databases of their own, a claim knows the paused queues from a copy of
+    the control database's, read once a second: a pause made through this process holds for its
+    next claim; one made by another process (here: straight in the control database) within
+    CONTROL_STATE_SECONDS."""
+    job = layout.job_on(layout.aliases[0], team_a, "held")
+    layout.new_runs(job, 4, "h")
+    oscar = Actor(label="oscar", source="dashboard")
+
+    def one() -> list[store.Lease]:
+        return claim(queues=[job.queue], max_runs=1, worker_id="w", team_ids=[team_a.pk])
+
+    assert len(one()) == 1  # the copy is read
+    services.set_queue_paused(team_a, job.queue, True, oscar)
+    assert one() == []
+    services.set_queue_paused(team_a, job.queue, False, oscar)
+    assert len(one()) == 1
+    Queue.objects.filter(team=team_a, name=job.queue).update(paused=True)
+    time.sleep(leasing.CONTROL_STATE_SECONDS + 0.1)
+    assert one() == []
+    Queue.objects.filter(team=team_a, name=job.queue).update(paused=False)
+    time.sleep(leasing.CONTROL_STATE_SECONDS + 0.1)
+    assert len(one()) == 1
+
+
 def test_a_claim_on_a_shard_database_of_its_own_bounds_its_lock_waits(layout, team_a):
     """The candidates statement sets the transaction's lock timeout (no round trip of its own):
     the rest of the claim gives a database up rather than wait on a lock across databases."""
     first = layout.aliases[0]
     job = layout.job_on(first, team_a, "bounded")
     layout.new_runs(job, 2, "b")
-    lanes = store.control_lanes([job.queue], [team_a.pk])
+    lanes = store.Lanes([team_a.pk], [])
     with shards.using(first), store.atomic(), store.server_cursor() as cursor:
         cursor.execute("SHOW lock_timeout")
         before = cursor.fetchone()[0]
