@@ -16,6 +16,13 @@ is read from the head once again, so a run behind a floor (one another claimer l
 candidate and let go, or one that became claimable with an older `available_at`, a catch-up
 run say) waits at most that long more, and only while a snapshot is held. Without one, no floor
 is kept and no run ever waits behind one.
+
+Floors stay LINGER_SECONDS after the old snapshot ends. The entries it held up are then dead to
+everyone, but still in the index until a scan marks them (or vacuum, busy with millions of dead
+rows, removes them): without floors, every claim at once walked the whole dead stretch from the
+head, and the 10-minute soak fell from 6 000 to 2 000 runs/s for 50 s right after its open
+transaction closed. With them, only the head read of each lane, once a second, walks it and
+marks what it passes (bench/README.md, "Claim floors").
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from typing import Any
 # How old the oldest open transaction must be before floors are kept: a claim, a completion or a
 # dashboard read is over well within it; a session left idle in a transaction is not.
 HELD_SNAPSHOT_SECONDS = 10.0
+# How long floors are kept after the old snapshot has ended (see above).
+LINGER_SECONDS = 60.0
 # How long a floor lives before its lane is read from the head again: the most a run left
 # behind one waits for it (measured: bench/README.md, "Claim floors").
 FLOOR_SECONDS = 1.0
@@ -51,7 +60,8 @@ class _Floors:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[str, bool] = {}  # by database: an old snapshot was seen at last check
+        self._held: dict[str, bool] = {}  # by database: floors are kept (see `checked`)
+        self._held_seen_at: dict[str, float] = {}  # by database: an old snapshot last seen
         self._checked_at: dict[str, float] = {}
         # (database, lane) -> (available_at, id, set at: monotonic)
         self._floors: dict[tuple[str, Lane], tuple[datetime, int, float]] = {}
@@ -61,9 +71,14 @@ class _Floors:
         return time.monotonic() - self._checked_at.get(alias, float("-inf")) >= CHECK_SECONDS
 
     def checked(self, alias: str, oldest_seconds: float) -> None:
-        held = oldest_seconds >= HELD_SNAPSHOT_SECONDS
+        """Note the database's oldest transaction: floors are kept while it is old, and for
+        LINGER_SECONDS after."""
+        now = time.monotonic()
         with self._lock:
-            self._checked_at[alias] = time.monotonic()
+            if oldest_seconds >= HELD_SNAPSHOT_SECONDS:
+                self._held_seen_at[alias] = now
+            held = now - self._held_seen_at.get(alias, float("-inf")) < LINGER_SECONDS
+            self._checked_at[alias] = now
             self._held[alias] = held
             if not held:
                 for key in [key for key in self._floors if key[0] == alias]:

@@ -1,7 +1,8 @@
 """Claim floors (apps/runs/floors.py): while another session holds an old snapshot, a lane's
 next claim starts past the last run this process leased there instead of walking the entries of
-every run claimed since; a run left behind a floor waits at most FLOOR_SECONDS more; without an
-old snapshot there is no floor at all."""
+every run claimed since; a run left behind a floor waits at most FLOOR_SECONDS more; floors
+stay LINGER_SECONDS after the snapshot ends; without an old snapshot there is no floor at
+all."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ from tests.conftest import add_ready_runs, db_now, make_definition, other_sessio
 pytestmark = pytest.mark.django_db(transaction=True)
 
 HELD = 0.5  # seconds: "an old snapshot", for the tests
+LINGER = 1.0  # seconds: floors kept after it ends, for the tests
 
 
 @pytest.fixture(autouse=True)
 def quick_floors(monkeypatch) -> Iterator[None]:
     monkeypatch.setattr(floors_module, "HELD_SNAPSHOT_SECONDS", HELD)
     monkeypatch.setattr(floors_module, "CHECK_SECONDS", 0.0)
+    monkeypatch.setattr(floors_module, "LINGER_SECONDS", LINGER)
     floors.__init__()
     yield
     floors.__init__()
@@ -116,4 +119,25 @@ def test_without_an_old_snapshot_no_run_waits_behind_a_floor(team_a):
     behind = made_older()
     (first,) = claim(team_a, 1)
     assert first.id == behind  # the oldest, at once
+    assert not floors.active("default")
+
+
+def test_floors_stay_a_while_after_the_old_snapshot_ends_then_go(team_a, monkeypatch):
+    """Right after a long snapshot ends, the entries it held up are still in the index: the
+    claims keep starting at their floors for LINGER_SECONDS, then read from the head again."""
+    monkeypatch.setattr(floors_module, "FLOOR_SECONDS", 60.0)  # the floor outlives the test
+    definition = make_definition(team_a, "floor.job", queue="q")
+    add_ready_runs(definition, 1300)
+    with other_session() as session:
+        session.execute("SELECT txid_current()")
+        time.sleep(HELD + 0.1)
+        lease_and_finish(team_a, 1000)
+        assert floors.active("default")
+    ended = time.monotonic()
+    read, leases = claimable_entries_read(lambda: claim(team_a))
+    assert time.monotonic() - ended < LINGER  # still lingering when it claimed
+    assert floors.active("default") and len(leases) == 100
+    assert read <= 150, read  # started at the floor, not at the 1 000 dead entries
+    time.sleep(LINGER + 0.1)
+    claim(team_a, 1)
     assert not floors.active("default")
