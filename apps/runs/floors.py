@@ -22,7 +22,7 @@ everyone, but still in the index until a scan marks them (or vacuum, busy with m
 rows, removes them): without floors, every claim at once walked the whole dead stretch from the
 head, and the 10-minute soak fell from 6 000 to 2 000 runs/s for 50 s right after its open
 transaction closed. With them, only the head read of each lane, once a second, walks it and
-marks what it passes (bench/README.md, "Claim floors").
+marks what it passes (bench/README.md, "Floors that linger").
 """
 
 from __future__ import annotations
