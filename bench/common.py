@@ -348,22 +348,25 @@ class Procs:
         wanted = set(roles) if roles is not None else None
         chosen = [(r, p) for r, p in self.items if wanted is None or r in wanted]
         for _, proc in chosen:
-            if proc.poll() is None:
-                try:
-                    # grace 0: the figures are already read; no need to wait for a clean exit.
-                    os.killpg(proc.pid, signal.SIGTERM if grace else signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            # The whole group, even when its leader has gone: a leader that exited on its own
+            # (py-spy, signalled by bench profile) left its children running, and a uvicorn
+            # worker spinning after `bench profile` took CPU from every later measurement.
+            try:
+                # grace 0: the figures are already read; no need to wait for a clean exit.
+                os.killpg(proc.pid, signal.SIGTERM if grace else signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + grace
         for _, proc in chosen:
             try:
                 proc.wait(max(0.05, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(5)
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
+            except ProcessLookupError:
+                pass
+            proc.wait(5)
         self.items = [(r, p) for r, p in self.items if (r, p) not in chosen]
 
 

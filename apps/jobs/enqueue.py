@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from django.db import IntegrityError, InterfaceError, OperationalError, transaction
@@ -65,8 +65,7 @@ def payload_difference(existing: Any, asked: Any) -> list[str] | None:
 _MISSING = object()
 
 
-@dataclass(frozen=True)
-class Wanted:
+class Wanted(NamedTuple):
     """One run asked for: of which job, under which key, when, with what."""
 
     job: str
@@ -78,8 +77,7 @@ class Wanted:
     concurrency_key: str | None = None
 
 
-@dataclass(frozen=True)
-class Enqueued:
+class Enqueued(NamedTuple):
     """What one item came to: 201, 200, 404 or 409 (with `run` for 201, 200 and 409)."""
 
     status: int
@@ -120,6 +118,9 @@ def enqueue_many(
     if now is None and definitions:
         now = next(iter(definitions.values())).database_now
     wanted: list[tuple[Wanted, NewRun] | str | None] = []
+    # One instant per delay: a batch's runs mostly share theirs, and an instant met again is
+    # hashed and written once (insert_keyed, format_utc) instead of once per run.
+    due_after: dict[int, datetime] = {}
     for item in items:
         if item.job in down:
             wanted.append(down[item.job])
@@ -130,7 +131,12 @@ def enqueue_many(
                 foreign.setdefault(definition.team, []).append(item.job)
             wanted.append(None)
             continue
-        due = item.run_at or now + timedelta(seconds=item.delay_seconds or 0)
+        due = item.run_at
+        if due is None:
+            delay = item.delay_seconds or 0
+            due = due_after.get(delay) or due_after.setdefault(
+                delay, now + timedelta(seconds=delay)
+            )
         key = item.idempotency_key or f"{definition.name}@{trigger}-{uuid.uuid4().hex}"
         new = NewRun(
             definition.pk,
@@ -162,9 +168,12 @@ def enqueue_many(
                     (name, _new_run(row, by_id[row["definition_id"]])) for name, row in made.items()
                 )
                 # Only the keys that named an existing run are read back.
-                runs.update(
-                    _runs_named({(n.definition_id, n.idempotency_key) for n in part} - set(made))
-                )
+                if len(made) < len(part):
+                    runs.update(
+                        _runs_named(
+                            {(n.definition_id, n.idempotency_key) for n in part} - set(made)
+                        )
+                    )
         _audit_created(actor, [runs[name] for name in rows], trigger)
     answers = []
     seen: set[tuple[int, str]] = set()

@@ -2,7 +2,7 @@
 with Procrastinate's `defer` / `batch_defer` and Celery's `apply_async` / a Redis pipeline.
 
 One producer process with 4 threads creates N runs at batch B ∈ {1, 100, 1000} (quick: N =
-2 000 at B = 1, 20 000 otherwise; full: 10× that). The product's producer is the SDK's
+2 000 at B = 1, 20 000 otherwise; full: 10× that; `--runs N`: N, and N / 10 at B = 1). The product's producer is the SDK's
 `Client.enqueue_many` (bench/workers/enqueuer.py) against `manage.py web`, with the enqueue
 rate limit off. CPU per 1 000 counts the producer and, for the product, its web processes;
 commits per 1 000 are the project's database's.
@@ -66,9 +66,9 @@ def produce(args: list[str], env: dict[str, str], count: int, batch: int) -> dic
 
 def run(opts) -> list[Row]:
     scale = 1 if opts.quick else 10
+    n = opts.runs or 20_000 * scale
     # (batch, runs, ids only): the product also at batch 1 000 answered by id alone.
-    points = [(1, 2_000 * scale, False), (100, 20_000 * scale, False),
-              (1000, 20_000 * scale, False), (1000, 20_000 * scale, True)]
+    points = [(1, n // 10, False), (100, n, False), (1000, n, False), (1000, n, True)]
     project = ProjectDatabase("enqueue")
     rows: list[Row] = []
     for name in [s for s in opts.systems if s in SYSTEMS] or list(SYSTEMS):

@@ -28,11 +28,14 @@ from bench.recorder import read_progress
 from bench.systems import ProjectDatabase, make
 
 
-def summarise(raw_path: Path, within: tuple[str, ...] = (), top: int = 25) -> str:
+def summarise(raw_path: Path, within: tuple[str, ...] = (), top: int = 25,
+              without: tuple[str, ...] = ("_find_and_load",)) -> str:
     """py-spy's raw format: one collapsed stack per line, `frame;frame;… count`.
 
     `within`: keep only the stacks that pass through one of these functions (the work loop,
-    not start-up or an idle event loop); percentages are of those samples."""
+    not start-up or an idle event loop); `without`: drop those through any of these (imports:
+    a uvicorn worker's first requests import the API, which made a fifth of its samples);
+    percentages are of the samples kept."""
     own: collections.Counter[str] = collections.Counter()
     total: collections.Counter[str] = collections.Counter()
     samples = 0
@@ -45,6 +48,8 @@ def summarise(raw_path: Path, within: tuple[str, ...] = (), top: int = 25) -> st
         frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].replace(str(REPO) + "/", "").replace(".venv/lib/python3.11/site-packages/", "") + ")" if " (" in f else f
                   for f in stack.split(";")]
         if within and not any(any(w in frame for w in within) for frame in frames):
+            continue
+        if any(any(w in frame for w in without) for frame in frames):
             continue
         own[frames[-1]] += n
         for frame in set(frames):
