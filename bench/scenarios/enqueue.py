@@ -7,7 +7,9 @@ One producer process with 4 threads creates N runs at batch B ∈ {1, 100, 1000}
 rate limit off. CPU per 1 000 counts the producer and, for the product, its web processes;
 commits per 1 000 are the project's database's.
 
-The product also at batch 1 000 with `runs=False` (answered by run id alone). Then
+The product also at batch 1 000 with `runs=False` (answered by run id alone), and the HTTP
+floor: the same producer sending `GET /healthz` where it would send a run of batch 1 (one
+request a run costs at least that much, whatever the request does). Then
 enqueue+drain: the same producer (batch 1 000; the product's asking for ids only) creates N
 runs (quick: 40 000; full: 10× that) while W worker processes of each system (SDK workers for
 the product) claiming B at a time drain them (`--workers` and `--batch`: 2 and 100 by
@@ -67,8 +69,10 @@ def produce(args: list[str], env: dict[str, str], count: int, batch: int) -> dic
 def run(opts) -> list[Row]:
     scale = 1 if opts.quick else 10
     n = opts.runs or 20_000 * scale
-    # (batch, runs, ids only): the product also at batch 1 000 answered by id alone.
-    points = [(1, n // 10, False), (100, n, False), (1000, n, False), (1000, n, True)]
+    # (batch, runs, variant): the product also at batch 1 000 answered by id alone, and the
+    # HTTP floor beside its batch 1.
+    points = [(1, n // 10, ""), (1, n // 10, "floor"), (100, n, ""), (1000, n, ""),
+              (1000, n, "ids")]
     project = ProjectDatabase("enqueue")
     rows: list[Row] = []
     for name in [s for s in opts.systems if s in SYSTEMS] or list(SYSTEMS):
@@ -94,30 +98,34 @@ def run(opts) -> list[Row]:
                 env = {**common.django_env(project.url), **system.peer_env()}
                 db_url = getattr(system, "pq_url", None)
                 servers = []
-            for batch, count, ids_only in points:
-                if ids_only and name != "rest":
+            for batch, count, variant in points:
+                if variant and name != "rest":
                     continue
                 system.reset()
                 before_commits = commits(db_url) if db_url else None
                 before_cpu = cpu(servers)
-                answer = produce(args + ["--ids-only"] * ids_only, env, count, batch)
+                flag = {"": [], "ids": ["--ids-only"], "floor": ["--http-floor"]}[variant]
+                answer = produce(args + flag, env, count, batch)
                 server_cpu = cpu(servers) - before_cpu
                 row = Row(
                     scenario="enqueue",
                     system=system.label,
-                    config=f"batch {batch}" + (" ids" if ids_only else ""),
+                    config=f"batch {batch}" + (f" {variant}" if variant else ""),
                     runs=answer["count"],
                     seconds=answer["seconds"],
                     cpu_s=answer["cpu_s"] + server_cpu,
                     commits=(commits(db_url) - before_commits) if db_url else None,
                     note={
-                        "rest": "Client.enqueue_many → POST /api/v1/runs"
-                        + (" (runs=False: ids only)" if ids_only else ""),
+                        "rest": {
+                            "": "Client.enqueue_many → POST /api/v1/runs",
+                            "ids": "Client.enqueue_many → POST /api/v1/runs (runs=False: ids only)",
+                            "floor": "GET /healthz per run: the HTTP floor, no run made",
+                        }[variant],
                         "procrastinate": "defer" if batch == 1 else "batch_defer",
                         "celery": "apply_async" if batch == 1 else "Redis pipeline",
                     }[name],
                 )
-                log(f"  {system.label:<20} batch {batch:>4}: {row.rate:,.0f} runs/s")
+                log(f"  {system.label:<20} {row.config:<16}: {row.rate:,.0f} runs/s")
                 rows.append(row)
             rows.append(drain(system, opts, scale))
         finally:

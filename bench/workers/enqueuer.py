@@ -7,7 +7,9 @@ with the count, the seconds from the first call to the last answer, and this pro
 
 - rest: the product's API through the SDK's producer client (`Client.enqueue_many`: one
   `POST /api/v1/runs` of B items per call; B = 1 is one run per request); with --ids-only
-  the answer names each run by its id (`runs=False`, `Prefer: return=minimal`).
+  the answer names each run by its id (`runs=False`, `Prefer: return=minimal`); with
+  --http-floor, no run at all: each "run" is one `GET /healthz` on the client's own connection,
+  the cost of an HTTP request to the same web processes, which one run a request cannot beat.
 - procrastinate: `defer` per job at B = 1, `batch_defer` of B jobs otherwise.
 - celery: `apply_async` per task at B = 1, a Redis pipeline of B messages otherwise (what a
   producer that batches does: see bench/workers/producer.py's Submitter).
@@ -27,7 +29,7 @@ from bench.common import JOB
 from bench.recorder import wait_for_go
 
 
-def rest_sender(url: str, token: str, runs: bool = True):
+def rest_sender(url: str, token: str, runs: bool = True, floor: bool = False):
     from cronlease_client import Client
 
     local = threading.local()
@@ -36,6 +38,10 @@ def rest_sender(url: str, token: str, runs: bool = True):
         client = getattr(local, "client", None)
         if client is None:
             client = local.client = Client(url, token)
+        if floor:
+            for _ in batch:
+                client._http.get("/healthz").raise_for_status()
+            return
         results = client.enqueue_many(batch, runs=runs)
         refused = [result for result in results if not result.ok]
         assert not refused, refused[:3]
@@ -94,11 +100,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--ids-only", action="store_true",
                         help="rest: ask for the runs' ids alone (Prefer: return=minimal)")
+    parser.add_argument("--http-floor", action="store_true",
+                        help="rest: GET /healthz instead of each run (the HTTP floor)")
     parser.add_argument("--ready", help="touch this file when connected, then wait for --go")
     parser.add_argument("--go")
     args = parser.parse_args()
     if args.system == "rest":
-        send, items = rest_sender(args.url, args.token, runs=not args.ids_only)
+        send, items = rest_sender(args.url, args.token, not args.ids_only, args.http_floor)
     elif args.system == "procrastinate":
         send, items = procrastinate_sender()
     else:

@@ -177,7 +177,11 @@ MINIMAL = {"Prefer": "return=minimal"}
 
 def enqueue_result(item: Mapping[str, Any], key: str) -> EnqueueResult:
     status = int(item.get("status") or 0)
-    run = item["run"] if isinstance(item.get("run"), Mapping) else None
+    # A JSON object decodes to a dict; isinstance against the Mapping ABC cost a microsecond
+    # a run.
+    run = item.get("run")
+    if not isinstance(run, dict):
+        run = None
     run_id = run.get("runId") if run is not None else item.get("runId")
     if status in (200, 201) and (run is not None or isinstance(run_id, str)):
         return EnqueueResult(status, key, run_json=run, run_id=run_id)
