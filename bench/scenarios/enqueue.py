@@ -20,6 +20,7 @@ from each run's creation to its handler.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 
 import psutil
@@ -75,62 +76,100 @@ def run(opts) -> list[Row]:
               (1000, n, "ids")]
     project = ProjectDatabase("enqueue")
     rows: list[Row] = []
-    for name in [s for s in opts.systems if s in SYSTEMS] or list(SYSTEMS):
-        system = make(name, "enqueue", project, opts.web_workers)
-        # Limits off: the producer measures the path, not the budget.
-        extra_env = {
-            "SCHEDULER_API_RATE_ENQUEUE": "1000000000/s",
-            "SCHEDULER_API_RATE_MANAGE": "1000000000/s",
-        }
-        if name == "rest":
-            system.web_env = extra_env
-        system.setup()
-        try:
-            if name == "rest":
-                args = ["rest", "--url", system.base_url, "--token", project.token]
-                env = common.django_env(project.url)
-                db_url, servers = project.url, list(system.procs.pids())
-                # Unmeasured: each web worker's first requests import and build what the
-                # API needs (seconds of CPU), which 2 000 measured runs would carry.
-                produce(args, env, 400, 1)
-            else:
-                args = [name]
-                env = {**common.django_env(project.url), **system.peer_env()}
-                db_url = getattr(system, "pq_url", None)
-                servers = []
-            for batch, count, variant in points:
-                if variant and name != "rest":
-                    continue
-                system.reset()
-                before_commits = commits(db_url) if db_url else None
-                before_cpu = cpu(servers)
-                flag = {"": [], "ids": ["--ids-only"], "floor": ["--http-floor"]}[variant]
-                answer = produce(args + flag, env, count, batch)
-                server_cpu = cpu(servers) - before_cpu
-                row = Row(
-                    scenario="enqueue",
-                    system=system.label,
-                    config=f"batch {batch}" + (f" {variant}" if variant else ""),
-                    runs=answer["count"],
-                    seconds=answer["seconds"],
-                    cpu_s=answer["cpu_s"] + server_cpu,
-                    commits=(commits(db_url) - before_commits) if db_url else None,
-                    note={
-                        "rest": {
-                            "": "Client.enqueue_many → POST /api/v1/runs",
-                            "ids": "Client.enqueue_many → POST /api/v1/runs (runs=False: ids only)",
-                            "floor": "GET /healthz per run: the HTTP floor, no run made",
-                        }[variant],
-                        "procrastinate": "defer" if batch == 1 else "batch_defer",
-                        "celery": "apply_async" if batch == 1 else "Redis pipeline",
-                    }[name],
-                )
-                log(f"  {system.label:<20} {row.config:<16}: {row.rate:,.0f} runs/s")
-                rows.append(row)
-            rows.append(drain(system, opts, scale))
-        finally:
-            system.teardown()
+    names = [s for s in opts.systems if s in SYSTEMS] or list(SYSTEMS)
+    # `--rounds R`: the systems one after the other, R times over, enqueue+drain in the first
+    # round only. This machine's speed drifts by a quarter between minutes, so a ratio of two
+    # systems measured minutes apart is read from rounds (bench/README.md, "Rounds").
+    for round_ in range(1, opts.rounds + 1):
+        for name in names:
+            rows += measure_system(name, project, points, opts, scale, round_)
+    if opts.rounds > 1:
+        log_rounds(rows)
     return rows
+
+
+def measure_system(name: str, project, points, opts, scale: int, round_: int) -> list[Row]:
+    """One system's points (batch, runs, variant), on a fresh set-up of it; enqueue+drain in
+    round 1."""
+    rows: list[Row] = []
+    system = make(name, "enqueue", project, opts.web_workers)
+    # Limits off: the producer measures the path, not the budget.
+    extra_env = {
+        "SCHEDULER_API_RATE_ENQUEUE": "1000000000/s",
+        "SCHEDULER_API_RATE_MANAGE": "1000000000/s",
+    }
+    if name == "rest":
+        system.web_env = extra_env
+    system.setup()
+    try:
+        if name == "rest":
+            args = ["rest", "--url", system.base_url, "--token", project.token]
+            env = common.django_env(project.url)
+            db_url, servers = project.url, list(system.procs.pids())
+            # Unmeasured: each web worker's first requests import and build what the
+            # API needs (seconds of CPU), which 2 000 measured runs would carry.
+            produce(args, env, 400, 1)
+        else:
+            args = [name]
+            env = {**common.django_env(project.url), **system.peer_env()}
+            db_url = getattr(system, "pq_url", None)
+            servers = []
+        for batch, count, variant in points:
+            if variant and name != "rest":
+                continue
+            system.reset()
+            before_commits = commits(db_url) if db_url else None
+            before_cpu = cpu(servers)
+            flag = {"": [], "ids": ["--ids-only"], "floor": ["--http-floor"]}[variant]
+            answer = produce(args + flag, env, count, batch)
+            server_cpu = cpu(servers) - before_cpu
+            row = Row(
+                scenario="enqueue",
+                system=system.label,
+                config=f"batch {batch}" + (f" {variant}" if variant else ""),
+                runs=answer["count"],
+                seconds=answer["seconds"],
+                cpu_s=answer["cpu_s"] + server_cpu,
+                commits=(commits(db_url) - before_commits) if db_url else None,
+                note={
+                    "rest": {
+                        "": "Client.enqueue_many → POST /api/v1/runs",
+                        "ids": "Client.enqueue_many → POST /api/v1/runs (runs=False: ids only)",
+                        "floor": "GET /healthz per run: the HTTP floor, no run made",
+                    }[variant],
+                    "procrastinate": "defer" if batch == 1 else "batch_defer",
+                    "celery": "apply_async" if batch == 1 else "Redis pipeline",
+                }[name],
+            )
+            row.extra["round"] = round_
+            log(f"  {system.label:<20} {row.config:<16}: {row.rate:,.0f} runs/s")
+            rows.append(row)
+        if round_ == 1:
+            rows.append(drain(system, opts, scale))
+    finally:
+        system.teardown()
+    return rows
+
+
+def log_rounds(rows: list[Row]) -> None:
+    """Each configuration's median over the rounds, and the product's ratio to each peer's
+    batch of the same size, round by round (the two measured minutes apart, not hours)."""
+    by: dict[tuple[str, str], dict[int, float]] = {}
+    for row in rows:
+        if row.scenario == "enqueue" and row.rate:
+            by.setdefault((row.system, row.config), {})[row.extra["round"]] = row.rate
+    for (system, config), rates in by.items():
+        log(f"  {system:<20} {config:<16}: median {statistics.median(rates.values()):,.0f} "
+            f"runs/s over {len(rates)} rounds")
+    ours = {config: rates for (system, config), rates in by.items() if system.startswith("cronlease")}
+    for (system, config), theirs in by.items():
+        if system.startswith("cronlease"):
+            continue
+        for mine in (config, f"{config} ids"):
+            if mine in ours:
+                ratios = [ours[mine][r] / theirs[r] for r in sorted(theirs) if r in ours[mine]]
+                log(f"  ×{system} at {mine}: " + ", ".join(f"{x:.2f}" for x in ratios)
+                    + f" (median {statistics.median(ratios):.2f})")
 
 
 def drain(system, opts, scale: int, batch: int = 1000) -> Row:
