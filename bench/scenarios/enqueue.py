@@ -2,10 +2,10 @@
 with Procrastinate's `defer` / `batch_defer` and Celery's `apply_async` / a Redis pipeline.
 
 One producer process with 4 threads creates N runs at batch B ∈ {1, 100, 1000} (quick: N =
-2 000 at B = 1, 20 000 otherwise; full: 10× that; `--runs N`: N, and N / 10 at B = 1). The product's producer is the SDK's
-`Client.enqueue_many` (bench/workers/enqueuer.py) against `manage.py web`, with the enqueue
-rate limit off. CPU per 1 000 counts the producer and, for the product, its web processes;
-commits per 1 000 are the project's database's.
+2 000 at B = 1, 20 000 otherwise; full: 10× that; `--runs N`: N, and N / 10 at B = 1). The
+product's producer is the SDK's `Client.enqueue_many` (bench/workers/enqueuer.py) against
+`manage.py web`, with the enqueue rate limit off. CPU per 1 000 counts the producer and, for
+the product, its web processes; commits per 1 000 are the project's database's.
 
 The product also at batch 1 000 with `runs=False` (answered by run id alone), and the HTTP
 floor: the same producer sending `GET /healthz` where it would send a run of batch 1 (one

@@ -123,7 +123,9 @@ def run(opts) -> list:
     finally:
         system.teardown()
     report.append("\n### py-spy: the uvicorn worker process serving two SDK workers (batch 100)\n")
-    report.append(summarise(raw, ("handle (scheduler_site/asgi.py)", "run (uvicorn/server.py)")))
+    # The views run on asgiref's threads (thread_handler), the protocol on the event loop.
+    report.append(summarise(raw, ("handle (scheduler_site/asgi.py)", "run (uvicorn/server.py)",
+                                  "thread_handler (asgiref/sync.py)")))
 
     # 3. plans
     project.reset()
