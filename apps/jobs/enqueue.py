@@ -134,9 +134,9 @@ def enqueue_many(
         due = item.run_at
         if due is None:
             delay = item.delay_seconds or 0
-            due = due_after.get(delay) or due_after.setdefault(
-                delay, now + timedelta(seconds=delay)
-            )
+            due = due_after.get(delay)
+            if due is None:
+                due = due_after[delay] = now + timedelta(seconds=delay)
         key = item.idempotency_key or f"{definition.name}@{trigger}-{uuid.uuid4().hex}"
         new = NewRun(
             definition.pk,
