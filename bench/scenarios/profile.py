@@ -112,10 +112,18 @@ def run(opts) -> list:
     system.setup()
     try:
         workers = Procs()
-        for _ in range(2):
+        sdk_raw = run_dir.path / "sdk.raw"
+        for index in range(2):
             args, env = system.worker_args(100, run_dir)
-            workers.start("worker", [a for a in args if a not in ("--go", str(run_dir.go))], env)
+            args = [a for a in args if a not in ("--go", str(run_dir.go))]
+            # The first SDK worker under py-spy too (its samples include waits on the socket
+            # and on locks: tell CPU by the bench's CPU columns, not by these shares).
+            workers.start("worker", [*pyspy_command(sdk_raw), "--", *args] if index == 0 else args,
+                          env)
         _wait(run_dir, n, seconds)
+        for _, proc in workers.items[:1]:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(30)
         workers.stop()
         spy = system.procs.items[0][1]
         spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT, not on SIGTERM
@@ -126,6 +134,8 @@ def run(opts) -> list:
     # The views run on asgiref's threads (thread_handler), the protocol on the event loop.
     report.append(summarise(raw, ("handle (scheduler_site/asgi.py)", "run (uvicorn/server.py)",
                                   "thread_handler (asgiref/sync.py)")))
+    report.append("\n### py-spy: one of the two SDK workers (batch 100, a no-op handler)\n")
+    report.append(summarise(sdk_raw))
 
     # 3. plans
     project.reset()

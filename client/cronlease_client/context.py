@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,7 +22,13 @@ def parse_instant(value: str | None) -> datetime | None:
     """Read the API's ISO 8601 instants (`2026-03-15T01:02:30Z`) as aware datetimes."""
     if not value:
         return None
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return _instant(value)
+
+
+# A batch's leases mostly share their due and expiry instants: each distinct one is parsed once.
+@functools.lru_cache(maxsize=1024)
+def _instant(value: str) -> datetime:
+    return datetime.fromisoformat(value)
 
 
 @dataclass

@@ -411,3 +411,32 @@ def test_cancelling_a_running_run_stops_its_handler_and_ends_it_cancelled(
     assert attempt.outcome == "cancelled" and attempt.ended_at is not None
     assert run.last_error["type"] == "RunCancelled"
     assert worker.stop(timeout=15)
+
+
+def test_a_handlers_flag_is_an_event_whose_set_is_never_missed_by_a_waiter():
+    """The flags behind ctx.lease_lost and ctx.cancelled make their Event only when a handler
+    waits; a set racing that wait must still wake it."""
+    from cronlease_client.worker import _LocalFlag
+
+    flag = _LocalFlag()
+    assert not flag.is_set()
+    assert flag.wait(0.01) is False
+    flag.set()
+    assert flag.is_set() and flag.wait(0) is True
+
+    woken = 0
+    for _ in range(300):
+        flag = _LocalFlag()
+        results: list[bool] = []
+        waiters = [
+            threading.Thread(target=lambda f=flag, r=results: r.append(f.wait(10)))
+            for _ in range(3)
+        ]
+        for waiter in waiters:
+            waiter.start()
+        flag.set()  # before, during or after the waiters make the Event
+        for waiter in waiters:
+            waiter.join(15)
+        assert results == [True, True, True]
+        woken += len(results)
+    assert woken == 900

@@ -321,7 +321,7 @@ def _call(
         # The worker is being torn down (cold shutdown, SystemExit): report the attempt as a
         # retryable failure now rather than after the lease expires, then let Celery go on.
         return describe_failure(exc), exc
-    return describe_result(value, ctx.logger, "task"), None
+    return describe_result(value, lambda: ctx.logger, "task"), None
 
 
 def execute(
