@@ -51,32 +51,34 @@ def definition_json(definition: JobDefinition) -> job_shape.DefinitionAnswer:
 
 
 def run_json(run, now: datetime) -> run_shape.Run:
-    return run_shape.Run(
-        runId=public_run_id(run.pk),
-        job=run.definition.name,
-        team=run.team.slug if hasattr(run, "team") else None,
-        queue=run.queue,
-        priority=PRIORITY_NAMES[run.priority],
-        state=reported_state(run.state, run.available_at, now),
-        attempt=run.attempt,
-        maxAttempts=run.max_attempts,
-        dueAt=format_utc(run.due_at),
-        availableAt=format_utc(run.available_at),
-        idempotencyKey=run.idempotency_key,
-        concurrencyKey=run.concurrency_key,
-        fencingToken=run.fencing_token,
-        leaseExpiresAt=format_utc(run.lease_expires_at),
-        workerId=run.worker_id or None,
-        cancelRequested=run.cancel_requested,
-        trigger=run.trigger,
-        dryRun=run.dry_run,
-        payload=payloads.load(run.payload, run.payload_key),
-        result=run.result,
-        lastError=run.last_error,
-        createdAt=format_utc(run.created_at),
-        startedAt=format_utc(run.started_at),
-        finishedAt=format_utc(run.finished_at),
-    )
+    # A literal, held to run_shape.Run by a type checker as the class's call would be (the
+    # call builds a keyword dict more per run: a bulk enqueue answers up to 1 000 of them).
+    return {
+        "runId": public_run_id(run.pk),
+        "job": run.definition.name,
+        "team": run.team.slug if hasattr(run, "team") else None,
+        "queue": run.queue,
+        "priority": PRIORITY_NAMES[run.priority],
+        "state": reported_state(run.state, run.available_at, now),
+        "attempt": run.attempt,
+        "maxAttempts": run.max_attempts,
+        "dueAt": format_utc(run.due_at),
+        "availableAt": format_utc(run.available_at),
+        "idempotencyKey": run.idempotency_key,
+        "concurrencyKey": run.concurrency_key,
+        "fencingToken": run.fencing_token,
+        "leaseExpiresAt": format_utc(run.lease_expires_at),
+        "workerId": run.worker_id or None,
+        "cancelRequested": run.cancel_requested,
+        "trigger": run.trigger,
+        "dryRun": run.dry_run,
+        "payload": payloads.load(run.payload, run.payload_key),
+        "result": run.result,
+        "lastError": run.last_error,
+        "createdAt": format_utc(run.created_at),
+        "startedAt": format_utc(run.started_at),
+        "finishedAt": format_utc(run.finished_at),
+    }
 
 
 def run_detail_json(run, now: datetime) -> run_shape.RunDetail:

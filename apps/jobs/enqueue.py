@@ -164,8 +164,10 @@ def enqueue_many(
             with shards.using(alias), _unless_unreachable(alias, ids, failed):
                 made = insert_keyed(part, full=True)
                 rows.update(made)
+                teams = {pk: definition.team for pk, definition in by_id.items()}
                 runs.update(
-                    (name, _new_run(row, by_id[row["definition_id"]])) for name, row in made.items()
+                    (name, _new_run(row, by_id[row["definition_id"]], teams[row["definition_id"]]))
+                    for name, row in made.items()
                 )
                 # Only the keys that named an existing run are read back.
                 if len(made) < len(part):
@@ -312,6 +314,7 @@ class CreatedRun:
 
     pk: int
     definition: JobDefinition
+    team: Any  # the definition's, read once per batch
     queue: str
     priority: int
     state: str
@@ -336,10 +339,6 @@ class CreatedRun:
     finished_at: None = None
 
     @property
-    def team(self) -> Any:
-        return self.definition.team
-
-    @property
     def definition_id(self) -> int:
         return self.definition.pk
 
@@ -348,11 +347,12 @@ class CreatedRun:
         return public_run_id(self.pk)
 
 
-def _new_run(row: dict[str, Any], definition: JobDefinition) -> CreatedRun:
+def _new_run(row: dict[str, Any], definition: JobDefinition, team: Any) -> CreatedRun:
     payload = row["payload"]
     return CreatedRun(
         pk=row["id"],
         definition=definition,
+        team=team,
         queue=row["queue"],
         priority=row["priority"],
         state=row["state"],
