@@ -30,7 +30,7 @@ from apps.api.errors import (
 )
 from apps.api.fastpath import Call, FastPathView
 from apps.api.serializers import definition_json, run_detail_json, run_json
-from apps.api.shapes import M, body_size, parse
+from apps.api.shapes import M, body_size, parse, parse_each
 from apps.api.shapes import jobs as job_shape
 from apps.api.shapes import runs as run_shape
 from apps.api.throttling import charge_enqueue
@@ -415,16 +415,14 @@ def enqueue_items(
     now: datetime | None = None  # read only for an item with runAt; else with the definitions
     answers: list[Any] = [None] * len(items)
     wanted: list[tuple[int, enqueue.Wanted]] = []
-    for index, raw in enumerate(items):
-        try:
-            item = parse(run_shape.EnqueueItem, raw, body_size=size)
-            if item.runAt is not None:
-                now = now or database_now()
-                faults = item.time_problems(now)
-                if faults:
-                    raise ValidationError(faults)
-        except (ValidationError, PayloadTooLarge) as exc:
-            answers[index] = refused_item(exc)
+    for index, item in enumerate(parse_each(run_shape.EnqueueItem, items, body_size=size)):
+        if isinstance(item, run_shape.EnqueueItem) and item.runAt is not None:
+            now = now or database_now()
+            faults = item.time_problems(now)
+            if faults:
+                item = ValidationError(faults)
+        if not isinstance(item, run_shape.EnqueueItem):
+            answers[index] = refused_item(item)
             continue
         wanted.append(
             (
