@@ -69,6 +69,7 @@ def load_definitions(count: int, due_minutes: int = 2) -> tuple[object, str]:
 
     from apps.jobs.models import JobDefinition
     from apps.jobs.schedule import shard_for
+    from apps.runs.shards import ID_SPACE
     from apps.teams.models import Team
 
     with connection.cursor() as cursor:
@@ -94,8 +95,14 @@ def load_definitions(count: int, due_minutes: int = 2) -> tuple[object, str]:
     names = [f"bench.hourly-{i:07d}" for i in range(count)]
     shards = [shard_for(name) for name in names]
     quote = connection.ops.quote_name
-    columns = [f.column for f in JobDefinition._meta.concrete_fields if not f.primary_key]
-    picked = {"name": "u.name", "shard": "u.shard"}
+    # Keys as the product makes them (apps/runs/shards.py `next_id`): the sequence's value
+    # times ID_SPACE plus the shard; the column's plain default would meet the template's key.
+    columns = [f.column for f in JobDefinition._meta.concrete_fields]
+    picked = {
+        "id": f"nextval(pg_get_serial_sequence('jobs_jobdefinition', 'id')) * {ID_SPACE} + u.shard",
+        "name": "u.name",
+        "shard": "u.shard",
+    }
     with connection.cursor() as cursor:
         cursor.execute(
             f"""
