@@ -152,6 +152,7 @@ def enqueue_many(
     for team, names in foreign.items():
         record_denied(actor, "enqueue", team=team, target_type="job", target=names)
     by_id = {d.pk: d for d in definitions.values()}
+    teams = {pk: definition.team for pk, definition in by_id.items()}
     asked = [pair[1] for pair in wanted if isinstance(pair, tuple)]
     rows: dict[tuple[int, str], Any] = {}
     runs: dict[tuple[int, str], Any] = {}
@@ -164,7 +165,6 @@ def enqueue_many(
             with shards.using(alias), _unless_unreachable(alias, ids, failed):
                 made = insert_keyed(part, full=True)
                 rows.update(made)
-                teams = {pk: definition.team for pk, definition in by_id.items()}
                 runs.update(
                     (name, _new_run(row, by_id[row["definition_id"]], teams[row["definition_id"]]))
                     for name, row in made.items()
