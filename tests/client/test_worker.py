@@ -424,7 +424,6 @@ def test_a_handlers_flag_is_an_event_whose_set_is_never_missed_by_a_waiter():
     flag.set()
     assert flag.is_set() and flag.wait(0) is True
 
-    woken = 0
     for _ in range(300):
         flag = _LocalFlag()
         results: list[bool] = []
@@ -438,5 +437,3 @@ def test_a_handlers_flag_is_an_event_whose_set_is_never_missed_by_a_waiter():
         for waiter in waiters:
             waiter.join(15)
         assert results == [True, True, True]
-        woken += len(results)
-    assert woken == 900
