@@ -442,7 +442,7 @@ def enqueue_items(
     # One clock for the request: what the items were checked against is what their delays
     # count from, and a run due now is shown ready.
     batch = enqueue.enqueue_many(
-        view.team_ids(request), [w for _, w in wanted], view.actor(request), now=now
+        view.team_ids(request), [w for _, w in wanted], view.actor(request), now=now, full=full
     )
     for (index, _), result in zip(wanted, batch.answers, strict=True):
         if result.status in (200, 201) and not full:

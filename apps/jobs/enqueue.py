@@ -81,7 +81,7 @@ class Enqueued(NamedTuple):
     """What one item came to: 201, 200, 404 or 409 (with `run` for 201, 200 and 409)."""
 
     status: int
-    run: Run | CreatedRun | None = None
+    run: Run | CreatedRun | NamedRun | None = None
     detail: str = ""
     fields: tuple[str, ...] = ()  # for a 409: the payload's top-level fields that differ
 
@@ -102,10 +102,12 @@ def enqueue_many(
     *,
     trigger: str = Trigger.API,
     now: datetime | None = None,
+    full: bool = True,
 ) -> Batch:
     """Create the runs asked for, in one statement per shard database; answer each item in
     order. Delays count from `now`, the database's clock as the caller read it (read with the
-    definitions when not given).
+    definitions when not given). A new run is answered whole (CreatedRun), or, when not `full`,
+    by what names it (NamedRun).
 
     1. Find the items' definitions by name (one query per database); a job not of `team_ids` is
        a 404 for its items (another team's is audited once per team, as a denial).
@@ -163,12 +165,28 @@ def enqueue_many(
         for alias, part in _by_database(asked, by_id).items():
             ids = {new.definition_id for new in part}
             with shards.using(alias), _unless_unreachable(alias, ids, failed):
-                made = insert_keyed(part, full=True)
+                made = insert_keyed(part, full=full)
                 rows.update(made)
-                runs.update(
-                    (name, _new_run(row, by_id[row["definition_id"]], teams[row["definition_id"]]))
-                    for name, row in made.items()
-                )
+                if full:
+                    runs.update(
+                        (name, _new_run(row, by_id[name[0]], teams[name[0]]))
+                        for name, row in made.items()
+                    )
+                else:
+                    runs.update(
+                        (
+                            (new.definition_id, new.idempotency_key),
+                            NamedRun(
+                                pk,
+                                by_id[new.definition_id],
+                                teams[new.definition_id],
+                                new.idempotency_key,
+                                new.due_at,
+                            ),
+                        )
+                        for new in part
+                        if (pk := made.get((new.definition_id, new.idempotency_key))) is not None
+                    )
                 # Only the keys that named an existing run are read back.
                 if len(made) < len(part):
                     runs.update(
@@ -337,6 +355,26 @@ class CreatedRun:
     last_error: None = None
     started_at: None = None
     finished_at: None = None
+
+    @property
+    def definition_id(self) -> int:
+        return self.definition.pk
+
+    @property
+    def run_id(self) -> str:
+        return public_run_id(self.pk)
+
+
+class NamedRun(NamedTuple):
+    """A run just inserted, for a caller that answers it by id (and the audit): read from the
+    insert's ids and the batch's own items, without the run's columns (1 000 runs made whole
+    cost the web process 5 of its 20 ms for the batch)."""
+
+    pk: int
+    definition: JobDefinition
+    team: Any
+    idempotency_key: str
+    due_at: datetime
 
     @property
     def definition_id(self) -> int:

@@ -192,6 +192,10 @@ def delete_definition(definition: JobDefinition, actor: Actor) -> None:
     with shards.using(alias):
         retention.delete_runs_of(definition.pk)
     with shards.writing(alias):
+        # No insert of its runs from here on: they take the definition FOR KEY SHARE, which
+        # waits for this lock, then finds no row once it is gone. Runs have no foreign key in
+        # the database to refuse one (apps/runs/models.py).
+        JobDefinition.objects.select_for_update().filter(pk=definition.pk).exists()
         record(
             actor,
             "job.delete",

@@ -55,13 +55,21 @@ class Outcome(models.TextChoices):
 
 class Run(models.Model):
     # Both foreign keys are covered by the composite indexes below; one less index to write per run.
+    # Neither is a constraint in the database, whose check at commit, a query per run inserted,
+    # cost 1-3.5 of the 20-23 ms an insert of 1 000 runs takes (bench/README.md, "Enqueue").
+    # The one statement that inserts runs (apps/runs/store.py, INSERT_RUNS) inserts only for a
+    # definition it finds and holds FOR KEY SHARE until it commits, and deleting a definition
+    # (apps/jobs/services.py) first locks it against such inserts, then deletes its runs.
+    # Django still deletes a definition's or a team's runs with them (on_delete).
     definition = models.ForeignKey(
-        "jobs.JobDefinition", on_delete=models.CASCADE, related_name="runs", db_index=False
+        "jobs.JobDefinition",
+        on_delete=models.CASCADE,
+        related_name="runs",
+        db_index=False,
+        db_constraint=False,
     )
-    # Copied from the definition so the claim path reads one table. No constraint in the
-    # database: teams live in the control database once shards have servers of their own, and
-    # its per-row check at commit cost 10 ms of every 1 000 runs inserted (the definition,
-    # whose own key is checked, already belongs to the team). Django still deletes a team's runs.
+    # Copied from the definition so the claim path reads one table. Teams live in the control
+    # database once shards have servers of their own; the definition belongs to the team.
     team = models.ForeignKey(
         "teams.Team",
         on_delete=models.CASCADE,

@@ -27,3 +27,45 @@ def test_delete_removes_runs_and_attempts_of_that_definition_only(team_a):
     assert not JobDefinition.objects.filter(name="old.job").exists()
     assert Run.objects.count() == 3 and Attempt.objects.count() == 3
     assert AuditEvent.objects.get(action="job.delete").before["name"] == "old.job"
+
+
+def test_runs_inserted_while_the_definition_is_deleted_go_with_it(team_a):
+    """Runs have no foreign key in the database: an insert that holds the definition when the
+    delete comes is waited for, and its runs deleted with the rest, not left behind."""
+    import threading
+
+    from django.db import connection, transaction
+
+    doomed = make_definition(team_a, "old.job", queue="q")
+    doomed_id = doomed.pk  # the deleted instance's pk becomes None
+    add_ready_runs(doomed, 5)
+    inserted, release = threading.Event(), threading.Event()
+
+    def insert_and_hold() -> None:
+        try:
+            with transaction.atomic():
+                add_ready_runs(doomed, 3, prefix="racing")
+                inserted.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    def delete() -> None:
+        try:
+            services.delete_definition(doomed, Actor.cli("test"))
+        finally:
+            connection.close()
+
+    inserting = threading.Thread(target=insert_and_hold)
+    inserting.start()
+    assert inserted.wait(10)
+    deleting = threading.Thread(target=delete)
+    deleting.start()
+    deleting.join(1.0)
+    assert deleting.is_alive()  # waiting for the insert's lock on the definition
+    release.set()
+    inserting.join(10)
+    deleting.join(10)
+    assert not deleting.is_alive()
+    assert not JobDefinition.objects.filter(pk=doomed_id).exists()
+    assert not Run.objects.filter(definition_id=doomed_id).exists()
