@@ -56,7 +56,7 @@ class Outcome(models.TextChoices):
 class Run(models.Model):
     # Both foreign keys are covered by the composite indexes below; one less index to write per run.
     # Neither is a constraint in the database, whose check at commit, a query per run inserted,
-    # cost 1-3.5 of the 20-23 ms an insert of 1 000 runs takes (bench/README.md, "Enqueue").
+    # cost 1-3.5 of the 20-23 ms an insert of 1 000 runs takes (bench/README.md).
     # The one statement that inserts runs (apps/runs/store.py, INSERT_RUNS) inserts only for a
     # definition it finds and holds FOR KEY SHARE until it commits, and deleting a definition
     # (apps/jobs/services.py) first locks it against such inserts, then deletes its runs.
@@ -226,8 +226,18 @@ class Run(models.Model):
 class Attempt(models.Model):
     """One lease of a run, identified by its fencing token."""
 
-    # Covered by attempt_run_number; one less index to write per lease.
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="attempts", db_index=False)
+    # Covered by attempt_run_number; one less index to write per lease. Not a constraint in
+    # the database: its check at commit locked each run just leased once more, a WAL record per
+    # lease, 9 of the 100 µs PostgreSQL spent per run claimed and completed (bench/README.md).
+    # Attempts are written by the claim alone, on the run it has just updated and holds; the
+    # statements that delete runs delete their attempts after them (apps/runs/retention.py).
+    run = models.ForeignKey(
+        Run,
+        on_delete=models.CASCADE,
+        related_name="attempts",
+        db_index=False,
+        db_constraint=False,
+    )
     number = models.PositiveIntegerField()
     fencing_token = models.BigIntegerField(unique=True)
     worker_id = models.CharField(max_length=200, blank=True, default="")

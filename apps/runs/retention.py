@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 # One batch of one team: its oldest finished runs past the cutoff. The run_team_state index
 # (team_id, state, id DESC) is read backwards from the oldest id, so the scan stops after
 # `batch` matches. SKIP LOCKED: a run a worker or person is touching right now waits for the
-# next batch. Attempts go in the same statement; the foreign key is checked at commit.
+# next batch. Attempts go in the same statement: a run held so is not being leased.
 DELETE_FINISHED = """
 WITH doomed AS (
     SELECT id FROM runs_run
@@ -36,16 +36,15 @@ RETURNING payload_key
 """
 
 # All runs of one definition, a batch at a time (deleting the definition). Served by
-# run_definition_recent (definition_id, id DESC).
+# run_definition_recent (definition_id, id DESC). A run being leased meanwhile is deleted once
+# the claim commits, and its new attempt is seen only by a later statement: the attempts go
+# in one of their own (attempt_run_number), and none is left without its run.
 DELETE_OF_DEFINITION = """
-WITH doomed AS (
-    SELECT id FROM runs_run WHERE definition_id = %(definition)s LIMIT %(batch)s
-), attempts AS (
-    DELETE FROM runs_attempt WHERE run_id IN (SELECT id FROM doomed)
-)
-DELETE FROM runs_run WHERE id IN (SELECT id FROM doomed)
-RETURNING payload_key
+DELETE FROM runs_run
+WHERE id IN (SELECT id FROM runs_run WHERE definition_id = %(definition)s LIMIT %(batch)s)
+RETURNING id, payload_key
 """
+DELETE_ATTEMPTS = "DELETE FROM runs_attempt WHERE run_id = ANY(%(runs)s::bigint[])"
 
 DELETE_AUDIT = """
 DELETE FROM audit_auditevent
@@ -79,7 +78,9 @@ def delete_runs_of(definition_id: int, batch: int = 5000) -> int:
     while True:
         with transaction.atomic(using=shards.current()), shards.cursor() as cursor:
             cursor.execute(DELETE_OF_DEFINITION, {"definition": definition_id, "batch": batch})
-            keys = [row[0] for row in cursor.fetchall()]
+            deleted_rows = cursor.fetchall()
+            cursor.execute(DELETE_ATTEMPTS, {"runs": [row[0] for row in deleted_rows]})
+            keys = [row[1] for row in deleted_rows]
         payloads.delete_unreferenced(keys)
         deleted += len(keys)
         if len(keys) < batch:

@@ -159,8 +159,9 @@ ORDER BY i.definition_id, i.idempotency_key
 -- The key-share lock makes `limited` exact: a change of the definition's limits (under the
 -- edit's FOR UPDATE, which rewrites its runs' flags: MARK_LIMITED) waits for this insert to
 -- commit, or this insert for it, and then reads the definition as changed. The scheduler's own
--- lock on the definition (NO KEY UPDATE) does not conflict with it, as the deferred foreign-key
--- check's lock of the same strength never did.
+-- lock on the definition (NO KEY UPDATE) does not conflict with it. It also stands for the
+-- foreign key the database does not check (apps/runs/models.py): a definition is deleted only
+-- after its inserts commit, and then with their runs.
 FOR KEY SHARE OF d
 ON CONFLICT DO NOTHING
 RETURNING id, queue, available_at <= now() AS ready_now, definition_id, idempotency_key{more}

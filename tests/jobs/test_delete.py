@@ -69,3 +69,46 @@ def test_runs_inserted_while_the_definition_is_deleted_go_with_it(team_a):
     assert not deleting.is_alive()
     assert not JobDefinition.objects.filter(pk=doomed_id).exists()
     assert not Run.objects.filter(definition_id=doomed_id).exists()
+
+
+def test_runs_leased_while_they_are_deleted_leave_no_attempt_behind(team_a):
+    """Attempts have no foreign key in the database either: a claim that holds runs when the
+    definition's runs are deleted is waited for, and the attempts it wrote go with its runs."""
+    import threading
+
+    from django.db import connection, transaction
+
+    doomed = make_definition(team_a, "old.job", queue="q")
+    add_ready_runs(doomed, 4)
+    claimed, release = threading.Event(), threading.Event()
+
+    def claim_and_hold() -> None:
+        try:
+            with transaction.atomic():
+                store.claim(queues=["q"], max_runs=2, worker_id="w", lease_seconds=60)
+                claimed.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    deleted: list[int] = []
+
+    def delete() -> None:
+        try:
+            deleted.append(retention.delete_runs_of(doomed.pk))
+        finally:
+            connection.close()
+
+    claiming = threading.Thread(target=claim_and_hold)
+    claiming.start()
+    assert claimed.wait(10)
+    deleting = threading.Thread(target=delete)
+    deleting.start()
+    deleting.join(1.0)
+    assert deleting.is_alive()  # waiting for the claim's locks on two of the runs
+    release.set()
+    claiming.join(10)
+    deleting.join(10)
+    assert deleted == [4]
+    assert not Run.objects.exists()
+    assert not Attempt.objects.exists()
