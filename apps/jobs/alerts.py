@@ -16,7 +16,7 @@ from apps.jobs.models import JobDefinition
 from apps.runs import shards
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
-from apps.runs.models import Run
+from apps.runs.models import SCHEDULED_TRIGGERS, Run
 
 WINDOW = timedelta(hours=24)
 MAX_TIMES_PER_DEFINITION = 1440
@@ -84,7 +84,7 @@ def _missed(definition: JobDefinition, since: datetime, now: datetime) -> list[A
     succeeded = set(
         Run.objects.filter(
             definition=definition,
-            trigger__in=("cron", "catch_up", "backfill"),
+            trigger__in=SCHEDULED_TRIGGERS,
             due_at__in=[t.utc for t in times],
             state="succeeded",
         ).values_list("due_at", flat=True)

@@ -12,10 +12,8 @@ from apps.jobs import firetimes
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition, database_of, database_to_write
 from apps.runs import shards
-from apps.runs.models import Run
+from apps.runs.models import SCHEDULED_TRIGGERS, Run
 from apps.runs.store import NewRun, insert_runs
-
-SCHEDULED_TRIGGERS = ("cron", "catch_up", "backfill")
 
 
 class BackfillError(ValueError):

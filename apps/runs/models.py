@@ -44,6 +44,10 @@ class Trigger(models.TextChoices):
     BACKFILL = "backfill"
 
 
+# Runs made for a fire time: one a definition and due time (run_definition_due_unique).
+SCHEDULED_TRIGGERS = ["cron", "catch_up", "backfill"]
+
+
 class Outcome(models.TextChoices):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -131,7 +135,7 @@ class Run(models.Model):
             models.UniqueConstraint(
                 fields=["definition", "due_at"],
                 name="run_definition_due_unique",
-                condition=models.Q(trigger__in=["cron", "catch_up", "backfill"]),
+                condition=models.Q(trigger__in=SCHEDULED_TRIGGERS),
             ),
             models.UniqueConstraint(
                 fields=["definition", "idempotency_key"], name="run_definition_key_unique"

@@ -31,6 +31,7 @@ from apps.runs.fairness import interleave_teams, slot_priorities
 from apps.runs.floors import OLDEST_TRANSACTION, floors
 from apps.runs.ids import public_run_id
 from apps.runs.logs import run_event
+from apps.runs.models import SCHEDULED_TRIGGERS
 from apps.runs.shards import ID_SPACE
 
 T = TypeVar("T", bound=tuple)
@@ -125,7 +126,10 @@ def notify_ready(queues: Iterable[str]) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Insert. Both unique constraints (definition + due time for scheduled runs, definition +
-# idempotency key for all) make a repeated insert a no-op: ON CONFLICT DO NOTHING.
+# idempotency key for all) make a repeated insert a no-op: ON CONFLICT DO NOTHING. A batch with
+# no scheduled run can conflict on its key alone: naming that index as the only arbiter spares
+# a check of the primary key per run (1 000 runs: 0.7-1.4 ms of 19-23, three interleaved series
+# of 90 inserts).
 
 _INSERT_RUNS = """
 INSERT INTO runs_run (
@@ -163,21 +167,28 @@ ORDER BY i.definition_id, i.idempotency_key
 -- foreign key the database does not check (apps/runs/models.py): a definition is deleted only
 -- after its inserts commit, and then with their runs.
 FOR KEY SHARE OF d
-ON CONFLICT DO NOTHING
+ON CONFLICT {arbiter} DO NOTHING
 RETURNING id, queue, available_at <= now() AS ready_now, definition_id, idempotency_key{more}
 """
-INSERT_RUNS = _INSERT_RUNS.format(more="", space=ID_SPACE, limited=LIMITED)
-# The same, answering every column a new run's representation needs, so that a batch created
-# through the API is answered without reading its runs back (1 000 runs read through the ORM
-# took 60 ms, more than their insert).
-INSERT_RUNS_RETURNING_ROWS = _INSERT_RUNS.format(
-    space=ID_SPACE,
-    limited=LIMITED,
-    more=(
-        ", team_id, priority, state, trigger, due_at, available_at, attempt, max_attempts,"
-        " dry_run, payload::text AS payload, payload_key, concurrency_key, created_at"
-    ),
+# The columns a new run's representation needs, answered so that a batch created through the
+# API is answered without reading its runs back (1 000 runs read through the ORM took 60 ms,
+# more than their insert).
+_WHOLE_RUN = (
+    ", team_id, priority, state, trigger, due_at, available_at, attempt, max_attempts,"
+    " dry_run, payload::text AS payload, payload_key, concurrency_key, created_at"
 )
+# (answering whole runs, no scheduled run among them): the statement.
+_INSERTS = {
+    (whole, keyed): _INSERT_RUNS.format(
+        more=_WHOLE_RUN if whole else "",
+        arbiter="(definition_id, idempotency_key)" if keyed else "",
+        space=ID_SPACE,
+        limited=LIMITED,
+    )
+    for whole in (False, True)
+    for keyed in (False, True)
+}
+INSERT_RUNS = _INSERTS[False, False]
 
 
 class NewRun(NamedTuple):
@@ -249,7 +260,8 @@ def insert_keyed(runs: Sequence[NewRun], *, full: bool = False) -> dict[tuple[in
     # Inside a caller's transaction (enqueue audits in it), no savepoint: two round trips
     # fewer, and a failed insert fails the caller's transaction all the same.
     with atomic(savepoint=False), server_cursor() as cursor:
-        cursor.execute(INSERT_RUNS_RETURNING_ROWS if full else INSERT_RUNS, params)
+        keyed = not any(run.trigger in SCHEDULED_TRIGGERS for run in runs)
+        cursor.execute(_INSERTS[full, keyed], params)
         inserted = _rows(cursor)
         notify_ready(row["queue"] for row in inserted if row["ready_now"])
     return {
