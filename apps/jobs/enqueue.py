@@ -368,7 +368,7 @@ class CreatedRun:
 class NamedRun(NamedTuple):
     """A run just inserted, for a caller that answers it by id (and the audit): read from the
     insert's ids and the batch's own items, without the run's columns (1 000 runs made whole
-    cost the web process 5 of its 20 ms for the batch)."""
+    cost the web process 5 of its 30-35 ms for the batch)."""
 
     pk: int
     definition: JobDefinition

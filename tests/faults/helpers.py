@@ -324,6 +324,15 @@ INVARIANTS = {
         SELECT id FROM runs_run WHERE state = 'leased'
           AND (lease_expires_at IS NULL OR fencing_token IS NULL)
     """,
+    # Neither key is a constraint in the database (apps/runs/models.py): the writers hold it.
+    "every run has its definition": """
+        SELECT r.id, r.definition_id FROM runs_run r
+        WHERE NOT EXISTS (SELECT 1 FROM jobs_jobdefinition d WHERE d.id = r.definition_id)
+    """,
+    "every attempt has its run": """
+        SELECT a.run_id, a.number FROM runs_attempt a
+        WHERE NOT EXISTS (SELECT 1 FROM runs_run r WHERE r.id = a.run_id)
+    """,
     "one scheduled run per definition and due time": """
         SELECT definition_id, due_at, count(*) FROM runs_run
         WHERE trigger IN ('cron', 'catch_up', 'backfill')
