@@ -8,6 +8,8 @@ import pytest
 import time_machine
 from django.core.cache import cache
 
+from apps.audit.models import AuditEvent
+from apps.runs.clock import format_utc
 from apps.runs.models import Run
 from tests.conftest import make_definition, stored, stored_one
 
@@ -112,6 +114,7 @@ def test_prefer_return_minimal_answers_runs_by_id_on_both_dispatch_paths(api_a, 
         {"job": "billing.remind", "idempotencyKey": "old"},
         {"job": "no.such-job"},
         {"job": "billing.send-invoice", "idempotencyKey": "old", "payload": {"kind": "x"}},
+        {"job": "billing.remind", "idempotencyKey": "new"},  # twice in one batch
     ]
     answer = api_a.post(
         "/api/v1/runs",
@@ -121,12 +124,18 @@ def test_prefer_return_minimal_answers_runs_by_id_on_both_dispatch_paths(api_a, 
     assert answer.status_code == 200, answer.text
     assert answer.headers["Preference-Applied"] == "return=minimal"
     runs = answer.json()["runs"]
-    assert [item["status"] for item in runs] == [201, 200, 404, 201]
+    assert [item["status"] for item in runs] == [201, 200, 404, 201, 200]
     ids = {run.idempotency_key + run.definition.name: run.run_id for run in stored(Run)}
     assert runs[0] == {"status": 201, "runId": ids["newbilling.remind"]}
     assert runs[1] == {"status": 200, "runId": ids["oldbilling.remind"]}
     assert runs[3] == {"status": 201, "runId": ids["oldbilling.send-invoice"]}
+    assert runs[4] == {"status": 200, "runId": ids["newbilling.remind"]}
     assert set(runs[2]) >= {"type", "title", "detail"}
+    # The new runs are audited as whole answers are: one event per job, naming the run.
+    created = AuditEvent.objects.get(action="run.create", target=ids["newbilling.remind"])
+    assert created.after["job"] == "billing.remind"
+    assert created.after["idempotencyKey"] == "new"
+    assert created.after["dueAt"] == format_utc(stored_one(Run, idempotency_key="new").due_at)
     # Without the preference, the whole run, and no Preference-Applied.
     full = api_a.post("/api/v1/runs", {"runs": items[:1]}, headers={"Accept": accept})
     assert full.json()["runs"][0]["run"]["runId"] == ids["newbilling.remind"]
