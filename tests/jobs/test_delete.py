@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import pytest
+from django.db import connection, transaction
 
 from apps.audit.models import AuditEvent
 from apps.audit.record import Actor
@@ -29,44 +33,50 @@ def test_delete_removes_runs_and_attempts_of_that_definition_only(team_a):
     assert AuditEvent.objects.get(action="job.delete").before["name"] == "old.job"
 
 
-def test_runs_inserted_while_the_definition_is_deleted_go_with_it(team_a):
-    """Runs have no foreign key in the database: an insert that holds the definition when the
-    delete comes is waited for, and its runs deleted with the rest, not left behind."""
-    import threading
+def _waits_for_held(hold: Callable[[], None], act: Callable[[], None]) -> None:
+    """`hold()` in a transaction of its own thread, kept open; then `act()` in another thread,
+    which must still be waiting a second later (for what the first holds) and must end once
+    the first commits."""
+    held, release = threading.Event(), threading.Event()
 
-    from django.db import connection, transaction
-
-    doomed = make_definition(team_a, "old.job", queue="q")
-    doomed_id = doomed.pk  # the deleted instance's pk becomes None
-    add_ready_runs(doomed, 5)
-    inserted, release = threading.Event(), threading.Event()
-
-    def insert_and_hold() -> None:
+    def holding() -> None:
         try:
             with transaction.atomic():
-                add_ready_runs(doomed, 3, prefix="racing")
-                inserted.set()
+                hold()
+                held.set()
                 release.wait(10)
         finally:
             connection.close()
 
-    def delete() -> None:
+    def acting() -> None:
         try:
-            services.delete_definition(doomed, Actor.cli("test"))
+            act()
         finally:
             connection.close()
 
-    inserting = threading.Thread(target=insert_and_hold)
-    inserting.start()
-    assert inserted.wait(10)
-    deleting = threading.Thread(target=delete)
-    deleting.start()
-    deleting.join(1.0)
-    assert deleting.is_alive()  # waiting for the insert's lock on the definition
+    first = threading.Thread(target=holding)
+    first.start()
+    assert held.wait(10)
+    second = threading.Thread(target=acting)
+    second.start()
+    second.join(1.0)
+    assert second.is_alive()  # waiting for the first's locks
     release.set()
-    inserting.join(10)
-    deleting.join(10)
-    assert not deleting.is_alive()
+    first.join(10)
+    second.join(10)
+    assert not second.is_alive()
+
+
+def test_runs_inserted_while_the_definition_is_deleted_go_with_it(team_a):
+    """Runs have no foreign key in the database: an insert that holds the definition when the
+    delete comes is waited for, and its runs deleted with the rest, not left behind."""
+    doomed = make_definition(team_a, "old.job", queue="q")
+    doomed_id = doomed.pk  # the deleted instance's pk becomes None
+    add_ready_runs(doomed, 5)
+    _waits_for_held(
+        lambda: add_ready_runs(doomed, 3, prefix="racing"),
+        lambda: services.delete_definition(doomed, Actor.cli("test")),
+    )
     assert not JobDefinition.objects.filter(pk=doomed_id).exists()
     assert not Run.objects.filter(definition_id=doomed_id).exists()
 
@@ -74,41 +84,13 @@ def test_runs_inserted_while_the_definition_is_deleted_go_with_it(team_a):
 def test_runs_leased_while_they_are_deleted_leave_no_attempt_behind(team_a):
     """Attempts have no foreign key in the database either: a claim that holds runs when the
     definition's runs are deleted is waited for, and the attempts it wrote go with its runs."""
-    import threading
-
-    from django.db import connection, transaction
-
     doomed = make_definition(team_a, "old.job", queue="q")
     add_ready_runs(doomed, 4)
-    claimed, release = threading.Event(), threading.Event()
-
-    def claim_and_hold() -> None:
-        try:
-            with transaction.atomic():
-                store.claim(queues=["q"], max_runs=2, worker_id="w", lease_seconds=60)
-                claimed.set()
-                release.wait(10)
-        finally:
-            connection.close()
-
     deleted: list[int] = []
-
-    def delete() -> None:
-        try:
-            deleted.append(retention.delete_runs_of(doomed.pk))
-        finally:
-            connection.close()
-
-    claiming = threading.Thread(target=claim_and_hold)
-    claiming.start()
-    assert claimed.wait(10)
-    deleting = threading.Thread(target=delete)
-    deleting.start()
-    deleting.join(1.0)
-    assert deleting.is_alive()  # waiting for the claim's locks on two of the runs
-    release.set()
-    claiming.join(10)
-    deleting.join(10)
+    _waits_for_held(
+        lambda: store.claim(queues=["q"], max_runs=2, worker_id="w", lease_seconds=60),
+        lambda: deleted.append(retention.delete_runs_of(doomed.pk)),
+    )
     assert deleted == [4]
     assert not Run.objects.exists()
     assert not Attempt.objects.exists()
