@@ -1415,7 +1415,7 @@ def complete(items: Sequence[tuple[int, int, Any]], *, team_ids: Sequence[int]) 
 
 
 def _complete_params(items: Sequence[tuple[int, int, Any]]) -> dict[str, Any]:
-    results = [None if r is None else json.dumps(r) for _, _, r in items]
+    results = [None if r is None else _json(r) for _, _, r in items]
     return {
         "ids": _bigints(i for i, _, _ in items),
         "tokens": _bigints(t for _, t, _ in items),
@@ -1438,7 +1438,7 @@ def _fail_params(items: Sequence[tuple[int, int, dict[str, Any], bool]]) -> dict
     return {
         "ids": _bigints(i for i, _, _, _ in items),
         "tokens": _bigints(t for _, t, _, _ in items),
-        "errors": [json.dumps(e) for _, _, e, _ in items],
+        "errors": [_json(e) for _, _, e, _ in items],
         "retryables": [bool(r) for _, _, _, r in items],
         "fingerprints": _bigints(fingerprints.of_error(e) for _, _, e, _ in items),
     }
