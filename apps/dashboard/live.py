@@ -45,16 +45,16 @@ LIVE_PAGES = frozenset(
 
 # Each sub-select is served by one index and reads a row or a handful:
 #   max(id) of runs      primary key: a run was inserted (materialiser, trigger, API)
-#   max fencing token    attempt_fencing_token unique index: a lease was taken
+#   max(id) of attempts  primary key: a lease was taken
 #   leased count         partial index run_leased_expiry (leased rows only): a lease ended —
-#                        completed, failed or reaped. Together with the token: any lease event.
+#                        completed, failed or reaped. Together with the attempts: any lease event.
 #   max(id) of audit     primary key: a person or token changed something (retry, cancel,
 #                        requeue, discard, pause, edit)
 #   15-second bucket     time alone turns waiting runs `ready` and ages grow
 # On every shard database:
 RUNS_FINGERPRINT = """
 SELECT (SELECT max(id) FROM runs_run),
-       (SELECT max(fencing_token) FROM runs_attempt),
+       (SELECT max(id) FROM runs_attempt),
        (SELECT count(*) FROM runs_run WHERE state = 'leased')
 """
 # On the control database:

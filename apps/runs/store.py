@@ -1124,7 +1124,7 @@ def leased_targets(extra: str = "") -> str:
 # Heartbeat: extend live leases held with the current token, never past the attempt's deadline.
 # A lease that has already expired is not revived: the reaper may be about to hand it on; nor
 # one whose run someone asked to cancel (its worker is told so: `_diagnose`).
-# Served by the primary key; the attempt by its unique fencing token.
+# Served by the primary key; the attempt by attempt_run_number (run, number).
 
 HEARTBEAT = f"""
 WITH input AS (
@@ -1134,10 +1134,10 @@ WITH input AS (
     SET lease_expires_at = least(now() + make_interval(secs => r.lease_seconds), r.timeout_at)
     FROM target t
     WHERE r.id = t.id
-    RETURNING r.id, r.fencing_token, r.lease_expires_at
+    RETURNING r.id, r.attempt, r.lease_expires_at
 ), beats AS (
     UPDATE runs_attempt a SET last_heartbeat_at = now()
-    FROM extended e WHERE a.fencing_token = e.fencing_token
+    FROM extended e WHERE a.run_id = e.id AND a.number = e.attempt
 )
 SELECT id, lease_expires_at FROM extended
 """
@@ -1158,10 +1158,10 @@ WITH input AS (
         result = t.result, finished_at = now(), lease_expires_at = NULL
     FROM target t
     WHERE r.id = t.id
-    RETURNING r.id, r.fencing_token, r.queue, r.team_id, r.priority, r.state
+    RETURNING r.id, r.attempt, r.queue, r.team_id, r.priority, r.state
 ), ended AS (
     UPDATE runs_attempt a SET ended_at = now(), outcome = done.state
-    FROM done WHERE a.fencing_token = done.fencing_token
+    FROM done WHERE a.run_id = done.id AND a.number = done.attempt
 ), counted AS ({counters.count_succeeded("done")})
 SELECT id, state, NULL::timestamptz AS available_at, queue FROM done
 """
@@ -1205,7 +1205,7 @@ WITH input AS (
         lease_expires_at = NULL
     FROM target t, jobs_jobdefinition d
     WHERE r.id = t.id AND d.id = r.definition_id
-    RETURNING r.id, r.fencing_token, r.state, r.available_at, r.last_error, r.queue, r.team_id,
+    RETURNING r.id, r.attempt, r.state, r.available_at, r.last_error, r.queue, r.team_id,
               r.priority
 ), ended AS (
     UPDATE runs_attempt a
@@ -1213,7 +1213,7 @@ WITH input AS (
         error_message = left(coalesce(f.last_error->>'message', ''), 10000),
         error_type = left(coalesce(f.last_error->>'type', ''), 200),
         error_stack = coalesce(f.last_error->>'stack', '')
-    FROM failed f WHERE a.fencing_token = f.fencing_token
+    FROM failed f WHERE a.run_id = f.id AND a.number = f.attempt
 ), counted AS ({counters.count_failed("failed")})
 SELECT id, state, available_at, queue FROM failed
 """
@@ -1250,13 +1250,13 @@ WITH expired AS (
     FROM expired e, jobs_jobdefinition d
     WHERE r.id = e.id AND d.id = r.definition_id
       AND r.state = 'leased' AND r.lease_expires_at <= now()
-    RETURNING r.id, r.fencing_token, r.state, r.queue, r.available_at, r.last_error, r.team_id,
+    RETURNING r.id, r.attempt, r.state, r.queue, r.available_at, r.last_error, r.team_id,
               r.priority
 ), ended AS (
     UPDATE runs_attempt a
     SET ended_at = now(), outcome = rp.last_error->>'type', error_message = rp.last_error->>'message',
         error_type = rp.last_error->>'type'
-    FROM reaped rp WHERE a.fencing_token = rp.fencing_token
+    FROM reaped rp WHERE a.run_id = rp.id AND a.number = rp.attempt
 ), counted AS ({counters.count_failed("reaped")})
 SELECT id, state, queue, available_at, last_error->>'type' AS outcome FROM reaped
 """

@@ -145,20 +145,21 @@ WHERE team_id = ANY(%(teams)s::bigint[])
 """
 
 # Each shard database: the teams' leased runs by worker (run_team_state: team_id, state), and
-# the attempt of each worker's newest lease (its largest fencing token; the unique index on
-# runs_attempt.fencing_token): when it was leased, and its last heartbeat (the SDK beats all of
-# a worker's leases in one call). Reading every run's attempt instead took 140 of the page's
+# the attempt of each worker's newest lease (the run with its largest fencing token, its attempt
+# by attempt_run_number): when it was leased, and its last heartbeat (the SDK beats all of a
+# worker's leases in one call). Reading every run's attempt instead took 140 of the page's
 # 220 ms with 20 000 runs leased (bench/dashboard.py, 1 M runs).
 IN_FLIGHT = """
 WITH held AS (
-    SELECT r.team_id, r.worker_id, count(*) AS n, max(r.fencing_token) AS newest
+    SELECT r.team_id, r.worker_id, count(*) AS n,
+           (array_agg(ARRAY[r.id, r.attempt] ORDER BY r.fencing_token DESC))[1:1] AS newest
     FROM runs_run r
     WHERE r.team_id = ANY(%(teams)s::bigint[]) AND r.state = 'leased'
     GROUP BY r.team_id, r.worker_id
 )
 SELECT h.team_id, h.worker_id, h.n, a.leased_at, a.last_heartbeat_at
 FROM held h
-LEFT JOIN runs_attempt a ON a.fencing_token = h.newest
+LEFT JOIN runs_attempt a ON a.run_id = h.newest[1][1] AND a.number = h.newest[1][2]
 """
 
 # Each shard database: the teams' leased runs in the last third of their lease, soonest first

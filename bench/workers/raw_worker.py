@@ -56,14 +56,14 @@ WITH i AS (
     UPDATE runs_run r
     SET state = 'succeeded', result = NULL, finished_at = now(), lease_expires_at = NULL
     FROM i WHERE r.id = i.id AND r.state = 'leased' AND r.fencing_token = i.token
-    RETURNING r.fencing_token
+    RETURNING r.id, r.attempt
 ){attempts}
 SELECT count(*) FROM done
 """
 
 END_ATTEMPTS = """, ended AS (
     UPDATE runs_attempt a SET ended_at = now(), outcome = 'succeeded'
-    FROM done WHERE a.fencing_token = done.fencing_token
+    FROM done WHERE a.run_id = done.id AND a.number = done.attempt
 )"""
 
 NEXT = f"""

@@ -294,6 +294,10 @@ INVARIANTS = {
         FROM runs_attempt a JOIN runs_attempt b
           ON b.run_id = a.run_id AND b.number > a.number AND b.fencing_token <= a.fencing_token
     """,
+    # Not a constraint in the database either (apps/runs/models.py): the token's sequence holds it.
+    "no two attempts share a fencing token": """
+        SELECT fencing_token, count(*) FROM runs_attempt GROUP BY fencing_token HAVING count(*) > 1
+    """,
     "the run carries its latest attempt's token": """
         SELECT r.id, r.fencing_token, a.fencing_token
         FROM runs_run r JOIN runs_attempt a ON a.run_id = r.id AND a.number = r.attempt
