@@ -252,18 +252,20 @@ def test_a_dead_holders_concurrency_slot_frees_once_and_the_limit_always_holds(h
     definition = h.definition("faults.limited", "limited", concurrency=2, retry_max_attempts=3)
     held = h.add_runs(definition, [LONG_FIRST] * 2, prefix="held")
     rest = h.add_runs(definition, [{"seconds": 0.3}] * 6, prefix="rest")
-    # Both ask for four runs at once; the limit gives two runs to one of them: the two oldest,
-    # or, when the two claims cross (one has locked the oldest and waits for the limit while the
-    # other, skipping locked rows, takes two newer), the oldest right after those have run.
-    workers = {name: h.worker(name, "limited", concurrency=4, lease=3) for name in ("w-1", "w-2")}
-
-    def holder() -> str | None:
-        found = runs(h.db, held)
-        names = {run["worker_id"] for run in found.values() if run["state"] == "leased"}
-        return names.pop() if len(names) == 1 and len(found) == 2 else None
-
-    name = wait_for(lambda: all_in(h.db, held, "leased") and holder(), 30, "the slots to be taken")
-    old = {pk: run["fencing_token"] for pk, run in runs(h.db, held).items()}
+    # The holder starts first and takes the two oldest (it asks for four; the limit gives two).
+    # Started together, two claims could cross and split the held runs between the workers:
+    # one locks the oldest as a candidate, the other skips it and takes the next, and each is
+    # under the limit; or the slots free one at a time after newer runs went first. Which
+    # worker then held what was a race the test lost about once in a dozen runs.
+    name = "w-1"
+    workers = {name: h.worker(name, "limited", concurrency=4, lease=3)}
+    old = wait_for(lambda: leased_by(h.db, held, name), 30, "the slots to be taken")
+    workers["w-2"] = h.worker("w-2", "limited", concurrency=4, lease=3)
+    wait_for(
+        lambda: h.db.scalar("SELECT count(*) FROM runs_worker WHERE worker_id = 'w-2'") == 1,
+        30,
+        "the second worker to ask for work",
+    )
     before = {pk: (run["state"], run["attempt"]) for pk, run in runs(h.db, rest).items()}
     time.sleep(1)  # both workers keep asking; the limit keeps saying no
     assert {pk: (run["state"], run["attempt"]) for pk, run in runs(h.db, rest).items()} == before
