@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import UTC, datetime
 
 import pytest
 
 from apps.ops.logs import JsonFormatter
 from apps.runs import store
+from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from tests.conftest import add_ready_runs, make_definition
 
@@ -33,3 +35,27 @@ def test_a_run_can_be_followed_by_its_id(team_a, caplog):
     assert lines[0]["job"] == "log.job" and lines[0]["attempt"] == 1
     assert lines[0]["fencing_token"] == lease.fencing_token and lines[0]["worker_id"] == "host/1"
     assert lines[2]["msg"].startswith("refused (409)")
+
+
+def test_a_lines_time_is_written_as_every_instant_is_to_the_millisecond():
+    formatter = JsonFormatter()
+    for created in (1_764_756_941.837, 1_764_756_941.0, 1_764_756_942.9995, 1_764_756_941.5):
+        record = logging.LogRecord("x", logging.INFO, __file__, 1, "m", (), None)
+        record.created = created
+        written = json.loads(formatter.format(record))["ts"]
+        instant = datetime.fromtimestamp(created, UTC)
+        expected = format_utc(instant.replace(microsecond=instant.microsecond // 1000 * 1000))
+        if "." not in expected:
+            expected = expected[:-1] + ".000Z"
+        assert written == expected
+
+
+def test_a_field_json_cannot_hold_is_written_as_text_and_a_huge_integer_whole():
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "m %s", ("arg",), None)
+    record.run_id = "run_1"
+    record.count = 2**70  # past orjson's 64 bits
+    record.state = object()
+    line = json.loads(JsonFormatter().format(record))
+    assert line["msg"] == "m arg" and line["run_id"] == "run_1"
+    assert line["count"] == 2**70
+    assert line["state"].startswith("<object object")
