@@ -128,3 +128,28 @@ def test_a_shard_database_down_is_named_and_the_rest_counted(layout: Layout, api
     assert answer.json()["unavailableShards"] == [shards.span(dead)]
     (worker,) = answer.json()["results"]
     assert worker["workerId"] == "spread" and worker["inFlight"] == len(layout.aliases) - 1
+
+
+def test_a_workers_times_come_from_its_newest_lease_where_its_row_has_none(api_a, team_a):
+    add_ready_runs(make_definition(team_a, "billing.charge", queue="billing"), 3)
+    older, _ = api_a.lease(["billing"], 2, worker="host-1/11")
+    (newest,) = api_a.lease(["billing"], 1, worker="host-1/11")
+    beat = api_a.post(
+        f"/api/v1/runs/{newest['runId']}/heartbeat", {"fencingToken": newest["fencingToken"]}
+    )
+    assert beat.status_code == 200, beat.text
+    # The row the calls wrote says nothing: what is listed is read from the runs in flight.
+    Worker.objects.filter(team=team_a).update(last_lease_at=ago(minutes=3), last_heartbeat_at=None)
+
+    (seen,) = workers.seen([team_a.pk], minutes=10).workers
+    assert seen.in_flight == 3
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            "SELECT a.leased_at, a.last_heartbeat_at FROM runs_attempt a"
+            " WHERE a.fencing_token = %s",
+            [newest["fencingToken"]],
+        )
+        leased_at, beaten_at = cursor.fetchone()
+    assert beaten_at is not None
+    assert (seen.last_lease_at, seen.last_heartbeat_at) == (leased_at, beaten_at)
+    assert older["fencingToken"] < newest["fencingToken"]
