@@ -4,6 +4,7 @@ and the one way an instant is written out: ISO 8601 in UTC with a Z."""
 from __future__ import annotations
 
 import functools
+import time
 from datetime import UTC, datetime
 from typing import overload
 
@@ -39,3 +40,24 @@ def _format(value: datetime) -> str:
     value = value.astimezone(UTC)
     spec = "milliseconds" if value.microsecond else "seconds"
     return value.replace(tzinfo=None).isoformat(timespec=spec) + "Z"
+
+
+# The last second `format_timestamp` wrote, and its text.
+_second: tuple[int, str] = (-1, "")
+
+
+def format_timestamp(seconds: float) -> str:
+    """A Unix time (a log record's `created`) as `format_utc` writes an instant, always to the
+    millisecond (`2026-12-03T10:55:41.837Z`). Per log line: the second's text is kept, so a
+    line costs a rounding and an f-string (`format_utc` of a datetime made for it: ~7 µs)."""
+    global _second
+    whole = int(seconds)
+    # To the microsecond first, as datetime.fromtimestamp rounds (…41.837 is …41.83699… as a float).
+    micro = round((seconds - whole) * 1e6)
+    if micro == 1_000_000:
+        whole, micro = whole + 1, 0
+    second = _second  # one read: other threads may replace it
+    if second[0] != whole:
+        second = (whole, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)))
+        _second = second
+    return f"{second[1]}.{micro // 1000:03d}Z"
