@@ -80,7 +80,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level, format=LOG_FORMAT)
-    # httpx logs every request at INFO: one line per long poll and heartbeat is noise.
+    # httpx (under a handler's own producer Client) logs every request at INFO: noise at this
+    # rate. The worker's own requests are logged at DEBUG (transport.py).
     logging.getLogger("httpx").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.WARNING)
 

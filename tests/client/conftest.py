@@ -13,6 +13,7 @@ import pytest
 from cronlease_client import Client, Worker
 
 from apps.runs.models import Run
+from tests.client.scripted import Request, Response, ScriptedServer
 from tests.waiting import wait_for  # noqa: F401 - shared by this package's tests
 
 
@@ -39,6 +40,20 @@ def read_ledger(path: Path) -> dict[str, dict[str, Any]]:
         except sqlite3.OperationalError:
             return {}
     return {row["idempotency_key"]: dict(row) for row in rows}
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Callable[[Request], Response]], ScriptedServer]]:
+    """Start scripted HTTP servers (tests/client/scripted.py); each is closed at teardown."""
+    servers: list[ScriptedServer] = []
+
+    def start(handle: Callable[[Request], Response]) -> ScriptedServer:
+        servers.append(ScriptedServer(handle))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
 
 
 @pytest.fixture

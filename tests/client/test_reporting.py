@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
-import httpx
+import pytest
 from cronlease_client.reporting import (
     RESULT_TOO_LARGE,
     LeasedRun,
@@ -14,40 +13,43 @@ from cronlease_client.reporting import (
 )
 from cronlease_client.transport import Transport
 
-Answer = Callable[[list[dict]], httpx.Response]
+from tests.client.scripted import Request, Response, json_response
+
+Answer = Callable[[list[dict]], Response]
 
 
-def scheduler(answer: Answer) -> tuple[Transport, list[list[dict]]]:
+@pytest.fixture
+def scheduler(serve) -> Callable[[Answer], tuple[Transport, list[list[dict]]]]:
     """A Transport whose results requests get `answer(items)`; the items of each request."""
-    requests: list[list[dict]] = []
 
-    def handle(request: httpx.Request) -> httpx.Response:
-        items = json.loads(request.content)["results"]
-        requests.append(items)
-        return answer(items)
+    def make(answer: Answer) -> tuple[Transport, list[list[dict]]]:
+        requests: list[list[dict]] = []
 
-    transport = Transport(
-        "http://scheduler.test/", "jst_token", http_transport=httpx.MockTransport(handle)
+        def handle(request: Request) -> Response:
+            items = request.json()["results"]
+            requests.append(items)
+            return answer(items)
+
+        return Transport(serve(handle).url, "jst_token", backoff_base=0.001), requests
+
+    return make
+
+
+def accepted(items: list[dict]) -> Response:
+    return json_response(
+        200, {"results": [{"runId": i["runId"], "status": 200, "state": "done"} for i in items]}
     )
-    return transport, requests
 
 
-def accepted(items: list[dict]) -> httpx.Response:
-    return httpx.Response(
-        200,
-        json={"results": [{"runId": i["runId"], "status": 200, "state": "done"} for i in items]},
-    )
-
-
-def problem(code: int) -> httpx.Response:
-    return httpx.Response(code, json={"status": code, "detail": f"answer {code}"})
+def problem(code: int) -> Response:
+    return json_response(code, {"status": code, "detail": f"answer {code}"})
 
 
 def run(number: int) -> LeasedRun:
     return LeasedRun(f"run_{number}", "billing.export", 1, 10 + number)
 
 
-def test_outcomes_go_in_one_request_with_their_fencing_tokens():
+def test_outcomes_go_in_one_request_with_their_fencing_tokens(scheduler):
     http, requests = scheduler(accepted)
     settled: list = []
     batch = [(run(1), Report("succeeded", {"rows": 3})), (run(2), Report("failed", message="x"))]
@@ -59,7 +61,7 @@ def test_outcomes_go_in_one_request_with_their_fencing_tokens():
     assert settled == [batch]
 
 
-def test_a_refused_batch_is_sent_again_one_outcome_at_a_time():
+def test_a_refused_batch_is_sent_again_one_outcome_at_a_time(scheduler):
     http, requests = scheduler(lambda items: problem(400) if len(items) > 1 else accepted(items))
     settled: list = []
     batch = [(run(1), Report("succeeded")), (run(2), Report("succeeded"))]
@@ -69,8 +71,8 @@ def test_a_refused_batch_is_sent_again_one_outcome_at_a_time():
     assert settled == [[batch[0]], [batch[1]]]
 
 
-def test_a_success_too_large_to_store_completes_without_its_result():
-    def answer(items: list[dict]) -> httpx.Response:
+def test_a_success_too_large_to_store_completes_without_its_result(scheduler):
+    def answer(items: list[dict]) -> Response:
         return accepted(items) if items[0]["result"] == RESULT_TOO_LARGE.result else problem(413)
 
     http, requests = scheduler(answer)
@@ -79,7 +81,7 @@ def test_a_success_too_large_to_store_completes_without_its_result():
     assert [r[0]["result"] for r in requests] == ["x" * 100, {"resultTooLarge": True}]
 
 
-def test_a_request_the_scheduler_refuses_leaves_the_leases_to_expire():
+def test_a_request_the_scheduler_refuses_leaves_the_leases_to_expire(scheduler):
     http, requests = scheduler(lambda items: problem(409))
     settled: list = []
     batch = [(run(1), Report("succeeded"))]
@@ -89,10 +91,10 @@ def test_a_request_the_scheduler_refuses_leaves_the_leases_to_expire():
     assert settled == [batch]
 
 
-def test_an_outcome_the_scheduler_refuses_has_no_new_state():
-    def answer(items: list[dict]) -> httpx.Response:
-        return httpx.Response(
-            200, json={"results": [{"runId": "run_1", "status": 409, "detail": "stale token"}]}
+def test_an_outcome_the_scheduler_refuses_has_no_new_state(scheduler):
+    def answer(items: list[dict]) -> Response:
+        return json_response(
+            200, {"results": [{"runId": "run_1", "status": 409, "detail": "stale token"}]}
         )
 
     http, _ = scheduler(answer)
@@ -100,14 +102,14 @@ def test_an_outcome_the_scheduler_refuses_has_no_new_state():
     assert send_results(http, [(run(1), Report("succeeded"))]) == {}
 
 
-def test_an_item_answered_503_is_sent_again_alone_until_it_is_taken():
+def test_an_item_answered_503_is_sent_again_alone_until_it_is_taken(scheduler):
     answers = iter(["down", "down", "up"])
 
-    def answer(items: list[dict]) -> httpx.Response:
+    def answer(items: list[dict]) -> Response:
         if next(answers) == "down":
-            return httpx.Response(
+            return json_response(
                 200,
-                json={
+                {
                     "results": [
                         {"runId": i["runId"], "status": 503, "detail": "shards 8-15 unavailable"}
                         if i["runId"] == "run_B"

@@ -1,62 +1,79 @@
-"""Retries of the SDK's HTTP layer, against a scripted transport (no server, no database)."""
+"""The worker's HTTP layer (retries, its kept connection, JSON both ways), against a scripted
+HTTP server on a real socket (no database)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
-import httpx
 import pytest
 from cronlease_client import ApiError
 from cronlease_client.transport import Transport, backoff_delay
 
+from tests.client.scripted import HANG_UP, Request, Response, json_response
 
-def scripted(*answers: Callable[[httpx.Request], httpx.Response]) -> tuple[Transport, list]:
+Script = Callable[[Request], Response]
+
+
+@pytest.fixture
+def scripted(serve) -> Callable[..., tuple[Transport, list[Request]]]:
     """A Transport whose n-th request gets the n-th answer (the last one repeats)."""
-    seen: list[httpx.Request] = []
 
-    def handle(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        return answers[min(len(seen), len(answers)) - 1](request)
+    def make(*answers: Script, prefix: str = "") -> tuple[Transport, list[Request]]:
+        count = [0]
 
-    transport = Transport(
-        "http://scheduler.test/",
-        "jst_token",
-        attempts=4,
-        backoff_base=0.001,
-        backoff_cap=0.01,
-        http_transport=httpx.MockTransport(handle),
-    )
-    return transport, seen
+        def handle(request: Request) -> Response:
+            count[0] += 1
+            return answers[min(count[0], len(answers)) - 1](request)
+
+        server = serve(handle)
+        transport = Transport(
+            server.url + prefix + "/", "jst_token", attempts=4, backoff_base=0.001, backoff_cap=0.01
+        )
+        return transport, server.seen
+
+    return make
 
 
-def status(code: int, **headers: str) -> Callable[[httpx.Request], httpx.Response]:
+def status(code: int, **headers: str) -> Script:
     problem = {"type": "about:blank", "title": "x", "status": code, "detail": f"answer {code}"}
-    return lambda request: httpx.Response(code, json=problem, headers=headers)
+    return lambda request: json_response(code, problem, **headers)
 
 
-def ok(request: httpx.Request) -> httpx.Response:
-    return httpx.Response(200, json={"leases": []})
+def ok(request: Request) -> Response:
+    return json_response(200, {"leases": []})
 
 
-def refuse_connection(request: httpx.Request) -> httpx.Response:
-    raise httpx.ConnectError("connection refused", request=request)
+def hang_up(request: Request) -> Response:
+    return HANG_UP
 
 
-def test_server_errors_and_throttling_are_retried_until_an_answer():
+def test_server_errors_and_throttling_are_retried_until_an_answer(scripted):
     transport, seen = scripted(status(503), status(500), status(429, **{"Retry-After": "0"}), ok)
     assert transport.post("/api/v1/leases", {"queues": ["q"]}) == {"leases": []}
     assert len(seen) == 4
-    assert seen[0].headers["Authorization"] == "Bearer jst_token"
-    assert seen[0].url == "http://scheduler.test/api/v1/leases"
+    assert seen[0].headers["authorization"] == "Bearer jst_token"
+    assert (seen[0].method, seen[0].path) == ("POST", "/api/v1/leases")
+    assert seen[0].headers["user-agent"].startswith("cronlease-client/")
 
 
-def test_network_errors_are_retried():
-    transport, seen = scripted(refuse_connection, refuse_connection, ok)
+def test_network_errors_are_retried(scripted):
+    transport, seen = scripted(hang_up, hang_up, ok)
     assert transport.post("/api/v1/heartbeats", {"leases": []}) == {"leases": []}
     assert len(seen) == 3
+    # Each failure closed the connection: every attempt went out on a new one.
+    assert [request.connection for request in seen] == [0, 1, 2]
 
 
-def test_retries_are_bounded():
+def test_a_connection_that_could_not_be_made_is_a_network_error():
+    transport = Transport("http://127.0.0.1:9/", "jst_token", attempts=2, backoff_base=0.001)
+    with pytest.raises(ApiError) as caught:
+        transport.post("/api/v1/leases", {})
+    assert caught.value.status is None
+    assert caught.value.transient
+
+
+def test_retries_are_bounded(scripted):
     transport, seen = scripted(status(502))
     with pytest.raises(ApiError) as caught:
         transport.post("/api/v1/results", {"results": []})
@@ -66,7 +83,7 @@ def test_retries_are_bounded():
 
 
 @pytest.mark.parametrize("code", [400, 401, 403, 404, 409])
-def test_client_errors_are_not_retried(code):
+def test_client_errors_are_not_retried(scripted, code):
     transport, seen = scripted(status(code), ok)
     with pytest.raises(ApiError) as caught:
         transport.post("/api/v1/runs/run_1/complete", {"fencingToken": 1})
@@ -75,13 +92,57 @@ def test_client_errors_are_not_retried(code):
     assert len(seen) == 1
 
 
-def test_a_cancelled_transport_stops_retrying():
-    transport, seen = scripted(refuse_connection)
+def test_an_error_answer_that_is_not_json_keeps_its_text(scripted):
+    transport, _ = scripted(lambda request: Response(404, b"no such page"))
+    with pytest.raises(ApiError) as caught:
+        transport.post("/api/v1/leases", {})
+    assert (caught.value.status, caught.value.detail) == (404, "no such page")
+
+
+def test_a_cancelled_transport_stops_retrying(scripted):
+    transport, seen = scripted(hang_up)
     transport.cancel.set()
     with pytest.raises(ApiError) as caught:
         transport.post("/api/v1/leases", {})
     assert caught.value.status is None
     assert len(seen) == 1
+
+
+def test_requests_share_one_kept_connection(scripted):
+    transport, seen = scripted(ok)
+    for _ in range(3):
+        transport.post("/api/v1/leases", {})
+    transport.get("/api/v1/runs", {"state": ["ready", "leased"], "limit": 2})
+    assert {request.connection for request in seen} == {0}
+    assert seen[-1].path == "/api/v1/runs?state=ready&state=leased&limit=2"
+    assert "content-type" not in seen[-1].headers
+
+
+@pytest.mark.parametrize("said", [True, False], ids=["Connection: close", "closed silently"])
+def test_a_connection_the_server_closed_is_replaced_without_a_retry(scripted, said):
+    def close(request: Request) -> Response:
+        if said:
+            return json_response(200, {"leases": []}, Connection="close")
+        return Response(200, b'{"leases": []}', close_after=True)
+
+    transport, seen = scripted(close)
+    transport.attempts = 1  # no retry to fall back on: the closed connection must not be used
+    for _ in range(3):
+        assert transport.post("/api/v1/leases", {}) == {"leases": []}
+        if not said:
+            time.sleep(0.05)  # the server's close reaches this side before the next request
+    assert [request.connection for request in seen] == [0, 1, 2]
+
+
+def test_a_base_url_with_a_path_prefixes_every_request(scripted):
+    transport, seen = scripted(ok, prefix="/scheduler")
+    transport.post("/api/v1/leases", {})
+    assert seen[0].path == "/scheduler/api/v1/leases"
+
+
+def test_only_http_and_https_urls_are_taken():
+    with pytest.raises(ValueError, match="http"):
+        Transport("ftp://scheduler.test", "jst_token")
 
 
 def test_backoff_grows_and_is_capped():
@@ -91,7 +152,7 @@ def test_backoff_grows_and_is_capped():
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["orjson", "stdlib"])
-def test_bodies_go_out_as_json_and_answers_come_back_decoded(monkeypatch, fast):
+def test_bodies_go_out_as_json_and_answers_come_back_decoded(scripted, monkeypatch, fast):
     from cronlease_client import transport as module
 
     if not fast:
@@ -99,16 +160,11 @@ def test_bodies_go_out_as_json_and_answers_come_back_decoded(monkeypatch, fast):
     else:
         assert module.orjson is not None  # installed with the project
     body = {"results": [{"runId": "run_1", "result": {"n": 2**70, "text": "é"}}]}
-    received = []
 
-    def echo(request: httpx.Request) -> httpx.Response:
-        received.append(request)
-        return httpx.Response(200, content=request.content)
-
-    http, _ = scripted(echo)
+    http, seen = scripted(lambda request: Response(200, request.content))
     assert http.post("/api/v1/results", body) == body
-    assert received[0].headers["content-type"] == "application/json"
+    assert seen[0].headers["content-type"] == "application/json"
     # A body that is not JSON is an error of the answer, not a crash of the worker.
-    http, _ = scripted(lambda request: httpx.Response(200, content=b"<html>"))
+    http, _ = scripted(lambda request: Response(200, b"<html>"))
     with pytest.raises(ApiError, match="not JSON"):
         http.post("/api/v1/results", body)

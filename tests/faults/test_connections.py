@@ -17,13 +17,13 @@ result is answered 503 in its item (which the SDK's worker sends again).
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 
-import httpx
 import pytest
 from cronlease_client.transport import Transport
 
@@ -51,29 +51,28 @@ LISTENER = "scheduler:listener"  # the API server's LISTEN connection (apps.runs
 MINUTELY = {"cron": "* * * * *", "jitterSeconds": 0, "missedRunPolicy": "run_all"}
 
 
-class Recorder(httpx.HTTPTransport):
-    """An httpx transport that remembers the status of every answer (None: no answer)."""
+class Recorder(Transport):
+    """The SDK's transport, remembering the status of every answer (None: no answer)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.statuses: list[int | None] = []
 
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
+    def _send(self, *args: Any) -> Any:
         try:
-            response = super().handle_request(request)
-        except httpx.TransportError:
+            exchange = super()._send(*args)
+        except (OSError, http.client.HTTPException):
             self.statuses.append(None)
             raise
-        self.statuses.append(response.status_code)
-        return response
+        self.statuses.append(exchange[0])
+        return exchange
 
 
 class Call:
     """One SDK call (Transport.post, with its retries) on a thread of its own."""
 
     def __init__(self, url: str, token: str, path: str, body: dict[str, Any]) -> None:
-        self.recorder = Recorder()
-        self.transport = Transport(url, token, attempts=10, http_transport=self.recorder)
+        self.transport = self.recorder = Recorder(url, token, attempts=10)
         self.answer: Any = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(path, body), daemon=True)

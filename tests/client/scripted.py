@@ -1,0 +1,103 @@
+"""A real HTTP server on 127.0.0.1 whose answers a test writes: the SDK's transport is tested on
+real sockets and real keep-alive connections, not on a stand-in of its HTTP library."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the server received."""
+
+    method: str
+    path: str  # with its query string
+    headers: dict[str, str]  # names lower-cased
+    content: bytes
+    connection: int  # the TCP connection it came on, numbered from 0 in order of arrival
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+@dataclass(frozen=True)
+class Response:
+    """What the server answers. `hang_up`: close the connection without answering;
+    `close_after`: answer, then close the connection without saying so (as a server does when
+    its keep-alive timeout passes)."""
+
+    status: int = 200
+    content: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    hang_up: bool = False
+    close_after: bool = False
+
+
+def json_response(status: int, body: Any, **headers: str) -> Response:
+    return Response(
+        status, json.dumps(body).encode(), {"Content-Type": "application/json"} | headers
+    )
+
+
+HANG_UP = Response(hang_up=True)
+
+
+class ScriptedServer:
+    """Answers each request with `handle(request)`; keeps every request in `seen`."""
+
+    def __init__(self, handle: Callable[[Request], Response]) -> None:
+        self.seen: list[Request] = []
+        connections = itertools.count()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as the scheduler's server
+
+            def setup(self) -> None:
+                super().setup()
+                self.connection_number = next(connections)
+
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                request = Request(
+                    self.command,
+                    self.path,
+                    {name.lower(): value for name, value in self.headers.items()},
+                    self.rfile.read(length),
+                    self.connection_number,
+                )
+                server.seen.append(request)
+                response = handle(request)
+                if response.hang_up:
+                    self.close_connection = True
+                    return
+                self.send_response(response.status)
+                for name, value in response.headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(response.content)))
+                self.end_headers()
+                self.wfile.write(response.content)
+                if response.close_after:
+                    self.wfile.flush()
+                    self.close_connection = True
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
