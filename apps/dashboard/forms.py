@@ -400,13 +400,17 @@ class DefinitionForm(forms.Form):
     def clean_payload(self) -> Any:
         raw = (self.cleaned_data.get("payload") or "").strip() or "{}"
         try:
-            return json.loads(raw)
+            value = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise forms.ValidationError(f"Not valid JSON: {exc.msg} (line {exc.lineno}).") from exc
         except RecursionError as exc:  # nested far past the limit the definition states
             raise forms.ValidationError(
                 f"Nested deeper than {limits.json_max_depth()} levels of objects and lists."
             ) from exc
+        inexact = limits.inexact_integer_problem(raw)  # the API refuses it: so does the form
+        if inexact is not None:
+            raise forms.ValidationError(inexact)
+        return value
 
     def clean(self) -> dict[str, Any]:
         """Hand the fields, as the API's JSON, to the API's definition; put each reason beside

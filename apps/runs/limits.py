@@ -8,6 +8,7 @@ list that showed it.
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -144,6 +145,32 @@ def json_depth_problem(value: Any) -> tuple[str, str] | None:
 
 
 # --- run times -------------------------------------------------------------------------------
+
+
+# The integers orjson reads exactly and writes back; past them it reads a float (2**70 would be
+# stored, and leased, as 1180591620717411300000) and refuses to write one.
+EXACT_INTEGERS = range(-(2**63), 2**64)
+_LONG_DIGITS = re.compile(r"\d{19,}")
+
+
+def inexact_integer_problem(text: str | bytes) -> str | None:
+    """Why a valid JSON text cannot be taken as it is: it holds an integer past 64 bits (nothing
+    here carries one exactly everywhere it goes: JSON answers, jsonb, the workers' languages).
+    Only a text with a run of 19 digits (in a number or a string) is read again to find out."""
+    if not _LONG_DIGITS.search(text if isinstance(text, str) else text.decode("utf-8", "replace")):
+        return None
+    found: list[str] = []
+
+    def integer(literal: str) -> int:
+        if not found and int(literal) not in EXACT_INTEGERS:
+            found.append(literal)
+        return 0
+
+    json.loads(text, parse_int=integer)
+    if not found:
+        return None
+    shown = found[0] if len(found[0]) <= 30 else found[0][:30] + "…"
+    return f"The integer {shown} is outside 64 bits and would lose digits: send it as a string."
 
 
 def run_time_problem(value: datetime, now: datetime) -> str | None:

@@ -722,7 +722,7 @@ class Lease(NamedTuple):
     leased_at: datetime
     dry_run: bool
     team_id: int
-    payload: Any
+    payload: orjson.Fragment | None  # its JSON text, written into the answer as it is
     late: bool = False  # started later than its definition's lateness SLO
 
 
@@ -979,7 +979,7 @@ def claim(
         Lease(
             *fields,
             # Django reads jsonb as text on raw cursors; the ::text cast makes that explicit.
-            payload=payloads.load(None if payload is None else orjson.loads(payload), key),
+            payload=payloads.document(payload, key),
             late=bool(late),
         )
         for *fields, payload, late, key in rows

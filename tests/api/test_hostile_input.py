@@ -96,6 +96,49 @@ def test_a_result_nested_past_the_limit_is_refused_on_both_dispatch_paths(api_a,
         assert api_a.get(path).status_code == 200, path
 
 
+@pytest.mark.parametrize("number", [2**64, -(2**63) - 1, 2**70])
+def test_an_integer_past_64_bits_is_refused_not_rounded(api_a, team_a, number):
+    """JSON's parser here reads such an integer as a float: stored, 2**70 would have come back
+    as 1180591620717411300000. It is refused, on every path that parses a body."""
+    definition = make_definition(team_a, "wide.job", queue="wide")
+    answer = api_a.post("/api/v1/jobs/wide.job/runs", {"payload": {"n": number}})
+    assert "outside 64 bits" in str(assert_problem(answer, 400)["errors"]["body"])
+    bulk = {
+        "runs": [
+            {"job": "wide.job", "payload": {"ok": 1}},
+            {"job": "wide.job", "payload": [number]},
+        ]
+    }
+    assert_problem(api_a.post("/api/v1/runs", bulk), 400)
+    assert not Run.objects.exists()
+    add_ready_runs(definition, 1)
+    (lease,) = leased(api_a, "wide")
+    body = {"fencingToken": lease["fencingToken"], "result": {"n": number}}
+    assert_problem(api_a.post(f"/api/v1/runs/{lease['runId']}/complete", body), 400)
+    assert Run.objects.get().state == "leased"
+
+
+def test_an_integer_past_64_bits_stored_before_the_refusal_still_renders(api_a, team_a):
+    definition = make_definition(team_a, "wide.job", queue="wide")
+    (run_id,) = add_ready_runs(definition, 1)
+    Run.objects.filter(pk=run_id).update(payload={"n": 2**70})
+    answer = api_a.get(f"/api/v1/runs/{public_run_id(run_id)}")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["payload"] == {"n": 2**70}
+
+
+def test_integers_at_64_bits_and_long_digit_strings_are_taken_exactly(api_a, team_a):
+    make_definition(team_a, "wide.job", queue="wide")
+    payload = {"max": 2**64 - 1, "min": -(2**63), "key": "1" * 40, "float": 1.5e-7}
+    created = api_a.post(
+        "/api/v1/jobs/wide.job/runs", {"payload": payload, "idempotencyKey": "9" * 30}
+    )
+    assert created.status_code == 201, created.text
+    assert Run.objects.get().payload == payload
+    (lease,) = leased(api_a, "wide")
+    assert lease["payload"] == payload and lease["idempotencyKey"] == "9" * 30
+
+
 def test_a_lease_answer_that_fails_to_build_leaves_every_run_of_the_batch_claimable(
     api_a, team_a, monkeypatch
 ):

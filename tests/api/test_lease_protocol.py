@@ -50,6 +50,26 @@ def test_lease_response_carries_the_designed_fields(api_a, team_a):
     assert lease["leaseExpiresAt"].endswith("Z")
 
 
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"n": 2**63, "text": "é ✓ \u2028", "nested": [1, 2.5, {"a": None, "b": [True, False]}]},
+        [1, "two", {"three": 3}],
+        "a string",
+        0,
+    ],
+    ids=["object", "array", "string", "number"],
+)
+def test_a_lease_carries_its_runs_payload_as_stored(api_a, team_a, payload):
+    """The claim passes each payload through as its stored JSON text, unparsed: whatever was
+    stored comes back equal, integers past 53 bits and non-ASCII text included."""
+    make_definition(team_a, "payload.job", queue="payloads")
+    created = api_a.post("/api/v1/jobs/payload.job/runs", {"payload": payload})
+    assert created.status_code == 201, created.text
+    (lease,) = api_a.lease(["payloads"], 1)
+    assert lease["payload"] == payload
+
+
 def test_heartbeat_extends_and_complete_finishes(api_a, team_a):
     make = make_definition(team_a, "jobs.one", queue="q")
     add_ready_runs(make, 1)

@@ -108,6 +108,21 @@ def test_a_payload_nested_past_the_limit_is_a_form_error_and_nothing_is_saved(ed
     assert not JobDefinition.objects.exists()
 
 
+def test_a_payload_with_an_integer_past_64_bits_is_a_form_error_and_nothing_is_saved(editor_a):
+    client = client_for(editor_a)
+    response = client.post("/jobs/new", {**FORM, "payload": '{"id": 1180591620717411303424}'})
+    assert response.status_code == 200
+    assert "outside 64 bits" in " ".join(response.context["form"].errors["payload"])
+    assert not JobDefinition.objects.exists()
+    # A long number as a string, and the largest integer taken, are saved as they are.
+    payload = '{"id": "1180591620717411303424", "max": 18446744073709551615}'
+    assert client.post("/jobs/new", {**FORM, "payload": payload}).status_code == 302
+    assert JobDefinition.objects.get().payload == {
+        "id": "1180591620717411303424",
+        "max": 2**64 - 1,
+    }
+
+
 def test_start_and_end_are_saved_in_the_schedule_and_shown_on_the_job_page(editor_a):
     client = client_for(editor_a)
     form = {**FORM, "cron": "0 2 L * *", "start_at": "2030-01-01T00:00:00+01:00",
