@@ -381,7 +381,8 @@ def layout() -> Iterator[Layout]:
 class Drain:
     """Worker threads on sessions of their own that claim as lease requests do (from every
     shard database) and complete what they claim, until stopped; `succeeded` counts each run's
-    completions answered 200. With `reaper`, a thread reaps expired leases meanwhile."""
+    completions answered 200, `failures` what ended a thread. With `reaper`, a thread reaps
+    expired leases meanwhile."""
 
     def __init__(
         self, team: Team, workers: int, *, lease_seconds: int, reaper: bool = False
@@ -389,6 +390,7 @@ class Drain:
         self.team = team
         self.lease_seconds = lease_seconds
         self.succeeded: dict[int, int] = {}
+        self.failures: list[BaseException] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.threads = [threading.Thread(target=self._work, args=(n,)) for n in range(workers)]
@@ -440,6 +442,8 @@ class Drain:
                     self._complete(leases)
                 else:
                     time.sleep(0.02)
+        except BaseException as exc:  # noqa: BLE001 - the test asserts on `failures`
+            self.failures.append(exc)
         finally:
             connections.close_all()  # this thread's session on every database
 
@@ -448,6 +452,8 @@ class Drain:
             while not self.stopping.is_set():
                 store.reap()
                 time.sleep(0.2)
+        except BaseException as exc:  # noqa: BLE001 - the test asserts on `failures`
+            self.failures.append(exc)
         finally:
             connections.close_all()
 

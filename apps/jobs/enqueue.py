@@ -246,12 +246,12 @@ def _unless_unreachable(alias: str, keys: Iterable[Any], down: dict[Any, str]) -
         down.update(dict.fromkeys(keys, unavailable(alias, exc)))
     except IntegrityError as exc:
         # A process whose map is a moment older than a finished move wrote to the shard's old
-        # database, whose constraint refuses it (apps/scheduler/moves.py): the same answer as during
-        # the move.
+        # database, whose guard refuses it (apps/scheduler/moves.py): the same answer as during the
+        # move.
         constraint = getattr(getattr(exc.__cause__, "diag", None), "constraint_name", "") or ""
-        if not constraint.startswith(shards.MOVED_CONSTRAINT_PREFIX):
+        if not constraint.startswith(shards.MOVED_GUARD_PREFIX):
             raise
-        shard = int(constraint.removeprefix(shards.MOVED_CONSTRAINT_PREFIX))
+        shard = int(constraint.removeprefix(shards.MOVED_GUARD_PREFIX))
         down.update(dict.fromkeys(keys, shards.moving_detail(shard)))
 
 

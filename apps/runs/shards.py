@@ -97,9 +97,10 @@ REFRESH_SECONDS = 1.0
 
 PLACEMENTS = "SELECT shard, url, moving FROM runs_shardplacement"
 
-# The CHECK constraint that keeps a moved shard's rows out of the database it left, one per
-# shard and table: `shard_moved_<N>` (apps/scheduler/moves.py).
-MOVED_CONSTRAINT_PREFIX = "shard_moved_"
+# The guard that keeps new rows of a moved shard out of the database it left, one per shard and
+# table: an INSERT trigger `shard_moved_<N>` that raises check_violation under its own name, as
+# a constraint would (apps/scheduler/moves.py).
+MOVED_GUARD_PREFIX = "shard_moved_"
 
 
 def moving_detail(shard: int) -> str:

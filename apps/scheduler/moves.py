@@ -4,8 +4,11 @@ window, with nothing lost or duplicated.
 1. Connect to the target and migrate it; refuse a target that already holds rows of the shard.
 2. Take the shard's scheduler lease (a new epoch: the node that held it can no longer write for
    it), mark the shard `moving` in the control database (every process refuses its new runs
-   and definition changes within `shards.REFRESH_SECONDS`), and put a CHECK constraint on the
-   source's tables that refuses new rows of the shard outright (a process with an older map).
+   and definition changes within `shards.REFRESH_SECONDS`), and put a guard on the source's
+   tables (an INSERT trigger, apps/runs/migrations/0022) that refuses new rows of the shard
+   outright (a process with an older map). Existing rows are written as usual: leased runs
+   complete, heartbeat and are reaped, and claims that meet the shard's waiting runs lease them
+   until step 3 locks them.
 3. In one transaction on the source: lock (FOR SHARE) every row of the shard that is not
    leased, again and again until none is leased. Claims pass locked runs by (SKIP LOCKED);
    leased runs finish or expire as usual meanwhile. Past `wait` seconds with runs still leased,
@@ -16,7 +19,7 @@ window, with nothing lost or duplicated.
    the row counts and an MD5 checksum of every copied row on both sides.
 5. Commit the target, then point the shard at the target in the control database (the map's
    override, `ShardPlacement`) and give the scheduler lease back, then delete the shard's rows
-   from the source and commit it. The constraint stays on the source while the shard is away.
+   from the source and commit it. The guard stays on the source while the shard is away.
 
 An interrupted move is finished by running the same command again: once the control database
 places the shard on the target, the command only deletes the shard's rows elsewhere.
@@ -38,7 +41,7 @@ from psycopg import sql as psql
 from apps.runs import shards
 from apps.runs.ids import public_run_id
 from apps.runs.models import ShardPlacement
-from apps.runs.shards import MOVED_CONSTRAINT_PREFIX
+from apps.runs.shards import MOVED_GUARD_PREFIX
 
 SHARDED_TABLES = ("jobs_jobdefinition", "runs_run")
 
@@ -62,9 +65,13 @@ UPDATE scheduler_shardlease SET owner = '', expires_at = now() - interval '1 sec
 WHERE shard = %(shard)s AND owner = %(owner)s
 """
 #    On the source (and dropped on the target, where a shard that comes back may have left one):
-#    NOT VALID, so adding it reads nothing; it holds for every row written from now on.
-ADD_CONSTRAINT = "ALTER TABLE {table} ADD CONSTRAINT {name} CHECK (shard <> {shard}) NOT VALID"
-DROP_CONSTRAINT = "ALTER TABLE {table} DROP CONSTRAINT IF EXISTS {name}"
+#    inserts of the shard's rows refused, as check_violation named after the guard. Not a CHECK
+#    constraint, which would refuse every update of the shard's rows too.
+ADD_GUARD = (
+    "CREATE TRIGGER {name} BEFORE INSERT ON {table} FOR EACH ROW WHEN (NEW.shard = {shard})"
+    " EXECUTE FUNCTION shard_moved_refuse()"
+)
+DROP_GUARD = "DROP TRIGGER IF EXISTS {name} ON {table}"
 
 # 3. On the source. No index leads with the shard: each pass reads the runs table once, which
 #    the maintenance window pays for.
@@ -215,12 +222,12 @@ def _begin(shard: int, owner: str, source: str, target: str) -> None:
             shard=shard, defaults={"moving": True}
         )
     for table in SHARDED_TABLES:
-        name = f"{MOVED_CONSTRAINT_PREFIX}{shard}"
+        name = f"{MOVED_GUARD_PREFIX}{shard}"
         with connections[target].cursor() as cursor:
-            cursor.execute(DROP_CONSTRAINT.format(table=table, name=name))
+            cursor.execute(DROP_GUARD.format(table=table, name=name))
         with connections[source].cursor() as cursor:
-            cursor.execute(DROP_CONSTRAINT.format(table=table, name=name))
-            cursor.execute(ADD_CONSTRAINT.format(table=table, name=name, shard=int(shard)))
+            cursor.execute(DROP_GUARD.format(table=table, name=name))
+            cursor.execute(ADD_GUARD.format(table=table, name=name, shard=int(shard)))
 
 
 def _lock(shard: int, source: str, wait: float, say: Callable[[str], None]) -> float:
@@ -344,9 +351,7 @@ def _undo(shard: int, owner: str, source: str, target: str, *, copied: bool) -> 
             cursor.execute(DELETE_DEFINITIONS, {"shard": shard})
     for table in SHARDED_TABLES:
         with connections[source].cursor() as cursor:
-            cursor.execute(
-                DROP_CONSTRAINT.format(table=table, name=f"{MOVED_CONSTRAINT_PREFIX}{shard}")
-            )
+            cursor.execute(DROP_GUARD.format(table=table, name=f"{MOVED_GUARD_PREFIX}{shard}"))
     with transaction.atomic(using=shards.CONTROL), connections[shards.CONTROL].cursor() as cursor:
         ShardPlacement.objects.using(shards.CONTROL).filter(shard=shard).update(moving=False)
         cursor.execute(GIVE_LEASE, {"shard": shard, "owner": owner})

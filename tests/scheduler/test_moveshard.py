@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connections
+from django.db import IntegrityError, connections
 
 from apps.audit.record import Actor
 from apps.jobs.enqueue import Wanted, enqueue_many
@@ -17,9 +17,10 @@ from apps.jobs.models import JobDefinition
 from apps.jobs.schedule import shard_for
 from apps.runs import shards, store
 from apps.runs.models import RateStart, Run, ShardPlacement
-from apps.runs.shards import MOVED_CONSTRAINT_PREFIX
+from apps.runs.shards import MOVED_GUARD_PREFIX
 from apps.scheduler import moves
 from tests.conftest import Drain, Layout, assert_invariants_everywhere, claim
+from tests.waiting import wait_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -30,17 +31,17 @@ pytestmark = [
 
 @pytest.fixture
 def placement_reset() -> Iterator[None]:
-    """Moves outlive a test's rows (constraints, the process's map): undone afterwards."""
+    """Moves outlive a test's rows (guards, the process's map): undone afterwards."""
     yield
     ShardPlacement.objects.using(shards.CONTROL).all().delete()
     for alias in shards.databases():
         with connections[alias].cursor() as cursor:
             cursor.execute(
-                "SELECT conrelid::regclass::text, conname FROM pg_constraint WHERE conname LIKE %s",
-                [MOVED_CONSTRAINT_PREFIX + "%"],
+                "SELECT tgrelid::regclass::text, tgname FROM pg_trigger WHERE tgname LIKE %s",
+                [MOVED_GUARD_PREFIX + "%"],
             )
             for table, name in cursor.fetchall():
-                cursor.execute(f"ALTER TABLE {table} DROP CONSTRAINT {name}")
+                cursor.execute(f"DROP TRIGGER {name} ON {table}")
     shards.refresh(force=True)
 
 
@@ -91,8 +92,8 @@ def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
             connections.close_all()
 
     making = threading.Thread(target=producer)
-    # With a reaper, as in production: a worker thread that a refused call ends leaves its
-    # leases to expire, not to hold the move up until it gives up.
+    # With a reaper, as in production. No worker call is refused during the move: claims pass
+    # the shard's locked runs by, its leased runs complete.
     with Drain(team_a, 4, lease_seconds=3, reaper=True) as drain:
         making.start()
         try:
@@ -104,6 +105,7 @@ def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
             making.join(30)
 
     assert failures == []
+    assert drain.failures == []
     assert report.rows["jobs_jobdefinition"] == len(moving_jobs)
     assert report.rows["runs_run"] >= 300
     assert report.rows["runs_attempt"] > 0
@@ -137,6 +139,70 @@ def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
         states = set(Run.objects.using(alias).filter(pk__in=made).values_list("state", flat=True))
         assert states <= {"succeeded"}, (alias, states)
     assert_invariants_everywhere()
+
+
+def test_during_a_move_leased_runs_finish_and_the_databases_other_shards_lease_as_usual(
+    layout: Layout, team_a, placement_reset
+):
+    """The move waits for the shard's leased runs: heartbeating, completing and failing them
+    must work meanwhile, and claims on the same database must lease its other shards' runs
+    (passing the moving shard's locked ones by), not fail."""
+    source, target = layout.aliases
+    shard, other = shards.shards_on(source)[:2]
+    with shards.using(source):
+        moving_job = JobDefinition.objects.create(
+            team=team_a, name=_names_of_shard(shard, 1)[0], queue="q", timeout_seconds=600
+        )
+        staying_job = JobDefinition.objects.create(
+            team=team_a, name=_names_of_shard(other, 1)[0], queue="q", timeout_seconds=600
+        )
+    layout.new_runs(moving_job, 3, "held")
+    team = [team_a.pk]
+    held = claim(queues=["q"], max_runs=3, worker_id="slow", lease_seconds=600, team_ids=team)
+    assert len(held) == 3
+    waiting = layout.new_runs(moving_job, 2, "waiting")
+    staying = layout.new_runs(staying_job, 2, "staying")
+    fresh = Run.objects.using(source).get(pk=waiting[0]).state
+
+    said: list[str] = []
+    moved: list[moves.Moved] = []
+
+    def move() -> None:
+        moved.append(moves.move(shard, layout.servers[1].url, wait=60, say=said.append))
+
+    mover = threading.Thread(target=move)
+    mover.start()
+    try:
+        # Its guard is on and its passes have locked the shard's runs that are not leased.
+        wait_for(lambda: any("waiting for 3 leased runs" in line for line in said), 20)
+        beats = store.heartbeat([(held[0].id, held[0].fencing_token)], team_ids=team)
+        done = store.complete([(held[0].id, held[0].fencing_token, None)], team_ids=team)
+        error = {"message": "x", "type": "E"}
+        failed = store.fail([(held[1].id, held[1].fencing_token, error, False)], team_ids=team)
+        assert [o.status for o in beats + done + failed] == [200, 200, 200]
+        taken = claim(queues=["q"], max_runs=10, worker_id="w", lease_seconds=60, team_ids=team)
+        assert sorted(lease.id for lease in taken) == sorted(staying)
+        (last,) = store.complete([(held[2].id, held[2].fencing_token, None)], team_ids=team)
+        assert last.status == 200
+    finally:
+        mover.join(60)
+    assert moved and moved[0].rows["runs_run"] == 5
+    assert shards.alias_of_shard(shard) == target
+    states = Run.objects.using(target).filter(shard=shard).values_list("state", flat=True)
+    assert sorted(states) == sorted(["dead", fresh, fresh, "succeeded", "succeeded"])
+    # New rows of the shard are kept out of the database it left (a process with an older map).
+    # (The model routes by the current map; the row is written as an older map would.)
+    stale = """
+        INSERT INTO jobs_jobdefinition
+        SELECT (jsonb_populate_record(d, jsonb_build_object(
+            'id', d.id + 1, 'name', 'stale.map', 'shard', %s))).*
+        FROM jobs_jobdefinition d WHERE d.id = %s
+    """
+    with pytest.raises(IntegrityError, match="has moved"), connections[source].cursor() as cursor:
+        cursor.execute(stale, [shard, staying_job.pk])
+    with connections[source].cursor() as cursor:  # another shard's row is still taken there
+        cursor.execute(stale, [other, staying_job.pk])
+        assert cursor.rowcount == 1
 
 
 def test_a_move_refuses_a_target_that_holds_the_shard_and_a_shard_that_stays_leased(
