@@ -144,20 +144,21 @@ def json_depth_problem(value: Any) -> tuple[str, str] | None:
     return where, f"Nested deeper than {limit} levels of objects and lists."
 
 
-# --- run times -------------------------------------------------------------------------------
-
-
 # The integers orjson reads exactly and writes back; past them it reads a float (2**70 would be
 # stored, and leased, as 1180591620717411300000) and refuses to write one.
 EXACT_INTEGERS = range(-(2**63), 2**64)
-_LONG_DIGITS = re.compile(r"\d{19,}")
+# Each digit byte to "1", every other byte to "0": a run of 19 digits is then a `find`. On a body
+# of 100 results 7-15 µs; a regular expression (\d{19,}) took 90-156.
+_DIGIT_BYTES = bytes(0x31 if 0x30 <= byte <= 0x39 else 0x30 for byte in range(256))
+_NINETEEN_DIGITS = b"1" * 19
 
 
 def inexact_integer_problem(text: str | bytes) -> str | None:
     """Why a valid JSON text cannot be taken as it is: it holds an integer past 64 bits (nothing
     here carries one exactly everywhere it goes: JSON answers, jsonb, the workers' languages).
     Only a text with a run of 19 digits (in a number or a string) is read again to find out."""
-    if not _LONG_DIGITS.search(text if isinstance(text, str) else text.decode("utf-8", "replace")):
+    raw = text.encode() if isinstance(text, str) else text
+    if raw.translate(_DIGIT_BYTES).find(_NINETEEN_DIGITS) < 0:
         return None
     found: list[str] = []
 
@@ -171,6 +172,9 @@ def inexact_integer_problem(text: str | bytes) -> str | None:
         return None
     shown = found[0] if len(found[0]) <= 30 else found[0][:30] + "…"
     return f"The integer {shown} is outside 64 bits and would lose digits: send it as a string."
+
+
+# --- run times -------------------------------------------------------------------------------
 
 
 def run_time_problem(value: datetime, now: datetime) -> str | None:
