@@ -168,7 +168,10 @@ def test_during_a_move_leased_runs_finish_and_the_databases_other_shards_lease_a
     moved: list[moves.Moved] = []
 
     def move() -> None:
-        moved.append(moves.move(shard, layout.servers[1].url, wait=60, say=said.append))
+        try:
+            moved.append(moves.move(shard, layout.servers[1].url, wait=60, say=said.append))
+        finally:
+            connections.close_all()  # this thread's sessions, or the test databases stay in use
 
     mover = threading.Thread(target=move)
     mover.start()
