@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from django.db import connections, router
+from django.utils import timezone
 
 from apps.audit.models import AuditEvent, Source
 
@@ -35,6 +39,18 @@ class Actor:
         return cls(label=user.get_username(), source=Source.DASHBOARD, user=user)
 
 
+# One row, written by hand: the ORM's save compiled this same INSERT on every call, ~0.4 ms of
+# the ~3.8 ms of CPU a one-run POST /api/v1/runs cost the web process (in-process, Django's
+# test client). The values as the model's fields would write them: `created_at` as auto_now_add
+# sets it, `before` and `after` as JSONField encodes them.
+INSERT_EVENT = """
+INSERT INTO audit_auditevent (created_at, team_id, actor_user_id, actor_token_id, actor, source,
+                              action, target_type, target, before, after)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s::jsonb)
+RETURNING id
+"""
+
+
 def record(
     actor: Actor,
     action: str,
@@ -45,7 +61,8 @@ def record(
     before: Any = None,
     after: Any = None,
 ) -> AuditEvent:
-    return AuditEvent.objects.create(
+    event = AuditEvent(
+        created_at=timezone.now(),
         team=team,
         actor_user=actor.user,
         actor_token=actor.token,
@@ -57,6 +74,28 @@ def record(
         before=before,
         after=after,
     )
+    database = router.db_for_write(AuditEvent)
+    with connections[database].cursor() as cursor:
+        cursor.execute(
+            INSERT_EVENT,
+            [
+                event.created_at,
+                event.team_id,
+                event.actor_user_id,
+                event.actor_token_id,
+                event.actor,
+                event.source,
+                event.action,
+                event.target_type,
+                event.target,
+                None if before is None else json.dumps(before),
+                None if after is None else json.dumps(after),
+            ],
+        )
+        event.pk = cursor.fetchone()[0]
+    event._state.adding = False
+    event._state.db = database
+    return event
 
 
 # An event about many objects names at most this many of them, and counts the rest: a batch
