@@ -322,6 +322,7 @@ DEFINITIONS_NAMED_WITH_TEAMS = DEFINITIONS_NAMED.format(
     teams=", t.slug, t.name, t.retention_days, t.created_at",
     join=" JOIN teams_team t ON t.id = d.team_id",
 )
+# In the models' field order, which Model.from_db reads a row's values in.
 _DEFINITION_FIELDS = ["id", "name", "team_id", "shard"]
 _TEAM_FIELDS = ["id", "slug", "name", "retention_days", "created_at"]
 
