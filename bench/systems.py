@@ -8,6 +8,9 @@
   `runs_run` table and indexes (bench/workers/raw_worker.py).
 - `procrastinate`: Procrastinate 3 with its psycopg connector, in its own database.
 - `celery`: Celery 5 with the local Redis as broker (database 15), no result backend.
+- `http` (only when named): the HTTP ceiling, the same SDK worker processes against
+  bench/workers/http_ceiling.py, a bare ASGI server whose answers PostgreSQL builds: what
+  REST+SDK would reach if the web tier cost nothing per run.
 
 The three project systems share one freshly migrated database per scenario (`bench_<scenario>`);
 Procrastinate gets `bench_<scenario>_pq`. A measurement starts the workers, waits until every
@@ -30,12 +33,15 @@ from bench import common
 from bench.common import JOB, PYTHON, QUEUE, REDIS_URL, Procs, Row, RunDir, Sampler, log
 from bench.recorder import read_pairs, read_progress
 
-SYSTEMS = ("rest", "store", "raw", "procrastinate", "celery")
+SYSTEMS = ("rest", "store", "raw", "procrastinate", "celery", "http")
+# What `--systems` defaults to: `http` is measured when named.
+DEFAULT_SYSTEMS = SYSTEMS[:5]
 LABELS = {
     "dashboard": "cronlease dashboard",
     "rest": "cronlease REST+SDK",
     "store": "cronlease store",
     "raw": "raw SQL ceiling",
+    "http": "HTTP ceiling (SDK)",
     "procrastinate": "Procrastinate",
     "celery": "Celery+Redis",
 }
@@ -216,17 +222,7 @@ class RestSystem(System):
         self.base_url = f"http://127.0.0.1:{self.port}"
         env = common.django_env(self.project.url, **self.web_env)
         self.log_path = Path(f"/tmp/bench-uvicorn-{self.scenario}.log")
-        self.procs.start(
-            "web",
-            [
-                *self.web_prefix, PYTHON, "manage.py", "web",
-                "--host", "127.0.0.1", "--port", str(self.port),
-                "--workers", str(self.web_workers),
-                "--no-access-log", "--log-level", "warning",
-            ],
-            env,
-            self.log_path,
-        )
+        self.procs.start("web", [*self.web_prefix, *self.web_command()], env, self.log_path)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -237,7 +233,13 @@ class RestSystem(System):
             if time.monotonic() > deadline or self.procs.dead():
                 raise RuntimeError(f"uvicorn did not come up; see {self.log_path}")
             time.sleep(0.2)
-        log(f"  manage.py web ×{self.web_workers} on :{self.port}")
+        log(f"  {self.label}: web ×{self.web_workers} on :{self.port}")
+
+    def web_command(self) -> list[str]:
+        return [
+            PYTHON, "manage.py", "web", "--host", "127.0.0.1", "--port", str(self.port),
+            "--workers", str(self.web_workers), "--no-access-log", "--log-level", "warning",
+        ]
 
     def reset(self) -> None:
         super().reset()
@@ -261,6 +263,18 @@ class RestSystem(System):
             ],
             common.django_env(self.project.url),
         )
+
+
+class HttpCeilingSystem(RestSystem):
+    """The SDK workers against bench/workers/http_ceiling.py: the web tier's floor."""
+
+    name = "http"
+
+    def web_command(self) -> list[str]:
+        return [
+            PYTHON, "-m", "bench.workers.http_ceiling", "--url", self.project.url,
+            "--port", str(self.port), "--workers", str(self.web_workers),
+        ]
 
 
 class StoreSystem(System):
@@ -435,6 +449,7 @@ def make(name: str, scenario: str, project: ProjectDatabase, web_workers: int = 
         "rest": RestSystem,
         "store": StoreSystem,
         "raw": RawSystem,
+        "http": HttpCeilingSystem,
         "procrastinate": ProcrastinateSystem,
         "celery": CelerySystem,
     }[name]
