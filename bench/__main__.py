@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--points", type=parse_points, help="burn-down sweep as BATCHxWORKERS,… (e.g. 1x2,100x4)")
     parser.add_argument("--runs", type=int, help="override the scenario's run count")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="enqueue: measure the systems in turn this many times (medians, ratios per round)")
+                        help="enqueue, burndown: measure the systems in turn this many times (medians, ratios per round)")
     parser.add_argument("--cap", type=float, help="override the per-measurement time cap (s)")
     parser.add_argument("--rates", help="open loop: comma-separated rates (default 500,2000,5000,10000)")
     parser.add_argument("--seconds", type=float, help="open loop / soak: seconds per measurement")

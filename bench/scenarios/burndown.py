@@ -11,7 +11,9 @@ between retention passes): loading 20 000 Procrastinate jobs takes longer than a
 
 from __future__ import annotations
 
-from bench.common import log
+import statistics
+
+from bench.common import Row, log
 from bench.systems import ProjectDatabase, make, measure
 
 
@@ -26,40 +28,68 @@ def points(opts) -> list[tuple[int, int]]:
 
 
 def run(opts) -> list:
+    """Each system's whole sweep in turn, set up and torn down around it; `--rounds R` repeats
+    that R times. With more than one round each row's config names its round, the table's
+    ratios are read within it, and each system's median ×raw over the rounds is logged: this
+    machine's speed drifts by a third between minutes (bench/README.md, the dated sections),
+    and one run's ratios moved as much as a change did."""
     n = opts.runs or (20_000 if opts.quick else 200_000)
     cap = opts.cap or (2.0 if opts.quick else 90.0)
     project = ProjectDatabase("burndown")
     rows = []
-    for name in opts.systems:
-        system = make(name, "burndown", project, opts.web_workers)
-        system.setup()
-        try:
-            for batch, workers in points(opts):
+    loaded: set[str] = set()
+    for round_ in range(1, opts.rounds + 1):
+        for name in opts.systems:
+            system = make(name, "burndown", project, opts.web_workers)
+            system.setup()
+            try:
+                for batch, workers in points(opts):
+                    config = f"b={batch} w={workers}" + (f" #{round_}" if opts.rounds > 1 else "")
 
-                first = (batch, workers) == points(opts)[0]
+                    def load(system=system) -> None:
+                        if system.peer and system.name in loaded:
+                            system.top_up(n)
+                        else:
+                            system.reset()
+                            system.load(n)
+                        loaded.add(system.name)
 
-                def load(system=system, first=first) -> None:
-                    if system.peer and not first:
-                        system.top_up(n)
-                    else:
-                        system.reset()
-                        system.load(n)
-
-                row = measure(
-                    system,
-                    scenario="burndown",
-                    config=f"b={batch} w={workers}",
-                    expected=n,
-                    workers=workers,
-                    batch=batch,
-                    deadline_after_go=cap,
-                    due_is_go=True,
-                    setup_while_starting=load,
-                    keep=opts.keep,
-                )
-                log(f"  {system.label:<20} b={batch:<3} w={workers}: {row.runs} runs, "
-                    f"{(row.rate or 0):,.0f}/s {row.note}")
-                rows.append(row)
-        finally:
-            system.teardown()
+                    row = measure(
+                        system,
+                        scenario="burndown",
+                        config=config,
+                        expected=n,
+                        workers=workers,
+                        batch=batch,
+                        deadline_after_go=cap,
+                        due_is_go=True,
+                        setup_while_starting=load,
+                        keep=opts.keep,
+                    )
+                    row.extra["round"] = round_
+                    log(f"  {system.label:<20} {config:<14}: {row.runs} runs, "
+                        f"{(row.rate or 0):,.0f}/s {row.note}")
+                    rows.append(row)
+            finally:
+                system.teardown()
+    if opts.rounds > 1:
+        log_rounds(rows)
     return rows
+
+
+def log_rounds(rows: list[Row]) -> None:
+    """Each system's ×raw at each point, round by round, and the median."""
+    rates = {
+        (row.system, row.config.rsplit(" #", 1)[0], row.extra["round"]): row.rate for row in rows
+    }
+    rounds = range(1, 1 + max(round_ for _, _, round_ in rates))
+    for system, config in dict.fromkeys((s, c) for s, c, _ in rates if s != "raw"):
+        ratios = [
+            mine / raw
+            for r in rounds
+            if (mine := rates.get((system, config, r))) and (raw := rates.get(("raw", config, r)))
+        ]
+        if ratios:
+            log(f"  {system:<14} {config:<10} ×raw per round "
+                + ", ".join(f"{x:.2f}" for x in ratios)
+                + f" (median {statistics.median(ratios):.2f})")
