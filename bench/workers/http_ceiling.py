@@ -26,7 +26,7 @@ import psycopg
 import uvicorn
 from uvicorn.supervisors import Multiprocess
 
-from bench.workers.raw_worker import END_ATTEMPTS, INSERT_ATTEMPTS, WAITING
+from bench.workers.raw_worker import CLAIMED, DONE, END_ATTEMPTS, INSERT_ATTEMPTS
 
 INSTANT = """to_char({} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')"""
 
@@ -37,36 +37,16 @@ WITH i AS (
     SELECT ("runId")::bigint AS id, "fencingToken" AS token
     FROM jsonb_to_recordset(coalesce(%(body)s::jsonb -> 'results', '[]'))
          AS i("runId" text, "fencingToken" bigint)
-), done AS (
-    UPDATE runs_run r
-    SET state = 'succeeded', result = NULL, finished_at = now(), lease_expires_at = NULL
-    FROM i WHERE r.id = i.id AND r.state = 'leased' AND r.fencing_token = i.token
-    RETURNING r.id, r.attempt
-){END_ATTEMPTS}
+){DONE}{END_ATTEMPTS}
 SELECT coalesce(json_agg(json_build_object('runId', id::text, 'status', 200,
                                            'state', 'succeeded')), '[]')::text
 FROM done
 """
 
-LEASE = f"""
-WITH c AS (
-    SELECT id FROM runs_run
-    WHERE team_id = %(team)s AND queue = %(queue)s AND priority = %(priority)s
-      AND NOT limited AND state IN {WAITING} AND available_at <= now()
-    ORDER BY available_at, id
-    LIMIT %(n)s
-    FOR UPDATE SKIP LOCKED
-), leased AS (
-    UPDATE runs_run r
-    SET state = 'leased', attempt = r.attempt + 1, fencing_token = nextval('runs_fencing_token'),
-        worker_id = %(worker)s, lease_seconds = 300,
-        timeout_at = now() + interval '1 hour', lease_expires_at = now() + interval '300 seconds',
-        started_at = coalesce(r.started_at, now()),
-        late_seconds = coalesce(r.late_seconds, extract(epoch FROM now() - r.available_at))
-    FROM c WHERE r.id = c.id
-    RETURNING r.id, r.attempt, r.fencing_token, r.available_at, r.due_at, r.lease_expires_at,
-              r.idempotency_key, r.max_attempts, r.worker_id
-){INSERT_ATTEMPTS}
+LEASED = CLAIMED.format(
+    returning=", r.due_at, r.lease_expires_at, r.idempotency_key, r.max_attempts"
+)
+LEASE = f"""{LEASED}{INSERT_ATTEMPTS}
 SELECT coalesce(json_agg(json_build_object(
     'runId', id::text, 'job', %(job)s::text, 'attempt', attempt, 'idempotencyKey', idempotency_key,
     'fencingToken', fencing_token, 'leaseExpiresAt', {INSTANT.format("lease_expires_at")},

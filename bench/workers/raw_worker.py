@@ -18,7 +18,9 @@ import time
 
 WAITING = "('scheduled', 'ready', 'retrying')"
 
-CLAIM = f"""
+# The claim's candidates and their lease, up to the RETURNING list's end (`returning` adds
+# columns): shared with bench/workers/http_ceiling.py.
+CLAIMED = f"""
 WITH c AS (
     -- `NOT limited` as the product's claim of runs without limits: the claim index (run_claimable)
     -- has it after the lane, before the time. Without it, since that column came (migration
@@ -38,10 +40,14 @@ WITH c AS (
         started_at = coalesce(r.started_at, now()),
         late_seconds = coalesce(r.late_seconds, extract(epoch FROM now() - r.available_at))
     FROM c WHERE r.id = c.id
-    RETURNING r.id, r.attempt, r.fencing_token, r.available_at
-){{attempts}}
+    RETURNING r.id, r.attempt, r.fencing_token, r.available_at{{returning}}
+)"""
+CLAIM = (
+    CLAIMED.format(returning="")
+    + """{attempts}
 SELECT id, fencing_token, extract(epoch FROM available_at)::float8 FROM leased
 """
+)
 
 INSERT_ATTEMPTS = """, attempts AS (
     INSERT INTO runs_attempt (run_id, number, fencing_token, worker_id, leased_at, outcome,
@@ -49,17 +55,24 @@ INSERT_ATTEMPTS = """, attempts AS (
     SELECT id, attempt, fencing_token, %(worker)s, now(), '', '', '' FROM leased
 )"""
 
-COMPLETE = """
-WITH i AS (
-    SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS i(id, token)
-), done AS (
+# The completion of the runs in `i` (id, token) whose lease the token still holds: shared with
+# bench/workers/http_ceiling.py.
+DONE = """, done AS (
     UPDATE runs_run r
     SET state = 'succeeded', result = NULL, finished_at = now(), lease_expires_at = NULL
     FROM i WHERE r.id = i.id AND r.state = 'leased' AND r.fencing_token = i.token
     RETURNING r.id, r.attempt
-){attempts}
+)"""
+COMPLETE = (
+    """
+WITH i AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS i(id, token)
+)"""
+    + DONE
+    + """{attempts}
 SELECT count(*) FROM done
 """
+)
 
 END_ATTEMPTS = """, ended AS (
     UPDATE runs_attempt a SET ended_at = now(), outcome = 'succeeded'
