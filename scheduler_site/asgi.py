@@ -3,8 +3,10 @@
 import asyncio
 import gc
 import os
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import django
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
@@ -46,6 +48,24 @@ class RequestThreads:
             self._idle.append(executor)
 
 
+class BodyTooLarge(Exception):
+    """The request body is over DATA_UPLOAD_MAX_MEMORY_SIZE."""
+
+
+def _declared_length(scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def body_too_large() -> HttpResponse:
+    from apps.api.errors import json_problem  # after django.setup(), below
+
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    return json_problem(413, f"The request body is larger than {limit} bytes.")
+
+
 class SyncChainASGIHandler(ASGIHandler):
     """Django's ASGI handler, with each request's synchronous work done in one thread hop.
 
@@ -76,10 +96,19 @@ class SyncChainASGIHandler(ASGIHandler):
             self.threads.take_back(executor)
 
     async def handle(self, scope, receive, send) -> None:
+        declared = _declared_length(scope)
         try:
-            body_file = await self.read_body(receive)
+            body_file, size = await self.read_bounded_body(receive, declared)
         except RequestAborted:
             return
+        except BodyTooLarge:
+            await self.send_response(body_too_large(), send)
+            return
+        if size and declared is None:
+            # A chunked body has no Content-Length, and DRF reads a request without one as
+            # empty: a retried enqueue then created a second run under a default key. The body
+            # has been read whole; its length is known.
+            scope = {**scope, "headers": [*scope["headers"], (b"content-length", b"%d" % size)]}
         set_script_prefix(get_script_prefix(scope))
         # Set when the client hangs up. The view goes on in its thread (a thread cannot be
         # cancelled); a long poll reads this to stop claiming for a worker that has gone.
@@ -99,6 +128,35 @@ class SyncChainASGIHandler(ASGIHandler):
         finally:
             watcher.cancel()
             body_file.close()
+
+    async def read_bounded_body(self, receive, declared: int | None) -> tuple[Any, int]:
+        """Django's read_body, which buffers whatever arrives (to disk past a few megabytes), with
+        the request body limit applied as the bytes come: a body over it, declared or sent, is
+        answered 413 before it is stored."""
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        if limit is not None and declared is not None and declared > limit:
+            raise BodyTooLarge
+        body_file = tempfile.SpooledTemporaryFile(
+            max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b"
+        )
+        size = 0
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise RequestAborted()
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if limit is not None and size > limit:
+                    raise BodyTooLarge
+                body_file.write(chunk)
+                if not message.get("more_body", False):
+                    break
+        except BaseException:
+            body_file.close()
+            raise
+        body_file.seek(0)
+        return body_file, size
 
     def _respond(self, scope, body_file, gone: threading.Event) -> HttpResponse:
         signals.request_started.send(sender=self.__class__, scope=scope)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import TypeVar
 from urllib.parse import quote
 
@@ -29,6 +34,7 @@ from tests import flush, shard_layout
 from tests.servers import Server
 
 M = TypeVar("M")
+REPO = Path(__file__).resolve().parents[1]
 
 flush.install()
 
@@ -467,3 +473,78 @@ def assert_invariants_everywhere() -> None:
             for rule, sql in INVARIANTS.items():
                 cursor.execute(sql)
                 assert cursor.fetchall() == [], f"{alias}: {rule}"
+
+
+# --- a live ASGI server ----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    process: subprocess.Popen
+
+
+@pytest.fixture(scope="session")
+def asgi_server(django_db_setup, django_db_blocker) -> Iterator[LiveServer]:
+    """uvicorn serving scheduler_site.asgi (HTTP and WebSocket) on the test database."""
+    with django_db_blocker.unblock():
+        database_url = child_database_url()
+    port = _free_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "DASHBOARD_LIVE_INTERVAL": "0.3",
+        # Notification channels of the browser tests post to receivers on this machine.
+        "SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS": "true",
+        "SCHEDULER_APPLICATION_NAME": "scheduler:test-dashboard-web",
+        "LOG_LEVEL": "WARNING",
+        "PYTHONPATH": str(REPO),
+    }
+    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    log = (REPO / "test-artifacts").resolve()
+    log.mkdir(exist_ok=True)
+    with open(log / "dashboard-server.log", "wb") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "scheduler_site.asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--lifespan",
+                "off",
+                "--log-level",
+                "warning",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"uvicorn did not start; see {log / 'dashboard-server.log'}")
+        time.sleep(0.1)
+    yield LiveServer(url, process)
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()

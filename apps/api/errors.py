@@ -27,6 +27,7 @@ TITLES = {
     405: "Method not allowed",
     409: "Conflict",
     413: "Payload too large",
+    406: "Not acceptable",
     415: "Unsupported media type",
     429: "Too many requests",
     500: "Internal server error",
@@ -61,14 +62,17 @@ class DatabaseFailed(exceptions.APIException):
 class PayloadTooLarge(exceptions.APIException):
     status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
     default_detail = "The payload is larger than the limit."
-    default_code = "payload_too_large"
+    default_code = "payload-too-large"
 
 
 def problem(
     status_code: int, detail: str, *, code: str | None = None, errors: Any = None
 ) -> dict[str, Any]:
+    # One spelling for every type: DRF's codes are written with underscores (`not_found`),
+    # the titles and this project's codes with hyphens.
+    name = (code or TITLES.get(status_code, "error")).lower().replace("_", "-").replace(" ", "-")
     body: dict[str, Any] = {
-        "type": TYPE_BASE + (code or TITLES.get(status_code, "error").lower().replace(" ", "-")),
+        "type": TYPE_BASE + name,
         "title": TITLES.get(status_code, "Error"),
         "status": status_code,
         "detail": detail,
@@ -126,7 +130,9 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
                 response.status_code, "See errors.", code=code, errors=flatten_errors(detail)
             )
         else:
-            body = problem(response.status_code, str(detail), code=code)
+            # Every 400 names what is wrong: a body that is not JSON at all, the body.
+            errors = {"body": [str(detail)]} if response.status_code == 400 else None
+            body = problem(response.status_code, str(detail), code=code, errors=errors)
     response.data = body
     response.content_type = "application/problem+json"
     if isinstance(exc, DatabaseFailed | ShardUnavailable):

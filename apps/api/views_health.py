@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -19,7 +20,11 @@ SELECT n.node_id, n.last_seen_at, extract(epoch FROM now() - n.last_seen_at),
        (SELECT count(*) FROM scheduler_shardlease s WHERE s.owner = n.node_id AND s.expires_at > now())
 FROM scheduler_schedulernode n ORDER BY n.node_id
 """
-UNOWNED = "SELECT count(*) FROM scheduler_shardlease WHERE owner = '' OR expires_at <= now()"
+# Shards without a live lease, those no scheduler has ever leased (no row yet) included.
+UNOWNED = """
+SELECT %(shards)s - count(*) FROM scheduler_shardlease
+WHERE owner <> '' AND expires_at > now() AND shard < %(shards)s
+"""
 # On a shard database: how far its most overdue definition is behind, from the partial index
 # job_due_by_shard (shard, next_due_at).
 LAG = """
@@ -48,7 +53,7 @@ def readyz(request: HttpRequest) -> JsonResponse:
         with connection.cursor() as cursor:
             cursor.execute(SCHEDULERS)
             nodes = cursor.fetchall()
-            cursor.execute(UNOWNED)
+            cursor.execute(UNOWNED, {"shards": settings.SCHEDULER_SHARD_COUNT})
             unowned = cursor.fetchone()[0]
     except Exception as exc:  # noqa: BLE001 - any failure means "not ready"
         return JsonResponse({"status": "unavailable", "detail": str(exc)}, status=503)

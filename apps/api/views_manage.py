@@ -38,7 +38,7 @@ from apps.audit.record import Actor, record_denied
 from apps.jobs import enqueue, runlist, services, sync
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition, database_of
-from apps.runs import filters, shards, transitions
+from apps.runs import filters, limits, shards, transitions
 from apps.runs.clock import database_now
 from apps.runs.ids import parse_run_id
 from apps.runs.models import PRIORITIES, Run, State
@@ -66,7 +66,8 @@ class ManageView(APIView):
         return access.visible_team_ids(request.user)
 
     def _deny(self, request: Request, team, target_type: str, target: str | list[str]) -> None:
-        """Record an attempt on another team's object, then answer as if it did not exist."""
+        """Record an attempt on another team's object (the caller then answers 403 for a job,
+        whose names are one namespace for every team, and 404 for a run)."""
         record_denied(
             self.actor(request),
             f"{request.method} {request.path}",
@@ -76,17 +77,19 @@ class ManageView(APIView):
         )
 
     def definition(self, request: Request, name: str) -> JobDefinition:
-        # PostgreSQL text cannot hold NUL, and no job name has one.
+        """The job named in the path: 404 when there is none, 403 when it is another team's (a
+        name is taken for every team: PUT and POST already say so)."""
         definition = None
-        if "\x00" not in name:
+        # Not a job name (PostgreSQL text cannot hold the NUL some carry): no such job.
+        if limits.job_name_problem(name) is None:
             with shards.reaching(database_of(name)):
                 found = shards.with_teams(JobDefinition.objects.named(name))
             definition = found[0] if found else None
-        if definition is not None and access.role_in(request.user, definition.team_id) is None:
-            self._deny(request, definition.team, "job", name)
-            definition = None
         if definition is None:
             raise NotFound(f"No job named '{name}'.")
+        if access.role_in(request.user, definition.team_id) is None:
+            self._deny(request, definition.team, "job", name)
+            raise PermissionDenied(f"The job '{name}' belongs to another team.")
         return definition
 
     def run(self, request: Request, run_id: str) -> Run:
@@ -246,6 +249,9 @@ class JobDetailView(ManageView):
     def put(self, request: Request, name: str) -> Response:
         """Create or replace a definition by name: jobs as code."""
         team = self.team(request)
+        problem_of_name = limits.job_name_problem(name)
+        if problem_of_name is not None:
+            raise ValidationError({"name": [problem_of_name]})
         if _name_taken_elsewhere(name, team):
             raise PermissionDenied(f"The job name '{name}' belongs to another team.")
         # A replacement states its queue (DefinitionReplace): an empty body would otherwise
@@ -347,16 +353,24 @@ class JobTriggerView(ManageView):
     @extend_schema(
         operation_id="triggerJob",
         summary="Run a job now",
-        description="Create a run due now. Needs the `manage` scope.",
+        description=(
+            "Create a run due now, with the job's payload or the one given. Needs the "
+            "`manage` scope."
+        ),
         tags=["jobs"],
         parameters=[doc.JOB_NAME],
-        request=None,
-        responses=doc.responses({201: run_shape.Run}, 404),
+        request=run_shape.TriggerRun,
+        responses=doc.responses({201: run_shape.Run}, *doc.BODY_PROBLEMS, 404),
     )
     def post(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
+        body = self.body(request, run_shape.TriggerRun)
         created = enqueue.create_run(
-            definition, self.actor(request), idempotency_key=None, trigger="api"
+            definition,
+            self.actor(request),
+            idempotency_key=None,
+            payload=body.payload,
+            trigger="api",
         )
         return Response(run_json(created.run, database_now()), status=status.HTTP_201_CREATED)
 
@@ -387,7 +401,7 @@ class JobRunsView(ManageView):
         ),
     )
     def post(self, request: Request, name: str) -> Response:
-        self.definition(request, name)  # another team's job: a 404, audited
+        self.definition(request, name)  # another team's job: a 403, audited
         body = self.body(request, run_shape.CreateRun)
         item = {**body.model_dump(exclude_unset=True, mode="json"), "job": name}
         (answer,) = enqueue_items(self, request, [item], body_size(request))
@@ -479,14 +493,19 @@ def _parse_from(raw: str | None) -> datetime:
     return value
 
 
+def whole_number(raw: Any) -> int | None:
+    """A JSON integer, or a query string of up to 18 ASCII digits (Python's int() also reads
+    " 5", "5_0" and other scripts' digits, and refuses past 4 300 digits), else None."""
+    if isinstance(raw, str):
+        return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else None
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+
+
 def _parse_count(raw: Any) -> int:
     if raw is None or raw == "":
         return 10
-    try:
-        count = int(raw)
-    except (TypeError, ValueError):
-        raise ValidationError({"count": ["A whole number from 1 to 1000."]}) from None
-    if not 1 <= count <= 1000 or isinstance(raw, bool):
+    count = whole_number(raw)
+    if count is None or not 1 <= count <= 1000:
         raise ValidationError({"count": ["A whole number from 1 to 1000."]})
     return count
 
@@ -556,20 +575,25 @@ def run_filter(
 ) -> runlist.RunFilter:
     """The runs filters of the query string (`state`, `job`, `queue`, `since`) over the
     `branches` a list shows by default."""
+    errors: dict[str, list[str]] = {}
     state = params.get("state")
     if state:
-        if state not in State.values:
-            raise ValidationError({"state": [f"One of {', '.join(State.values)}."]})
-        branches = runlist.REPORTED_TO_STORED[state]
-    for key in ("job", "queue"):
-        # PostgreSQL text cannot hold NUL: no job or queue has one in its name.
-        if "\x00" in str(params.get(key) or ""):
-            raise ValidationError({key: ["A name cannot contain the NUL character."]})
+        if state in State.values:
+            branches = runlist.REPORTED_TO_STORED[state]
+        else:
+            errors["state"] = [f"One of {', '.join(State.values)}."]
+    # The name rules of definitions and leases (PostgreSQL text cannot hold the NUL some
+    # carry): a name no job or queue can have is a mistake to report, not an empty page.
+    for key, problem_of in (("job", limits.job_name_problem), ("queue", limits.queue_name_problem)):
+        if params.get(key) and (reason := problem_of(params[key])) is not None:
+            errors[key] = [reason]
     since = None
     if params.get("since"):
         since = filters.parse_instant(str(params["since"]))
         if since is None:
-            raise ValidationError({"since": [filters.ISO_RULE]})
+            errors["since"] = [filters.ISO_RULE]
+    if errors:
+        raise ValidationError(errors)
     return runlist.RunFilter(
         team_ids=team_ids,
         branches=list(branches),
@@ -581,11 +605,8 @@ def run_filter(
 
 def run_list(request: Request, flt: runlist.RunFilter, now: datetime) -> Response:
     """Keyset pagination, newest first: `?cursor=<last runId>&limit=N`; no COUNT(*)."""
-    try:
-        limit = int(request.query_params.get("limit") or PAGE_DEFAULT)
-    except ValueError:
-        raise ValidationError({"limit": [f"A whole number from 1 to {PAGE_MAX}."]}) from None
-    if not 1 <= limit <= PAGE_MAX:
+    limit = whole_number(request.query_params.get("limit") or PAGE_DEFAULT)
+    if limit is None or not 1 <= limit <= PAGE_MAX:
         raise ValidationError({"limit": [f"A whole number from 1 to {PAGE_MAX}."]})
     before = None
     cursor = request.query_params.get("cursor")

@@ -13,7 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.api import schema as doc
-from apps.api.errors import TYPE_BASE, Conflict, ShardUnavailable
+from apps.api.errors import Conflict, ShardUnavailable, problem
 from apps.api.fastpath import Call, FastPathView
 from apps.api.renderers import Rendered, render_json
 from apps.api.shapes import M, body_size, parse
@@ -291,15 +291,20 @@ def _retry_at(outcome: store.Outcome) -> str | None:
     return format_utc(outcome.available_at) if outcome.state == "retrying" else None
 
 
+# The codes of the single calls' exceptions (_single) for the same outcomes.
+ITEM_CODES = {
+    404: NotFound.default_code,
+    409: Conflict.default_code,
+    503: ShardUnavailable.default_code,
+}
+
+
 def _refused(run_id: str, outcome: store.Outcome | None) -> shape.ItemRefused:
-    if outcome is None:
-        return shape.ItemRefused(runId=run_id, status=404, detail="No such run.")
-    refused = shape.ItemRefused(
-        runId=run_id, status=outcome.status, detail=outcome.detail or "No such run."
-    )
-    if outcome.code:
-        refused["type"] = TYPE_BASE + outcome.code
-    return refused
+    """A refused item, as the single call's problem details with the item's run id."""
+    status = 404 if outcome is None else outcome.status
+    detail = (outcome.detail if outcome is not None else "") or "No such run."
+    code = (outcome.code if outcome is not None else "") or ITEM_CODES[status]
+    return shape.ItemRefused(runId=run_id, **problem(status, detail, code=code))
 
 
 def _parsed(

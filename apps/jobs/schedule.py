@@ -353,7 +353,8 @@ def _preview_item(
     local: datetime, utc: datetime, start: datetime, dst_note: str, bound_note: str = ""
 ) -> dict:
     return {
-        "local": local.isoformat(timespec="seconds"),
+        # To the millisecond when it has a fraction, as `utc` is written (format_utc).
+        "local": local.isoformat(timespec="milliseconds" if local.microsecond else "seconds"),
         "utc": format_utc(utc),
         "start": format_utc(start),
         # The API has one note per time: a bound's note follows the DST one.

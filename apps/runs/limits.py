@@ -57,7 +57,8 @@ def _name_problem(value: object, pattern: re.Pattern, longest: int, rule: str) -
         return "This field may not be blank."
     if len(value) > longest:
         return f"Ensure this field has no more than {longest} characters."
-    return None if pattern.match(value) else rule
+    # fullmatch: `$` also matches before a final newline ("a.job\n" would pass `match`).
+    return None if pattern.fullmatch(value) else rule
 
 
 def job_name_problem(value: object) -> str | None:

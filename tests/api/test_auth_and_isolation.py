@@ -44,14 +44,18 @@ def test_manage_only_token_cannot_lease(live_server, team_a):
     assert answer.status_code == 403
 
 
-def test_other_teams_jobs_and_runs_are_not_found(api_a, api_b, team_a):
+def test_other_teams_jobs_are_forbidden_and_runs_not_found(api_a, api_b, team_a):
+    """A job name is one namespace for every team (PUT and POST say it is taken): another
+    team's job is a 403. A run id is not: another team's runs are a 404."""
     definition = make_definition(team_a, "secret.job", queue="q")
     add_ready_runs(definition, 1)
     (lease,) = api_a.lease(["q"], 1)
     run_id = lease["runId"]
     token = {"fencingToken": lease["fencingToken"]}
-    assert api_b.get("/api/v1/jobs/secret.job").status_code == 404
-    assert api_b.post("/api/v1/jobs/secret.job/pause").status_code == 404
+    assert api_b.get("/api/v1/jobs/secret.job").status_code == 403
+    assert api_b.post("/api/v1/jobs/secret.job/pause").status_code == 403
+    assert api_b.post("/api/v1/jobs/secret.job/runs", {}).status_code == 403
+    assert api_b.get("/api/v1/jobs/nobody.has-this").status_code == 404
     assert api_b.get(f"/api/v1/runs/{run_id}").status_code == 404
     assert api_b.post(f"/api/v1/runs/{run_id}/heartbeat", token).status_code == 404
     assert api_b.post(f"/api/v1/runs/{run_id}/complete", token).status_code == 404
@@ -64,7 +68,7 @@ def test_other_teams_jobs_and_runs_are_not_found(api_a, api_b, team_a):
     from apps.audit.models import AuditEvent
 
     denied = AuditEvent.objects.filter(action="access.denied")
-    assert denied.count() == 8
+    assert denied.count() == 9
     assert set(denied.values_list("team__slug", flat=True)) == {"team-a"}
     assert all(event.actor_token.team.slug == "team-b" for event in denied)
     assert set(denied.values_list("target", flat=True)) == {"secret.job", run_id}

@@ -433,3 +433,123 @@ def test_a_failure_with_a_stack_trace_is_kept_and_a_huge_one_cut_not_refused(api
     assert kept == {"message": "boom", "type": "ValueError", "stack": stack}
     cut = api_a.get(f"/api/v1/runs/{second['runId']}").json()["lastError"]["stack"]
     assert len(cut) == 64 * 1024 and cut.endswith("ValueError: end")
+
+
+# --- 10. Names, keys and numbers as sent -------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["job%00x", "a.job%0A", "Upper.Case", "a%20job"])
+def test_a_job_path_that_is_no_job_name_is_a_400_on_put_and_a_404_elsewhere(api_a, name):
+    answer = api_a.put(f"/api/v1/jobs/{name}", {"queue": "q", "schedule": {}})
+    assert_problem(answer, 400, "name")
+    assert_problem(api_a.get(f"/api/v1/jobs/{name}"), 404)
+    assert_problem(api_a.post(f"/api/v1/jobs/{name}/trigger", {}), 404)
+    assert not JobDefinition.objects.exists()
+
+
+def test_keys_and_worker_ids_are_taken_as_sent_not_trimmed(api_a, team_a):
+    make_definition(team_a, "keys.job", queue="keys")
+    plain = api_a.post("/api/v1/jobs/keys.job/runs", {"idempotencyKey": "k1"})
+    spaced = api_a.post("/api/v1/jobs/keys.job/runs", {"idempotencyKey": " k1 "})
+    assert (plain.status_code, spaced.status_code) == (201, 201), spaced.text
+    assert spaced.json()["idempotencyKey"] == " k1 "
+    assert spaced.json()["runId"] != plain.json()["runId"]
+    # A worker id's rule (no leading or trailing space) holds, rather than the id trimmed.
+    lease = {"queues": ["keys"], "max": 1, "workerId": " host-1 "}
+    assert_problem(api_a.post("/api/v1/leases", lease), 400, "workerId")
+    assert not Run.objects.filter(state="leased").exists()
+
+
+def test_run_filters_follow_the_name_rules(api_a):
+    answer = api_a.get("/api/v1/runs", params={"job": "NOT A JOB", "queue": "-bad"})
+    body = assert_problem(answer, 400)
+    assert {"job", "queue"} <= set(body["errors"])
+    assert_problem(api_a.get("/api/v1/dlq", params={"job": "x" * 201}), 400, "job")
+    assert api_a.get("/api/v1/runs", params={"job": "a.job", "queue": "q:1"}).status_code == 200
+
+
+@pytest.mark.parametrize("number", ["\uff15", " 5", "5_0", "+5", "9" * 5000])
+def test_query_numbers_are_ascii_digits(api_a, team_a, number):
+    make_definition(team_a, "count.job", queue="count", schedule={"cron": "* * * * *"})
+    assert_problem(api_a.get("/api/v1/runs", params={"limit": number}), 400, "limit")
+    answer = api_a.get("/api/v1/jobs/count.job/preview", params={"count": number})
+    assert_problem(answer, 400, "count")
+
+
+def test_a_trigger_reads_its_body(api_a, team_a):
+    make_definition(team_a, "trig.job", queue="trig", payload={"from": "job"})
+    assert_problem(api_a.post("/api/v1/jobs/trig.job/trigger", {"bogus": 1}), 400, "bogus")
+    broken = api_a.post(
+        "/api/v1/jobs/trig.job/trigger",
+        content=b"{bad",
+        headers={"Content-Type": "application/json"},
+    )
+    assert assert_problem(broken, 400, "body")["type"].endswith("/parse-error")
+    assert not Run.objects.exists()
+    default = api_a.post("/api/v1/jobs/trig.job/trigger")
+    given = api_a.post("/api/v1/jobs/trig.job/trigger", {"payload": {"from": "call"}})
+    assert (default.status_code, given.status_code) == (201, 201), given.text
+    assert default.json()["payload"] == {"from": "job"}
+    assert given.json()["payload"] == {"from": "call"}
+
+
+def test_a_refused_batch_item_is_the_single_calls_problem(api_a, team_a):
+    definition = make_definition(team_a, "items.job", queue="items")
+    add_ready_runs(definition, 1)
+    (lease,) = leased(api_a, "items")
+    stale = {"runId": lease["runId"], "fencingToken": lease["fencingToken"] + 1}
+    token = {"fencingToken": stale["fencingToken"]}
+    single = api_a.post(f"/api/v1/runs/{lease['runId']}/heartbeat", token).json()
+    nobody = public_run_id(Run.objects.get().pk + 1_000_000)
+    item = {**stale, "outcome": "succeeded"}
+    answer = api_a.post(
+        "/api/v1/results",
+        {"results": [item, {**item, "runId": nobody}]},
+    )
+    conflict, missing = answer.json()["results"]
+    assert {k: conflict[k] for k in ("type", "title", "status")} == {
+        k: single[k] for k in ("type", "title", "status")
+    }
+    assert conflict["type"].endswith("/conflict") and conflict["runId"] == lease["runId"]
+    assert missing["type"].endswith("/not-found") and missing["title"] == "Not found"
+    assert missing["status"] == 404
+
+
+def test_problem_types_are_spelled_one_way(api_a, live_server):
+    import httpx
+
+    types = [
+        api_a.get("/api/v1/jobs/no.such-job").json()["type"],
+        api_a.get("/api/v1/no-such-route").json()["type"],
+        httpx.get(f"{live_server.url}/api/v1/jobs").json()["type"],
+        api_a.post("/api/v1/runs", {"runs": [{"job": "no.such-job"}]}).json()["runs"][0]["type"],
+    ]
+    assert all("_" not in kind for kind in types), types
+    assert types[0].endswith("/not-found") and types[1].endswith("/not-found")
+    assert types[3].endswith("/not-found")
+
+
+def test_a_queue_put_states_its_rate_limit(api_a, team_a):
+    make_definition(team_a, "rate.job", queue="rq")
+    limit = {"count": 3, "periodSeconds": 60}
+    assert api_a.put("/api/v1/queues/rq", {"rateLimit": limit}).status_code == 200
+    for body in ({}, {"paused": False}):
+        assert_problem(api_a.put("/api/v1/queues/rq", body), 400, "rateLimit")
+    assert Queue.objects.get(name="rq").rate_limit_count == 3
+
+
+def test_a_dlq_action_on_no_ids_is_refused(api_a):
+    for action in ("requeue", "discard"):
+        assert_problem(api_a.post(f"/api/v1/dlq/{action}", {"runIds": []}), 400, "runIds")
+
+
+def test_a_preview_names_a_job_and_writes_one_instant_twice(api_a):
+    bad = {"name": "NOT A JOB", "schedule": {"cron": "0 2 * * *"}}
+    assert_problem(api_a.post("/api/v1/preview", bad), 400, "name")
+    answer = api_a.post("/api/v1/preview", {"schedule": {"delaySeconds": 300}})
+    (time,) = answer.json()["times"]
+    from datetime import datetime
+
+    local = datetime.fromisoformat(time["local"])
+    utc = datetime.fromisoformat(time["utc"].replace("Z", "+00:00"))
+    assert local == utc, time

@@ -1,18 +1,12 @@
-"""Named people for the dashboard tests, runs in each state, and for the browser tests a live
-ASGI server (uvicorn: HTTP and the WebSocket) on the test database plus a headless Chromium."""
+"""Named people for the dashboard tests, runs in each state, and for the browser tests a headless
+Chromium on the live ASGI server (tests/conftest.py `asgi_server`)."""
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
@@ -20,13 +14,12 @@ from django.test import Client
 from apps.runs import store
 from apps.runs.models import Run
 from apps.teams.models import Membership, Team
-from tests.conftest import add_ready_runs, child_database_url, make_definition
+from tests.conftest import REPO, LiveServer, add_ready_runs, make_definition
 
 # Playwright's sync API runs an event loop in this thread; the ORM calls the tests make between
 # browser steps are ordinary blocking calls, which Django would otherwise refuse.
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 
-REPO = Path(__file__).resolve().parents[2]
 SCREENSHOTS = REPO / "test-artifacts" / "screenshots"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -127,78 +120,6 @@ def job_b(team_b):
 
 
 # --- live server and browser ---------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class LiveServer:
-    url: str
-    process: subprocess.Popen
-
-
-@pytest.fixture(scope="session")
-def asgi_server(django_db_setup, django_db_blocker) -> Iterator[LiveServer]:
-    """uvicorn serving scheduler_site.asgi (HTTP and WebSocket) on the test database."""
-    with django_db_blocker.unblock():
-        database_url = child_database_url()
-    port = _free_port()
-    env = {
-        **os.environ,
-        "DATABASE_URL": database_url,
-        "DASHBOARD_LIVE_INTERVAL": "0.3",
-        # Notification channels of the browser tests post to receivers on this machine.
-        "SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS": "true",
-        "SCHEDULER_APPLICATION_NAME": "scheduler:test-dashboard-web",
-        "LOG_LEVEL": "WARNING",
-        "PYTHONPATH": str(REPO),
-    }
-    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-    log = (REPO / "test-artifacts").resolve()
-    log.mkdir(exist_ok=True)
-    with open(log / "dashboard-server.log", "wb") as out:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "scheduler_site.asgi:application",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--lifespan",
-                "off",
-                "--log-level",
-                "warning",
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"uvicorn did not start; see {log / 'dashboard-server.log'}")
-        time.sleep(0.1)
-    yield LiveServer(url, process)
-    process.terminate()
-    try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
 
 
 @pytest.fixture(scope="session")

@@ -84,3 +84,52 @@ def test_a_page_that_is_not_found_still_answers(seen_threads):
     assert answer.status_code in (401, 404)
     assert answer.headers["content-type"].startswith("application/problem+json")
     assert [kind for kind, _ in seen_threads] == ["started", "finished"]
+
+
+# --- request bodies, over real HTTP ----------------------------------------------------------
+
+
+def chunked(data: bytes, size: int = 7):
+    """A body sent in chunks, with no Content-Length (Transfer-Encoding: chunked)."""
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_chunked_body_is_read_like_any_other(asgi_server):
+    from apps.runs.models import Run
+    from apps.teams.models import ApiToken, Team
+    from tests.conftest import make_definition
+
+    team = Team.objects.create(slug="chunks", name="Chunks")
+    token = ApiToken.issue(team, ["manage"])[1]
+    make_definition(team, "chunk.job", queue="chunks")
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    body = b'{"idempotencyKey": "order-991", "payload": {"v": 2}}'
+    url = f"{asgi_server.url}/api/v1/jobs/chunk.job/runs"
+    first = httpx.post(url, content=chunked(body), headers=headers)
+    again = httpx.post(url, content=chunked(body), headers=headers)
+    assert first.request.headers.get("transfer-encoding") == "chunked"
+    assert "content-length" not in first.request.headers
+    assert (first.status_code, again.status_code) == (201, 200), first.text
+    assert first.json()["idempotencyKey"] == "order-991"
+    assert first.json()["payload"] == {"v": 2}
+    assert Run.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_body_over_the_limit_is_refused_before_it_is_stored(asgi_server, settings):
+    from apps.runs.models import Run
+
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    big = b'{"runs": [{"job": "a.job", "payload": "' + b"x" * limit + b'"}]}'
+    url = f"{asgi_server.url}/api/v1/runs"
+    headers = {"Authorization": "Bearer nobody", "Content-Type": "application/json"}
+    for content in (big, chunked(big, 65536)):
+        answer = httpx.post(url, content=content, headers=headers, timeout=30)
+        assert answer.status_code == 413, answer.text
+        assert answer.headers["content-type"].startswith("application/problem+json")
+        assert answer.json()["type"].endswith("/payload-too-large")
+    assert not Run.objects.exists()
+    # Under the limit, the same request is read and answered (here: the token is unknown).
+    assert httpx.post(url, content=b'{"runs": []}', headers=headers).status_code == 401

@@ -14,6 +14,8 @@ def test_health_and_readiness_show_the_schedulers(live_server):
     assert httpx.get(f"{live_server.url}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{live_server.url}/readyz").json()
     assert ready["status"] == "ok" and ready["schedulers"] == []
+    # No scheduler has ever run: every shard is unowned, not none.
+    assert ready["unownedShards"] == 16
     assert ready["shardDatabases"] == [
         {"shards": "0-15", "reachable": True, "depth": 0, "lagSeconds": 0.0}
     ]

@@ -34,7 +34,7 @@ REF_TEMPLATE = "#/components/schemas/{model}"
 # An instant as the API writes it (apps.runs.clock.format_utc): ISO 8601 in UTC with a Z, to
 # the millisecond.
 Instant = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
-STRICT = ConfigDict(extra="forbid", strict=True, str_strip_whitespace=True)
+STRICT = ConfigDict(extra="forbid", strict=True)
 ANSWER = ConfigDict(extra="forbid")
 
 

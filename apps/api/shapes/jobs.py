@@ -430,7 +430,7 @@ class SyncRequest(Body):
 class SchedulePreview(Body):
     """A schedule to preview; `name` sets the jitter."""
 
-    name: Text = Field("preview", min_length=1, max_length=200)
+    name: JobName = "preview"
     schedule: ScheduleJSON
     count: int = Field(10, ge=1, le=1000)
     after: After = Field(

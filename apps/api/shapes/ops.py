@@ -70,12 +70,13 @@ class BackfillRequest(Body):
 
 
 class QueueSettings(Body):
-    """A queue's settings: its rate limit (absent or null: none) and, when given, its pause."""
+    """A queue's settings: its rate limit (null: none) and, when given, its pause. The limit is
+    required: a PUT that only pauses, or an empty one, would otherwise lift it unsaid."""
 
     rateLimit: RateLimit | None = Field(
-        None,
         description="At most `count` leases started from the queue, all its jobs together, in "
-        "any window of `periodSeconds` (a sliding window, exact across shard databases).",
+        "any window of `periodSeconds` (a sliding window, exact across shard databases); null "
+        "for none.",
     )
     paused: bool | None = Field(None, description="Absent: unchanged.")
 

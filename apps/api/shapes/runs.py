@@ -56,6 +56,14 @@ class CreateRun(Body):
         return {"runAt": [reason]} if reason is not None else {}
 
 
+class TriggerRun(Body):
+    """A run of the job now; an empty body runs it with the job's payload."""
+
+    payload: Any = Field(None, description="This run's payload instead of the job's.")
+
+    _payload = field_validator("payload")(json_value)
+
+
 class EnqueueItem(CreateRun):
     """One run to create: of which job (of the caller's team), under which key, when."""
 
@@ -133,8 +141,9 @@ class DlqSelection(Body):
     )
 
     # Left out is not null: a null is refused like any other wrong type.
+    # At least one: every other list of a body (heartbeats, results, runs) refuses none.
     runIds: list[Annotated[str, Field(min_length=1, max_length=40), Checked]] = Field(
-        None, max_length=10000, json_schema_extra=no_default
+        None, min_length=1, max_length=10000, json_schema_extra=no_default
     )
     filter: Annotated[Any, AfterValidator(_bulk_filter)] = Field(
         None, json_schema_extra=lambda schema: (schema.update(FILTER_SCHEMA), no_default(schema))

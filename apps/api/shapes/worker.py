@@ -232,22 +232,23 @@ class FailAnswer(TypedDict):
 
 @typed_config(ANSWER)
 class ItemRefused(TypedDict):
-    """An item of a batch that changed nothing: 404 (no such run) or 409 (stale token, not leased)."""
+    """An item of a batch that changed nothing, as the single call's problem details: 404 (no
+    such run), 409 (stale token, not leased) or 503 (the run's shard is unavailable)."""
 
     runId: str
+    type: Annotated[
+        str,
+        Field(
+            description="The single call's problem type: ending in `/conflict` for a stale "
+            "token or a run no longer leased, `/cancelled` when a cancel of the run was asked "
+            "for (stop, then report), `/not-found`, `/shard-unavailable`."
+        ),
+    ]
+    title: str
     status: Annotated[
         ItemStatus, Field(description="404, 409, or 503 when the run's shard is unavailable.")
     ]
     detail: str
-    type: NotRequired[
-        Annotated[
-            str,
-            Field(
-                description="A 409's problem type when it is not a stale token: ending in "
-                "`/cancelled` when a cancel of the run was asked for (stop, then report)."
-            ),
-        ]
-    ]
 
 
 @typed_config(ANSWER)
