@@ -117,6 +117,18 @@ def _named(data: Any, name: str) -> Any:
     return {**data, "name": name}
 
 
+def _amends_cron(current: Any, given: Any) -> bool:
+    """Whether a PATCH's `schedule` changes fields of the job's cron schedule (rather than
+    giving a schedule of another kind, or none: `{}`)."""
+    return (
+        isinstance(current, dict)
+        and "cron" in current
+        and isinstance(given, dict)
+        and bool(given)
+        and not given.keys() & {"runAt", "delaySeconds"}
+    )
+
+
 def _name_taken_elsewhere(name: str, team) -> bool:
     with shards.reaching(database_of(name)):
         return JobDefinition.objects.named(name).exclude(team=team).exists()
@@ -272,7 +284,9 @@ class JobDetailView(ManageView):
         operation_id="updateJob",
         summary="Change some fields of a job definition",
         description=(
-            "Merge the given fields into the definition (`retry` is merged field by field). "
+            "Merge the given fields into the definition (`retry` is merged field by field, and "
+            "so is a cron `schedule` given without `runAt` or `delaySeconds`: a null drops a "
+            "field). "
             "Needs the `manage` scope."
         ),
         tags=["jobs"],
@@ -288,6 +302,11 @@ class JobDetailView(ManageView):
         for key, value in request.data.items():
             if key == "retry" and isinstance(value, dict):
                 merged["retry"] = {**merged["retry"], **value}
+            elif key == "schedule" and _amends_cron(merged["schedule"], value):
+                # A new cron expression keeps the job's time zone, jitter and policies; a null
+                # drops a field (JSON merge patch). Another kind of schedule replaces it whole.
+                amended = {**merged["schedule"], **value}
+                merged["schedule"] = {k: v for k, v in amended.items() if v is not None}
             else:
                 merged[key] = value
         spec = self.body(request, job_shape.Definition, _named(merged, name)).to_spec()

@@ -87,6 +87,22 @@ def test_patch_merges_and_delete_removes(api_a):
     assert api_a.get("/api/v1/jobs/billing.export-invoices").status_code == 404
 
 
+def test_patch_of_a_cron_schedule_keeps_its_zone_and_another_kind_replaces_it(api_a):
+    api_a.post("/api/v1/jobs", EXPORT)
+    path = "/api/v1/jobs/billing.export-invoices"
+    patched = api_a.patch(path, {"schedule": {"cron": "0 3 * * *"}})
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["schedule"] == {**EXPORT["schedule"], "cron": "0 3 * * *"}
+    # A null drops a field: the default comes back.
+    patched = api_a.patch(path, {"schedule": {"jitterSeconds": None}})
+    assert patched.json()["schedule"]["jitterSeconds"] == 60
+    assert patched.json()["schedule"]["timeZone"] == "Europe/Berlin"
+    # A schedule of another kind, or none, is not merged into the cron one.
+    one_off = {"runAt": "2099-01-01T00:00:00Z"}
+    assert api_a.patch(path, {"schedule": one_off}).json()["schedule"] == one_off
+    assert api_a.patch(path, {"schedule": {}}).json()["schedule"] == {}
+
+
 def test_pause_resume_and_trigger(api_a):
     api_a.post("/api/v1/jobs", {**EXPORT, "concurrency": None})
     assert api_a.post("/api/v1/jobs/billing.export-invoices/pause").json()["paused"] is True
