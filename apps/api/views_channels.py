@@ -202,6 +202,7 @@ class ChannelDetailView(ChannelView):
 
 
 class ChannelTestView(ChannelView):
+    bodyless = frozenset({"POST"})
     @extend_schema(
         operation_id="testChannel",
         summary="Send a test message to a channel now",

@@ -150,6 +150,7 @@ class QueueSettingsView(ManageView):
 
 
 class QueuePauseView(ManageView):
+    bodyless = frozenset({"POST"})
     paused = True
 
     @extend_schema(

@@ -9,8 +9,11 @@ from zoneinfo import available_timezones
 
 from django import forms
 from pydantic import ValidationError as PydanticError
+from rest_framework.exceptions import ParseError
+from rest_framework.exceptions import ValidationError as DRFValidationError
 
 from apps.api.errors import PayloadTooLarge
+from apps.api.parsers import parse_json
 from apps.api.shapes import field_errors
 from apps.api.shapes.channels import ChannelSettings
 from apps.api.shapes.jobs import parse_definition
@@ -21,7 +24,7 @@ from apps.jobs.models import JobDefinition
 from apps.jobs.services import DefinitionSpec
 from apps.jobs.sync import InvalidEntry
 from apps.notify import channels as notify_channels
-from apps.runs import fingerprints, limits
+from apps.runs import fingerprints
 from apps.runs.filters import BulkFilter
 from apps.runs.ids import parse_run_id
 from apps.runs.models import PRIORITIES
@@ -399,18 +402,20 @@ class DefinitionForm(forms.Form):
 
     def clean_payload(self) -> Any:
         raw = (self.cleaned_data.get("payload") or "").strip() or "{}"
+        # The API's reading of a body, so the form refuses what the API does: NaN and
+        # Infinity, integers past 64 bits, nesting past the limit, NUL characters (which
+        # PostgreSQL cannot store: json.loads took them, and saving answered 500).
         try:
-            value = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise forms.ValidationError(f"Not valid JSON: {exc.msg} (line {exc.lineno}).") from exc
-        except RecursionError as exc:  # nested far past the limit the definition states
-            raise forms.ValidationError(
-                f"Nested deeper than {limits.json_max_depth()} levels of objects and lists."
-            ) from exc
-        inexact = limits.inexact_integer_problem(raw)  # the API refuses it: so does the form
-        if inexact is not None:
-            raise forms.ValidationError(inexact)
-        return value
+            return parse_json(raw.encode())
+        except ParseError as exc:
+            raise forms.ValidationError(f"Not valid JSON: {exc.__cause__}") from exc
+        except DRFValidationError as exc:
+            detail = exc.detail
+            if isinstance(detail, dict):
+                detail = next(iter(detail.values()))
+            if isinstance(detail, list):
+                detail = detail[0]
+            raise forms.ValidationError(str(detail)) from exc
 
     def clean(self) -> dict[str, Any]:
         """Hand the fields, as the API's JSON, to the API's definition; put each reason beside

@@ -65,11 +65,35 @@ def email_problem(address: str) -> str | None:
     return None
 
 
+# IPv6 forms that reach an IPv4 address written inside them: a NAT64 gateway's well-known prefix
+# (RFC 6052) and 6to4 (RFC 3056) carry it in their bits, the deprecated IPv4-compatible form
+# (::a.b.c.d) in its last 32. Python's is_global calls them global whatever the IPv4 address is
+# (64:ff9b::a9fe:a9fe is 169.254.169.254, the cloud metadata service, through a NAT64).
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215: local use, never global
+IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+
+
+def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    # :: and ::1 are IPv6's own unspecified and loopback addresses, not IPv4-compatible ones.
+    if address in NAT64 or (address in IPV4_COMPATIBLE and int(address) > 1):
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return None
+
+
 def address_problem(address: Address) -> str | None:
     """What kind of address a channel may not send to this is (SSRF), e.g. "a loopback
     address"; None when it may."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    if isinstance(address, ipaddress.IPv6Address):
+        if address in NAT64_LOCAL:
+            return "a private or reserved address"
+        embedded = _embedded_ipv4(address)
+        if embedded is not None:
+            address = embedded
     if address.is_multicast:
         return "a multicast address"
     if address.is_loopback:

@@ -553,3 +553,27 @@ def test_a_preview_names_a_job_and_writes_one_instant_twice(api_a):
     local = datetime.fromisoformat(time["local"])
     utc = datetime.fromisoformat(time["utc"].replace("Z", "+00:00"))
     assert local == utc, time
+
+
+def test_a_call_that_takes_no_body_refuses_one(api_a, team_a):
+    make_definition(team_a, "nobody.job", queue="nobody")
+    channel = api_a.post(
+        "/api/v1/channels",
+        {"name": "mail", "kind": "email", "target": "ops@example.com", "events": ["run.dead"]},
+    ).json()
+    calls = [
+        "/api/v1/jobs/nobody.job/pause",
+        "/api/v1/queues/nobody/pause",
+        f"/api/v1/channels/{channel['id']}/test",
+    ]
+    for path in calls:
+        for body in ({"reason": "x"}, [1], "x"):
+            assert_problem(api_a.post(path, body), 400, "body")
+        broken = api_a.post(path, content=b"[[[[", headers={"Content-Type": "application/json"})
+        assert_problem(broken, 400, "body")
+    assert not JobDefinition.objects.get().paused
+    deleting = api_a.http.request("DELETE", "/api/v1/jobs/nobody.job", json={"force": True})
+    assert_problem(deleting, 400, "body")
+    # No body, or an empty object, as clients send by habit.
+    assert api_a.post(calls[0]).json()["paused"] is True
+    assert api_a.post("/api/v1/jobs/nobody.job/resume", {}).json()["paused"] is False

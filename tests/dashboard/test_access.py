@@ -7,7 +7,7 @@ from django.test import Client
 from django.urls import reverse
 
 from apps.audit.models import AuditEvent
-from apps.jobs.models import JobDefinition
+from apps.jobs.models import JobDefinition, Queue
 from apps.runs.models import Run
 from tests.dashboard.conftest import XSS, client_for, failed_runs
 
@@ -84,7 +84,13 @@ def test_a_viewer_cannot_retry_pause_or_edit_even_by_hand(viewer_a, job_a):
     assert (
         client.post(f"/jobs/{job_a.name}/delete", {"confirm_name": job_a.name}).status_code == 403
     )
-    assert client.get("/teams/team-a").status_code == 403
+    # The team page is read by every member; its changes are the admins'.
+    team_page = client.get("/teams/team-a")
+    assert team_page.status_code == 200
+    body = team_page.content.decode()
+    for action in ("team-a/members", "team-a/tokens", "team-a/channels", "Create token"):
+        assert action not in body, action
+    assert client.post("/teams/team-a/tokens", {"scopes": ["worker"]}).status_code == 403
     run.refresh_from_db()
     job_a.refresh_from_db()
     assert run.state == "dead"
@@ -204,3 +210,19 @@ def test_list_pages_never_count_the_runs_table(operator_a, job_a):
         assert counts == [], (path, counts)
     assert reverse("dashboard:failures") == "/failures"
     assert Run.objects.count() == 3
+
+
+def test_names_no_job_or_queue_can_have_are_not_found(operator_a, job_a):
+    # PostgreSQL text cannot hold NUL: each of these once answered 500.
+    viewer = client_for(operator_a)
+    for path in ("/jobs/%00", "/jobs/a%00", "/jobs/%00/edit", "/jobs/Not%20A%20Job"):
+        assert viewer.get(path).status_code == 404, path
+    assert viewer.post("/jobs/a%00/trigger").status_code == 404
+    for query in ("q=%00", "q=a%00b", "after=%00"):
+        page = viewer.get(f"/jobs?{query}")
+        assert page.status_code == 200 and job_a.name not in page.content.decode(), query
+    assert job_a.name in viewer.get("/jobs?q=billing").content.decode()
+    for queue in ("bad%20queue!", "%00", "q" * 300):
+        assert viewer.post(f"/queues/team-a/{queue}/pause").status_code == 404, queue
+    assert not Queue.objects.exists()
+    assert not AuditEvent.objects.filter(action="queue.pause").exists()

@@ -263,3 +263,20 @@ def test_limits_are_set_in_the_form_and_a_half_given_rate_limit_is_refused_besid
     assert "rate_limit_period_seconds" in half.context["form"].errors
     job.refresh_from_db()
     assert job.rate_limit_count is None  # nothing saved
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        ('{"a": "\\u0000"}', "NUL"),
+        ('{"\\u0000": 1}', "NUL"),
+        ('{"a": NaN}', "Not valid JSON"),
+        ('{"a": Infinity}', "Not valid JSON"),
+    ],
+)
+def test_a_payload_the_api_refuses_is_a_form_error_too(editor_a, payload, reason):
+    # PostgreSQL cannot store these: read as json.loads reads them, saving answered 500.
+    response = client_for(editor_a).post("/jobs/new", {**FORM, "payload": payload})
+    assert response.status_code == 200
+    assert reason in " ".join(response.context["form"].errors["payload"])
+    assert not JobDefinition.objects.exists()

@@ -60,6 +60,7 @@ BODIES: dict[str, Any] = {
     "updateJob": {"payload": {"a": 1}, "retry": {"maxAttempts": 2}},
     "backfillJob": {"from": "2026-01-01T00:00:00Z", "to": "2026-01-02T00:00:00Z", "dryRun": True},
     "createJobRun": {"idempotencyKey": "deep", "delaySeconds": 5, "payload": {"a": {"b": [1]}}},
+    "triggerJob": {"payload": {"a": {"b": [1]}}},
     "enqueueRuns": {
         "runs": [{"job": "{job}", "idempotencyKey": "deep-bulk", "payload": {"a": [1]}}]
     },

@@ -84,6 +84,12 @@ REFUSED = [
     "http://169.254.169.254/latest/meta-data",
     "https://10.1.2.3/hook",
     "http://[::ffff:192.168.0.1]/",
+    # IPv4 addresses inside IPv6 forms: NAT64 (the metadata service), 6to4, IPv4-compatible,
+    # and NAT64's local-use prefix.
+    "http://[64:ff9b::a9fe:a9fe]/",
+    "http://[2002:7f00:1::]/",
+    "http://[::10.0.0.1]/",
+    "http://[64:ff9b:1::808:808]/",
 ]
 
 
@@ -118,6 +124,10 @@ def test_other_teams_bad_input_limits_and_private_targets_are_refused(
     mail = {"name": "mail", "kind": "email", "target": "not-an-address", "events": ["run.dead"]}
     answer = api_a.post("/api/v1/channels", mail)
     assert answer.json()["errors"] == {"target": ["Not a valid email address."]}
+    # A name is taken as sent: one of spaces, or padded with them, is refused, not trimmed.
+    for name in ("   ", " mail"):
+        answer = api_a.post("/api/v1/channels", {**mail, "name": name})
+        assert answer.status_code == 400 and "name" in answer.json()["errors"], answer.text
 
     # A second channel of a name, and one past the team's limit.
     settings.SCHEDULER_NOTIFY_MAX_CHANNELS = 2

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, NotRequired
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 from pydantic import with_config as typed_config
 from typing_extensions import TypeAliasType, TypedDict
 
-from apps.api.shapes import ANSWER, Body, Instant
+from apps.api.shapes import ANSWER, Body, Instant, problem
 from apps.api.shapes.jobs import Text, _patch_of
 from apps.api.shapes.worker import JobName, QueueName
 from apps.notify.channels import MAX_FILTERS, ChannelSpec
@@ -33,10 +33,23 @@ Phase = TypeAliasType("Phase", Literal["open", "reminder", "resolved", "test"])
 # --- requests ---------------------------------------------------------------------------------
 
 
+def _label(value: str) -> str:
+    # Strings are taken as sent (never trimmed): a name of spaces, or one that only spaces tell
+    # from another, is refused instead.
+    if not value.strip():
+        raise problem("blank", "This field may not be blank.")
+    if value != value.strip():
+        raise problem("spaces", "No leading or trailing spaces.")
+    return value
+
+
+Label = Annotated[Text, AfterValidator(_label)]
+
+
 class ChannelSettings(Body):
     """A notification channel of the token's team."""
 
-    name: Text = Field(min_length=1, max_length=100, description="Unique within the team.")
+    name: Label = Field(min_length=1, max_length=100, description="Unique within the team.")
     kind: ChannelKind
     target: Text = Field(
         min_length=1,

@@ -29,7 +29,7 @@ from apps.jobs import schedule as sched
 from apps.jobs.firetimes import load_zone
 from apps.jobs.models import JobDefinition, database_of
 from apps.jobs.sync import InvalidEntry
-from apps.runs import shards
+from apps.runs import limits, shards
 from apps.runs.clock import database_now
 from apps.runs.models import Trigger
 from apps.teams import access
@@ -43,6 +43,9 @@ BACKFILL_FIELDS = {"from": "From", "to": "To", "schedule": "Schedule"}
 
 
 def _definition(request: HtmxHttpRequest, name: str) -> JobDefinition:
+    if limits.job_name_problem(name) is not None:
+        # No job has such a name (and PostgreSQL text cannot hold the NUL some carry).
+        raise Http404("No such job.")
     # From its shard's database (a 503 page while that is down).
     with shards.reaching(database_of(name)):
         found = shards.with_teams(
@@ -64,7 +67,11 @@ def jobs(request: HtmxHttpRequest) -> HttpResponse:
     team_ids = [t.pk for t in teams if not chosen or t.slug == chosen]
     search = request.GET.get("q", "").strip()[:200]
     after = request.GET.get("after", "")[:200]
-    page, next_after = queries.definitions_page(team_ids, search=search, after=after)
+    if "\x00" in search + after:
+        # PostgreSQL text cannot hold NUL, and no job name has one: nothing matches.
+        page, next_after = [], None
+    else:
+        page, next_after = queries.definitions_page(team_ids, search=search, after=after)
     context = {
         "now": now,
         "teams": teams,

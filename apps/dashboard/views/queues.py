@@ -9,6 +9,7 @@ from django.views.decorators.http import require_POST
 from apps.dashboard import queries
 from apps.dashboard.http import HtmxHttpRequest, actor, done, render_page, signed_in
 from apps.jobs import services
+from apps.runs import limits
 from apps.teams import access
 from apps.teams.models import Role, Team
 
@@ -37,6 +38,8 @@ def queue_pause(request: HtmxHttpRequest, team: str, queue: str, paused: bool) -
     if owner is None:
         raise Http404("No such team.")
     access.require_role(request.user, owner, Role.OPERATOR)
+    if limits.queue_name_problem(queue) is not None:
+        raise Http404("No such queue.")
     services.set_queue_paused(owner, queue, paused, actor(request))
     verb = "Paused" if paused else "Resumed"
     return done(request, reverse("dashboard:queues"), f"{verb} queue {queue} of {owner.slug}.")

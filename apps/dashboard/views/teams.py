@@ -24,17 +24,22 @@ def teams(request: HtmxHttpRequest) -> HttpResponse:
     return render_page(request, "dashboard/teams.html", {"rows": rows})
 
 
-def _team(request: HtmxHttpRequest, slug: str) -> Team:
+def _team(request: HtmxHttpRequest, slug: str, role: str | None = Role.ADMIN) -> Team:
+    """The team of the page if the user sees it (a 404 otherwise) and holds `role` in it (a
+    403 otherwise; None: seeing it is enough)."""
     team = Team.objects.filter(slug=slug, id__in=access.visible_team_ids(request.user)).first()
     if team is None:
         raise Http404("No such team.")
-    access.require_role(request.user, team, Role.ADMIN)
+    if role is not None:
+        access.require_role(request.user, team, role)
     return team
 
 
 @signed_in
 def team_detail(request: HtmxHttpRequest, slug: str) -> HttpResponse:
-    return team_detail_page(request, _team(request, slug))
+    # Every member reads who is in the team, its tokens (never their secrets) and where it is
+    # paged; only its admins change them.
+    return team_detail_page(request, _team(request, slug, role=None))
 
 
 def team_detail_page(request: HtmxHttpRequest, team: Team, *, channel_form=None) -> HttpResponse:
@@ -42,6 +47,7 @@ def team_detail_page(request: HtmxHttpRequest, team: Team, *, channel_form=None)
     form with its errors)."""
     context = {
         "team": team,
+        "can_admin": access.has_role(request.user, team, Role.ADMIN),
         "members": Membership.objects.filter(team=team)
         .select_related("user")
         .order_by("user__username"),
