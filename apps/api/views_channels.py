@@ -203,6 +203,7 @@ class ChannelDetailView(ChannelView):
 
 class ChannelTestView(ChannelView):
     bodyless = frozenset({"POST"})
+
     @extend_schema(
         operation_id="testChannel",
         summary="Send a test message to a channel now",

@@ -743,6 +743,7 @@ class RunDetailView(ManageView):
 
 class RunCancelView(ManageView):
     bodyless = frozenset({"POST"})
+
     @extend_schema(
         operation_id="cancelRun",
         summary="Cancel a run",
@@ -781,6 +782,7 @@ class RunCancelView(ManageView):
 
 class RunRetryView(ManageView):
     bodyless = frozenset({"POST"})
+
     @extend_schema(
         operation_id="retryRun",
         summary="Retry a run now",
