@@ -293,14 +293,35 @@ class Api:
         `result.run` is None): a third less CPU per run for a producer that keeps no runs.
         """
         bodies = []
-        for item in items:
+        # Items refused here, by their place: answered as the scheduler answers a bad item (a
+        # 400 in their result), not raised, so the others are still sent.
+        refused: dict[int, EnqueueResult] = {}
+        for index, item in enumerate(items):
             entry = item if isinstance(item, Enqueue) else Enqueue(**item)
-            bodies.append(entry.to_json(entry.idempotency_key or self.new_key()))
-        return self._enqueue_chunks(bodies, None if runs else MINIMAL)
+            key = entry.idempotency_key or self.new_key()
+            try:
+                bodies.append(entry.to_json(key))
+            except ValueError as exc:
+                problem = {"title": "Bad request", "status": 400, "detail": str(exc)}
+                refused[index] = EnqueueResult(400, key, error=error_for(400, problem))
+        return self._enqueue_chunks(bodies, None if runs else MINIMAL, refused)
 
     def _enqueue_chunks(
-        self, bodies: list[dict[str, Any]], headers: Mapping[str, str] | None
+        self,
+        bodies: list[dict[str, Any]],
+        headers: Mapping[str, str] | None,
+        refused: Mapping[int, EnqueueResult] | None = None,
     ) -> Plan[list[EnqueueResult]]:
+        """Send `bodies` in batches; the results in order, `refused` put back in their places."""
+
+        def in_order(sent: list[EnqueueResult]) -> list[EnqueueResult]:
+            if not refused:
+                return sent
+            answers, merged = iter(sent), []
+            for index in range(len(sent) + len(refused)):
+                merged.append(refused[index] if index in refused else next(answers, None))
+            return [result for result in merged if result is not None]
+
         results: list[EnqueueResult] = []
         for start in range(0, len(bodies), self.batch_size):
             chunk = bodies[start : start + self.batch_size]
@@ -315,10 +336,10 @@ class Api:
                 )
             except ApiError as error:
                 # The batches before this one were created: say which, so nothing is lost.
-                error.enqueued = results
+                error.enqueued = in_order(results)
                 raise
             results += answers
-        return results
+        return in_order(results)
 
     def get_run(self, run_id: str) -> Call[Run]:
         """The run with its attempts (`Run.attempts`, oldest first)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import cronlease_client
+import httpx
 import pytest
 
 from apps.runs import store
@@ -354,6 +355,31 @@ def test_a_crashed_celery_worker_is_recovered_by_lease_expiry_alone(team_a, spaw
         (2, run.fencing_token),
     ]
     assert received(replacement, "send_invoice") == [f"cronlease-{run_id}-{run.fencing_token}"]
+
+
+@e2e
+def test_a_cancelled_run_tells_its_task_and_its_outcome_is_reported(
+    team_a, spawn, ledger, broker, live_server, token_a
+):
+    definition = make_definition(
+        team_a, "billing.send-invoice", queue="celery-cancel", payload={"workSeconds": 60}
+    )
+    (pk,) = add_ready_runs(definition, 1)
+    spawn["celery_worker"]()
+    spawn["bridge"]("celery-cancel", "--lease-seconds", "3")
+    ((run_id, _, _, token),) = wait_for(lambda: read_calls(ledger), what="the task to start")
+
+    cancel = httpx.post(
+        f"{live_server.url}/api/v1/runs/{run_id}/cancel",
+        headers={"Authorization": f"Bearer {token_a}"},
+    )
+    assert cancel.status_code == 202, cancel.text
+
+    # The next heartbeat (a second later) tells the task, which stops; its outcome is reported
+    # and the run ends cancelled, long before the task's 60 s or a lease expiry.
+    (run,) = wait_for(runs_when([pk], "cancelled"), timeout=20, what="the run cancelled")
+    assert run.result == {"sent": False, "cancelled": True}
+    assert attempts(pk) == [(1, "cancelled", token)]
 
 
 @e2e

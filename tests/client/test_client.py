@@ -223,6 +223,21 @@ def test_enqueue_many_reports_a_bad_item_without_raising(producer, team_a):
     assert isinstance(bad.error, BadRequest)
     assert "priority" in bad.error.errors
 
+    # An item the client itself finds wrong is answered in its place too, the others sent.
+    before, negative, naive, after = producer.enqueue_many(
+        [
+            {"job": "shop.send-receipt", "delay": 60},
+            {"job": "shop.send-receipt", "delay": -1},
+            {"job": "shop.send-receipt", "run_at": datetime(2030, 1, 1)},
+            {"job": "shop.send-receipt", "delay": 60},
+        ]
+    )
+    assert (before.status, after.status) == (201, 201)
+    for refused, reason in ((negative, "negative"), (naive, "aware")):
+        assert refused.status == 400 and isinstance(refused.error, BadRequest)
+        assert reason in refused.error.detail and refused.run_id is None
+    assert RunRow.objects.count() == 3
+
 
 # --- transactions (Django) -------------------------------------------------------------------
 

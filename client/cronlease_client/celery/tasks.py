@@ -252,7 +252,9 @@ def _announce(
 
 
 class _LeaseKeeper(threading.Thread):
-    """Heartbeat one run while its function runs; set `lost` on a 409/404 and stop."""
+    """Heartbeat one run while its function runs; on a 409/404 stop, setting `cancelled` when
+    the run was cancelled (the function is told, and its outcome is still reported: the run
+    then ends cancelled) and `lost` otherwise (its outcome is dropped)."""
 
     def __init__(
         self, app: celery.Celery, run_id: str, token: int, interval: float, fields: dict[str, Any]
@@ -264,6 +266,7 @@ class _LeaseKeeper(threading.Thread):
         self.interval = interval
         self.fields = fields
         self.lost = threading.Event()
+        self.cancelled = threading.Event()
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -280,6 +283,16 @@ class _LeaseKeeper(threading.Thread):
                         timeout=max(1.0, min(10.0, self.interval)),
                     )
                 except ApiError as exc:
+                    if exc.status == 409 and exc.type.endswith("/cancelled"):
+                        # The lease is not extended any more: the function has until it runs
+                        # out to stop and be reported.
+                        self.cancelled.set()
+                        logger.info(
+                            "run cancelled run_id=%s: asking its task to stop",
+                            self.run_id,
+                            extra=self.fields,
+                        )
+                        return
                     if exc.status in (404, 409):
                         self.lost.set()
                         logger.warning(
@@ -376,7 +389,10 @@ def execute(
     keeper = _LeaseKeeper(task.app, run_id, token, max(0.2, lease_seconds / 3), fields)
     keeper.start()
     ctx = CeleryContext.from_lease(
-        lease, lease_lost=keeper.lost, worker_id=task.request.hostname or default_worker_id()
+        lease,
+        lease_lost=keeper.lost,
+        worker_id=task.request.hostname or default_worker_id(),
+        cancel_flag=keeper.cancelled,
     )
     ctx.task = task
     try:
