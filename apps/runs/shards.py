@@ -160,7 +160,10 @@ def _register(alias: str, url: str) -> None:
         application_name=template["OPTIONS"].get("application_name", "scheduler"),
         pool_size=settings.DB_POOL_SIZE,
     )
-    config = connections.configure_settings({alias: config})[alias]
+    # Django fills in the defaults of a set of databases that holds `default` (5.2 refuses one
+    # without it, which made every move to a database outside the map fail).
+    databases = {CONTROL: settings.DATABASES[CONTROL], alias: config}
+    config = connections.configure_settings(databases)[alias]
     settings.DATABASES[alias] = config
     connections.settings[alias] = config
 

@@ -3,10 +3,15 @@ enqueue, and nothing is lost, duplicated or left behind."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from urllib.parse import urlparse, urlunparse
 
+import psycopg
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import IntegrityError, connections
@@ -19,7 +24,15 @@ from apps.runs import shards, store
 from apps.runs.models import RateStart, Run, ShardPlacement
 from apps.runs.shards import MOVED_GUARD_PREFIX
 from apps.scheduler import moves
-from tests.conftest import Drain, Layout, assert_invariants_everywhere, claim
+from tests.conftest import (
+    REPO,
+    Drain,
+    Layout,
+    assert_invariants_everywhere,
+    child_database_url,
+    child_shard_env,
+    claim,
+)
 from tests.waiting import wait_for
 
 pytestmark = [
@@ -237,3 +250,45 @@ def test_a_move_refuses_a_target_that_holds_the_shard_and_a_shard_that_stays_lea
         )
     with pytest.raises(CommandError, match="already holds rows of shard"):
         call_command("moveshard", str(shard), "--to", layout.servers[1].url)
+
+
+def test_a_shard_moves_to_a_database_outside_the_map(layout: Layout, team_a, placement_reset):
+    """A new database (here on the second server), migrated by the move: `manage.py moveshard`
+    as an operator runs it, in a process of its own (this one's test may not open a connection
+    to a database it did not start with)."""
+    source, _ = layout.aliases
+    shard = shards.shards_on(source)[0]
+    server = layout.servers[1].url
+    new_url = urlunparse(urlparse(server)._replace(path="/moved_here"))
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS moved_here WITH (FORCE)")
+        conn.execute("CREATE DATABASE moved_here")
+    try:
+        with shards.using(source):
+            job = JobDefinition.objects.create(
+                team=team_a, name=_names_of_shard(shard, 1)[0], queue="q", timeout_seconds=60
+            )
+        made = layout.new_runs(job, 5, "before")
+        env = {**os.environ, "DATABASE_URL": child_database_url(), **child_shard_env()}
+        moved = subprocess.run(
+            [sys.executable, "manage.py", "moveshard", str(shard), "--to", new_url],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert moved.returncode == 0, moved.stdout + moved.stderr
+
+        # Every run of the shard is in the new database, none left behind, and the control
+        # database routes the shard there.
+        with psycopg.connect(new_url) as conn:
+            there = conn.execute("SELECT id FROM runs_run WHERE shard = %s", [shard]).fetchall()
+        assert sorted(pk for (pk,) in there) == sorted(made)
+        assert not Run.objects.using(source).filter(shard=shard).exists()
+        placement = ShardPlacement.objects.using(shards.CONTROL).get(shard=shard)
+        assert placement.url == new_url
+    finally:
+        ShardPlacement.objects.using(shards.CONTROL).all().delete()
+        with psycopg.connect(server, autocommit=True) as conn:
+            conn.execute("DROP DATABASE IF EXISTS moved_here WITH (FORCE)")
