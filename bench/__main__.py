@@ -5,6 +5,7 @@ Procrastinate and Celery + Redis. See bench/README.md.
     python -m bench burndown|openloop|burst|materialise|soak|dashboard|enqueue|shards|flowcontrol
         [--quick] [options]
     python -m bench profile      (py-spy of the store layer and the web process, EXPLAIN plans)
+    python -m bench statements   (pg_stat_statements per system: execution, buffers, WAL a run)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def parse_points(text: str) -> list[tuple[int, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenario", choices=("all", *SCENARIOS, "profile"))
+    parser.add_argument("scenario", choices=("all", *SCENARIOS, "profile", "statements"))
     parser.add_argument("--quick", action="store_true", help="the small sizes (under 10 minutes for all)")
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated, of " + ",".join(SYSTEMS))
     parser.add_argument("--web-workers", type=int, default=2, help="manage.py web --workers (default 2)")
@@ -44,7 +45,7 @@ def main() -> None:
     parser.add_argument("--points", type=parse_points, help="burn-down sweep as BATCHxWORKERS,… (e.g. 1x2,100x4)")
     parser.add_argument("--runs", type=int, help="override the scenario's run count")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="enqueue, burndown: measure the systems in turn this many times (medians, ratios per round)")
+                        help="enqueue, burndown, statements: measure the systems in turn this many times (medians, ratios per round)")
     parser.add_argument("--cap", type=float, help="override the per-measurement time cap (s)")
     parser.add_argument("--rates", help="open loop: comma-separated rates (default 500,2000,5000,10000)")
     parser.add_argument("--seconds", type=float, help="open loop / soak: seconds per measurement")
