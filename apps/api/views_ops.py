@@ -13,7 +13,7 @@ from apps.api.shapes import ops as shape
 from apps.api.shapes import parse
 from apps.api.views_manage import ManageView
 from apps.jobs import alerts, backfill, diagnosis, queues, services
-from apps.runs import limits
+from apps.runs import limits, shards
 from apps.runs.clock import database_now, format_utc
 
 
@@ -107,8 +107,12 @@ class QueuesView(ManageView):
         responses=doc.responses({200: shape.QueueList}),
     )
     def get(self, request: Request) -> Response:
-        found = queues.overview(self.team(request))
-        return Response(shape.QueueList(results=[queue_json(q) for q in found]))
+        with shards.noting():
+            found = queues.overview(self.team(request))
+            answer = shape.QueueList(results=[queue_json(q) for q in found])
+            if missed := shards.noted():
+                answer["unavailableShards"] = missed
+        return Response(answer)
 
 
 def _queue_name(name: str) -> None:
@@ -218,5 +222,9 @@ class AlertsView(ManageView):
         responses=doc.responses({200: shape.AlertList}),
     )
     def get(self, request: Request) -> Response:
-        found = alerts.alerts_for(self.team(request), database_now())
-        return Response(shape.AlertList(results=[alert_json(alert) for alert in found]))
+        with shards.noting():
+            found = alerts.alerts_for(self.team(request), database_now())
+            answer = shape.AlertList(results=[alert_json(alert) for alert in found])
+            if missed := shards.noted():
+                answer["unavailableShards"] = missed
+        return Response(answer)

@@ -8,8 +8,8 @@ from datetime import datetime, timedelta
 
 from django.db.models import Count, Min
 
-from apps.jobs.models import Queue, QueueStart
-from apps.runs import depth
+from apps.jobs.models import JobDefinition, Queue, QueueStart
+from apps.runs import depth, shards
 from apps.runs.clock import database_now
 from apps.runs.models import PRIORITY_NAMES
 
@@ -55,7 +55,14 @@ class QueueView:
 def overview(team) -> list[QueueView]:
     """Every queue of the team that has a backlog, a definition, or a row (paused or leased)."""
     views: dict[str, QueueView] = {}
-    for name in team.jobs.values_list("queue", flat=True).distinct():
+    # From every shard database (a database that is down is noted by `gather`): the team's
+    # related manager would read only the control database, where the team is.
+    names, _ = shards.gather(
+        lambda: list(
+            JobDefinition.objects.filter(team=team).values_list("queue", flat=True).distinct()
+        )
+    )
+    for name in sorted({name for part in names for name in part}):
         views.setdefault(name, QueueView(name))
     now = database_now()
     for queue in Queue.objects.filter(team=team):

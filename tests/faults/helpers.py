@@ -53,11 +53,18 @@ class Db:
     ) -> None:
         self.url = url
         self.urls = [url, *others]
-        self.conn = psycopg.connect(url, autocommit=True, application_name=application_name)
-        self.conns = [self.conn] + [
-            psycopg.connect(other, autocommit=True, application_name=application_name)
-            for other in others
+        self.application_name = application_name
+        self.reconnect()
+
+    def reconnect(self) -> None:
+        """New connections to every database (after a test restarted one of their servers)."""
+        for conn in getattr(self, "conns", []):
+            conn.close()
+        self.conns = [
+            psycopg.connect(url, autocommit=True, application_name=self.application_name)
+            for url in self.urls
         ]
+        self.conn = self.conns[0]
 
     def rows(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[tuple]:
         return [row for conn in self.conns for row in conn.execute(sql, params).fetchall()]

@@ -462,3 +462,30 @@ def test_a_result_sent_while_its_shard_server_is_down_is_taken_once_it_is_back(
     assert "result not taken yet" in caplog.text  # answered 503 first, then sent again
     stored = Run.objects.using(layout.aliases[1]).get(pk=run.pk)
     assert (stored.state, stored.result) == ("succeeded", {"after": "restart"})
+
+
+def test_queues_and_alerts_read_every_shard_database_and_name_one_that_is_down(
+    layout, team_a, api_a
+):
+    """A queue is listed for a definition on any database, even with nothing waiting; with a
+    database down, the queue list and the alerts still answer, naming its shards."""
+    jobs = _jobs_everywhere(layout, team_a, "queues")
+    for alias, job in jobs.items():
+        JobDefinition.objects.using(alias).filter(pk=job.pk).update(queue=f"q-{alias}")
+    listed = api_a.get("/api/v1/queues")
+    assert listed.status_code == 200, listed.text
+    assert [q["name"] for q in listed.json()["results"]] == sorted(f"q-{a}" for a in jobs)
+    assert "unavailableShards" not in listed.json()
+    assert "unavailableShards" not in api_a.get("/api/v1/alerts").json()
+
+    dead = shards.span(layout.aliases[-1])
+    with layout.down(len(layout.servers) - 1):
+        partial = api_a.get("/api/v1/queues")
+        alerts = api_a.get("/api/v1/alerts")
+    assert partial.status_code == 200, partial.text
+    assert partial.json()["unavailableShards"] == [dead]
+    assert [q["name"] for q in partial.json()["results"]] == sorted(
+        f"q-{a}" for a in jobs if a != layout.aliases[-1]
+    )
+    assert alerts.status_code == 200, alerts.text
+    assert alerts.json() == {"results": [], "unavailableShards": [dead]}

@@ -34,6 +34,14 @@ REF_TEMPLATE = "#/components/schemas/{model}"
 # An instant as the API writes it (apps.runs.clock.format_utc): ISO 8601 in UTC with a Z, to
 # the millisecond.
 Instant = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
+# Present on a list or count read across the shard databases when some could not be read.
+UnavailableShards = Annotated[
+    list[str],
+    Field(
+        description="Shards (e.g. `5-10`) whose database could not be read: what they hold is "
+        "missing from this answer."
+    ),
+]
 STRICT = ConfigDict(extra="forbid", strict=True)
 ANSWER = ConfigDict(extra="forbid")
 

@@ -25,7 +25,16 @@ from pydantic import with_config as typed_config
 from pydantic_core import InitErrorDetails
 from typing_extensions import TypeAliasType, TypedDict
 
-from apps.api.shapes import ANSWER, Body, Instant, field_errors, json_value, name_check, problem
+from apps.api.shapes import (
+    ANSWER,
+    Body,
+    Instant,
+    UnavailableShards,
+    field_errors,
+    json_value,
+    name_check,
+    problem,
+)
 from apps.api.shapes.worker import JobName, QueueName
 from apps.jobs import schedule as sched
 from apps.jobs.services import DefinitionSpec
@@ -502,15 +511,7 @@ class DefinitionAnswer(TypedDict):
 @typed_config(ANSWER)
 class DefinitionList(TypedDict):
     results: list[DefinitionAnswer]
-    unavailableShards: NotRequired[
-        Annotated[
-            list[str],
-            Field(
-                description="Shards (e.g. `5-10`) whose database could not be read: their "
-                "definitions are missing from this list."
-            ),
-        ]
-    ]
+    unavailableShards: NotRequired[UnavailableShards]
 
 
 @typed_config(ANSWER)

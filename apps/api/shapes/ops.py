@@ -10,7 +10,7 @@ from pydantic import Field, PlainValidator, WithJsonSchema
 from pydantic import with_config as typed_config
 from typing_extensions import TypedDict  # pydantic reads only this one on Python 3.11
 
-from apps.api.shapes import ANSWER, Body, Instant, problem
+from apps.api.shapes import ANSWER, Body, Instant, UnavailableShards, problem
 from apps.api.shapes.jobs import RateLimit, RateLimitAnswer
 from apps.api.shapes.worker import RunState
 from apps.runs.filters import ISO_RULE
@@ -120,6 +120,7 @@ class Queue(TypedDict):
 @typed_config(ANSWER)
 class QueueList(TypedDict):
     results: list[Queue]
+    unavailableShards: NotRequired[UnavailableShards]
 
 
 @typed_config(ANSWER)
@@ -153,3 +154,4 @@ class Alert(TypedDict):
 @typed_config(ANSWER)
 class AlertList(TypedDict):
     results: list[Alert]
+    unavailableShards: NotRequired[UnavailableShards]

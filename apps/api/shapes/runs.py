@@ -10,7 +10,7 @@ from pydantic import AfterValidator, ConfigDict, Field, field_validator
 from pydantic import with_config as typed_config
 from typing_extensions import TypedDict
 
-from apps.api.shapes import ANSWER, STRICT, Body, Instant, json_value, problem
+from apps.api.shapes import ANSWER, STRICT, Body, Instant, UnavailableShards, json_value, problem
 from apps.api.shapes.jobs import (
     AwareTime,
     Checked,
@@ -230,15 +230,7 @@ class RunPage(TypedDict):
 
     results: list[Run]
     next: Annotated[str | None, Field(description="The next page, or null on the last.")]
-    unavailableShards: NotRequired[
-        Annotated[
-            list[str],
-            Field(
-                description="Shards (e.g. `5-10`) whose database could not be read: their runs "
-                "are missing from this page."
-            ),
-        ]
-    ]
+    unavailableShards: NotRequired[UnavailableShards]
 
 
 @typed_config(ANSWER)

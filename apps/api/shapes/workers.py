@@ -8,7 +8,7 @@ from pydantic import Field
 from pydantic import with_config as typed_config
 from typing_extensions import TypedDict  # pydantic reads only this one on Python 3.11
 
-from apps.api.shapes import ANSWER, Instant
+from apps.api.shapes import ANSWER, Instant, UnavailableShards
 
 
 @typed_config(ANSWER)
@@ -32,12 +32,4 @@ class WorkerList(TypedDict):
     """The team's workers, by worker id."""
 
     results: list[Worker]
-    unavailableShards: NotRequired[
-        Annotated[
-            list[str],
-            Field(
-                description="Shards (e.g. `5-10`) whose database could not be read: the runs "
-                "there are not counted in `inFlight`."
-            ),
-        ]
-    ]
+    unavailableShards: NotRequired[UnavailableShards]

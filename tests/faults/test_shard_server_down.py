@@ -1,0 +1,71 @@
+"""A shard server killed under the real API server (uvicorn, pooled connections): requests for
+its shards are refused at once, not after the pool's 10 s timeout, the other databases go on
+serving, and the API server takes the server back within seconds of its restart, not after the
+pool's minute of back-off (scheduler_site/postgresql/base.py, `Breaker`)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from apps.runs import shards
+from apps.runs.ids import public_run_id
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.physical,
+    pytest.mark.django_db(transaction=True, databases="__all__"),
+]
+
+# Down long enough for the pool's own reconnection attempts to back off past it (1, 2, 4, 8 s
+# after the first failure): a pool left to itself would come back about 15 s after the server.
+OUTAGE_SECONDS = 16
+# What "at once" and "within seconds" allow on a loaded two-core machine; the pool's timeout,
+# which the breaker cuts short, is 10 s.
+PROMPT_SECONDS = 5
+
+
+def timed(http: httpx.Client, method: str, path: str, **kwargs) -> tuple[httpx.Response, float]:
+    started = time.monotonic()
+    answer = http.request(method, path, **kwargs)
+    return answer, time.monotonic() - started
+
+
+def test_a_killed_shard_server_is_refused_at_once_and_taken_back_within_seconds(
+    harness, layout
+):
+    victim, other = layout.aliases[1], layout.aliases[0]
+    runs = {
+        alias: layout.new_runs(layout.job_on(alias, harness.team, f"breaker-{alias}"), 3, "b")
+        for alias in (victim, other)
+    }
+    path = f"/api/v1/runs/{public_run_id(runs[victim][0])}"
+    lease = {"queues": ["q"], "max": 1, "workerId": "w", "waitSeconds": 0}
+    held = shards.shards_on(victim)
+    with harness.http() as http:
+        assert http.get(path).status_code == 200  # the pool holds connections to the victim
+
+        with layout.down(1):
+            refused = [timed(http, "GET", path) for _ in range(5)]
+            leased, lease_took = timed(http, "POST", "/api/v1/leases", json=lease)
+            time.sleep(OUTAGE_SECONDS)
+            late, late_took = timed(http, "GET", path)
+        back_at = time.monotonic()
+        while (back := http.get(path)).status_code != 200 and time.monotonic() - back_at < 60:
+            time.sleep(0.1)
+        back_after = time.monotonic() - back_at
+    harness.db.reconnect()  # the probes' session to the victim died with it
+
+    for answer, took in [*refused, (late, late_took)]:
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["type"].endswith("/shard-unavailable")
+        assert f"shards {held[0]}-{held[-1]} are unavailable" in answer.json()["detail"]
+        assert took < PROMPT_SECONDS, [round(t, 2) for _, t in refused]
+    # The other database leases while the victim is down, as promptly.
+    assert leased.status_code == 200 and lease_took < PROMPT_SECONDS, (leased.text, lease_took)
+    assert [item["runId"] for item in leased.json()["leases"]] == [
+        public_run_id(runs[other][0])
+    ]
+    assert back.status_code == 200 and back_after < PROMPT_SECONDS, back_after
