@@ -231,6 +231,7 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["apps.api.auth.BearerTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["apps.api.permissions.HasScope"],
     "DEFAULT_RENDERER_CLASSES": ["apps.api.renderers.FastJSONRenderer"],
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "apps.api.renderers.Negotiation",
     "DEFAULT_PARSER_CLASSES": ["apps.api.parsers.JSONObjectParser"],
     "EXCEPTION_HANDLER": "apps.api.errors.problem_exception_handler",
     "DEFAULT_THROTTLE_CLASSES": ["apps.api.throttling.TokenRateThrottle"],

@@ -3,8 +3,8 @@
 Workers call their endpoints thousands of times a second, and applications the bulk enqueue. DRF's dispatch (a Request wrapper,
 content negotiation, a Response and its renderer around authentication and throttling) cost
 0.1–0.2 CPU-ms of every call (bench/README.md, "Where the time goes", item 14). A call that is
-not a plain JSON POST (another method, body type or Accept header) goes through DRF's
-dispatch, which answers it as it always has.
+not a plain JSON POST (another method, body type or Accept header, or a query string) goes
+through DRF's dispatch, which answers it as it always has.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def takes(request: HttpRequest) -> bool:
         request.method == "POST"
         and request.content_type == "application/json"
         and request.META.get("HTTP_ACCEPT", "") in JSON_ACCEPTS
+        and not request.META.get("QUERY_STRING")  # `?format=` is DRF's to answer
     )
 
 

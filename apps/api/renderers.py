@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 from rest_framework import renderers
+from rest_framework.exceptions import NotAcceptable
+from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.utils.encoders import JSONEncoder
 
 # Datetimes, decimals and lazy strings are rendered as DRF renders them (its encoder's
@@ -47,3 +49,15 @@ def render_json(data: Any) -> bytes:
         # An integer past 64 bits, stored before bodies holding one were refused (the API and
         # the dashboard refuse them now): the standard library writes it.
         return json.dumps(data, cls=JSONEncoder, separators=(",", ":")).encode()
+
+
+class Negotiation(DefaultContentNegotiation):
+    """DRF's negotiation, where a `?format=` this view cannot render is a 406 naming the
+    formats it can (DRF answers a bare 404, as if the path were wrong)."""
+
+    def filter_renderers(self, renderers: list, format: str) -> list:
+        kept = [renderer for renderer in renderers if renderer.format == format]
+        if not kept:
+            offered = ", ".join(sorted({renderer.format for renderer in renderers}))
+            raise NotAcceptable(f"format {format!r} is not offered here: {offered}.")
+        return kept

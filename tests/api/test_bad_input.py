@@ -108,6 +108,17 @@ def test_unknown_run_id_is_404(api_a):
     assert_problem(api_a.post("/api/v1/runs/not-a-run/complete", {"fencingToken": 1}), 404)
 
 
+def test_a_format_the_api_does_not_render_is_406_naming_json(api_a):
+    for answer in (
+        api_a.get("/api/v1/runs", params={"format": "xml"}),
+        api_a.get("/api/v1/jobs", params={"format": "api"}),
+        api_a.post("/api/v1/leases?format=xml", {"queues": ["q"], "workerId": "w"}),
+    ):
+        body = assert_problem(answer, 406)
+        assert body["type"].endswith("/not-acceptable") and "json" in body["detail"], body
+    assert api_a.get("/api/v1/jobs", params={"format": "json"}).status_code == 200
+
+
 def test_bad_filters_and_counts(api_a):
     assert_problem(api_a.get("/api/v1/runs", params={"state": "sleeping"}), 400, {"state"})
     assert_problem(api_a.get("/api/v1/runs", params={"since": "yesterday"}), 400, {"since"})

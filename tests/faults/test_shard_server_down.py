@@ -33,9 +33,7 @@ def timed(http: httpx.Client, method: str, path: str, **kwargs) -> tuple[httpx.R
     return answer, time.monotonic() - started
 
 
-def test_a_killed_shard_server_is_refused_at_once_and_taken_back_within_seconds(
-    harness, layout
-):
+def test_a_killed_shard_server_is_refused_at_once_and_taken_back_within_seconds(harness, layout):
     victim, other = layout.aliases[1], layout.aliases[0]
     runs = {
         alias: layout.new_runs(layout.job_on(alias, harness.team, f"breaker-{alias}"), 3, "b")
@@ -65,7 +63,5 @@ def test_a_killed_shard_server_is_refused_at_once_and_taken_back_within_seconds(
         assert took < PROMPT_SECONDS, [round(t, 2) for _, t in refused]
     # The other database leases while the victim is down, as promptly.
     assert leased.status_code == 200 and lease_took < PROMPT_SECONDS, (leased.text, lease_took)
-    assert [item["runId"] for item in leased.json()["leases"]] == [
-        public_run_id(runs[other][0])
-    ]
+    assert [item["runId"] for item in leased.json()["leases"]] == [public_run_id(runs[other][0])]
     assert back.status_code == 200 and back_after < PROMPT_SECONDS, back_after
