@@ -315,7 +315,8 @@ RECENT_RUNS = 20
 
 def job_recovered(incident: Incident) -> bool | None:
     """Whether the incident's job has recovered: its latest finished run (succeeded or dead)
-    succeeded, after the incident's latest occurrence. None when the job is gone."""
+    succeeded, after the incident's latest occurrence, and no run died since that occurrence.
+    None when the job is gone."""
     name = incident.job
     try:
         with shards.using(database_of(name)):
@@ -333,6 +334,11 @@ def job_recovered(incident: Incident) -> bool | None:
         return False  # cannot tell: stays open until its database is back
     finished = [(at, state) for state, at in recent if state in ("succeeded", "dead") and at]
     if not finished:
+        return False
+    if any(state == "dead" and at > incident.last_event_at for at, state in finished):
+        # A death the detector has not read yet (it reads up to a settled time, a batch at a
+        # time): it belongs to this incident, which stays open until it is counted, rather
+        # than recovering now and opening a second incident for it a moment later.
         return False
     at, state = max(finished)
     return state == "succeeded" and at > incident.last_event_at

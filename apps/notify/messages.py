@@ -99,9 +99,15 @@ def title(data: dict[str, Any]) -> str:
 
 
 def slack(data: dict[str, Any]) -> bytes:
-    """A Slack-compatible incoming webhook body (`text`, mrkdwn)."""
-    text = f"*{title(data)}*\n{data['summary']}\n<{data['url']}|Open in cronlease>"
-    return orjson.dumps({"text": text})
+    """A Slack-compatible incoming webhook body (`text`, mrkdwn). The summary quotes a
+    worker's error message: escaped, its `<!channel>` or `<url|label>` stays text."""
+    text = f"*{_escaped(title(data))}*\n{_escaped(data['summary'])}"
+    return orjson.dumps({"text": f"{text}\n<{data['url']}|Open in cronlease>"})
+
+
+def _escaped(text: str) -> str:
+    """Text as Slack's mrkdwn shows it literally: its three control characters escaped."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def email(data: dict[str, Any]) -> tuple[str, str]:

@@ -49,6 +49,10 @@ def url_problem(url: str) -> str | None:
         return "An http:// or https:// URL."
     if not parts.hostname:
         return "The URL names no host."
+    if parts.username is not None or parts.password is not None:
+        # Every member of the team reads a channel's target; the signature is what tells the
+        # receiver a message comes from here.
+        return "No user name or password in the URL: the team's members all read it."
     if port == 0:
         return "Not a valid port."
     return None
@@ -72,6 +76,10 @@ def email_problem(address: str) -> str | None:
 NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215: local use, never global
 IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+IPV4_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")  # RFC 2765 (SIIT), in its last 32
+# The 6to4 relays' anycast prefix (RFC 7526: deprecated): Python calls it global, but what
+# answers there is whichever relay is nearest, often inside the network.
+SIX_TO_FOUR_RELAYS = ipaddress.IPv4Network("192.88.99.0/24")
 
 
 def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
@@ -80,7 +88,9 @@ def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | No
     if address.sixtofour is not None:
         return address.sixtofour
     # :: and ::1 are IPv6's own unspecified and loopback addresses, not IPv4-compatible ones.
-    if address in NAT64 or (address in IPV4_COMPATIBLE and int(address) > 1):
+    if address in NAT64 or address in IPV4_TRANSLATED:
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    if address in IPV4_COMPATIBLE and int(address) > 1:
         return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return None
 
@@ -100,7 +110,7 @@ def address_problem(address: Address) -> str | None:
         return "a loopback address"
     if address.is_link_local:
         return "a link-local address"
-    if address.is_private or not address.is_global:
+    if address.is_private or not address.is_global or address in SIX_TO_FOUR_RELAYS:
         return "a private or reserved address"
     return None
 

@@ -36,6 +36,10 @@ class Outcome:
 
 
 def cap(text: str) -> str:
+    """The answer as the log keeps it: capped, and without NUL, which a text column cannot hold
+    (a receiver answering binary made every record of the attempt fail, and it was retried
+    for ever)."""
+    text = text.replace("\x00", "\ufffd")
     return text if len(text) <= ANSWER_CAP else text[: ANSWER_CAP - 1] + "…"
 
 

@@ -52,6 +52,7 @@ class Receiver:
     url: str = ""
     requests: list[Received] = field(default_factory=list)
     answers: list[int] = field(default_factory=list)
+    refusal: bytes = b"receiver says no"  # the body of an answer other than 2xx
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def answer(self) -> int:
@@ -69,7 +70,7 @@ def receiver() -> Iterator[Receiver]:
             with box.lock:
                 box.requests.append(Received(self.path, dict(self.headers.items()), body))
             status = box.answer()
-            payload = b'{"ok": true}' if status < 300 else b"receiver says no"
+            payload = b'{"ok": true}' if status < 300 else box.refusal
             self.send_response(status)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()

@@ -85,11 +85,14 @@ REFUSED = [
     "https://10.1.2.3/hook",
     "http://[::ffff:192.168.0.1]/",
     # IPv4 addresses inside IPv6 forms: NAT64 (the metadata service), 6to4, IPv4-compatible,
-    # and NAT64's local-use prefix.
+    # IPv4-translated (loopback, the metadata service), and NAT64's local-use prefix.
     "http://[64:ff9b::a9fe:a9fe]/",
     "http://[2002:7f00:1::]/",
     "http://[::10.0.0.1]/",
+    "http://[::ffff:0:127.0.0.1]/",
+    "https://[::ffff:0:a9fe:a9fe]/latest",
     "http://[64:ff9b:1::808:808]/",
+    "http://192.88.99.1/",  # the 6to4 relays' anycast
 ]
 
 
@@ -124,8 +127,9 @@ def test_other_teams_bad_input_limits_and_private_targets_are_refused(
     mail = {"name": "mail", "kind": "email", "target": "not-an-address", "events": ["run.dead"]}
     answer = api_a.post("/api/v1/channels", mail)
     assert answer.json()["errors"] == {"target": ["Not a valid email address."]}
-    # A name is taken as sent: one of spaces, or padded with them, is refused, not trimmed.
-    for name in ("   ", " mail"):
+    # A name is taken as sent: one of spaces, or padded with them, is refused, not trimmed; so
+    # is one with a tab or a right-to-left override (it would read as another name).
+    for name in ("   ", " mail", "a\tb", "pager\u202eliam"):
         answer = api_a.post("/api/v1/channels", {**mail, "name": name})
         assert answer.status_code == 400 and "name" in answer.json()["errors"], answer.text
 
@@ -160,6 +164,10 @@ def test_other_teams_bad_input_limits_and_private_targets_are_refused(
     assert api_a.post("/api/v1/channels", hook).json()["errors"]["target"] == [
         "An http:// or https:// URL."
     ]
+    # A password in the URL would be read by every member: refused, not kept.
+    with_password = {**hook, "target": "https://user:secret@example.com/hook"}
+    (reason,) = api_a.post("/api/v1/channels", with_password).json()["errors"]["target"]
+    assert reason.startswith("No user name or password in the URL")
     assert not Channel.objects.filter(name="hook").exists()
     settings.SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS = True
     allowed = api_a.post("/api/v1/channels", {**hook, "target": REFUSED[0]})

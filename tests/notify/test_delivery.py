@@ -3,7 +3,7 @@ answer that no retry can change, and the SSRF check again at delivery time."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from email import policy
 from email.parser import BytesParser
 
@@ -12,7 +12,7 @@ import pytest
 from django.db.models import F
 
 from apps.audit.record import Actor
-from apps.notify import channels, outbox
+from apps.notify import channels, messages, outbox
 from apps.notify.loop import Notifier
 from apps.notify.models import Delivery, DeliveryAttempt, State
 from tests.notify.conftest import make_channel
@@ -58,6 +58,22 @@ def test_a_slack_channel_gets_text_and_its_url_is_shown_once(team_a, receiver):
     )
 
 
+def test_a_worker_s_error_text_reaches_slack_as_text_not_as_mentions_or_links():
+    body = messages.body(
+        event="run.dead",
+        phase="open",
+        team_slug="team-a",
+        summary="a.b: run run_1 is dead (<!channel> see <https://evil.example|bank> & *x*).",
+        at=datetime(2026, 12, 4, tzinfo=UTC),
+        job="a.b",
+        run_id="run_1",
+    )
+    text = orjson.loads(messages.slack(orjson.loads(body)))["text"]
+    assert "<!channel>" not in text and "<https://evil" not in text
+    assert "(&lt;!channel&gt; see &lt;https://evil.example|bank&gt; &amp; *x*)." in text
+    assert text.endswith("/runs/run_1|Open in cronlease>")
+
+
 def test_failures_are_retried_with_backoff_until_sent_each_attempt_logged(
     team_a, receiver, settings
 ):
@@ -78,6 +94,23 @@ def test_failures_are_retried_with_backoff_until_sent_each_attempt_logged(
         (3, 200, True),
     ]
     assert len(receiver.requests) == 3 and len({r.body for r in receiver.requests}) == 1
+
+
+def test_a_binary_answer_is_logged_readable_and_the_delivery_retried(team_a, receiver, settings):
+    """A text column cannot hold NUL: an answer with one is logged with a replacement
+    character, and the delivery goes on as any refused one does."""
+    settings.SCHEDULER_NOTIFY_BACKOFF_SECONDS = 0
+    receiver.answers = [503]
+    receiver.refusal = b"\x00\xff\xfe binary"
+    channel = make_channel(team_a, receiver.url)
+    first = channels.send_test(channel, Actor.cli("test"))
+    assert (first.state, first.attempts, first.last_status) == (State.PENDING, 1, 503)
+    assert first.last_answer == "\ufffd\ufffd\ufffd binary"
+    assert DeliveryAttempt.objects.get(delivery=first).answer == first.last_answer
+    while outbox.deliver_next():
+        pass
+    first.refresh_from_db()
+    assert (first.state, first.attempts) == (State.SENT, 2)
 
 
 def test_spent_attempts_and_answers_no_retry_can_change_fail_the_delivery(

@@ -10,6 +10,7 @@ import pytest
 from django.db import connection
 from django.db.models import F
 
+from apps.notify import detect
 from apps.notify.models import Delivery, Incident
 from apps.scheduler import leases
 from tests.conftest import add_ready_runs, claim, everywhere, make_definition
@@ -63,6 +64,32 @@ def test_a_flapping_job_pages_once_and_recovers_once_on_its_teams_channels_only(
     assert messages_of(receiver)[2:] == [("run.dead", "open")]
     assert Incident.objects.filter(closed_at__isnull=True).count() == 1
     assert {r.path for r in receiver.requests} == {"/hooks/cronlease"}
+
+
+def test_a_death_not_yet_read_keeps_the_incident_open_for_one_page_and_one_recovery(
+    team_a, receiver, notifier, settings, monkeypatch
+):
+    """A run that died just before a success, while the detector has not read it yet (it
+    reads up to a settled time): the incident does not recover past it, and no second
+    incident opens for it once it is read."""
+    job = make_definition(team_a, "billing.flaps", queue="billing", retry_max_attempts=1)
+    make_channel(team_a, receiver.url)
+    die(job, prefix="first")
+    notifier.handle_one_detection(force=True)
+    die(job, prefix="unread")
+    succeed(job, prefix="after")
+    settings.SCHEDULER_NOTIFY_RECOVERY_SECONDS = 0
+    read_dead_runs = detect.dead_runs
+    monkeypatch.setattr(detect, "dead_runs", lambda *args: False)  # a look that lags
+    notifier.handle_one_detection(force=True)
+    assert Incident.objects.get().closed_at is None
+    monkeypatch.setattr(detect, "dead_runs", read_dead_runs)
+    notifier.handle_one_detection(force=True)
+    notifier.handle_one_detection(force=True)
+    drain(notifier)
+    assert messages_of(receiver) == [("run.dead", "open"), ("job.recovered", "resolved")]
+    incident = Incident.objects.get()
+    assert incident.occurrences == 2 and incident.closed_at is not None
 
 
 def test_team_wide_conditions_page_once_are_reminded_and_resolve(

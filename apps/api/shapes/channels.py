@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Annotated, Literal, NotRequired
 
 from pydantic import AfterValidator, Field
@@ -33,6 +34,10 @@ Phase = TypeAliasType("Phase", Literal["open", "reminder", "resolved", "test"])
 # --- requests ---------------------------------------------------------------------------------
 
 
+# Unicode's explicit direction embeddings, overrides and isolates (U+202A-E, U+2066-9).
+TEXT_DIRECTION = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
 def _label(value: str) -> str:
     # Strings are taken as sent (never trimmed): a name of spaces, or one that only spaces tell
     # from another, is refused instead.
@@ -40,6 +45,9 @@ def _label(value: str) -> str:
         raise problem("blank", "This field may not be blank.")
     if value != value.strip():
         raise problem("spaces", "No leading or trailing spaces.")
+    if any(unicodedata.category(ch) == "Cc" or ch in TEXT_DIRECTION for ch in value):
+        # A tab, or a right-to-left override that makes a name read as another in a list.
+        raise problem("control-characters", "No control or text-direction characters.")
     return value
 
 
