@@ -15,7 +15,7 @@ from apps.audit.record import Actor, record
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition, Queue, QueueStart, database_to_write
-from apps.runs import leasing, payloads, shards
+from apps.runs import leasing, payloads, retention, shards
 from apps.runs.clock import database_now
 from apps.runs.models import PRIORITY_NAMES
 from apps.runs.store import mark_limited, notify_ready
@@ -152,15 +152,20 @@ def create_definition(team, spec: DefinitionSpec, actor: Actor) -> JobDefinition
 def update_definition(
     definition: JobDefinition, spec: DefinitionSpec, actor: Actor
 ) -> JobDefinition:
-    """Replace a definition's fields; a changed schedule restarts from the next fire time."""
+    """Replace a definition's fields; a changed schedule restarts from the next fire time,
+    and the runs made ahead of time by the old one that nobody has claimed are deleted."""
+    made_ahead: list[str] = []
     with shards.writing(database_to_write(definition.name)):
         locked = JobDefinition.objects.select_for_update().get(pk=definition.pk)
         before = snapshot(locked)
         was_paused, was_limited = locked.paused, locked.limited
+        schedule_changed = locked.schedule != spec.schedule
         _apply_spec(locked, spec, database_now())
         after = snapshot(locked)
         if before == after:
             return locked
+        if schedule_changed:
+            made_ahead = retention.delete_made_ahead(locked.pk)
         if was_paused and not locked.paused:
             locked.next_due_at = initial_next_due_at(locked.schedule, database_now())
         locked.save()
@@ -177,6 +182,7 @@ def update_definition(
         )
         if was_paused and not locked.paused:
             notify_ready([locked.queue])
+    payloads.delete_unreferenced(made_ahead)
     return locked
 
 
@@ -186,8 +192,6 @@ def delete_definition(definition: JobDefinition, actor: Actor) -> None:
     The runs go first, in batches by SQL, so a definition with a million runs is neither loaded
     into memory (as the ORM's cascade would) nor deleted in one long transaction.
     """
-    from apps.runs import retention
-
     alias = database_to_write(definition.name)
     with shards.using(alias):
         retention.delete_runs_of(definition.pk)

@@ -46,6 +46,18 @@ RETURNING id, payload_key
 """
 DELETE_ATTEMPTS = "DELETE FROM runs_attempt WHERE run_id = ANY(%(runs)s::bigint[])"
 
+# A definition's cron runs that the materialiser made ahead of their time and nobody has
+# claimed (never leased: no attempt), when its schedule changes: the new schedule makes its
+# own (its next fire time is computed afresh), and these would otherwise run after an endAt,
+# before a startAt, or past a `skip`. Served by run_definition_recent (definition_id, id DESC);
+# a run being leased meanwhile is no longer waiting once its claim commits, and stays.
+DELETE_MADE_AHEAD = """
+DELETE FROM runs_run
+WHERE definition_id = %(definition)s AND state IN ('scheduled', 'ready') AND attempt = 0
+  AND trigger IN ('cron', 'catch_up') AND due_at > now()
+RETURNING payload_key
+"""
+
 DELETE_AUDIT = """
 DELETE FROM audit_auditevent
 WHERE id IN (
@@ -69,6 +81,16 @@ def delete_one_batch(team_id: int, days: int, batch: int) -> int:
         keys = [row[0] for row in cursor.fetchall()]
     payloads.delete_unreferenced(keys)
     return len(keys)
+
+
+def delete_made_ahead(definition_id: int) -> list[str]:
+    """Delete the definition's unclaimed cron runs still ahead of their time from the current
+    shard database, inside the caller's transaction; return their payload keys (for
+    `payloads.delete_unreferenced` once it commits). At most the materialiser's lookahead of
+    fire times."""
+    with shards.cursor() as cursor:
+        cursor.execute(DELETE_MADE_AHEAD, {"definition": definition_id})
+        return [row[0] for row in cursor.fetchall() if row[0]]
 
 
 def delete_runs_of(definition_id: int, batch: int = 5000) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from importlib import import_module
 
 import pytest
@@ -9,8 +10,11 @@ from django.db import connection
 
 from apps.audit.models import AuditEvent
 from apps.jobs.models import JobDefinition
+from apps.runs import shards, store
+from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run
+from tests.conftest import db_now
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -440,3 +444,41 @@ def test_a_definition_stored_before_overlap_policies_gets_the_default_from_the_m
     # Stated again as it was, the definition has not changed: nothing is recorded.
     api_a.put("/api/v1/jobs/billing.export-invoices", EXPORT)
     assert not AuditEvent.objects.filter(action="job.update").exists()
+
+
+def test_a_changed_schedule_drops_the_runs_made_ahead_by_the_old_one(api_a):
+    """The materialiser makes cron runs up to a minute ahead: once the schedule changes (here
+    an endAt before them), the unclaimed ones go, and the rest stay: a run already leased, an
+    API run, a cron run already due."""
+    created = api_a.post("/api/v1/jobs", {"name": "ops.ending", "schedule": {"cron": "* * * * *"}})
+    assert created.status_code == 201, created.text
+    job = JobDefinition.objects.get(name="ops.ending")
+    now = db_now()
+
+    def run(trigger: str, seconds: int) -> int:
+        due = now + timedelta(seconds=seconds)
+        with shards.using(shards.alias_of_shard(job.shard)):
+            (made,) = store.insert_runs([store.NewRun(job.pk, trigger, due, due, f"k{seconds}")])
+        return made
+
+    ahead, leased, api_made, due = (
+        run("cron", 40),
+        run("cron", 50),
+        run("api", 45),
+        run("cron", -30),
+    )
+    Run.objects.filter(pk=leased).update(state="leased", attempt=1)
+    ended = api_a.patch(
+        "/api/v1/jobs/ops.ending", {"schedule": {"endAt": format_utc(now + timedelta(seconds=1))}}
+    )
+    assert ended.status_code == 200, ended.text
+    assert set(Run.objects.filter(definition=job).values_list("pk", flat=True)) == {
+        leased,
+        api_made,
+        due,
+    }
+    assert ahead not in Run.objects.values_list("pk", flat=True)
+    # A change that leaves the schedule as it was drops nothing.
+    kept = run("cron", 55)
+    assert api_a.patch("/api/v1/jobs/ops.ending", {"queue": "other"}).status_code == 200
+    assert Run.objects.filter(pk=kept).exists()
