@@ -7,7 +7,9 @@ separate budgets, so a burst of dashboard-scripting cannot starve a team's worke
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 
 from django.conf import settings
 from django.core.cache import cache
@@ -38,16 +40,18 @@ class TokenRateThrottle(SimpleRateThrottle):
         return f"throttle:{self.scope}:{token.pk}"
 
 
-def charge_enqueue(token, runs: int) -> None:
+def charge_enqueue(token, runs: int) -> Callable[[int], None]:
     """Count `runs` against the token's enqueue budget (SCHEDULER_API_RATE_ENQUEUE, runs per
     period); past it, 429 with the seconds to the next period, and nothing is created.
 
     Producers create runs by the thousand in one request, so the budget counts runs, not
     requests: a fixed window per token in Django's cache (exact across processes with a shared
-    cache such as Redis, per process otherwise)."""
+    cache such as Redis, per process otherwise). Items are charged before they are tried, so a
+    request cannot create past the budget; the returned function gives back those that created
+    nothing (an existing run, a refused item), since the budget counts runs created."""
     rate = settings.SCHEDULER_API_RATES.get("enqueue")
     if not rate or token is None:
-        return
+        return _no_refund
     allowed, period = SimpleRateThrottle.parse_rate(None, rate)  # it reads no state
     now = time.time()
     window = int(now // period)
@@ -60,3 +64,14 @@ def charge_enqueue(token, runs: int) -> None:
             wait=max(0.001, (window + 1) * period - now),
             detail=f"More than {allowed} runs per {int(period)} s for this token.",
         )
+
+    def refund(unused: int) -> None:
+        if unused > 0:
+            with contextlib.suppress(ValueError):  # the window has ended: nothing to give back
+                cache.decr(key, unused)
+
+    return refund
+
+
+def _no_refund(unused: int) -> None:
+    return None

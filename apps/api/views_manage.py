@@ -480,7 +480,7 @@ def enqueue_items(
                 ),
             )
         )
-    charge_enqueue(request.auth, len(wanted))
+    refund = charge_enqueue(request.auth, len(wanted))
     # One clock for the request: what the items were checked against is what their delays
     # count from, and a run due now is shown ready.
     batch = enqueue.enqueue_many(
@@ -496,6 +496,7 @@ def enqueue_items(
         else:
             code = {409: "idempotency-conflict", 503: "shard-unavailable"}.get(result.status)
             answers[index] = problem(result.status, result.detail, code=code)
+    refund(sum(1 for result in batch.answers if result.status != 201))
     return answers
 
 

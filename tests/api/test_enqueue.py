@@ -162,6 +162,28 @@ def test_enqueue_is_limited_per_run_created_not_per_request(api_a, jobs, setting
         _over_budget(api_a, batch)
 
 
+def test_items_that_create_nothing_leave_the_enqueue_budget_as_it_was(api_a, jobs, settings):
+    """An existing run (200), a conflict (409) or a bad item (400) creates no run: only
+    created ones count against SCHEDULER_API_RATE_ENQUEUE (a request is still refused when its
+    items, were they all new, would pass it)."""
+    settings.SCHEDULER_API_RATES = {"worker": "", "manage": "", "enqueue": "20/min"}
+    keyed = [{"job": "billing.remind", "idempotencyKey": f"k{n}"} for n in range(8)]
+    minute = datetime.now(UTC).replace(second=1, microsecond=0) + timedelta(minutes=1)
+    with time_machine.travel(minute, tick=True):
+        first = api_a.post("/api/v1/runs", {"runs": keyed})
+        assert [item["status"] for item in first.json()["runs"]] == [201] * 8
+        for _ in range(3):
+            again = api_a.post("/api/v1/runs", {"runs": keyed})
+            assert [item["status"] for item in again.json()["runs"]] == [200] * 8
+        bad = api_a.post("/api/v1/runs", {"runs": [{"job": "billing.remind", "priority": "x"}]})
+        assert bad.json()["runs"][0]["status"] == 400
+        # 8 created so far: twelve more fit, a thirteenth does not.
+        more = api_a.post("/api/v1/runs", {"runs": [{"job": "billing.remind"}] * 12})
+        assert [item["status"] for item in more.json()["runs"]] == [201] * 12
+        assert api_a.post("/api/v1/runs", {"runs": [{"job": "billing.remind"}]}).status_code == 429
+    assert len(stored(Run)) == 20
+
+
 def _over_budget(api_a, batch: list[dict]) -> None:
     assert api_a.post("/api/v1/runs", {"runs": batch}).status_code == 200
     refused = api_a.post("/api/v1/runs", {"runs": batch})
