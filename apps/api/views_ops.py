@@ -15,6 +15,7 @@ from apps.api.views_manage import ManageView
 from apps.jobs import alerts, backfill, diagnosis, queues, services
 from apps.runs import limits, shards
 from apps.runs.clock import database_now, format_utc
+from apps.runs.models import reported_state
 
 
 def reason_json(reason: diagnosis.Reason) -> shape.Reason:
@@ -77,11 +78,11 @@ class RunWhyView(ManageView):
     )
     def get(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
-        reasons = diagnosis.why_run(run, database_now())
+        now = database_now()
+        reasons = diagnosis.why_run(run, now)
+        state = reported_state(run.state, run.available_at, now)  # as the run itself shows it
         return Response(
-            shape.WhyAnswer(
-                subject=run_id, state=run.state, reasons=[reason_json(r) for r in reasons]
-            )
+            shape.WhyAnswer(subject=run_id, state=state, reasons=[reason_json(r) for r in reasons])
         )
 
 

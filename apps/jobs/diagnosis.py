@@ -85,6 +85,26 @@ WHERE definition_id = %(definition)s AND concurrency_key = %(key)s AND state = '
 ORDER BY id LIMIT 50
 """
 
+# The keys of a definition whose limit is held while runs of theirs are ready to start: leased
+# runs by key from the partial index run_leased_by_key, each key's ready runs looked up in
+# run_waiting_limited (definition_id, concurrency_key, available_at, id: a definition with a
+# per-key limit has its runs `limited`).
+KEYS_HELD = """
+SELECT h.concurrency_key, array_agg(h.id ORDER BY h.id)
+FROM runs_run h
+WHERE h.definition_id = %(definition)s AND h.state = 'leased' AND h.concurrency_key IS NOT NULL
+GROUP BY h.concurrency_key
+HAVING count(*) >= %(limit)s AND EXISTS (
+    SELECT 1 FROM runs_run w
+    WHERE w.definition_id = %(definition)s AND w.concurrency_key = h.concurrency_key
+      AND w.state IN ('scheduled', 'ready', 'retrying') AND w.limited
+      AND w.available_at <= %(now)s)
+ORDER BY h.concurrency_key
+LIMIT %(keys)s
+"""
+# How many held keys a job's `why` names.
+KEYS_SHOWN = 10
+
 
 def _rate_limited(definition: JobDefinition, now: datetime) -> list[Reason]:
     count, period = definition.rate_limit_count, definition.rate_limit_period_seconds
@@ -142,6 +162,29 @@ def _key_held(run: Run) -> list[Reason]:
                 "key": run.concurrency_key,
                 "heldBy": holders,
             },
+        )
+    ]
+
+
+def _keys_held(definition: JobDefinition, now: datetime) -> list[Reason]:
+    """The job's keys whose limit holds back ready runs (its `why`; a run's names its own)."""
+    limit = definition.concurrency_per_key
+    if limit is None:
+        return []
+    with shards.cursor() as cursor:
+        cursor.execute(
+            KEYS_HELD, {"definition": definition.pk, "limit": limit, "now": now, "keys": KEYS_SHOWN}
+        )
+        held = {key: [public_run_id(pk) for pk in ids] for key, ids in cursor.fetchall()}
+    if not held:
+        return []
+    named = ", ".join(f"{key!r} (by {', '.join(ids)})" for key, ids in held.items())
+    return [
+        Reason(
+            "key_concurrency_limit",
+            f"The limit of {limit} per key is held, with runs ready behind it, for {named}"
+            + (" (and maybe more)." if len(held) >= KEYS_SHOWN else "."),
+            {"limit": limit, "keys": [{"key": k, "heldBy": ids} for k, ids in held.items()]},
         )
     ]
 
@@ -243,6 +286,7 @@ def why_definition(definition: JobDefinition, now: datetime) -> list[Reason]:
     """Return what keeps a definition from producing or running runs."""
     with shards.reaching(database_of(definition.name)):
         reasons = _holds_of_definition(definition, _queue(definition), now)
+        reasons += _keys_held(definition, now)
     cron = _cron_schedule(definition.schedule)
     if not definition.schedule:
         reasons.append(

@@ -16,9 +16,9 @@ def test_why_names_the_paused_queue_and_the_silent_workers(api_a, team_a):
     definition = make_definition(team_a, "ops.report", queue="reports")
     add_ready_runs(definition, 1)
     run_id = api_a.get("/api/v1/runs").json()["results"][0]["runId"]
-    assert [r["code"] for r in api_a.get(f"/api/v1/runs/{run_id}/why").json()["reasons"]] == [
-        "no_worker"
-    ]
+    why = api_a.get(f"/api/v1/runs/{run_id}/why").json()
+    assert [r["code"] for r in why["reasons"]] == ["no_worker"]
+    assert why["state"] == api_a.get(f"/api/v1/runs/{run_id}").json()["state"] == "ready"
     paused = api_a.post("/api/v1/queues/reports/pause")
     assert paused.status_code == 200 and paused.json()["paused"] is True
     assert api_a.lease(["reports"], 5) == []

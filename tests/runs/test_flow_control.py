@@ -163,6 +163,17 @@ def test_why_names_a_spent_rate_limit_and_a_held_key(team_a):
         "key": "acme",
         "heldBy": [stored_one(Run, pk=lease.id).run_id],
     }
+    # The job's own why names the held key (a key with nothing ready is not named).
+    keyed_runs(keyed, ["globex"], "g")
+    assert len(claim_all(team_a, "keyed")) == 1  # globex's: its key is free
+    reasons = diagnosis.why_definition(keyed, database_now())
+    (held,) = [reason for reason in reasons if reason.code == "key_concurrency_limit"]
+    holder = stored_one(Run, pk=lease.id).run_id
+    assert held.detail == {"limit": 1, "keys": [{"key": "acme", "heldBy": [holder]}]}
+    assert (
+        held.message
+        == f"The limit of 1 per key is held, with runs ready behind it, for 'acme' (by {holder})."
+    )
 
 
 def names_on_every_database(prefix: str, per_database: int) -> list[str]:
