@@ -56,7 +56,8 @@ class ManageView(APIView):
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)
-        if request.method in self.bodyless and request.data:
+        # Compared, not tested for truth: `[]`, `null`, `""` and `0` are bodies too.
+        if request.method in self.bodyless and request.data != {}:
             raise ValidationError({"body": ["This call takes no body."]})
 
     @staticmethod

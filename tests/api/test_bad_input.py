@@ -119,6 +119,24 @@ def test_a_format_the_api_does_not_render_is_406_naming_json(api_a):
     assert api_a.get("/api/v1/jobs", params={"format": "json"}).status_code == 200
 
 
+def test_a_call_that_takes_no_body_refuses_any_but_an_empty_object(api_a, team_a):
+    definition = make_definition(team_a, "nobody.cancel", queue="q")
+    (pk,) = add_ready_runs(definition, 1)
+    run_id = Run.objects.get(pk=pk).run_id
+    for sent in ("[]", "null", '""', "0", '{"x": 1}'):
+        answer = api_a.http.post(
+            f"/api/v1/runs/{run_id}/cancel",
+            content=sent,
+            headers={"Content-Type": "application/json"},
+        )
+        assert assert_problem(answer, 400, {"body"})["errors"]["body"] == [
+            "This call takes no body."
+        ]
+    assert Run.objects.get(pk=pk).state != "cancelled"
+    assert api_a.post(f"/api/v1/runs/{run_id}/cancel", {}).status_code == 200
+    assert Run.objects.get(pk=pk).state == "cancelled"
+
+
 def test_bad_filters_and_counts(api_a):
     assert_problem(api_a.get("/api/v1/runs", params={"state": "sleeping"}), 400, {"state"})
     assert_problem(api_a.get("/api/v1/runs", params={"since": "yesterday"}), 400, {"since"})
