@@ -49,12 +49,13 @@ DELETE_ATTEMPTS = "DELETE FROM runs_attempt WHERE run_id = ANY(%(runs)s::bigint[
 # A definition's cron runs that the materialiser made ahead of their time and nobody has
 # claimed (never leased: no attempt), when its schedule changes: the new schedule makes its
 # own (its next fire time is computed afresh), and these would otherwise run after an endAt,
-# before a startAt, or past a `skip`. Served by run_definition_recent (definition_id, id DESC);
-# a run being leased meanwhile is no longer waiting once its claim commits, and stays.
+# before a startAt, or past a `skip`. Served by run_definition_due_unique (definition_id,
+# due_at) of scheduled triggers, from now on: a range of at most the lookahead's fire times. A
+# run being leased meanwhile is no longer waiting once its claim commits, and stays.
 DELETE_MADE_AHEAD = """
 DELETE FROM runs_run
-WHERE definition_id = %(definition)s AND state IN ('scheduled', 'ready') AND attempt = 0
-  AND trigger IN ('cron', 'catch_up') AND due_at > now()
+WHERE definition_id = %(definition)s AND due_at > now() AND trigger IN ('cron', 'catch_up')
+  AND state IN ('scheduled', 'ready') AND attempt = 0
 RETURNING payload_key
 """
 
