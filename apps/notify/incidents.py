@@ -177,7 +177,8 @@ def remind(incident: Incident, channels: list[Channel], now: datetime) -> int:
             and c.wants(incident.event, incident.job, incident.queue)
         ]
         since = messages.age(now - incident.opened_at)
-        summary = f"Still open after {since}: {incident.summary}"
+        seen = messages.age(now - incident.last_seen_at)
+        summary = f"Still open after {since} (last seen {seen} ago): {incident.summary}"
         outbox.enqueue(
             wanted,
             event=incident.event,
@@ -214,7 +215,11 @@ def close(incident: Incident, channels: list[Channel], now: datetime, *, announc
                 f"{incident.occurrences} occurrence{'s' if incident.occurrences != 1 else ''})."
             )
         else:
-            summary = f"Resolved after {lasted}: {incident.summary}"
+            # The summary is the condition as last seen, not as it is now: said so.
+            quiet = messages.age(now - incident.last_seen_at)
+            summary = (
+                f"Resolved after {lasted}, not seen for {quiet}. Last seen: {incident.summary}"
+            )
         outbox.enqueue(
             wanted,
             event=event,

@@ -126,6 +126,9 @@ def test_team_wide_conditions_page_once_are_reminded_and_resolve(
     notifier.handle_one_detection(force=True)
     drain(notifier)
     assert messages_of(receiver)[2:] == [("dlq.threshold", "resolved")]
+    resolved = orjson.loads(receiver.requests[2].body)["summary"]
+    assert resolved.startswith("Resolved after 2 h, not seen for ")
+    assert resolved.endswith("Last seen: The dead-letter queue holds 2 runs (threshold 2).")
 
     # Shard of team A's job unowned for an hour; team B's jobs are elsewhere.
     settings.SCHEDULER_NOTIFY_RECOVERY_SECONDS = 3600
