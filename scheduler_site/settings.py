@@ -333,6 +333,11 @@ SCHEDULER_NOTIFY_MAX_ATTEMPTS = env_int("SCHEDULER_NOTIFY_MAX_ATTEMPTS", 8)
 SCHEDULER_NOTIFY_BACKOFF_SECONDS = env_int("SCHEDULER_NOTIFY_BACKOFF_SECONDS", 15)
 SCHEDULER_NOTIFY_BACKOFF_MAX_SECONDS = env_int("SCHEDULER_NOTIFY_BACKOFF_MAX_SECONDS", 3600)
 SCHEDULER_NOTIFY_TIMEOUT_SECONDS = float(env_str("SCHEDULER_NOTIFY_TIMEOUT_SECONDS", "10"))
+# Threads of each scheduler process that send deliveries, one at a time each (a database
+# connection each).
+SCHEDULER_NOTIFY_SENDERS = env_int("SCHEDULER_NOTIFY_SENDERS", 4)
+if SCHEDULER_NOTIFY_SENDERS < 1:
+    raise ImproperlyConfigured("SCHEDULER_NOTIFY_SENDERS must be 1 or more.")
 # Most channels per team.
 SCHEDULER_NOTIFY_MAX_CHANNELS = env_int("SCHEDULER_NOTIFY_MAX_CHANNELS", 50)
 # The dashboard's address as people reach it: the links in notifications start with it.

@@ -3,7 +3,10 @@
 Shaped like the scheduler's own loop (apps/scheduler/daemon.py): each step is a
 `handle_one_…() -> bool` method ("did work, call me again") that tests call directly. The
 scheduler runs `run` in a thread of its own, so a slow webhook (up to the timeout) never delays
-the shard leases' renewals; the thread has its own database connection and closes it on exit.
+the shard leases' renewals. That thread detects and prunes; SCHEDULER_NOTIFY_SENDERS threads
+beside it send, each claiming one delivery at a time, so a receiver that answers slowly (or
+not at all, for the whole timeout) neither holds up other teams' pages nor the next look for
+events. Every thread has its own database connection and closes it on exit.
 """
 
 from __future__ import annotations
@@ -21,8 +24,6 @@ from apps.runs.clock import database_now
 
 log = logging.getLogger(__name__)
 
-# Deliveries sent in a row before the loop looks at the clock for detection again.
-DELIVERY_BURST = 50
 # The delivery log and closed incidents are pruned this often (seconds), after
 # SCHEDULER_RETENTION_DAYS, as finished runs are.
 PRUNE_SECONDS = 3600
@@ -58,18 +59,42 @@ class Notifier:
         return outbox.prune(before, PRUNE_BATCH) >= PRUNE_BATCH
 
     def run(self, stop: threading.Event, *, pause: float = 1.0) -> None:
-        """Detect, deliver and prune until `stop` is set."""
+        """Detect and prune, with the sender threads sending, until `stop` is set."""
+        senders = [
+            threading.Thread(
+                target=self.send, args=(stop, pause), name=f"notifier-send-{n}", daemon=True
+            )
+            for n in range(settings.SCHEDULER_NOTIFY_SENDERS)
+        ]
+        for sender in senders:
+            sender.start()
+        try:
+            self._loop(stop, pause, self._look)
+        finally:
+            for sender in senders:
+                sender.join(settings.SCHEDULER_NOTIFY_TIMEOUT_SECONDS + 5)
+
+    def send(self, stop: threading.Event, pause: float = 1.0) -> None:
+        """Send due deliveries until `stop` is set (one sender thread)."""
+        self._loop(stop, pause, self._send_due)
+
+    def _look(self, stop: threading.Event) -> None:
+        while self.handle_one_detection() and not stop.is_set():
+            pass
+        for batch in range(10):  # a few batches: the first may be a backlog
+            if stop.is_set() or not self.handle_one_prune(force=batch > 0):
+                break
+
+    def _send_due(self, stop: threading.Event) -> None:
+        while not stop.is_set() and self.handle_one_delivery():
+            pass
+
+    @staticmethod
+    def _loop(stop: threading.Event, pause: float, step) -> None:
         try:
             while not stop.is_set():
                 try:
-                    while self.handle_one_detection() and not stop.is_set():
-                        pass
-                    for _ in range(DELIVERY_BURST):
-                        if stop.is_set() or not self.handle_one_delivery():
-                            break
-                    for batch in range(10):  # a few batches: the first may be a backlog
-                        if stop.is_set() or not self.handle_one_prune(force=batch > 0):
-                            break
+                    step(stop)
                 except Exception:
                     # A lost database or a bug must not end the notifier: try again next round.
                     log.exception("notifier round failed; retrying")
