@@ -48,6 +48,9 @@ class BulkFilter:
     due_to: datetime | None = None
     error: str | None = None
     fingerprint: int | None = None
+    # Failed at or before: a confirmed action acts on the failures its confirmation counted,
+    # not on runs that failed while the person read it.
+    failed_by: datetime | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The filter as the caller gave it (for the audit trail)."""
@@ -68,6 +71,8 @@ class BulkFilter:
             answer["error"] = self.error
         if self.fingerprint is not None:
             answer["group"] = fingerprints.to_hex(self.fingerprint)
+        if self.failed_by is not None:
+            answer["failedBy"] = format_utc(self.failed_by)
         return answer
 
     def where(self) -> tuple[str, dict[str, Any]]:
@@ -93,6 +98,7 @@ class BulkFilter:
             ("r.created_at >= %(filter_since)s", "filter_since", self.since),
             ("r.due_at >= %(filter_due_from)s", "filter_due_from", self.due_from),
             ("r.due_at < %(filter_due_to)s", "filter_due_to", self.due_to),
+            ("r.failed_at <= %(filter_failed_by)s", "filter_failed_by", self.failed_by),
         ):
             if value is not None:
                 conditions.append(condition)
@@ -178,6 +184,8 @@ def apply(queryset: QuerySet, flt: BulkFilter) -> QuerySet:
         )
     if flt.fingerprint is not None:
         queryset = queryset.filter(error_fingerprint=flt.fingerprint)
+    if flt.failed_by is not None:
+        queryset = queryset.filter(failed_at__lte=flt.failed_by)
     return queryset
 
 

@@ -4,9 +4,11 @@ one audit event), the run-id search, and what a run's page says about its errors
 
 from __future__ import annotations
 
+from datetime import timedelta
 from html import escape
 
 import pytest
+from django.db.models import F
 from django.test import Client
 
 from apps.audit.models import AuditEvent
@@ -103,6 +105,26 @@ def test_everything_matching_a_filter_is_counted_and_acted_on_with_the_window_it
     (event,) = AuditEvent.objects.filter(action="dlq.discard")
     assert event.before["filter"]["job"] == "billing.charge"
     assert "dueFrom" in event.before["filter"]
+
+
+def test_a_confirmed_action_leaves_out_the_runs_that_failed_after_the_count(operator, team_a):
+    job = make_definition(team_a, "billing.charge", queue="billing")
+    insert_failed(job, 12)
+    client = client_for(operator)
+    ask = {"mode": "dlq", "action": "requeue", "queue": "billing"}
+    confirm = client.post("/runs/matching", ask).content.decode()
+    assert "Requeue 12 runs?" in confirm and 'name="failed_by" value="' in confirm
+    failed_by = confirm.split('name="failed_by" value="')[1].split('"')[0]
+    # Five more die while the person reads the confirmation.
+    insert_failed(job, 5, prefix="late-")
+    Run.objects.filter(idempotency_key__startswith="late-").update(
+        failed_at=F("failed_at") + timedelta(minutes=1)
+    )
+    client.post("/runs/matching", {**ask, "failed_by": failed_by, "confirm": "yes"})
+    assert Run.objects.filter(state="ready").count() == 12
+    assert Run.objects.filter(state="dead", idempotency_key__startswith="late-").count() == 5
+    (event,) = AuditEvent.objects.filter(action="dlq.requeue")
+    assert event.after["count"] == 12 and event.before["filter"]["failedBy"] == failed_by
 
 
 def test_acting_on_a_filter_needs_the_operator_role_and_a_list_that_offers_it(

@@ -5,6 +5,7 @@ selects, each in bulk after a confirmation that shows the count."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from apps.dashboard.http import (
 )
 from apps.jobs import diagnosis, runlist, triage
 from apps.runs import filters, payloads, transitions
-from apps.runs.clock import database_now
+from apps.runs.clock import database_now, format_utc
 from apps.runs.ids import parse_run_id
 from apps.runs.models import WAITING_STATES, Run, State, reported_state
 from apps.teams import access
@@ -285,7 +286,8 @@ def bulk_matching(request: HtmxHttpRequest) -> HttpResponse:
     Step 1 (no `confirm`): count what it would change, on every shard database, and ask.
     Step 2: one statement per shard database, audited once per team with the filter
     (`transitions.act_on_matching`). The relative time range of step 1 travels to step 2 as
-    the absolute window it meant, so both steps select the same runs.
+    the absolute window it meant, and the moment of the count as `failed_by`, so step 2 acts
+    on the runs step 1 counted (less any handled meanwhile), not on runs that failed since.
     """
     mode_name = request.POST.get("mode", "")
     mode = MODES.get(mode_name)
@@ -325,6 +327,7 @@ def bulk_matching(request: HtmxHttpRequest) -> HttpResponse:
             for key, moment in (("due_from", due_from), ("due_to", due_to))
             if moment is not None
         ]
+        carry.append(("failed_by", format_utc(now)))
         context = {
             "spec": spec,
             "matching": True,
@@ -336,6 +339,9 @@ def bulk_matching(request: HtmxHttpRequest) -> HttpResponse:
             "next": request.POST.get("next", ""),
         }
         return render_page(request, "dashboard/bulk_confirm.html", context, regions=("dialog",))
+    failed_by = filters.parse_instant(request.POST.get("failed_by"))
+    if failed_by is not None:
+        flt = dataclasses.replace(flt, failed_by=failed_by)
     changed = transitions.act_on_matching(spec.name, chosen, states, flt, actor(request))
     return done(
         request,
