@@ -118,10 +118,12 @@ class AuditFilterForm(forms.Form):
 
     ACTIONS = [
         "job.create", "job.update", "job.delete", "job.pause", "job.resume", "job.trigger",
-        "queue.pause", "queue.resume", "run.create", "run.cancel", "run.retry",
-        "job.backfill", "job.overlap_cancel", "dlq.requeue", "dlq.discard", "token.create",
-        "token.revoke", "member.set", "member.remove", "team.create",
-        "channel.create", "channel.update", "channel.delete", "channel.test",
+        "queue.pause", "queue.resume", "queue.update", "run.create", "run.cancel",
+        "run.cancel_request", "run.retry", "job.backfill", "job.overlap_cancel", "dlq.requeue",
+        "dlq.discard", "token.create", "token.revoke", "member.set", "member.remove",
+        "team.create", "channel.create", "channel.update", "channel.delete", "channel.test",
+        # What was refused: another team's objects, failed and locked-out sign-ins.
+        "access.denied", "auth.login_failed", "auth.locked_out",
     ]  # fmt: skip
 
     def __init__(self, data: Any, *, teams: list[Any]) -> None:

@@ -115,6 +115,17 @@ def test_failed_sign_ins_and_the_lockout_are_audited(db):
     assert locked.after["lockedFor"] == "username" and locked.after["failures"] == 5
 
 
+def test_staff_find_failed_sign_ins_by_their_action_in_the_audit_trail(db):
+    make_user("pat")
+    sign_in(Client(), "pat", "wrong", "203.0.113.9")
+    staff = Client()
+    make_user("root", is_staff=True, is_superuser=True)
+    assert sign_in(staff, "root", PASSWORD).status_code == 302
+    page = staff.get("/audit", {"action": "auth.login_failed"}).content.decode()
+    assert "auth.login_failed" in page and "203.0.113.9" in page
+    assert "No changes match" not in page
+
+
 def test_the_admin_sign_in_is_held_to_the_same_limits(db):
     make_user("root", is_staff=True, is_superuser=True)
     client = Client()
