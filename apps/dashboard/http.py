@@ -16,7 +16,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django_htmx.http import HttpResponseClientRedirect
 from django_htmx.middleware import HtmxDetails
 
-from apps.audit.record import Actor
+from apps.audit.record import Actor, record_denied
 
 # Set by the live-update consumer when it renders a page's live regions for a socket.
 LIVE_HEADER = "HTTP_X_DASHBOARD_LIVE"
@@ -65,6 +65,18 @@ def render_page(
 
 def actor(request: HttpRequest) -> Actor:
     return Actor.for_user(request.user)
+
+
+def record_refused(request: HttpRequest, team: Any, target_type: str, target: Any) -> None:
+    """Record a person's attempt on another team's objects as `access.denied`, as the API
+    records a token's; the page answers as if they did not exist."""
+    record_denied(
+        actor(request),
+        f"{request.method} {request.path}",
+        team=team,
+        target_type=target_type,
+        target=target,
+    )
 
 
 def next_url(request: HttpRequest, fallback: str) -> str:

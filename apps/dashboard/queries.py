@@ -73,6 +73,19 @@ def runs_by_ids(team_ids: list[int], pks: list[int]) -> list[Run]:
     return sorted(runs, key=lambda run: run.pk)
 
 
+def runs_elsewhere(team_ids: list[int], pks: list[int]) -> dict[Any, list[str]]:
+    """Of these runs, those of other teams than `team_ids`: their public ids by team (an
+    attempt on them is recorded; the page answers as for a missing run)."""
+    found: dict[Any, list[str]] = {}
+    for alias, ids in shards.runs_by_database(pks).items():
+        with shards.reaching(alias):
+            rows = shards.with_teams(Run.objects.filter(pk__in=ids).exclude(team_id__in=team_ids))
+        for run in rows:
+            if getattr(run, "team", None) is not None:
+                found.setdefault(run.team, []).append(run.run_id)
+    return found
+
+
 # --- overview -------------------------------------------------------------------------------
 # The overview never reads the whole runs heap: finished and leased runs are counted from the
 # index run_team_state, waiting runs from the partial index run_claimable, and everything with a

@@ -54,9 +54,7 @@ class BulkFilter:
 
     def as_json(self) -> dict[str, Any]:
         """The filter as the caller gave it (for the audit trail)."""
-        if self.everything:
-            return {"all": True}
-        answer: dict[str, Any] = {}
+        answer: dict[str, Any] = {"all": True} if self.everything else {}
         if self.job is not None:
             answer["job"] = self.job
         if self.queue is not None:
@@ -116,7 +114,9 @@ class BulkFilter:
         """The filter in a line, for a confirmation and an audit event's target."""
         if self.everything:
             return "all"
-        return " ".join(f"{key}={value}" for key, value in self.as_json().items())
+        # Not the moment of a confirmation's count: the person chose the rest, not that.
+        chosen = {key: value for key, value in self.as_json().items() if key != "failedBy"}
+        return " ".join(f"{key}={value}" for key, value in chosen.items())
 
 
 def parse_instant(raw: object) -> datetime | None:

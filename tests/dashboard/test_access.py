@@ -129,6 +129,17 @@ def test_an_operator_of_team_a_cannot_see_team_b_runs(operator_a, job_a, job_b):
     mine.refresh_from_db()
     theirs.refresh_from_db()
     assert mine.state == "ready" and theirs.state == "dead"
+    # Every attempt on team B's objects is in team B's audit trail, as the API's are.
+    denied = AuditEvent.objects.filter(action="access.denied").order_by("pk")
+    assert [(e.team.slug, e.target_type, e.target, e.source) for e in denied] == [
+        ("team-b", "run", theirs.run_id, "dashboard"),
+        ("team-b", "job", job_b.name, "dashboard"),
+        ("team-b", "run", theirs.run_id, "dashboard"),
+        ("team-b", "job", job_b.name, "dashboard"),
+        ("team-b", "run", theirs.run_id, "dashboard"),
+    ]
+    assert denied.last().after["attempted"] == "POST /runs/bulk"
+    assert denied.last().actor == operator_a.username
 
 
 def test_an_operator_retries_and_the_audit_names_the_dashboard(operator_a, job_a):

@@ -23,7 +23,15 @@ from apps.dashboard.forms import (
     schedule_errors,
     schedule_from,
 )
-from apps.dashboard.http import HtmxHttpRequest, actor, done, plural, render_page, signed_in
+from apps.dashboard.http import (
+    HtmxHttpRequest,
+    actor,
+    done,
+    plural,
+    record_refused,
+    render_page,
+    signed_in,
+)
 from apps.jobs import backfill, diagnosis, enqueue, services
 from apps.jobs import schedule as sched
 from apps.jobs.firetimes import load_zone
@@ -55,6 +63,10 @@ def _definition(request: HtmxHttpRequest, name: str) -> JobDefinition:
         )
     definition = found[0] if found else None
     if definition is None:
+        with shards.reaching(database_of(name)):
+            theirs = shards.with_teams(JobDefinition.objects.named(name))
+        if theirs:  # another team's: recorded, and answered as a missing one
+            record_refused(request, theirs[0].team, "job", name)
         raise Http404("No such job.")
     return definition
 

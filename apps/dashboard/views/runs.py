@@ -25,6 +25,7 @@ from apps.dashboard.http import (
     done,
     is_live,
     plural,
+    record_refused,
     render_page,
     signed_in,
 )
@@ -158,9 +159,11 @@ def runs(request: HtmxHttpRequest) -> HttpResponse:
     list saying there is no such run (another team's run is no more found than a missing one)."""
     wanted = request.GET.get("run", "").strip()
     if wanted and not is_live(request):  # the live updates of such a page are the list's
-        run = queries.visible_run(access.visible_team_ids(request.user), parse_run_id(wanted))
+        visible, pk = access.visible_team_ids(request.user), parse_run_id(wanted)
+        run = queries.visible_run(visible, pk)
         if run is not None:
             return redirect("dashboard:run", run.run_id)
+        _refused(request, visible, [pk] if pk is not None else [])
         messages.warning(request, f"No such run: {wanted[:60]}", fail_silently=True)
     return _run_list(request, "runs")
 
@@ -171,11 +174,20 @@ def dlq(request: HtmxHttpRequest) -> HttpResponse:
 
 
 def _visible_run(request: HtmxHttpRequest, run_id: str) -> Run:
-    """The run, if the user's teams own it; another team's run is a 404, like a missing one."""
-    run = queries.visible_run(access.visible_team_ids(request.user), parse_run_id(run_id))
+    """The run, if the user's teams own it; another team's run is a 404, like a missing one,
+    and the attempt is recorded."""
+    visible, pk = access.visible_team_ids(request.user), parse_run_id(run_id)
+    run = queries.visible_run(visible, pk)
     if run is None:
+        _refused(request, visible, [pk] if pk is not None else [])
         raise Http404("No such run.")
     return run
+
+
+def _refused(request: HtmxHttpRequest, visible: list[int], pks: list[int]) -> None:
+    """Record, per team, the runs of other teams among `pks` that the request named."""
+    for team, run_ids in queries.runs_elsewhere(visible, pks).items():
+        record_refused(request, team, "run", run_ids)
 
 
 @signed_in
@@ -256,7 +268,10 @@ def bulk(request: HtmxHttpRequest) -> HttpResponse:
     if spec is None:
         return done(request, reverse("dashboard:failures"), "Choose an action.", messages.WARNING)
     pks = [pk for pk in map(parse_run_id, request.POST.getlist("ids")) if pk is not None]
-    selected = queries.runs_by_ids(access.visible_team_ids(request.user), pks[:1000])
+    visible = access.visible_team_ids(request.user)
+    selected = queries.runs_by_ids(visible, pks[:1000])
+    if len(selected) < len(set(pks[:1000])):
+        _refused(request, visible, sorted(set(pks[:1000]) - {run.pk for run in selected}))
     fallback = reverse("dashboard:failures")
     if not selected:
         return done(request, fallback, "Select at least one run first.", messages.WARNING)
