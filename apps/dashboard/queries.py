@@ -118,6 +118,9 @@ class Overview:
     counts: dict[str, int]
     dlq: int
     failing: int  # stored retrying or dead: what the failures list shows
+    # Of those, the ones to be tried again: backing off (the retrying tile) or due again (they
+    # count among ready), so the tiles add up.
+    to_retry: int
     failures_24h: int
     failures_by_hour: list[tuple[datetime, int]]
     per_minute: list[tuple[datetime, int, int]]
@@ -176,6 +179,7 @@ def overview(team_ids: list[int], now: datetime) -> Overview:
         counts=counts,
         dlq=counts[State.DEAD],
         failing=retrying + counts[State.DEAD],
+        to_retry=retrying,
         failures_24h=sum(by_hour.values()),
         failures_by_hour=[(h, by_hour.get(h, 0)) for h in hours],
         per_minute=[(m, *by_minute.get(m, (0, 0))) for m in minutes],

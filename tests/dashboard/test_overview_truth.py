@@ -31,12 +31,17 @@ def _rows(body: str) -> int:
 
 def test_each_count_tile_equals_the_list_it_links_to(viewer_a, team_a):
     job = make_definition(team_a, "ops.flaky", queue="ops", retry_max_attempts=3)
-    failed_runs(job, 3, retryable=True, prefix="r")
+    retrying = failed_runs(job, 3, retryable=True, prefix="r")
     failed_runs(job, 2, prefix="d")
     add_ready_runs(job, 4, prefix="w")
+    # One of them due again: a ready run, still among the failures, and the split says so.
+    Run.objects.filter(pk=retrying[0].pk).update(available_at=db_now() - timedelta(seconds=1))
     client = client_for(viewer_a)
     body = client.get("/").content.decode()
     assert _value(body, "failing") == "5"
+    assert _value(body, "count-retrying") == "2" and _value(body, "count-ready") == "5"
+    split = _value(body, "failing-split")
+    assert split.startswith("3 to retry") and split.endswith("· 2 dead"), split
     links = dict(
         re.findall(
             r'<a class="tile[^"]*" href="([^"]+)">\s*<div class="label">.*?'
