@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from zoneinfo import available_timezones
@@ -24,7 +25,7 @@ from apps.jobs.models import JobDefinition
 from apps.jobs.services import DefinitionSpec
 from apps.jobs.sync import InvalidEntry
 from apps.notify import channels as notify_channels
-from apps.runs import fingerprints
+from apps.runs import fingerprints, limits
 from apps.runs.filters import BulkFilter
 from apps.runs.ids import parse_run_id
 from apps.runs.models import PRIORITIES
@@ -45,6 +46,13 @@ def _utc_input(value: datetime | None) -> datetime | None:
     if value is None:
         return None
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _named(value: str, problem_of: Callable[[str], str | None]) -> str:
+    problem = problem_of(value) if value else None
+    if problem is not None:
+        raise forms.ValidationError(problem)
+    return value
 
 
 class RunFilterForm(forms.Form):
@@ -74,6 +82,14 @@ class RunFilterForm(forms.Form):
     def clean_cursor(self) -> int | None:
         raw = self.cleaned_data.get("cursor") or ""
         return parse_run_id(raw) if raw else None
+
+    # Names follow the rules of the names they filter by (as the API's filters do): one no job
+    # or queue can have is an error, not an empty list.
+    def clean_queue(self) -> str:
+        return _named(self.cleaned_data.get("queue") or "", limits.queue_name_problem)
+
+    def clean_job(self) -> str:
+        return _named(self.cleaned_data.get("job") or "", limits.job_name_problem)
 
     def clean_group(self) -> int | None:
         raw = self.cleaned_data.get("group") or ""

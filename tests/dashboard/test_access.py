@@ -237,3 +237,18 @@ def test_names_no_job_or_queue_can_have_are_not_found(operator_a, job_a):
         assert viewer.post(f"/queues/team-a/{queue}/pause").status_code == 404, queue
     assert not Queue.objects.exists()
     assert not AuditEvent.objects.filter(action="queue.pause").exists()
+
+
+def test_a_filter_no_run_can_match_is_said_to_be_wrong(viewer_a, job_a):
+    client = client_for(viewer_a)
+    for path, field in (
+        ("/runs?queue=%00", "queue"),
+        ("/dlq?job=a%20b", "job"),
+        ("/audit?source=bogus", "source"),
+    ):
+        answer = client.get(path)
+        body = answer.content.decode()
+        assert answer.status_code == 200 and 'class="errorlist" role="alert">' in body, path
+        assert f"{field}: " in body.split('class="errorlist" role="alert">')[1], path
+    workers = client.get("/workers?minutes=99999").content.decode()
+    assert "minutes: A whole number of minutes from 1 to" in workers

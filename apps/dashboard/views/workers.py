@@ -3,6 +3,7 @@ heartbeat, and the leases about to expire (`apps.runs.workers`, which the API sh
 
 from __future__ import annotations
 
+from django.contrib import messages
 from django.http import HttpResponse
 
 from apps.dashboard.http import HtmxHttpRequest, render_page, signed_in
@@ -24,6 +25,10 @@ def workers(request: HtmxHttpRequest) -> HttpResponse:
     shown = {t.pk: t for t in teams if not chosen or t.slug == chosen}
     minutes = seen_workers.parse_minutes(request.GET.get("minutes"))
     if minutes is None:
+        if request.GET.get("minutes"):  # said, not just left out: say what was shown instead
+            messages.warning(
+                request, f"minutes: {seen_workers.MINUTES_RULE} Showing the default window."
+            )
         minutes = seen_workers.MINUTES_DEFAULT
     found = seen_workers.seen(list(shown), minutes, expiring=MOST_EXPIRING)
     context = {
