@@ -64,6 +64,8 @@ def test_5000_dead_runs_are_requeued_by_filter_after_their_count(screen, operato
 
     dialog = page.get_by_role("dialog")
     expect(dialog).to_contain_text("Requeue 5000 runs?")
+    # The keyboard is in the dialog, on its safe choice: Enter does not act.
+    expect(dialog.get_by_role("link", name="Cancel")).to_be_focused()
     expect(dialog.locator("#confirm-filter")).to_contain_text(job_a.name)
     dialog_shot(web, f"triage-requeue-by-filter-confirm-{width}")
     assert Run.objects.filter(state="dead").count() == 5003  # nothing before the confirmation
