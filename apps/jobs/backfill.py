@@ -12,6 +12,7 @@ from apps.jobs import firetimes
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition, database_of, database_to_write
 from apps.runs import shards
+from apps.runs.clock import database_now
 from apps.runs.models import SCHEDULED_TRIGGERS, Run
 from apps.runs.store import NewRun, insert_runs
 
@@ -36,7 +37,8 @@ class BackfillPlan:
 def plan(definition: JobDefinition, start: datetime, end: datetime) -> BackfillPlan:
     """Return the cron times in [start, end] and how many already have a run.
 
-    1. Refuse a definition without a cron schedule, or a range that is empty or in the future.
+    1. Refuse a definition without a cron schedule, or a range that is empty or starts in the
+       future; one that runs past now stops at now.
     2. List the fire times (start inclusive, end inclusive), up to the cap plus one.
     3. Count those that a run already covers: (definition, due time) is unique.
     """
@@ -47,6 +49,12 @@ def plan(definition: JobDefinition, start: datetime, end: datetime) -> BackfillP
         raise BackfillError({"from": "Give times with an offset or Z."})
     if end <= start:
         raise BackfillError({"to": "Must be after from."})
+    now = database_now()
+    if start > now:
+        # The schedule makes the runs ahead (catch-up covers an outage): a backfill is for the
+        # past. A range that runs into the future stops at now.
+        raise BackfillError({"from": "A backfill is for the past: from must not be ahead."})
+    end = min(end, now)
     cap = settings.SCHEDULER_BACKFILL_CAP
     times = firetimes.fire_times_between(schedule, start - timedelta(microseconds=1), end, cap + 1)
     capped = len(times) > cap

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from apps.audit.models import AuditEvent
+from apps.runs.clock import format_utc
 from apps.runs.models import Run
+from tests.conftest import db_now
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -76,6 +80,19 @@ def test_backfill_refuses_bad_ranges_and_non_cron_jobs(api_a):
         {"from": "2026-01-02T00:00:00Z", "to": "2026-01-01T00:00:00Z"},
     )
     assert reversed_range.status_code == 400 and "to" in reversed_range.json()["errors"]
+    # A backfill is for the past: a range ahead is refused, one into the future stops at now.
+    ahead = api_a.post(
+        "/api/v1/jobs/etl.cron/backfill",
+        {"from": "2999-01-01T00:00:00Z", "to": "2999-01-02T00:00:00Z"},
+    )
+    assert ahead.status_code == 400 and "from" in ahead.json()["errors"], ahead.text
+    now = db_now()
+    across = api_a.post(
+        "/api/v1/jobs/etl.cron/backfill",
+        {"from": format_utc(now - timedelta(hours=3)), "to": format_utc(now + timedelta(days=30))},
+    )
+    assert across.status_code == 200, across.text
+    assert across.json()["count"] in (2, 3)  # the hours of the last three that have passed
 
 
 def test_backfill_reads_times_with_offsets_and_names_every_bad_field(api_a):
