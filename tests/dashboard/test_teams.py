@@ -28,6 +28,17 @@ def test_a_new_token_is_shown_once_and_only_its_hash_is_kept(admin_a, team_a):
     assert raw not in str(event.after)
 
 
+def test_a_token_form_error_names_the_field_that_is_wrong(admin_a, team_a):
+    client = client_for(admin_a)
+    long_name = client.post(
+        "/teams/team-a/tokens", {"name": "n" * 101, "scopes": ["worker"]}, follow=True
+    ).content.decode()
+    assert "Name: Ensure this value has at most 100 characters" in long_name
+    no_scope = client.post("/teams/team-a/tokens", {"name": "x"}, follow=True).content.decode()
+    assert "Scopes: This field is required." in no_scope
+    assert not ApiToken.objects.filter(team=team_a).exists()
+
+
 def test_revoking_a_token_stops_it_and_is_audited(admin_a, team_a):
     token, _ = ApiToken.issue(team_a, ["worker"], name="old")
     client = client_for(admin_a)

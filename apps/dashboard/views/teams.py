@@ -107,7 +107,11 @@ def token_create(request: HtmxHttpRequest, slug: str) -> HttpResponse:
     team = _team(request, slug)
     form = TokenForm(request.POST)
     if not form.is_valid():
-        return done(request, _back(slug), "Choose at least one scope.", messages.ERROR)
+        said = "; ".join(
+            f"{'Name' if field == 'name' else 'Scopes'}: {' '.join(errors)}"
+            for field, errors in form.errors.items()
+        )
+        return done(request, _back(slug), said, messages.ERROR)
     token, raw = services.issue_token(
         team, form.cleaned_data["scopes"], actor(request), name=form.cleaned_data["name"]
     )
