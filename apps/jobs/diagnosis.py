@@ -13,7 +13,7 @@ from apps.jobs.queues import rate_window
 from apps.runs import shards
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
-from apps.runs.models import PRIORITY_NAMES, WAITING_STATES, Run
+from apps.runs.models import PRIORITY_NAMES, SCHEDULED_TRIGGERS, WAITING_STATES, Run
 
 # A queue that no worker asked for work within this long has "no worker".
 WORKER_SILENCE = timedelta(seconds=60)
@@ -287,6 +287,22 @@ def why_definition(definition: JobDefinition, now: datetime) -> list[Reason]:
     with shards.reaching(database_of(definition.name)):
         reasons = _holds_of_definition(definition, _queue(definition), now)
         reasons += _keys_held(definition, now)
+        # The materialiser makes runs up to a minute ahead, and moves next_due_at past them:
+        # the next fire time is the earliest such run's, if there is one (as the job page says).
+        # Served by run_definition_due_unique (definition_id, due_at) of scheduled triggers.
+        made = (
+            Run.objects.filter(
+                definition=definition,
+                trigger__in=SCHEDULED_TRIGGERS,
+                state__in=WAITING_STATES,
+                due_at__gt=now,
+            )
+            .order_by("due_at")
+            .values_list("due_at", flat=True)
+            .first()
+        )
+    known = [t for t in (made, definition.next_due_at) if t is not None]
+    next_due = min(known) if known else None
     cron = _cron_schedule(definition.schedule)
     if not definition.schedule:
         reasons.append(
@@ -312,12 +328,12 @@ def why_definition(definition: JobDefinition, now: datetime) -> list[Reason]:
         )
     elif definition.next_due_at is None and not definition.paused:
         reasons.append(Reason("schedule_done", "The schedule has no more fire times."))
-    elif definition.next_due_at is not None and definition.next_due_at > now:
+    elif next_due is not None and next_due > now:
         reasons.append(
             Reason(
                 "next_fire",
-                f"The next fire time is {format_utc(definition.next_due_at)}.",
-                {"nextDueAt": format_utc(definition.next_due_at)},
+                f"The next fire time is {format_utc(next_due)}.",
+                {"nextDueAt": format_utc(next_due)},
             )
         )
     return reasons

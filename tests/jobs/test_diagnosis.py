@@ -8,7 +8,7 @@ import pytest
 
 from apps.jobs.diagnosis import why_definition, why_run
 from apps.jobs.models import Queue
-from apps.runs import store
+from apps.runs import shards, store
 from apps.runs.clock import format_utc
 from apps.runs.models import Run
 from tests.conftest import add_ready_runs, db_now, make_definition
@@ -176,3 +176,22 @@ def test_a_started_schedule_shows_its_next_fire_time(team_a):
 
     assert "next_fire" in reason_codes
     assert not {"schedule_ended", "schedule_not_started"} & set(reason_codes)
+
+
+def test_the_next_fire_time_is_a_run_already_made_for_it(team_a):
+    """The materialiser made the next run ahead and moved next_due_at past it: why names the
+    made run's time, as the job page does."""
+    now = db_now()
+    made = now + timedelta(seconds=40)
+    definition = make_definition(
+        team_a,
+        "why.made-ahead",
+        schedule={"cron": "* * * * *"},
+        next_due_at=made + timedelta(minutes=1),
+    )
+    with shards.using(shards.alias_of_shard(definition.shard)):
+        store.insert_runs([store.NewRun(definition.pk, "cron", made, made, "ahead")])
+
+    (reason,) = [r for r in why_definition(definition, now) if r.code == "next_fire"]
+
+    assert reason.detail == {"nextDueAt": format_utc(made)}
