@@ -283,6 +283,17 @@ class Scheduler:
         self.fresh.clear()
         log.info("%s released its shards and left", self.node_id)
 
+    def look_before_taking(self) -> None:
+        """Look for events once before the first lease round. The notifier runs inside the
+        schedulers: after every one was down, the first to start would otherwise take the
+        shards before its notifier looked, and the teams would never hear that their shards
+        had no scheduler (`scheduler.shard_unowned`); they hear it now, and its recovery next."""
+        try:
+            notifier.Notifier().handle_one_detection(force=True)
+        except Exception:  # never keeps the scheduler from starting
+            log.exception("%s: the look for events before starting failed", self.node_id)
+            connection.close()
+
     def run(self, *, once: bool = False) -> None:
         """Tick until `shutdown` (or once), then release the shards."""
         log.info(
@@ -293,6 +304,8 @@ class Scheduler:
         )
         # Notifications (apps/notify/loop.py) in a thread of their own: a slow webhook never
         # delays the renewal of this node's shard leases.
+        if not once:
+            self.look_before_taking()
         notifying = None if once else notifier.start(f"notifier {self.node_id}")
         try:
             while not self.shutdown:

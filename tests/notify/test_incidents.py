@@ -163,6 +163,23 @@ def test_team_wide_conditions_page_once_are_reminded_and_resolve(
     assert messages_of(receiver)[-1] == ("scheduler.shard_unowned", "resolved")
 
 
+def test_a_scheduler_starting_after_an_outage_pages_the_shards_nobody_held(
+    team_a, receiver, notifier, settings
+):
+    """Every scheduler was down (the notifier runs inside them): the first to start looks for
+    events before it takes the shards, so the gap is paged, not taken over unseen."""
+    from apps.scheduler.daemon import Scheduler
+
+    make_definition(team_a, "billing.export", queue="billing")
+    make_channel(team_a, receiver.url, events=["scheduler.shard_unowned"])
+    leases.ensure_shards(settings.SCHEDULER_SHARD_COUNT)
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE scheduler_shardlease SET expires_at = now() - interval '1 hour'")
+    Scheduler(node_id="first-back").look_before_taking()
+    drain(notifier)
+    assert messages_of(receiver) == [("scheduler.shard_unowned", "open")]
+
+
 def _shard_of(name: str) -> int:
     from apps.jobs.schedule import shard_for
 
