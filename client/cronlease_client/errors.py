@@ -98,6 +98,16 @@ class ApiError(Exception):
         return self.status is None or self.status == 429 or self.status >= 500
 
 
+class BadAnswer(ApiError):
+    """A success status whose body is not the answer the call expects: not JSON, cut short, an
+    HTML page, or JSON of another shape. Something between the worker and the scheduler (a proxy,
+    a load balancer) or the scheduler itself failed, as with a 5xx: trying again may succeed."""
+
+    @property
+    def transient(self) -> bool:
+        return True
+
+
 class NetworkError(ApiError):
     """No answer: the connection failed or timed out. `sent` is False when the request surely
     never reached the scheduler (it could not connect), so even a call that is not idempotent

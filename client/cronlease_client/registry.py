@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -14,6 +15,20 @@ F = TypeVar("F", bound=HandlerFunc)
 
 # The attribute a decorated function carries, so a dict of such functions keeps their options.
 SPEC_ATTRIBUTE = "__cronlease_handler__"
+# The scheduler's rule for job names (apps/runs/limits.py). A worker names its handlers' jobs in
+# every lease request, so one that is not a job's name would get every request refused.
+JOB_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*(\.[a-z0-9][a-z0-9_-]*)*$")
+JOB_NAME_MAX = 200
+
+
+def job_name_problem(job: object) -> str | None:
+    """Why `job` cannot be a job's name, or None when it can."""
+    if not isinstance(job, str) or not JOB_NAME_RE.match(job) or len(job) > JOB_NAME_MAX:
+        return (
+            f"use at most {JOB_NAME_MAX} lowercase dotted words of letters, digits, '-' and "
+            "'_', e.g. 'billing.export-invoices'"
+        )
+    return None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cronlease_client.errors import ApiError, HandlerError
-from cronlease_client.transport import Transport, backoff_delay
+from cronlease_client.transport import Transport, backoff_delay, batch_items
 
 logger = logging.getLogger("cronlease_client")
 
@@ -81,6 +81,21 @@ class Report:
 SKIPPED_DRY_RUN = Report("succeeded", {"dryRun": True, "skipped": True})
 # A success whose result the scheduler refused as too large (413) is completed with this instead.
 RESULT_TOO_LARGE = Report("succeeded", {"resultTooLarge": True})
+RESULT_REFUSED = "ResultRefused"
+
+
+def result_refused(exc: ApiError) -> Report:
+    """The failure reported for a success whose result the scheduler refused as invalid (400:
+    nested too deep, an integer past 64 bits, a NUL character). Not retryable: the handler
+    would most likely return the same result again, and do its work again for nothing."""
+    reasons = "; ".join(
+        f"{field}: {' '.join(map(str, why)) if isinstance(why, list) else why}"
+        for field, why in exc.errors.items()
+    )
+    message = f"the scheduler refused the result: {exc.detail}"
+    if reasons and reasons not in exc.detail:
+        message += f" ({reasons})"
+    return Report("failed", error_type=RESULT_REFUSED, message=message, retryable=False)
 
 
 @dataclass(eq=False)
@@ -232,13 +247,21 @@ def send_results(
     1. A 400 or 413 for several outcomes: one bad item (say, a result over the size limit) must
        not sink its neighbours, so each is sent again on its own.
     2. A 413 for one success: the run is completed without its result.
-    3. Any other failure is logged: the leases expire and the scheduler retries the runs.
-    4. Items answered 503 are sent again, `unavailable_retries` times at most.
+    3. A 400 for one success: the result itself is invalid, so the run is failed for good
+       (`ResultRefused`, the scheduler's reason as its message) rather than left leased until
+       its lease expires and run again to the same end.
+    4. Any other failure is logged: the leases expire and the scheduler retries the runs.
+    5. Items answered 503 are sent again, `unavailable_retries` times at most.
     `attempts` is the transport's (its default when 0). Each part of the batch goes to `settled`
     once the scheduler has answered it, or could not be reached.
     """
     try:
-        answer = http.post("/api/v1/results", {"results": result_items(batch)}, attempts=attempts)
+        answers = http.post(
+            "/api/v1/results",
+            {"results": result_items(batch)},
+            attempts=attempts,
+            parse=batch_items("results"),
+        )
     except ApiError as exc:
         if exc.status in (400, 413) and len(batch) > 1:
             states: dict[str, str] = {}
@@ -249,6 +272,18 @@ def send_results(
             run, _ = batch[0]
             logger.warning("result too large run_id=%s; completing without it", run.run_id)
             return send_results(http, [(run, RESULT_TOO_LARGE)], attempts=attempts, settled=settled)
+        if exc.status == 400 and batch[0][1].outcome == "succeeded":
+            run, _ = batch[0]
+            refused = result_refused(exc)
+            logger.warning(
+                "result refused run_id=%s job=%s attempt=%s; failing the run: %s",
+                run.run_id,
+                run.job,
+                run.attempt,
+                exc,
+                extra=run.fields(),
+            )
+            return send_results(http, [(run, refused)], attempts=attempts, settled=settled)
         if len(batch) == 1:
             run, _ = batch[0]
             logger.error(
@@ -267,7 +302,7 @@ def send_results(
         if settled is not None:
             settled(batch)
         return {}
-    states, again = read_answers(batch, answer.get("results", []), retrying=unavailable_retries > 0)
+    states, again = read_answers(batch, answers, retrying=unavailable_retries > 0)
     if again:
         tried = UNAVAILABLE_RETRIES - unavailable_retries + 1
         if not http.cancel.wait(backoff_delay(tried, base=0.5, cap=8.0)):

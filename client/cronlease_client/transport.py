@@ -15,11 +15,13 @@ import json
 import logging
 import random
 import select
+import socket
 import ssl
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlencode, urlsplit
 
 try:  # With the `fast` extra. A batch of 100 leases: 170 µs to encode with the standard
@@ -29,10 +31,11 @@ except ImportError:  # pragma: no cover - exercised where orjson is not installe
     orjson = None
 
 from cronlease_client._version import __version__
-from cronlease_client.errors import ApiError, NetworkError, error_for
+from cronlease_client.errors import ApiError, BadAnswer, NetworkError, error_for
 
 logger = logging.getLogger("cronlease_client")
 JSON_BODY = {"Content-Type": "application/json"}
+T = TypeVar("T")
 
 
 def backoff_delay(failures: int, *, base: float, cap: float) -> float:
@@ -125,17 +128,29 @@ class Transport:
             "Accept": "application/json",
         }
         self._conn: http.client.HTTPConnection | None = None
+        # Set by interrupt(); `_guard` orders it against a request taking its socket.
+        self._interrupted = False
+        self._guard = threading.Lock()
 
     def post(
-        self, path: str, body: dict[str, Any], *, timeout: float | None = None, attempts: int = 0
+        self,
+        path: str,
+        body: dict[str, Any],
+        *,
+        timeout: float | None = None,
+        attempts: int = 0,
+        parse: Callable[[Any], Any] | None = None,
     ) -> Any:
-        """POST `body` as JSON and return the decoded answer.
+        """POST `body` as JSON and return the decoded answer (`parse`d, when given).
 
-        Network errors, 429 and 5xx are retried up to `attempts` times in all (the transport's
-        default when 0) with exponential backoff; any other error status raises ApiError at once,
-        as does the last failure.
+        Network errors, 429, 5xx and a success answer that is not JSON (or that `parse` refuses
+        with ValueError, TypeError or KeyError) are retried up to `attempts` times in all (the
+        transport's default when 0) with exponential backoff; any other error status raises
+        ApiError at once, as does the last failure.
         """
-        return self.request("POST", path, body=body, timeout=timeout, attempts=attempts)
+        return self.request(
+            "POST", path, body=body, timeout=timeout, attempts=attempts, parse=parse
+        )
 
     def get(
         self,
@@ -157,6 +172,7 @@ class Transport:
         params: dict[str, Any] | None = None,
         timeout: float | None = None,
         attempts: int = 0,
+        parse: Callable[[Any], Any] | None = None,
     ) -> Any:
         """Send one request with the retry rules of `post`; return the decoded JSON answer."""
         tries = attempts or self.attempts
@@ -173,15 +189,16 @@ class Transport:
             else:
                 if status < 400:
                     try:
-                        return decode(answer)
-                    except ValueError as exc:
-                        raise ApiError(status, "the answer is not JSON") from exc
-                detail, problem = _problem(status, reason, answer)
-                wait = retry_after_seconds(headers.get("Retry-After"))
-                error = error_for(status, problem, detail=detail, retry_after=wait)
-                if not error.transient:
-                    raise error
-            if attempt == tries or self.cancel.is_set():
+                        return _read(status, answer, parse)
+                    except BadAnswer as exc:
+                        error = exc
+                else:
+                    detail, problem = _problem(status, reason, answer)
+                    wait = retry_after_seconds(headers.get("Retry-After"))
+                    error = error_for(status, problem, detail=detail, retry_after=wait)
+                    if not error.transient:
+                        raise error
+            if attempt == tries or self.cancel.is_set() or self._interrupted:
                 raise error
             if wait is None:
                 wait = backoff_delay(attempt, base=self.backoff_base, cap=self.backoff_cap)
@@ -209,10 +226,16 @@ class Transport:
             conn = self._conn = self._connect()
         # The timeout bounds each wait on the socket (connect, send, each read), as httpx's did.
         conn.timeout = timeout
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout)
         headers = self._headers if content is None else self._headers | JSON_BODY
         try:
+            if conn.sock is None:
+                conn.connect()
+            conn.sock.settimeout(timeout)
+            # The socket exists before the check: an interrupt() after it finds the socket and
+            # shuts it down, one before it stops the request here.
+            with self._guard:
+                if self._interrupted:
+                    raise ConnectionAbortedError("the request was interrupted")
             conn.request(method, target, body=content, headers=headers)
             response = conn.getresponse()
             answer = response.read()
@@ -232,9 +255,75 @@ class Transport:
             )
         return http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
 
+    def interrupt(self) -> None:
+        """From another thread: end the request under way (a long poll) and refuse later ones.
+
+        The socket is shut down, not closed, so the thread reading it wakes with an error at
+        once, and the scheduler sees the hang-up (a long poll's claim is then rolled back)."""
+        with self._guard:
+            self._interrupted = True
+            sock = self._conn.sock if self._conn is not None else None
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:  # already closed by the other side
+                    pass
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
+
+
+def _read(status: int, answer: bytes, parse: Callable[[Any], T] | None) -> T | Any:
+    """The decoded (and parsed) answer; BadAnswer when it is not JSON or not of its shape."""
+    try:
+        value = decode(answer)
+    except ValueError as exc:
+        raise BadAnswer(status, f"the answer is not JSON: {answer[:100]!r}") from exc
+    if parse is None:
+        return value
+    try:
+        return parse(value)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise BadAnswer(
+            status, f"the answer is not of its shape ({exc}): {answer[:100]!r}"
+        ) from exc
+
+
+def batch_items(key: str) -> Callable[[Any], list[dict[str, Any]]]:
+    """A parser of a batch answer (`{key: [{"runId": …, …}, …]}`): its list of items."""
+
+    def parse(answer: Any) -> list[dict[str, Any]]:
+        items = answer[key] if isinstance(answer, dict) else None
+        if not isinstance(items, list):
+            raise TypeError(f"{key} is not a list")
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("runId"), str):
+                raise TypeError(f"an item of {key} has no runId")
+        return items
+
+    return parse
+
+
+# What a worker needs of each lease to run it and report it; the other fields are optional.
+LEASE_FIELDS = (("runId", str), ("job", str), ("idempotencyKey", str))
+LEASE_NUMBERS = ("attempt", "fencingToken")
+
+
+def lease_answer(answer: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A parser of `POST /api/v1/leases`'s answer: its leases, and its results (the answers to
+    the outcomes the request carried; none when it carried none)."""
+    leases = batch_items("leases")(answer)
+    for lease in leases:
+        for name, kind in LEASE_FIELDS:
+            if not isinstance(lease.get(name), kind):
+                raise TypeError(f"a lease's {name} is not a {kind.__name__}")
+        for name in LEASE_NUMBERS:
+            value = lease.get(name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"a lease's {name} is not a number")
+    results = batch_items("results")(answer) if "results" in answer else []
+    return leases, results
 
 
 class Refusal(NamedTuple):
@@ -259,11 +348,13 @@ def heartbeat_leases(
         chunk = leases[start : start + batch]
         body = {"leases": [{"runId": run_id, "fencingToken": token} for run_id, token in chunk]}
         try:
-            answer = http.post("/api/v1/heartbeats", body, timeout=timeout)
+            items = http.post(
+                "/api/v1/heartbeats", body, timeout=timeout, parse=batch_items("leases")
+            )
         except ApiError as exc:
             logger.warning("heartbeat of %d leases failed: %s", len(chunk), exc)
             continue
-        for item in answer.get("leases", []):
+        for item in items:
             if item.get("status") in (404, 409):
                 cancelled = str(item.get("type", "")).endswith("/cancelled")
                 lost[item["runId"]] = Refusal(item.get("detail", ""), cancelled)

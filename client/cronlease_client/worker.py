@@ -2,8 +2,9 @@
 
 Threads, each with its own HTTP connection:
 - lease loop: long-polls `POST /api/v1/leases` for as many runs as there are free slots (and
-  waits while `concurrency` results are still unreported), carrying the outcomes that finished
-  since its last request (`results`): one request reports and leases;
+  waits while `concurrency` results are still unreported) of the jobs it has handlers for
+  (`jobs`), carrying the outcomes that finished since its last request (`results`): one request
+  reports and leases; on stop the long poll under way is hung up on;
 - slots (`concurrency` of them): run one handler at a time (in the thread, or in a pool process);
 - heartbeat: every `heartbeat_interval` extends every held lease in one `POST /api/v1/heartbeats`;
   an item answered 409 or 404 means the run is someone else's now: its context's `lease_lost` is
@@ -20,6 +21,8 @@ answered its result, so a slow report cannot let the lease expire under it.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import multiprocessing
 import os
@@ -37,7 +40,7 @@ from typing import Any, Literal, Protocol
 from cronlease_client.context import Context, LeaseFlag
 from cronlease_client.errors import ApiError
 from cronlease_client.lifecycle import Daemon
-from cronlease_client.registry import HandlerFunc, HandlerSpec, spec_for
+from cronlease_client.registry import HandlerFunc, HandlerSpec, job_name_problem, spec_for
 from cronlease_client.reporting import (
     MAX_BATCH,
     SKIPPED_DRY_RUN,
@@ -51,6 +54,7 @@ from cronlease_client.reporting import (
     result_items,
     send_results,
 )
+from cronlease_client.transport import lease_answer
 
 logger = logging.getLogger("cronlease_client")
 
@@ -62,6 +66,8 @@ CARRY_WAIT_SECONDS = 0.25
 # for half the slots to free: fewer, fuller requests instead of one per freed slot.
 FILL_WAIT_SECONDS = 0.05
 SHUTDOWN_ERROR = "WorkerShutdown"
+# The most job names one lease request may filter on (the scheduler's `jobs` limit).
+MAX_JOBS = 1000
 
 
 def invoke(
@@ -80,6 +86,10 @@ def invoke(
     )
     try:
         value = func(ctx)
+        if inspect.iscoroutine(value):
+            # An `async def` handler: run it to its end on an event loop of its own, in this
+            # slot thread (or pool process); the slot stays busy meanwhile, as for any handler.
+            value = asyncio.run(value)
     except BaseException as exc:  # a handler's sys.exit() must not take a slot thread down
         return describe_failure(exc, ctx.retryable)
     return describe_result(value, lambda: ctx.logger, "handler")
@@ -218,6 +228,9 @@ class Worker(Daemon):
         self.pool = pool
         self.batch_size = max(1, min(batch_size or concurrency, MAX_BATCH))
         self.handlers: dict[str, HandlerSpec] = {}
+        # The `jobs` of every lease request: only runs this worker has a handler for (there is
+        # no catch-all handler: any other job's run would fail UnknownJob, using an attempt).
+        self._jobs: list[str] | None = None
         for job, func in (handlers or {}).items():
             self.add_handler(job, func)
 
@@ -242,7 +255,12 @@ class Worker(Daemon):
         self, job: str, func: HandlerFunc | HandlerSpec, *, dry_run: bool | None = None
     ) -> None:
         """Register `func` for `job`. `dry_run=True`: call it for dry-run runs too."""
+        reason = job_name_problem(job)
+        if reason is not None:
+            raise ValueError(f"{job!r} cannot be a job's name: {reason}")
         self.handlers[job] = spec_for(job, func, dry_run=dry_run)
+        # Past the scheduler's limit on a request's `jobs`, lease every job of the queues.
+        self._jobs = sorted(self.handlers) if len(self.handlers) <= MAX_JOBS else None
 
     def handler(self, job: str, *, dry_run: bool = False) -> Callable[[HandlerFunc], HandlerFunc]:
         """Decorator form of add_handler: `@worker.handler("billing.export-invoices")`."""
@@ -367,42 +385,55 @@ class Worker(Daemon):
                 if not free:
                     continue
                 asked = min(free, self.batch_size)
-                body = {
+                body: dict[str, Any] = {
                     "queues": self.queues,
                     "max": asked,
                     "workerId": self.worker_id,
                     "leaseSeconds": self.lease_seconds,
                     "waitSeconds": self.wait_seconds,
                 }
+                if self._jobs is not None:
+                    body["jobs"] = self._jobs
                 if carried:
                     body["results"] = result_items(carried)
                 with self._away():
                     try:
-                        answer = self._lease_http.post(
-                            "/api/v1/leases", body, timeout=self.wait_seconds + self.http_timeout
+                        # An answer not of the lease answer's shape is a BadAnswer: retried as a
+                        # 5xx is, here and by _lease_failed.
+                        leases, answers = self._lease_http.post(
+                            "/api/v1/leases",
+                            body,
+                            timeout=self.wait_seconds + self.http_timeout,
+                            parse=lease_answer,
                         )
                     except ApiError as exc:
                         if carried:
-                            # Sent apart, where a bad item is split from its neighbours and a
+                            # Sent apart by the reporter (this thread must not use its
+                            # connection), where a bad item is split from its neighbours and a
                             # failure retried: the lease is then asked again without them.
-                            self._send_results(carried)
+                            self._send_apart(carried)
                             if exc.status in (400, 413):
                                 continue
+                        if self.shutdown.is_set():
+                            return  # the stop interrupted the request: nothing to retry
                         failures += 1
                         if not self._lease_failed(exc, failures):
                             return
                         continue
                 failures = 0
                 if carried:
-                    _, again = read_answers(carried, answer.get("results", []), retrying=True)
+                    _, again = read_answers(carried, answers, retrying=True)
                     self._forget([one for one in carried if one not in again])
                     if again:
                         # Sent again apart, by the reporter: carried, they would keep this
                         # worker's lease requests empty (no lease beside an unsettled report).
-                        with self._lock:
-                            self._apart.extend(again)
-                            self._lock.notify_all()
-                leases = answer.get("leases", [])
+                        self._send_apart(again)
+                if self.shutdown.is_set():
+                    # The answer came after the stop: these runs are not started (they would
+                    # likely be cut off by the grace period), but given back at once.
+                    if leases:
+                        self._refuse(leases)
+                    return
                 # A full answer means a backlog: fill the next request. Otherwise ask as soon
                 # as one slot frees, so a run that falls due later starts at once.
                 wanted = (
@@ -414,7 +445,6 @@ class Worker(Daemon):
                     # Without a long poll an empty answer comes back at once: do not spin.
                     with self._away():
                         self.shutdown.wait(1.0)
-                # Leases that arrive after stop() are still ours: run them within the grace.
                 refused = [lease for lease in leases if not self._dispatch(lease)]
                 if refused:
                     self._refuse(refused)
@@ -446,20 +476,33 @@ class Worker(Daemon):
         self._tasks.put(run)
         return True
 
+    def _send_apart(self, batch: list[tuple[_Run, Report]]) -> None:
+        """Hand outcomes to the reporter, to send on its own connection."""
+        with self._lock:
+            self._apart.extend(batch)
+            self._lock.notify_all()
+
     def _refuse(self, leases: list[Mapping[str, Any]]) -> None:
-        """Give back leases that arrived after the grace period: fail them as retryable."""
+        """Give back leases that arrived once the worker was stopping: fail them as retryable
+        (the API has no way to hand a lease back without using its attempt), so another worker
+        retries them after their backoff rather than after their lease expires."""
         if self._forced.is_set():
             return
         report = Report(
             "failed",
             error_type=SHUTDOWN_ERROR,
-            message="the worker was shutting down when this lease arrived",
+            message=f"worker {self.worker_id} was shutting down when this lease arrived",
         )
         items = [report.item(lease["runId"], lease["fencingToken"]) for lease in leases]
+        logger.warning("giving back %d leases that arrived after the stop", len(items))
+        # A connection of its own: the lease loop's was interrupted by the stop.
+        http = self._transport(cancel=self._forced, attempts=2)
         try:
-            self._lease_http.post("/api/v1/results", {"results": items}, attempts=2)
+            http.post("/api/v1/results", {"results": items})
         except ApiError as exc:
             logger.warning("could not give back %d late leases: %s", len(items), exc)
+        finally:
+            http.close()
 
     # -- running handlers -------------------------------------------------------------------
 
@@ -643,13 +686,16 @@ class Worker(Daemon):
         """Wait out the grace period, fail what is left, flush the results, close.
 
         1. No new lease requests (the lease loop has seen `shutdown`); one already waiting on
-           the server may still bring runs, which run like the others.
+           the server is interrupted (the scheduler rolls back a long poll's claim when its
+           worker hangs up), and runs of an answer that arrives all the same are given back
+           as retryable WorkerShutdown failures, not started.
         2. Wait until every handler has returned and the lease loop has ended, at most
            `grace_seconds` (not at all when forced).
         3. Mark the runs still running abandoned and set their `lease_lost`; unless forced, fail
            them as retryable WorkerShutdown so they are retried without waiting for the reaper.
         4. Let the reporter send what it holds, then stop heartbeats and the pool.
         """
+        self._lease_http.interrupt()
         with self._lock:
             running = self._busy
         logger.info(

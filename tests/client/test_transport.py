@@ -3,14 +3,16 @@ HTTP server on a real socket (no database)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
 import pytest
 from cronlease_client import ApiError
-from cronlease_client.transport import Transport, backoff_delay
+from cronlease_client.transport import Transport, backoff_delay, batch_items, lease_answer
 
 from tests.client.scripted import HANG_UP, Request, Response, json_response
+from tests.waiting import wait_for
 
 Script = Callable[[Request], Response]
 
@@ -166,5 +168,78 @@ def test_bodies_go_out_as_json_and_answers_come_back_decoded(scripted, monkeypat
     assert seen[0].headers["content-type"] == "application/json"
     # A body that is not JSON is an error of the answer, not a crash of the worker.
     http, _ = scripted(lambda request: Response(200, b"<html>"))
-    with pytest.raises(ApiError, match="not JSON"):
+    with pytest.raises(ApiError, match="not JSON") as caught:
         http.post("/api/v1/results", body)
+    assert caught.value.transient
+
+
+def answer(status: int, content: bytes) -> Script:
+    return lambda request: Response(status, content, {"Content-Type": "text/html"})
+
+
+@pytest.mark.parametrize(
+    "garbled",
+    [b"<html><body>Bad gateway</body></html>", b'{"results": [{"runId": "run_1", "sta', b"null"],
+    ids=["html", "truncated", "null"],
+)
+def test_a_success_answer_that_is_not_json_is_retried_as_a_server_error(scripted, garbled):
+    good = {"results": [{"runId": "run_1", "status": 200, "state": "succeeded"}]}
+    transport, seen = scripted(answer(200, garbled), lambda request: json_response(200, good))
+    items = transport.post("/api/v1/results", {"results": []}, parse=batch_items("results"))
+    assert items == good["results"]
+    assert len(seen) == 2
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        {"leases": "nope"},
+        {"leases": [{"bogus": 1}]},
+        {"leases": [{"runId": "run_1", "job": "a.b", "attempt": "1"}]},
+        {"leases": [], "results": [None]},
+        {},
+        [],
+    ],
+)
+def test_a_lease_answer_of_the_wrong_shape_is_retried_then_raised_as_transient(scripted, wrong):
+    transport, seen = scripted(lambda request: json_response(200, wrong))
+    with pytest.raises(ApiError, match="not of its shape") as caught:
+        transport.post("/api/v1/leases", {}, parse=lease_answer)
+    assert caught.value.status == 200
+    assert caught.value.transient
+    assert len(seen) == 4
+
+
+def test_interrupt_ends_a_waiting_request_at_once_and_refuses_the_next(serve):
+    released = threading.Event()
+
+    def long_poll(request: Request) -> Response:
+        released.wait(30)
+        return json_response(200, {"leases": []})
+
+    server = serve(long_poll)
+    transport = Transport(server.url, "jst_token", attempts=5, backoff_base=0.001)
+    failed: list[ApiError] = []
+
+    def lease() -> None:
+        try:
+            transport.post("/api/v1/leases", {}, timeout=30)
+        except ApiError as exc:
+            failed.append(exc)
+
+    waiting = threading.Thread(target=lease)
+    waiting.start()
+    try:
+        wait_for(lambda: server.seen, what="the long poll to reach the server")
+        started = time.monotonic()
+        transport.interrupt()
+        waiting.join(5)
+        assert not waiting.is_alive()
+        assert time.monotonic() - started < 1
+        assert [exc.status for exc in failed] == [None]  # a network error, not retried
+        with pytest.raises(ApiError):
+            transport.post("/api/v1/leases", {})
+        assert len(server.seen) == 1
+    finally:
+        released.set()
+        waiting.join(5)

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import threading
 import time
 from typing import Any
 
+import httpx
 import pytest
 from cronlease_client import ApiError, Context, NonRetryable, Worker, load_handlers
 from cronlease_client.transport import Transport
+from django.conf import settings
 
 from apps.runs import store
 from apps.runs.ids import public_run_id
 from apps.runs.models import Attempt, Run
 from tests.client.conftest import read_ledger, runs_when, wait_for
+from tests.client.scripted import Request, Response
 from tests.conftest import Api, add_ready_runs, expire_lease, make_definition
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -196,16 +201,104 @@ def test_dry_runs_skip_handlers_that_did_not_opt_in(team_a, make_worker, ledger)
     assert read_ledger(ledger) == {}
 
 
-def test_a_job_without_a_handler_fails_retryable(team_a, make_worker):
-    definition = make_definition(
-        team_a, "reports.unknown", queue="mixed", retry_max_attempts=2, retry_base_seconds=60
-    )
-    (pk,) = add_ready_runs(definition, 1)
-    make_worker(["mixed"], handlers={"reports.known": lambda ctx: None}).start()
+def test_the_worker_leases_only_runs_of_jobs_it_has_a_handler_for(team_a, make_worker):
+    unknown = make_definition(team_a, "reports.unknown", queue="mixed", retry_max_attempts=2)
+    known = make_definition(team_a, "reports.known", queue="mixed")
+    # The unknown job's runs are older: leased first, were they leased at all.
+    others = add_ready_runs(unknown, 3, prefix="u")
+    ours = add_ready_runs(known, 3, prefix="k")
+    worker = make_worker(["mixed"], handlers={"reports.known": lambda ctx: {"ok": True}})
+    asked: list[dict[str, Any]] = []
+    real_post = Transport.post
 
-    (run,) = wait_for(runs_when([pk], "retrying"), what="the run failed once")
+    def spy(self: Transport, path: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        if path == "/api/v1/leases":
+            asked.append(body)
+        return real_post(self, path, body, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Transport, "post", spy)
+        worker.start()
+        wait_for(runs_when(ours, "succeeded"), what="the known job's runs succeeded")
+        wait_for(lambda: len(asked) >= 3, what="more lease requests after them")
+
+    assert all(body["jobs"] == ["reports.known"] for body in asked)
+    # Never leased: no attempt used (they are claimable, "scheduled" with a past due time).
+    untouched = Run.objects.filter(pk__in=others).values_list("state", "attempt")
+    assert sorted(untouched) == [("scheduled", 0)] * 3
+
+
+def test_a_handler_name_that_cannot_be_a_job_is_refused_at_registration():
+    with pytest.raises(ValueError, match="cannot be a job's name"):
+        Worker("http://127.0.0.1:9", "t", ["q"], handlers={"Reports Known": lambda ctx: None})
+
+
+def test_with_more_handlers_than_a_lease_request_can_name_every_job_is_leased():
+    handlers = {f"jobs.n{index}": (lambda ctx: None) for index in range(1001)}
+    worker = Worker("http://127.0.0.1:9", "t", ["q"], handlers=handlers)
+    assert worker._jobs is None
+    del handlers["jobs.n1000"]
+    assert Worker("http://127.0.0.1:9", "t", ["q"], handlers=handlers)._jobs == sorted(handlers)
+
+
+async def async_double(ctx: Context) -> dict[str, Any]:
+    await asyncio.sleep(0)
+    return {"double": ctx.payload["n"] * 2, "attempt": ctx.attempt}
+
+
+async def async_broken(ctx: Context) -> None:
+    await asyncio.sleep(0)
+    raise NonRetryable("no upstream for this order")
+
+
+def test_an_async_handler_is_awaited_and_its_result_reported(team_a, make_worker):
+    definition = make_definition(team_a, "demo.async", queue="async", payload={"n": 21})
+    ids = add_ready_runs(definition, 2)
+    make_worker(["async"], handlers={"demo.async": async_double}).start()
+
+    runs = wait_for(runs_when(ids, "succeeded"), what="the async handler's runs succeeded")
+    assert [run.result for run in runs] == [{"double": 42, "attempt": 1}] * 2
+
+
+def test_an_async_handlers_exception_fails_the_run(team_a, make_worker):
+    definition = make_definition(team_a, "demo.async-broken", queue="async", retry_max_attempts=3)
+    (pk,) = add_ready_runs(definition, 1)
+    make_worker(["async"], handlers={"demo.async-broken": async_broken}).start()
+
+    (run,) = wait_for(runs_when([pk], "dead"), what="the run dead")
     assert run.attempt == 1
-    assert run.last_error["type"] == "UnknownJob"
+    assert "NonRetryable: no upstream for this order" in run.last_error.pop("stack")
+    assert run.last_error == {"type": "NonRetryable", "message": "no upstream for this order"}
+
+
+def nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("concurrency", [1, 4], ids=["carried", "apart"])
+def test_a_result_the_scheduler_refuses_fails_the_run_for_good(team_a, make_worker, concurrency):
+    """A result nested past the scheduler's depth limit: the run is failed (not retried, which
+    would run the handler again to the same end) with the reason, not left to its lease."""
+    definition = make_definition(team_a, "demo.deep", queue="deep", retry_max_attempts=3)
+    (pk,) = add_ready_runs(definition, 1)
+    calls: list[int] = []
+
+    def deep(ctx: Context) -> list[Any]:
+        calls.append(ctx.attempt)
+        return nested(settings.SCHEDULER_JSON_MAX_DEPTH + 5)
+
+    make_worker(["deep"], handlers={"demo.deep": deep}, concurrency=concurrency).start()
+
+    (run,) = wait_for(runs_when([pk], "dead"), timeout=10, what="the run failed for good")
+    assert calls == [1]
+    assert run.attempt == 1
+    assert run.last_error["type"] == "ResultRefused"
+    assert "Nested deeper than" in run.last_error["message"]
+    (attempt,) = Attempt.objects.filter(run_id=pk)
+    assert (attempt.outcome, attempt.error_type) == ("failed", "ResultRefused")
 
 
 def test_process_pool_runs_handlers_and_reports_their_errors(team_a, make_worker, ledger):
@@ -284,7 +377,9 @@ def test_with_a_backlog_the_lease_requests_carry_the_results(team_a, make_worker
         answer = real_post(self, path, body, **kwargs)
         if path in sent and body.get("results"):
             sent[path] += len(body["results"])
-            answered.extend(item["status"] for item in answer["results"])
+            # The lease answer comes back parsed: (leases, results); the results' as its items.
+            items = answer[1] if path == "/api/v1/leases" else answer
+            answered.extend(item["status"] for item in items)
         return answer
 
     monkeypatch.setattr(Transport, "post", spy)
@@ -307,7 +402,7 @@ def test_after_a_full_answer_the_next_lease_call_waits_to_fill_a_batch(
 
     def spy(self: Transport, path: str, body: dict[str, Any], **kwargs: Any) -> Any:
         answer = real_post(self, path, body, **kwargs)
-        if path == "/api/v1/leases" and answer.get("leases"):
+        if path == "/api/v1/leases" and answer[0]:  # parsed: (leases, results)
             asked.append(body["max"])
         return answer
 
@@ -438,3 +533,124 @@ def test_a_handlers_flag_is_an_event_whose_set_is_never_missed_by_a_waiter():
         for waiter in waiters:
             waiter.join(15)
         assert results == [True, True, True]
+
+
+GARBLED = {
+    "html": b"<html><body>502 Bad Gateway</body></html>",
+    "truncated": b'{"leases": [{"runId": "run_1", "jo',
+    "null": b"null",
+    "leases not a list": b'{"leases": "nope"}',
+    "lease without its fields": b'{"leases": [{"bogus": 1}]}',
+}
+
+
+@pytest.mark.parametrize("garbled", GARBLED.values(), ids=GARBLED.keys())
+def test_a_garbled_lease_answer_is_retried_and_the_worker_keeps_running(
+    live_server, team_a, make_worker, serve, monkeypatch, caplog, garbled
+):
+    """A 200 to POST /api/v1/leases whose body is not a lease answer (a proxy's page, a cut
+    answer, another shape) is a failure that may pass, as a 5xx is: warned about and retried
+    with backoff. Only a refused token stops the worker."""
+    from cronlease_client import lifecycle, transport
+
+    monkeypatch.setattr(transport, "backoff_delay", lambda failures, **cap: 0.01)
+    monkeypatch.setattr(lifecycle, "backoff_delay", lambda failures, **cap: 0.01)
+    definition = make_definition(team_a, "demo.after-garble", queue="garbled")
+    (pk,) = add_ready_runs(definition, 1)
+    garbling = [6]  # the transport's 5 attempts, then one more after the lease loop's backoff
+
+    def relay(request: Request) -> Response:
+        if request.path == "/api/v1/leases" and garbling[0] > 0:
+            garbling[0] -= 1
+            return Response(200, garbled, {"Content-Type": "application/json"})
+        headers = {
+            k: v for k, v in request.headers.items() if k in ("authorization", "content-type")
+        }
+        answer = httpx.request(
+            request.method,
+            live_server.url + request.path,
+            content=request.content,
+            headers=headers,
+            timeout=30,
+        )
+        return Response(answer.status_code, answer.content, {"Content-Type": "application/json"})
+
+    proxy = serve(relay)
+    worker = make_worker(["garbled"], handlers={"demo.after-garble": lambda ctx: {"ok": True}})
+    worker.base_url = proxy.url
+    worker.start()
+
+    wait_for(
+        lambda: worker.shutdown.is_set() or runs_when([pk], "succeeded")(),
+        what="the run to succeed (or the worker to stop)",
+    )
+    assert not worker.shutdown.is_set() and worker.error is None
+    assert Run.objects.get(pk=pk).result == {"ok": True}
+    assert garbling == [0]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(message.startswith("leasing failed; retrying") for message in warned), warned
+
+
+def lease_requests(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """When each lease request of `worker` was sent (monotonic), as the spy saw them."""
+    sent: list[float] = []
+    real_post = Transport.post
+
+    def spy(self: Transport, path: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        if path == "/api/v1/leases" and body["workerId"] == worker.worker_id:
+            sent.append(time.monotonic())
+        return real_post(self, path, body, **kwargs)
+
+    monkeypatch.setattr(Transport, "post", spy)
+    return sent
+
+
+def test_stopping_abandons_the_waiting_long_poll_at_once(
+    asgi_server, team_a, token_a, make_worker, monkeypatch
+):
+    """The long poll (20 s here) is hung up on, not waited out: the worker is gone at once, and
+    the scheduler (uvicorn, which sees the hang-up) rolls back whatever it would have claimed."""
+    make_definition(team_a, "demo.idle", queue="idle")
+    worker = make_worker(
+        ["idle"], handlers={"demo.idle": lambda ctx: None}, wait_seconds=20, worker_id="idle-1"
+    )
+    worker.base_url = asgi_server.url
+    sent = lease_requests(worker, monkeypatch)
+    worker.start()
+    api = Api(asgi_server.url, token_a)
+    wait_for(
+        lambda: "idle-1" in [w["workerId"] for w in api.get("/api/v1/workers").json()["results"]],
+        what="the worker's long poll to reach the scheduler",
+    )
+
+    started = time.monotonic()
+    assert worker.stop(timeout=10)
+    assert time.monotonic() - started < 2
+    assert len(sent) == 1  # no lease request after the stop
+
+
+def test_runs_that_arrive_after_the_stop_are_given_back_not_started(
+    team_a, make_worker, monkeypatch
+):
+    definition = make_definition(team_a, "demo.late", queue="late", retry_base_seconds=60)
+    ids = add_ready_runs(definition, 2)
+    called: list[str] = []
+    worker = make_worker(
+        ["late"], handlers={"demo.late": lambda ctx: called.append(ctx.run_id)}, grace_seconds=5
+    )
+    real_post = Transport.post
+
+    def signal_in_flight(self: Transport, path: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        answer = real_post(self, path, body, **kwargs)
+        if path == "/api/v1/leases":
+            # SIGTERM while the answer was on its way back.
+            worker._on_signal(signal.SIGTERM, None)
+        return answer
+
+    monkeypatch.setattr(Transport, "post", signal_in_flight)
+    worker.start()
+    assert worker.join(10)
+
+    runs = wait_for(runs_when(ids, "retrying"), what="the runs given back")
+    assert called == []
+    assert {(run.attempt, run.last_error["type"]) for run in runs} == {(1, "WorkerShutdown")}
