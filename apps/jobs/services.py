@@ -122,8 +122,21 @@ def spec_snapshot(spec: DefinitionSpec) -> dict[str, Any]:
     }
 
 
+def _same_schedule(stored: dict, given: dict) -> bool:
+    """Whether two schedules' JSON say the same (a default written out or left out is the
+    same: the dashboard's form writes every field, the API keeps what it was given)."""
+    if stored == given:
+        return True
+    try:
+        return sched.parse_schedule(stored) == sched.parse_schedule(given)
+    except sched.ScheduleError:
+        return False
+
+
 def _apply_spec(definition: JobDefinition, spec: DefinitionSpec, now: datetime) -> None:
-    schedule_changed = definition.pk is None or definition.schedule != spec.schedule
+    schedule_changed = definition.pk is None or not _same_schedule(
+        definition.schedule, spec.schedule
+    )
     for field in DefinitionSpec.__dataclass_fields__:
         setattr(definition, field, getattr(spec, field))
     definition.payload, definition.payload_key = payloads.place(spec.payload)
@@ -159,7 +172,7 @@ def update_definition(
         locked = JobDefinition.objects.select_for_update().get(pk=definition.pk)
         before = snapshot(locked)
         was_paused, was_limited = locked.paused, locked.limited
-        schedule_changed = locked.schedule != spec.schedule
+        schedule_changed = not _same_schedule(locked.schedule, spec.schedule)
         _apply_spec(locked, spec, database_now())
         after = snapshot(locked)
         if before == after:
