@@ -24,6 +24,7 @@ from cronlease_client.client import AsyncClient, Client
 from cronlease_client.context import Context
 from cronlease_client.errors import (
     ApiError,
+    BadAnswer,
     BadRequest,
     Conflict,
     Forbidden,
@@ -50,6 +51,7 @@ from cronlease_client.models import (
     Job,
     Page,
     Queue,
+    RateLimit,
     Run,
     SyncChange,
     SyncResult,
@@ -70,6 +72,7 @@ __all__ = [
     "ApiError",
     "AsyncClient",
     "Attempt",
+    "BadAnswer",
     "BadRequest",
     "Client",
     "Conflict",
@@ -90,6 +93,7 @@ __all__ = [
     "Page",
     "PayloadTooLarge",
     "Queue",
+    "RateLimit",
     "RateLimited",
     "Retryable",
     "Run",

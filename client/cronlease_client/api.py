@@ -19,7 +19,9 @@ from urllib.parse import parse_qsl, quote, urlsplit
 import httpx
 
 from cronlease_client.errors import (
+    PROBLEM_TYPES,
     ApiError,
+    BadAnswer,
     NetworkError,
     RateLimited,
     ServerError,
@@ -31,18 +33,30 @@ from cronlease_client.models import (
     Enqueue,
     EnqueueResult,
     FireTime,
+    InvalidItem,
     Job,
     Page,
     Queue,
     Run,
     SyncResult,
 )
-from cronlease_client.transport import backoff_delay, decode, encode, retry_after_seconds
+from cronlease_client.transport import (
+    backoff_delay,
+    decode,
+    encode,
+    read_answer,
+    retry_after_seconds,
+)
 
 T = TypeVar("T")
 
 # The server's default batch limit (SCHEDULER_MAX_ENQUEUE).
 MAX_ENQUEUE = 1000
+# The largest request body `enqueue_many` sends. The scheduler refuses a body over its payload
+# cap + 64 KiB (DATA_UPLOAD_MAX_MEMORY_SIZE: 1 MiB + 64 KiB by default), a client cannot know
+# a server's setting, and nginx in front of one refuses over 1 MiB by default
+# (client_max_body_size): 1 MiB stays under both.
+MAX_BODY_BYTES = 1024 * 1024
 # Gateway errors: the request may or may not have been handled, so only idempotent calls retry.
 GATEWAY_ERRORS = (502, 504)
 
@@ -59,17 +73,22 @@ class Call(Generic[T]):
     params: Mapping[str, Any] | None = None
     idempotent: bool = False
     headers: Mapping[str, str] | None = None
+    # `body` already encoded: a bulk enqueue encodes each item to measure it, once.
+    content: bytes | None = None
 
     def request(self) -> dict[str, Any]:
         """The keyword arguments of httpx's `request` for this call."""
         headers = dict(self.headers or {})
-        if self.body is not None:
+        content = self.content
+        if content is None and self.body is not None:
+            content = encode(self.body)
+        if content is not None:
             headers["Content-Type"] = "application/json"
         return {
             "method": self.method,
             "url": self.path,
             "params": {k: v for k, v in (self.params or {}).items() if v is not None},
-            "content": None if self.body is None else encode(self.body),
+            "content": content,
             "headers": headers or None,
         }
 
@@ -80,14 +99,11 @@ Op = Union[Call[T], Plan[T]]  # noqa: UP007 - a generic alias; `|` cannot be sub
 
 
 def answer(call: Call[T], response: httpx.Response) -> T:
-    """The value of `call`'s answer; raise the ApiError it stands for."""
+    """The value of `call`'s answer; raise the ApiError it stands for (BadAnswer for a success
+    status whose body is not JSON, or that `call.parse` refuses as not of its shape)."""
     if response.status_code >= 400:
         raise response_error(response)
-    try:
-        data = decode(response.content) if response.content else None
-    except ValueError as exc:
-        raise ApiError(response.status_code, "the answer is not JSON") from exc
-    return call.parse(data)
+    return read_answer(response.status_code, response.content, call.parse)
 
 
 def response_error(response: httpx.Response) -> ApiError:
@@ -119,8 +135,8 @@ class RetryPolicy:
 
     1. 429 and 503 always: the scheduler did nothing. It says how long to wait in Retry-After;
        without one, the wait is a capped, jittered exponential backoff.
-    2. A failed connection always (the request never left); a lost answer, or a 502 or 504 from
-       a gateway, only for idempotent calls.
+    2. A failed connection always (the request never left); a lost answer, a 502 or 504 from
+       a gateway, or a success answer garbled on its way (BadAnswer), only for idempotent calls.
     3. At most `retries` times; a Retry-After longer than `max_wait` is not waited out, and
        the error (RateLimited or Unavailable, with `retry_after`) is raised at once.
     """
@@ -141,6 +157,10 @@ class RetryPolicy:
         elif isinstance(error, NetworkError):
             if error.sent and not call.idempotent:
                 return None
+        elif isinstance(error, BadAnswer):
+            # The call was made and its answer lost on the way, as with a lost connection.
+            if not call.idempotent:
+                return None
         elif not (
             isinstance(error, ServerError) and error.status in GATEWAY_ERRORS and call.idempotent
         ):
@@ -159,45 +179,137 @@ def next_page(call: Call[Page[T]], page: Page[T]) -> Call[Page[T]] | None:
 # --- parsers ---------------------------------------------------------------------------------
 
 
-def _list(cls: Callable[[Mapping[str, Any]], T], key: str = "results") -> Callable[[Any], list[T]]:
-    return lambda data: [cls(item) for item in data[key]]
+# Each raises TypeError (or ValueError) for an answer not of its shape, which `answer` turns
+# into BadAnswer; a model's own check is its `parse`.
+
+
+def _list(parse: Callable[[Any], T], key: str = "results") -> Callable[[Any], list[T]]:
+    """A parser of `{key: [item, …]}`: its items, each read with `parse`."""
+
+    def parse_list(data: Any) -> list[T]:
+        items = data.get(key) if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise TypeError(f"{key} is not a list")
+        return [parse(item) for item in items]
+
+    return parse_list
+
+
+_runs = _list(Run.parse)
 
 
 def _runs_page(data: Any) -> Page[Run]:
-    return Page(
-        items=tuple(Run.from_dict(item) for item in data["results"]),
-        next=data.get("next"),
-        raw=data,
-    )
+    items = _runs(data)
+    link = data.get("next")
+    if link is not None and not isinstance(link, str):
+        raise TypeError("next is not a link")
+    return Page(items=tuple(items), next=link, raw=data)
 
 
 # RFC 7240: the bulk enqueue then answers each run by its id alone.
 MINIMAL = {"Prefer": "return=minimal"}
 
 
-def enqueue_result(item: Mapping[str, Any], key: str) -> EnqueueResult:
-    status = int(item.get("status") or 0)
+def enqueue_result(item: Any, key: str) -> EnqueueResult:
+    """One item of a bulk enqueue's answer; TypeError when it is not of its shape."""
     # A JSON object decodes to a dict; isinstance against the Mapping ABC cost a microsecond
     # a run.
+    if not isinstance(item, dict):
+        raise TypeError("an item of runs is not an object")
+    status = item.get("status")
     run = item.get("run")
     if not isinstance(run, dict):
         run = None
     run_id = run.get("runId") if run is not None else item.get("runId")
-    if status in (200, 201) and (run is not None or isinstance(run_id, str)):
+    if status == 201 or status == 200:
+        if not isinstance(run_id, str):
+            raise TypeError("an item that names a run has no runId")
         return EnqueueResult(status, key, run_json=run, run_id=run_id)
-    error = error_for(status, dict(item))
+    if not isinstance(status, int) or status < 400:
+        raise TypeError(f"an item's status is {status!r:.20}")
+    error = error_for(status, item)
     return EnqueueResult(status, key, error=error, run_json=run, run_id=run_id)
 
 
-def _enqueue_answer(sent: list[dict[str, Any]]) -> Callable[[Any], list[EnqueueResult]]:
+def _enqueue_answer(keys: list[str]) -> Callable[[Any], list[EnqueueResult]]:
+    """A parser of `POST /api/v1/runs`'s answer to the items sent with `keys`."""
+
     def parse(data: Any) -> list[EnqueueResult]:
         items = data.get("runs") if isinstance(data, dict) else None
-        if not isinstance(items, list) or len(items) != len(sent):
-            raise ApiError(None, f"the scheduler answered {len(sent)} runs with {data!r:.200}")
-        pairs = zip(items, sent, strict=True)
-        return [enqueue_result(item, body["idempotencyKey"]) for item, body in pairs]
+        if not isinstance(items, list) or len(items) != len(keys):
+            raise TypeError(f"runs is not a list of the {len(keys)} items sent")
+        return [enqueue_result(item, key) for item, key in zip(items, keys, strict=True)]
 
     return parse
+
+
+# The JSON around a bulk enqueue's items (a comma between two more).
+_BODY_HEAD, _BODY_TAIL = b'{"runs":[', b"]}"
+_FRAME = len(_BODY_HEAD) + len(_BODY_TAIL)
+_ENQUEUE_FIELDS = frozenset(Enqueue.__dataclass_fields__)
+_TITLES = {400: "Bad request", 413: "Payload too large"}
+
+
+def _entry(item: Enqueue | Mapping[str, Any]) -> Enqueue:
+    """An item of `enqueue_many` as an Enqueue; InvalidItem when it is not one."""
+    if isinstance(item, Enqueue):
+        return item
+    if not isinstance(item, Mapping):
+        kind = type(item).__name__
+        raise InvalidItem({"item": f"an item is an Enqueue or a dict of its fields, not {kind}"})
+    reasons = {
+        str(name): f"{name!r} is not a field of Enqueue"
+        for name in item
+        if name not in _ENQUEUE_FIELDS
+    }
+    if "job" not in item:
+        reasons["job"] = "an item needs its job"
+    if reasons:
+        raise InvalidItem(reasons)
+    return Enqueue(**item)
+
+
+def _given_key(item: Any) -> Any:
+    if isinstance(item, Enqueue):
+        return item.idempotency_key
+    return item.get("idempotency_key") if isinstance(item, Mapping) else None
+
+
+def _unencodable(item: Mapping[str, Any]) -> str:
+    """The field of an item's JSON that cannot be encoded (looked for once encoding failed)."""
+    for name, value in item.items():
+        try:
+            encode(value)
+        except (TypeError, ValueError):
+            return _FIELD_NAMES.get(name, name)
+    return "item"
+
+
+# An item's JSON keys by the argument that sets them, to name the argument in a refusal.
+_FIELD_NAMES = {
+    "job": "job",
+    "payload": "payload",
+    "idempotencyKey": "idempotency_key",
+    "delaySeconds": "delay",
+    "runAt": "run_at",
+    "priority": "priority",
+    "concurrencyKey": "concurrency_key",
+}
+
+
+def _refused(
+    key: str, status: int, code: str, detail: str, errors: dict[str, list[str]] | None = None
+) -> EnqueueResult:
+    """An item the client answers itself, as the scheduler answers an item it refuses."""
+    problem: dict[str, Any] = {
+        "type": PROBLEM_TYPES + code,
+        "title": _TITLES[status],
+        "status": status,
+        "detail": detail,
+    }
+    if errors:
+        problem["errors"] = errors
+    return EnqueueResult(status, key, error=error_for(status, problem))
 
 
 def _first_run(results: list[EnqueueResult]) -> Run:
@@ -241,10 +353,15 @@ def _dlq_selection(run_ids: Iterable[str] | None, filter: Mapping[str, Any] | No
 class Api:
     """Every call of the producer client, as requests: the drivers send them."""
 
-    def __init__(self, *, batch_size: int = MAX_ENQUEUE) -> None:
+    def __init__(
+        self, *, batch_size: int = MAX_ENQUEUE, max_body_bytes: int = MAX_BODY_BYTES
+    ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        if max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
         self.batch_size = batch_size
+        self.max_body_bytes = max_body_bytes
 
     @staticmethod
     def new_key() -> str:
@@ -271,48 +388,84 @@ class Api:
         a retry of this request cannot create a second run.
         """
         item = Enqueue(job, payload, delay, run_at, idempotency_key, priority, concurrency_key)
-        sent = [item.to_json(idempotency_key or self.new_key())]
-        parse = _enqueue_answer(sent)
+        key = idempotency_key or self.new_key()
+        parse = _enqueue_answer([key])
         return Call(
             "POST",
             "/api/v1/runs",
             lambda data: _first_run(parse(data)),
-            {"runs": sent},
+            {"runs": [item.to_json(key)]},
             idempotent=True,
         )
 
     def enqueue_many(
         self, items: Iterable[Enqueue | Mapping[str, Any]], *, runs: bool = True
     ) -> Plan[list[EnqueueResult]]:
-        """Create many runs, `batch_size` a request, and return a result per item in order.
+        """Create many runs and return a result per item, in order.
 
-        An item is an `Enqueue` or a dict of its fields (`{"job": …, "delay": 60}`). An item the
-        scheduler refuses (400, 404, 409) has its `error` in its result; only a failure of a
-        whole request raises, with the results of the batches before it as `error.enqueued`.
-        With `runs=False` the scheduler answers each run by its id alone (`result.run_id`;
-        `result.run` is None): a third less CPU per run for a producer that keeps no runs.
+        An item is an `Enqueue` or a dict of its fields (`{"job": …, "delay": 60}`). A request
+        carries up to `batch_size` items and `max_body_bytes` of JSON. An item the scheduler
+        refuses (400, 404, 409, 413) has its `error` in its result, and so has one the client
+        refuses itself: 400 (`invalid-input`, `errors` by argument) for an unknown field or a
+        bad `delay`/`run_at`, 413 for an item larger alone than `max_body_bytes`. Only a
+        failure of a whole request raises, with the results of the batches before it as
+        `error.enqueued`. With `runs=False` the scheduler answers each run by its id alone
+        (`result.run_id`; `result.run` is None): a third less CPU per run for a producer that
+        keeps no runs.
         """
-        bodies = []
-        # Items refused here, by their place: answered as the scheduler answers a bad item (a
-        # 400 in their result), not raised, so the others are still sent.
+        sent: list[tuple[str, bytes]] = []
+        # Items refused here, by their place: answered as the scheduler answers a bad item, not
+        # raised, so the others are still sent.
         refused: dict[int, EnqueueResult] = {}
+        largest = self.max_body_bytes - _FRAME
         for index, item in enumerate(items):
-            entry = item if isinstance(item, Enqueue) else Enqueue(**item)
-            key = entry.idempotency_key or self.new_key()
+            key = _given_key(item) or self.new_key()
             try:
-                bodies.append(entry.to_json(key))
-            except ValueError as exc:
-                problem = {"title": "Bad request", "status": 400, "detail": str(exc)}
-                refused[index] = EnqueueResult(400, key, error=error_for(400, problem))
-        return self._enqueue_chunks(bodies, None if runs else MINIMAL, refused)
+                body = _entry(item).to_json(key)
+            except InvalidItem as exc:
+                refused[index] = _refused(key, 400, "invalid-input", str(exc), exc.errors)
+                continue
+            try:
+                # Each item encoded alone, to cut the batches by size; they are sent as is.
+                content = encode(body)
+            except (TypeError, ValueError) as exc:
+                name = _unencodable(body)
+                reason = f"{name} cannot be encoded as JSON: {exc}"
+                refused[index] = _refused(key, 400, "invalid-input", reason, {name: [reason]})
+                continue
+            if len(content) > largest:
+                detail = (
+                    f"The item is {len(content)} bytes of JSON: a request of it alone would be "
+                    f"over the client's max_body_bytes ({self.max_body_bytes})."
+                )
+                refused[index] = _refused(key, 413, "payload-too-large", detail)
+                continue
+            sent.append((key, content))
+        return self._enqueue_batches(sent, None if runs else MINIMAL, refused)
 
-    def _enqueue_chunks(
+    def _batches(self, items: list[tuple[str, bytes]]) -> Iterable[list[tuple[str, bytes]]]:
+        """`items` cut in runs of at most `batch_size` items and `max_body_bytes` of body
+        (every item fits alone: `enqueue_many` refused the others)."""
+        batch: list[tuple[str, bytes]] = []
+        size = _FRAME
+        for item in items:
+            grown = size + len(item[1]) + (1 if batch else 0)  # the comma before it
+            if batch and (len(batch) == self.batch_size or grown > self.max_body_bytes):
+                yield batch
+                batch, grown = [], _FRAME + len(item[1])
+            batch.append(item)
+            size = grown
+        if batch:
+            yield batch
+
+    def _enqueue_batches(
         self,
-        bodies: list[dict[str, Any]],
+        items: list[tuple[str, bytes]],
         headers: Mapping[str, str] | None,
-        refused: Mapping[int, EnqueueResult] | None = None,
+        refused: Mapping[int, EnqueueResult],
     ) -> Plan[list[EnqueueResult]]:
-        """Send `bodies` in batches; the results in order, `refused` put back in their places."""
+        """Send `items` (key, encoded item) in batches; the results in order, `refused` put
+        back in their places."""
 
         def in_order(sent: list[EnqueueResult]) -> list[EnqueueResult]:
             if not refused:
@@ -323,16 +476,16 @@ class Api:
             return [result for result in merged if result is not None]
 
         results: list[EnqueueResult] = []
-        for start in range(0, len(bodies), self.batch_size):
-            chunk = bodies[start : start + self.batch_size]
+        for batch in self._batches(items):
+            content = _BODY_HEAD + b",".join(item for _, item in batch) + _BODY_TAIL
             try:
                 answers = yield Call(
                     "POST",
                     "/api/v1/runs",
-                    _enqueue_answer(chunk),
-                    {"runs": chunk},
+                    _enqueue_answer([key for key, _ in batch]),
                     idempotent=True,  # every item has its key
                     headers=headers,
+                    content=content,
                 )
             except ApiError as error:
                 # The batches before this one were created: say which, so nothing is lost.
@@ -343,7 +496,7 @@ class Api:
 
     def get_run(self, run_id: str) -> Call[Run]:
         """The run with its attempts (`Run.attempts`, oldest first)."""
-        return Call("GET", f"/api/v1/runs/{_name(run_id)}", Run.from_dict, idempotent=True)
+        return Call("GET", f"/api/v1/runs/{_name(run_id)}", Run.parse, idempotent=True)
 
     def runs(
         self,
@@ -366,11 +519,11 @@ class Api:
 
     def cancel_run(self, run_id: str) -> Call[Run]:
         """Cancel a scheduled, ready or retrying run (a leased one: when its worker reports)."""
-        return Call("POST", f"/api/v1/runs/{_name(run_id)}/cancel", Run.from_dict)
+        return Call("POST", f"/api/v1/runs/{_name(run_id)}/cancel", Run.parse)
 
     def retry_run(self, run_id: str) -> Call[Run]:
         """Make a retrying run ready now."""
-        return Call("POST", f"/api/v1/runs/{_name(run_id)}/retry", Run.from_dict)
+        return Call("POST", f"/api/v1/runs/{_name(run_id)}/retry", Run.parse)
 
     # Dead-letter queue -----------------------------------------------------------------------
 
@@ -392,28 +545,28 @@ class Api:
         """Make dead runs ready again, by id or by `filter` (`{"job", "queue", "since"}`, or
         `{"all": True}`)."""
         body = _dlq_selection(run_ids, filter)
-        return Call("POST", "/api/v1/dlq/requeue", DlqResult.from_dict, body)
+        return Call("POST", "/api/v1/dlq/requeue", DlqResult.parse, body)
 
     def discard(
         self, run_ids: Iterable[str] | None = None, *, filter: Mapping[str, Any] | None = None
     ) -> Call[DlqResult]:
         """Take dead runs out of the DLQ (they become cancelled), by id or by `filter`."""
         body = _dlq_selection(run_ids, filter)
-        return Call("POST", "/api/v1/dlq/discard", DlqResult.from_dict, body)
+        return Call("POST", "/api/v1/dlq/discard", DlqResult.parse, body)
 
     # Jobs -----------------------------------------------------------------------------------
 
     def get_job(self, name: str) -> Call[Job]:
-        return Call("GET", f"/api/v1/jobs/{_name(name)}", Job.from_dict, idempotent=True)
+        return Call("GET", f"/api/v1/jobs/{_name(name)}", Job.parse, idempotent=True)
 
     def list_jobs(self) -> Call[list[Job]]:
         """The team's job definitions, by name."""
-        return Call("GET", "/api/v1/jobs", _list(Job.from_dict), idempotent=True)
+        return Call("GET", "/api/v1/jobs", _list(Job.parse), idempotent=True)
 
     def put_job(self, name: str, definition: Mapping[str, Any] | Job) -> Call[Job]:
         """Create or replace the definition `name` (it states at least its `queue`)."""
         body = _definition(definition)
-        return Call("PUT", f"/api/v1/jobs/{_name(name)}", Job.from_dict, body, idempotent=True)
+        return Call("PUT", f"/api/v1/jobs/{_name(name)}", Job.parse, body, idempotent=True)
 
     def apply_jobs(
         self,
@@ -425,17 +578,17 @@ class Api:
         """Make the team's definitions these (jobs as code): create and update them, and with
         `prune` delete the others. `dry_run` answers the changes and makes none."""
         body = {"jobs": [_definition(job) for job in jobs], "prune": prune, "dryRun": dry_run}
-        return Call("PUT", "/api/v1/jobs", SyncResult.from_dict, body, idempotent=True)
+        return Call("PUT", "/api/v1/jobs", SyncResult.parse, body, idempotent=True)
 
     def pause_job(self, name: str) -> Call[Job]:
-        return Call("POST", f"/api/v1/jobs/{_name(name)}/pause", Job.from_dict, idempotent=True)
+        return Call("POST", f"/api/v1/jobs/{_name(name)}/pause", Job.parse, idempotent=True)
 
     def resume_job(self, name: str) -> Call[Job]:
-        return Call("POST", f"/api/v1/jobs/{_name(name)}/resume", Job.from_dict, idempotent=True)
+        return Call("POST", f"/api/v1/jobs/{_name(name)}/resume", Job.parse, idempotent=True)
 
     def trigger_job(self, name: str) -> Call[Run]:
         """Create a run of the job due now."""
-        return Call("POST", f"/api/v1/jobs/{_name(name)}/trigger", Run.from_dict)
+        return Call("POST", f"/api/v1/jobs/{_name(name)}/trigger", Run.parse)
 
     def preview(
         self, name: str, count: int = 10, from_: datetime | str | None = None
@@ -445,7 +598,7 @@ class Api:
         return Call(
             "GET",
             f"/api/v1/jobs/{_name(name)}/preview",
-            _list(FireTime.from_dict, "times"),
+            _list(FireTime.parse, "times"),
             params=params,
             idempotent=True,
         )
@@ -454,13 +607,25 @@ class Api:
 
     def queues(self) -> Call[list[Queue]]:
         """The team's queues with their depth by priority."""
-        return Call("GET", "/api/v1/queues", _list(Queue.from_dict), idempotent=True)
+        return Call("GET", "/api/v1/queues", _list(Queue.parse), idempotent=True)
 
     def pause_queue(self, name: str) -> Call[Queue]:
         """Stop the queue's runs from being leased (runs keep being created)."""
         path = f"/api/v1/queues/{_name(name)}/pause"
-        return Call("POST", path, Queue.from_dict, idempotent=True)
+        return Call("POST", path, Queue.parse, idempotent=True)
 
     def resume_queue(self, name: str) -> Call[Queue]:
         path = f"/api/v1/queues/{_name(name)}/resume"
-        return Call("POST", path, Queue.from_dict, idempotent=True)
+        return Call("POST", path, Queue.parse, idempotent=True)
+
+    def set_queue_rate_limit(
+        self, name: str, count: int | None, period_seconds: int | None = None
+    ) -> Call[Queue]:
+        """Let at most `count` leases start from the queue, all its jobs together, in any
+        window of `period_seconds` (on top of each job's own limit); `count=None` lifts the
+        limit. Its pause is left as it is."""
+        if (count is None) != (period_seconds is None):
+            raise ValueError("give count and period_seconds, or neither to lift the limit")
+        limit = None if count is None else {"count": count, "periodSeconds": period_seconds}
+        path = f"/api/v1/queues/{_name(name)}"
+        return Call("PUT", path, Queue.parse, {"rateLimit": limit}, idempotent=True)

@@ -23,7 +23,16 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import httpx
 
 from cronlease_client._version import __version__
-from cronlease_client.api import MAX_ENQUEUE, Api, Call, Op, RetryPolicy, answer, next_page
+from cronlease_client.api import (
+    MAX_BODY_BYTES,
+    MAX_ENQUEUE,
+    Api,
+    Call,
+    Op,
+    RetryPolicy,
+    answer,
+    next_page,
+)
 from cronlease_client.api import network_error as _network_error
 from cronlease_client.errors import ApiError
 from cronlease_client.models import Page
@@ -53,6 +62,7 @@ class _Driver:
         timeout: float | httpx.Timeout = 10.0,
         retries: int = 3,
         batch_size: int = MAX_ENQUEUE,
+        max_body_bytes: int = MAX_BODY_BYTES,
         max_retry_wait: float = 60.0,
         backoff_base: float = 0.5,
         backoff_cap: float = 10.0,
@@ -61,9 +71,10 @@ class _Driver:
         """`token` needs the `manage` scope. A call failing with 429 or 503 (or no answer) is
         sent again up to `retries` times, waiting what Retry-After asks (up to
         `max_retry_wait` seconds) or a backoff; `batch_size` items per enqueue request (the
-        scheduler's limit, SCHEDULER_MAX_ENQUEUE). `http_transport`: an httpx transport, for
-        tests or proxies."""
-        self.api = Api(batch_size=batch_size)
+        scheduler's limit, SCHEDULER_MAX_ENQUEUE) and at most `max_body_bytes` of JSON (1 MiB:
+        under the scheduler's default body limit and an nginx's in front of it).
+        `http_transport`: an httpx transport, for tests or proxies."""
+        self.api = Api(batch_size=batch_size, max_body_bytes=max_body_bytes)
         self.retry_policy = RetryPolicy(
             retries=retries,
             backoff_base=backoff_base,
@@ -214,6 +225,7 @@ class Client(_Driver):
     queues = _sync(Api.queues)
     pause_queue = _sync(Api.pause_queue)
     resume_queue = _sync(Api.resume_queue)
+    set_queue_rate_limit = _sync(Api.set_queue_rate_limit)
 
 
 class AsyncClient(_Driver):
@@ -289,3 +301,4 @@ class AsyncClient(_Driver):
     queues = _async(Api.queues)
     pause_queue = _async(Api.pause_queue)
     resume_queue = _async(Api.resume_queue)
+    set_queue_rate_limit = _async(Api.set_queue_rate_limit)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# The base of the scheduler's problem types (`…/problems/invalid-input`). The client's own
+# refusals of an `enqueue_many` item use it too, so they read as the scheduler's.
+PROBLEM_TYPES = "https://docs.cronlease.dev/problems/"
+
 
 class HandlerError(Exception):
     """Base of the exceptions a handler raises to say whether its run may be retried.

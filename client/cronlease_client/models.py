@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from functools import cache, cached_property
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 if TYPE_CHECKING:
     from cronlease_client.errors import ApiError
@@ -21,6 +21,8 @@ M = TypeVar("M", bound="Model")
 
 # Field metadata: how to turn the JSON value into the attribute.
 _CONVERT = "convert"
+# A JSON type a required field must have: a Python type, or a tuple of them.
+Kind = type | tuple[type, ...]
 
 
 def _camel(name: str) -> str:
@@ -50,6 +52,10 @@ class Model:
     """An answer of the API: its fields as attributes, the JSON itself as `raw`."""
 
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # The JSON fields an answer of this model cannot lack, and their types. `parse` checks
+    # them, so a body of another shape (a proxy's, another server's) is refused (BadAnswer)
+    # rather than read as an empty model.
+    required: ClassVar[tuple[tuple[str, Kind], ...]] = ()
 
     @classmethod
     def from_dict(cls: type[M], data: Mapping[str, Any]) -> M:
@@ -58,6 +64,16 @@ class Model:
             if key in data:
                 values[name] = convert(data[key]) if convert else data[key]
         return cls(**values)
+
+    @classmethod
+    def parse(cls: type[M], data: Any) -> M:
+        """Read an answer of the API as this model; TypeError when it is not of its shape."""
+        if not isinstance(data, dict):
+            raise TypeError(f"a {cls.__name__} is a JSON object, not {type(data).__name__}")
+        for key, kind in cls.required:
+            if not isinstance(data.get(key), kind):
+                raise TypeError(f"a {cls.__name__} has no {key} of its type")
+        return cls.from_dict(data)
 
 
 @cache
@@ -88,6 +104,8 @@ class Attempt(Model):
 @dataclass(frozen=True)
 class Run(Model):
     """A run: one execution of a job. `attempts` is filled by `get_run` only."""
+
+    required = (("runId", str), ("job", str), ("state", str))
 
     run_id: str = ""
     job: str = ""
@@ -120,6 +138,8 @@ class Run(Model):
 class Job(Model):
     """A job definition. `raw` is its JSON, which `put_job` and `apply_jobs` take back."""
 
+    required = (("name", str), ("queue", str))
+
     name: str = ""
     schedule: dict[str, Any] = field(default_factory=dict)
     queue: str = ""
@@ -148,6 +168,8 @@ class Job(Model):
 class FireTime(Model):
     """A fire time of a preview: `local` in the job's zone, `start` after its jitter."""
 
+    required = (("utc", str),)
+
     local: datetime | None = _time()
     utc: datetime | None = _time()
     start: datetime | None = _time()
@@ -155,13 +177,34 @@ class FireTime(Model):
 
 
 @dataclass(frozen=True)
+class RateLimit(Model):
+    """At most `count` leases started in any window of `period_seconds` (a sliding window)."""
+
+    required = (("count", int), ("periodSeconds", int))
+
+    count: int = 0
+    period_seconds: int = 0
+
+
+def _rate_limit(value: Any) -> RateLimit | None:
+    return None if value is None else RateLimit.parse(value)
+
+
+@dataclass(frozen=True)
 class Queue(Model):
+    """A queue of the team: its ready runs by priority (`depth`), its pause, and its rate
+    limit (`rate_limit`, None without one) with the leases started in its window (`rate_used`)."""
+
+    required = (("name", str), ("paused", bool))
+
     name: str = ""
     paused: bool = False
     depth: dict[str, int] = field(default_factory=dict)
     oldest_ready_at: datetime | None = _time()
     last_leased_at: datetime | None = _time()
     last_worker_id: str = ""
+    rate_limit: RateLimit | None = field(default=None, metadata={_CONVERT: _rate_limit})
+    rate_used: int | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +220,8 @@ class SyncChange(Model):
 class SyncResult(Model):
     """What `apply_jobs` changed (or, with `dry_run`, would change)."""
 
+    required = (("changes", list), ("applied", bool))
+
     changes: tuple[SyncChange, ...] = _many(SyncChange)
     summary: dict[str, int] = field(default_factory=dict)
     applied: bool = False
@@ -185,6 +230,8 @@ class SyncResult(Model):
 @dataclass(frozen=True)
 class DlqResult(Model):
     """How many dead runs a requeue or discard changed, and which."""
+
+    required = (("count", int), ("runIds", list))
 
     count: int = 0
     run_ids: tuple[str, ...] = field(default=(), metadata={_CONVERT: tuple})
@@ -214,21 +261,29 @@ class Enqueue:
     concurrency_key: str | None = None
 
     def to_json(self, key: str) -> dict[str, Any]:
-        """The item of `POST /api/v1/runs`, with `key` as the idempotency key."""
+        """The item of `POST /api/v1/runs`, with `key` as the idempotency key; InvalidItem (a
+        ValueError) naming the field when the item cannot be sent."""
         if self.delay is not None and self.run_at is not None:
-            raise ValueError("give either delay or run_at, not both")
+            reason = "give either delay or run_at, not both"
+            raise InvalidItem({"delay": reason, "run_at": reason})
         item: dict[str, Any] = {"job": self.job, "idempotencyKey": key}
         if self.delay is not None:
-            seconds = (
-                self.delay.total_seconds() if isinstance(self.delay, timedelta) else self.delay
-            )
+            if isinstance(self.delay, timedelta):
+                seconds: float = self.delay.total_seconds()
+            elif isinstance(self.delay, int | float) and not isinstance(self.delay, bool):
+                seconds = self.delay
+            else:
+                raise InvalidItem({"delay": "delay must be a number of seconds or a timedelta"})
+            if not math.isfinite(seconds):
+                raise InvalidItem({"delay": "delay must be a finite number of seconds"})
             if seconds < 0:
-                raise ValueError("delay cannot be negative")
+                raise InvalidItem({"delay": "delay cannot be negative"})
             # Whole seconds, rounded up: a run is never due before the delay asked for.
             item["delaySeconds"] = math.ceil(seconds)
         if isinstance(self.run_at, datetime):
             if self.run_at.tzinfo is None:
-                raise ValueError("run_at must be an aware datetime (with a time zone)")
+                reason = "run_at must be an aware datetime (with a time zone)"
+                raise InvalidItem({"run_at": reason})
             item["runAt"] = self.run_at.isoformat()
         elif self.run_at is not None:
             item["runAt"] = self.run_at
@@ -237,6 +292,14 @@ class Enqueue:
             if value is not None:
                 item[key] = value
         return item
+
+
+class InvalidItem(ValueError):
+    """An item the client will not send: a reason by field (the argument's name)."""
+
+    def __init__(self, reasons: Mapping[str, str]) -> None:
+        super().__init__("; ".join(dict.fromkeys(reasons.values())))
+        self.errors = {name: [reason] for name, reason in reasons.items()}
 
 
 # Spelled once: camel-casing each name per item was a fifth of a 1 000-run batch's client CPU.

@@ -189,7 +189,7 @@ class Transport:
             else:
                 if status < 400:
                     try:
-                        return _read(status, answer, parse)
+                        return read_answer(status, answer, parse)
                     except BadAnswer as exc:
                         error = exc
                 else:
@@ -274,8 +274,9 @@ class Transport:
             self._conn.close()
 
 
-def _read(status: int, answer: bytes, parse: Callable[[Any], T] | None) -> T | Any:
-    """The decoded (and parsed) answer; BadAnswer when it is not JSON or not of its shape."""
+def read_answer(status: int, answer: bytes, parse: Callable[[Any], T] | None) -> T | Any:
+    """The decoded (and parsed) success answer; BadAnswer when it is not JSON or not of its
+    shape. The worker's transport and the producer client (api.py) both read answers here."""
     try:
         value = decode(answer)
     except ValueError as exc:

@@ -8,7 +8,7 @@ import concurrent.futures
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 
 import httpx
@@ -33,6 +33,7 @@ from cronlease_client import (
     Unauthorized,
     Unavailable,
 )
+from cronlease_client.errors import BadAnswer
 from django.db import transaction
 
 from apps.runs.ids import public_run_id
@@ -239,6 +240,76 @@ def test_enqueue_many_reports_a_bad_item_without_raising(producer, team_a):
     assert RunRow.objects.count() == 3
 
 
+def test_enqueue_many_answers_an_item_it_cannot_send_in_its_place_and_sends_the_others(
+    producer, team_a, wire
+):
+    make_definition(team_a, "shop.send-receipt", queue="shop")
+    at = datetime.now(UTC) + timedelta(hours=1)
+
+    results = producer.enqueue_many(
+        [
+            {"job": "shop.send-receipt", "idempotency_key": "a"},
+            {"job": "shop.send-receipt", "idempotencyKey": "x"},  # the JSON's name, not ours
+            {"payload": {"order": 1}},  # no job
+            "shop.send-receipt",  # not an item at all
+            {"job": "shop.send-receipt", "delay": -5},
+            {"job": "shop.send-receipt", "delay": 5, "run_at": at},
+            {"job": "shop.send-receipt", "delay": "soon"},
+            Enqueue("shop.send-receipt", payload={"tags": {1, 2}}),  # a set: not JSON
+            {"job": "shop.send-receipt", "idempotency_key": "b"},
+        ]
+    )
+
+    assert [result.status for result in results] == [201, 400, 400, 400, 400, 400, 400, 400, 201]
+    assert [results[0].idempotency_key, results[-1].idempotency_key] == ["a", "b"]
+    fields = [sorted(result.error.errors) for result in results[1:-1]]
+    assert fields == [
+        ["idempotencyKey"],
+        ["job"],
+        ["item"],
+        ["delay"],
+        ["delay", "run_at"],
+        ["delay"],
+        ["payload"],
+    ]
+    for refused in results[1:-1]:
+        assert isinstance(refused.error, BadRequest) and refused.error.status == 400
+        assert refused.error.type == "https://docs.cronlease.dev/problems/invalid-input"
+        assert refused.error.detail and refused.run_id is None
+    assert "negative" in results[4].error.errors["delay"][0]
+    # The refused items were not sent: one request, of the two good ones.
+    assert wire.seen == [("POST", "/api/v1/runs", 200)]
+    assert RunRow.objects.count() == 2
+
+
+def test_enqueue_many_cuts_batches_by_body_size_and_answers_an_item_too_large_alone(
+    producer, team_a, wire
+):
+    make_definition(team_a, "shop.send-receipt", queue="shop")
+    # Each payload is under the scheduler's 1 MiB payload cap; two are over its body limit.
+    big = "x" * 600_000
+
+    results = producer.enqueue_many(
+        [
+            Enqueue("shop.send-receipt", payload={"blob": big}, idempotency_key="big-1"),
+            Enqueue("shop.send-receipt", payload={"blob": "x" * 1_100_000}),
+            Enqueue("shop.send-receipt", payload={"blob": big}, idempotency_key="big-2"),
+            Enqueue("shop.send-receipt", payload={"blob": big}, idempotency_key="big-3"),
+            Enqueue("shop.send-receipt", payload={"small": 1}, idempotency_key="small"),
+        ],
+        runs=False,
+    )
+
+    assert [result.status for result in results] == [201, 413, 201, 201, 201]
+    too_large = results[1].error
+    assert isinstance(too_large, PayloadTooLarge)
+    assert too_large.type == "https://docs.cronlease.dev/problems/payload-too-large"
+    assert "max_body_bytes" in too_large.detail
+    # One big item a request; the small one rides with the last.
+    assert wire.seen == [("POST", "/api/v1/runs", 200)] * 3
+    assert RunRow.objects.count() == 4
+
+
 # --- transactions (Django) -------------------------------------------------------------------
 
 
@@ -443,6 +514,35 @@ def test_queues_pause_and_resume(producer, team_a):
     assert producer.pause_queue("shop").paused is True
     assert [q.paused for q in producer.queues() if q.name == "shop"] == [True]
     assert producer.resume_queue("shop").paused is False
+
+
+def test_a_queue_rate_limit_is_set_read_and_lifted(producer, live_server, token_a, team_a):
+    make_definition(team_a, "shop.send-receipt", queue="shop")
+    (before,) = [q for q in producer.queues() if q.name == "shop"]
+    assert (before.rate_limit, before.rate_used) == (None, None)
+
+    limited = producer.set_queue_rate_limit("shop", 5, 60)
+
+    assert (limited.rate_limit.count, limited.rate_limit.period_seconds) == (5, 60)
+    assert limited.rate_used == 0
+    assert limited.paused is False
+    (listed,) = [q for q in producer.queues() if q.name == "shop"]
+    assert listed.rate_limit == limited.rate_limit
+    assert listed.raw["rateLimit"] == {"count": 5, "periodSeconds": 60}
+    with pytest.raises(BadRequest) as bad:
+        producer.set_queue_rate_limit("shop", 0, 60)
+    assert "rateLimit.count" in bad.value.errors
+    with pytest.raises(ValueError):
+        producer.set_queue_rate_limit("shop", 5)
+
+    async def lift() -> tuple:
+        async with AsyncClient(live_server.url, token_a) as client:
+            lifted = await client.set_queue_rate_limit("shop", None)
+            return lifted, [q for q in await client.queues() if q.name == "shop"]
+
+    lifted, (listed,) = run_coroutine(lift())
+    assert (lifted.rate_limit, lifted.rate_used) == (None, None)
+    assert listed.rate_limit is None
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -682,3 +782,106 @@ def test_the_async_client_retries_as_the_sync_one_does():
 
     assert run_coroutine(fetch()).run_id == "run_1"
     assert len(seen) == 3
+
+
+def body(content: bytes) -> Callable[[httpx.Request], httpx.Response]:
+    return lambda request: httpx.Response(200, content=content)
+
+
+# (a call, a 200 body that is not its answer); `runs()` and `dlq()` answer an iterator.
+GARBLED = [
+    pytest.param(lambda client: client.list_jobs(), b"null", id="list_jobs"),
+    pytest.param(lambda client: client.list_jobs(), b'{"results":[1]}', id="list_jobs"),
+    pytest.param(lambda client: client.runs(), b'{"results":"x"}', id="runs"),
+    pytest.param(lambda client: client.dlq(), b'{"results":[],"next":3}', id="dlq"),
+    pytest.param(lambda client: client.get_run("run_1"), b"[1,2]", id="get_run"),
+    pytest.param(lambda client: client.get_run("run_1"), b'{"foo":1}', id="get_run"),
+    pytest.param(lambda client: client.get_job("shop.send-receipt"), b"", id="get_job"),
+    pytest.param(
+        lambda client: client.get_job("shop.send-receipt"),
+        b"<html>proxy error</html>",
+        id="get_job",
+    ),
+    pytest.param(
+        lambda client: client.enqueue("shop.send-receipt"),
+        b'{"runs":[{"run":{"foo":1}}]}',
+        id="enqueue",
+    ),
+    pytest.param(lambda client: client.enqueue("shop.send-receipt"), b'{"runs":[]}', id="enqueue"),
+    pytest.param(
+        lambda client: client.enqueue_many([Enqueue("shop.send-receipt")]),
+        b'{"runs":[7]}',
+        id="enqueue_many",
+    ),
+    pytest.param(lambda client: client.queues(), b'{"results":[{"name":"shop"}]}', id="queues"),
+    pytest.param(
+        lambda client: client.preview("shop.send-receipt"), b'{"times":null}', id="preview"
+    ),
+    pytest.param(lambda client: client.apply_jobs([]), b"{}", id="apply_jobs"),
+    pytest.param(lambda client: client.requeue(["run_1"]), b'{"count":"1"}', id="requeue"),
+    pytest.param(lambda client: client.trigger_job("shop.send-receipt"), b'"ok"', id="trigger_job"),
+]
+
+
+@pytest.mark.parametrize(("call", "content"), GARBLED)
+def test_a_success_answer_not_of_its_shape_raises_bad_answer(call, content):
+    producer, seen = scripted(body(content), retries=0)
+
+    with pytest.raises(BadAnswer) as caught:
+        value = call(producer)
+        if isinstance(value, Iterator):
+            list(value)
+
+    assert isinstance(caught.value, ApiError)
+    assert caught.value.status == 200 and caught.value.transient
+    assert repr(content[:100]) in caught.value.detail
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize(("call", "content"), GARBLED)
+def test_the_async_client_raises_bad_answer_for_the_same_answers(call, content):
+    producer, _ = scripted(body(content), client_class=AsyncClient, retries=0)
+
+    async def send() -> None:
+        async with producer:
+            value = call(producer)
+            if hasattr(value, "__aiter__"):
+                return [item async for item in value]
+            return await value
+
+    with pytest.raises(BadAnswer) as caught:
+        run_coroutine(send())
+    assert caught.value.status == 200
+
+
+def test_a_garbled_answer_is_retried_for_idempotent_calls_only():
+    producer, seen = scripted(body(b"<html>"), a_run)
+    assert producer.get_run("run_1").run_id == "run_1"
+    assert len(seen) == 2
+
+    producer, seen = scripted(body(b"<html>"), a_run)
+    with pytest.raises(BadAnswer):
+        producer.trigger_job("shop.send-receipt")
+    assert len(seen) == 1
+
+
+def test_enqueue_many_keeps_every_request_under_max_body_bytes():
+    def answer_each(request: httpx.Request) -> httpx.Response:
+        sent = json.loads(request.content)["runs"]
+        return httpx.Response(200, json={"runs": [{"status": 201, "run": RUN} for _ in sent]})
+
+    producer, seen = scripted(answer_each, max_body_bytes=2048, batch_size=3)
+    items = [
+        Enqueue("shop.send-receipt", payload="x" * size, idempotency_key=f"k-{n}")
+        for n, size in enumerate([900, 900, 100, 100, 100, 100, 2100, 1900, 10])
+    ]
+
+    results = producer.enqueue_many(items)
+
+    assert [result.status for result in results] == [201] * 6 + [413, 201, 201]
+    assert all(len(request.content) <= 2048 for request in seen)
+    batches = [[item["idempotencyKey"] for item in json.loads(r.content)["runs"]] for r in seen]
+    # The items' JSON is 963, 963, 163 (x4), 2 163, 1 963 and 73 bytes: two 963s fill a
+    # request; three small ones make a batch (batch_size); the 2 163 is over the limit alone
+    # (413, not sent); the 1 963 and the 73 make exactly 2 048 with `{"runs":[`, `,` and `]}`.
+    assert batches == [["k-0", "k-1"], ["k-2", "k-3", "k-4"], ["k-5"], ["k-7", "k-8"]]
