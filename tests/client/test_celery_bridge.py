@@ -457,3 +457,31 @@ def test_a_dry_run_is_answered_by_the_next_lease_request(team_a, spawn, ledger, 
     wait_for(lambda: "reported run_id=" in bridge.output(), what="the bridge read its answer")
     assert "/api/v1/leases" in bridge.output()  # its requests are logged
     assert "/api/v1/results" not in bridge.output()
+
+
+def test_a_garbled_lease_answer_is_a_failure_that_may_pass_not_a_crash(
+    celery_installed, serve, monkeypatch
+):
+    """A 200 to the bridge's lease request whose body is not a lease answer (a proxy's page, an
+    answer cut short, another shape) raises BadAnswer, which the lease loop waits out and
+    retries as it does a 5xx; it crashed the loop (a TypeError) and stopped the bridge."""
+    from celery import Celery
+    from cronlease_client import transport
+    from cronlease_client.celery import cronlease_task
+    from cronlease_client.celery.bridge import Bridge
+    from cronlease_client.celery.tasks import registered_tasks
+    from cronlease_client.errors import BadAnswer
+
+    from tests.client.scripted import Response
+
+    monkeypatch.setattr(transport, "backoff_delay", lambda failures, **cap: 0.01)
+    app = Celery("garbled", broker="memory://")
+    cronlease_task(app, "demo.garbled")(lambda ctx: None)
+    garbled = iter([b'{"leases": "nope"}', b"<html>502</html>", b'{"leases": [{"bogus": 1}]}'])
+    server = serve(lambda request: Response(200, next(garbled, b"null"), {}))
+    spec = registered_tasks()["demo.garbled"]
+    bridge = Bridge(server.url, "token", ["q"], tasks={"demo.garbled": spec}, wait_seconds=0)
+    bridge._lease_http = bridge._transport(cancel=bridge.shutdown)  # as start() makes it
+    with pytest.raises(BadAnswer) as raised:
+        bridge.lease_once()
+    assert raised.value.transient

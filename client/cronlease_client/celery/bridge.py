@@ -33,7 +33,7 @@ from cronlease_client.reporting import (
     Report,
     read_answers,
 )
-from cronlease_client.transport import backoff_delay
+from cronlease_client.transport import backoff_delay, lease_answer
 
 logger = logging.getLogger("cronlease_client")
 
@@ -325,8 +325,13 @@ class Bridge(Daemon):
                 report.item(lease["runId"], lease["fencingToken"]) for lease, report in carried
             ]
         try:
-            answer = self._lease_http.post(
-                "/api/v1/leases", body, timeout=self.wait_seconds + self.http_timeout
+            # An answer not of its shape (a proxy's page, JSON cut short) is a BadAnswer, retried
+            # like a 5xx, rather than a crash of this loop.
+            leases, answered = self._lease_http.post(
+                "/api/v1/leases",
+                body,
+                timeout=self.wait_seconds + self.http_timeout,
+                parse=lease_answer,
             )
         except ApiError as exc:
             if not carried:
@@ -336,11 +341,7 @@ class Bridge(Daemon):
                 return 0
             raise
         if carried:
-            read_answers(
-                [(_leased(lease), report) for lease, report in carried],
-                answer.get("results", []),
-            )
-        leases = answer.get("leases", [])
+            read_answers([(_leased(lease), report) for lease, report in carried], answered)
         if not leases and not self.wait_seconds:
             self.shutdown.wait(1.0)  # without a long poll an empty answer comes back at once
         # Leases that arrive after SIGTERM are still ours: they are sent like the others.
