@@ -110,6 +110,10 @@ def test_a_handler_past_the_grace_period_is_failed_retryable_and_runs_again(
     (pk,) = add_ready_runs(definition, 1)
     worker = spawn_worker("grace", "--grace-seconds", "1", "--pool", pool)
     wait_leased(pk)
+    # The run is leased once the claim commits; its answer is still on its way to the worker.
+    # A stop then hangs up on it (tests/client/test_worker.py has that case): this one is
+    # about a handler that is running, so give the answer time to arrive.
+    time.sleep(1.0)
 
     started = time.monotonic()
     worker.send_signal(signal.SIGTERM)
