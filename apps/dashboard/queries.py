@@ -8,6 +8,7 @@ down is left out and named in the page's banner); one run or job from its own da
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -64,12 +65,9 @@ def visible_run(team_ids: list[int], pk: int | None) -> Run | None:
 
 
 def runs_by_ids(team_ids: list[int], pks: list[int]) -> list[Run]:
-    runs: list[Run] = []
-    for alias, ids in shards.runs_by_database(pks).items():
-        with shards.reaching(alias):
-            runs += shards.with_teams(
-                Run.objects.select_related("definition").filter(pk__in=ids, team_id__in=team_ids)
-            )
+    runs = _runs_of(
+        pks, lambda runs: runs.select_related("definition").filter(team_id__in=team_ids)
+    )
     return sorted(runs, key=lambda run: run.pk)
 
 
@@ -77,13 +75,20 @@ def runs_elsewhere(team_ids: list[int], pks: list[int]) -> dict[Any, list[str]]:
     """Of these runs, those of other teams than `team_ids`: their public ids by team (an
     attempt on them is recorded; the page answers as for a missing run)."""
     found: dict[Any, list[str]] = {}
+    for run in _runs_of(pks, lambda runs: runs.exclude(team_id__in=team_ids)):
+        if getattr(run, "team", None) is not None:  # a team deleted meanwhile
+            found.setdefault(run.team, []).append(run.run_id)
+    return found
+
+
+def _runs_of(pks: list[int], narrow: Callable[[QuerySet], QuerySet]) -> list[Run]:
+    """The runs of these ids that `narrow` keeps, each read from its shard database (a 503
+    page while one is down), with their teams."""
+    runs: list[Run] = []
     for alias, ids in shards.runs_by_database(pks).items():
         with shards.reaching(alias):
-            rows = shards.with_teams(Run.objects.filter(pk__in=ids).exclude(team_id__in=team_ids))
-        for run in rows:
-            if getattr(run, "team", None) is not None:
-                found.setdefault(run.team, []).append(run.run_id)
-    return found
+            runs += shards.with_teams(narrow(Run.objects.filter(pk__in=ids)))
+    return runs
 
 
 # --- overview -------------------------------------------------------------------------------

@@ -108,8 +108,11 @@ _breakers_lock = threading.Lock()
 
 
 def breaker(alias: str) -> Breaker:
-    with _breakers_lock:
-        return _breakers.setdefault(alias, Breaker(alias))
+    found = _breakers.get(alias)  # every checkout asks: no lock, no new object, once made
+    if found is None:
+        with _breakers_lock:
+            found = _breakers.setdefault(alias, Breaker(alias))
+    return found
 
 
 class DatabaseWrapper(base.DatabaseWrapper):
