@@ -7,13 +7,13 @@ from typing import Any
 
 from django.db import IntegrityError
 from django.http import HttpRequest
-from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import (
     OpenApiParameter,
     OpenApiResponse,
     extend_schema,
     extend_schema_view,
 )
+from pydantic_core import PydanticCustomError
 from rest_framework import status
 from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
 from rest_framework.request import Request
@@ -515,11 +515,11 @@ def _parse_from(raw: str | None) -> datetime:
     if raw is None or raw == "":
         return database_now()
     try:
-        value = parse_datetime(raw.replace(" ", "+")) if isinstance(raw, str) else None
-    except ValueError:  # well formed but not a time, e.g. 12:99
-        value = None
-    if value is None or value.tzinfo is None:
-        raise ValidationError({"from": ["Give an ISO 8601 time with an offset or Z."]})
+        # A "+" in a query string arrives as a space.
+        value = job_shape.after(raw.replace(" ", "+"))
+    except PydanticCustomError as exc:
+        raise ValidationError({"from": [str(exc)]}) from None
+    assert value is not None
     return value
 
 

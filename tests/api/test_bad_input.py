@@ -144,6 +144,19 @@ def test_bad_filters_and_counts(api_a):
     assert_problem(api_a.get("/api/v1/jobs/p.q/preview", params={"count": 5000}), 400, {"count"})
 
 
+def test_a_preview_from_the_calendars_edge_is_refused_not_answered_empty(api_a):
+    api_a.post("/api/v1/jobs", {"name": "p.q", "schedule": {"cron": "0 3 * * *"}})
+    for edge in ("0001-01-01T00:00:00Z", "9999-06-01T00:00:00Z"):
+        saved = api_a.get("/api/v1/jobs/p.q/preview", params={"from": edge})
+        assert assert_problem(saved, 400, {"from"})["errors"]["from"] == [
+            "A time between the years 2 and 9998."
+        ]
+        unsaved = api_a.post("/api/v1/preview", {"schedule": {"cron": "0 3 * * *"}, "from": edge})
+        assert_problem(unsaved, 400, {"from"})
+    early = api_a.get("/api/v1/jobs/p.q/preview", params={"from": "0002-01-01T00:00:00Z"})
+    assert early.json()["times"][0]["utc"] == "0002-01-01T03:00:00Z"
+
+
 def test_never_firing_cron_is_400(api_a):
     assert_problem(
         api_a.post("/api/v1/jobs", {"name": "never.runs", "schedule": {"cron": "0 0 30 2 *"}}),

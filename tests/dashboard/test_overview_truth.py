@@ -105,6 +105,9 @@ def test_the_forms_preview_starts_on_a_chosen_day_to_show_a_dst_change(editor_a)
     assert (
         'id="err-preview_from" hx-swap-oob="true">A day as YYYY-MM-DD.' in refused.content.decode()
     )
+    # The schedule is fine: the panel says which field to fix.
+    assert "Fix the day to preview from." in refused.content.decode()
+    assert "Fix the schedule" not in refused.content.decode()
 
 
 @pytest.mark.django_db(transaction=True)

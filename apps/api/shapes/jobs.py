@@ -241,10 +241,18 @@ def _instant(value: Any) -> Any:
 
 
 AwareTime = Annotated[datetime | None, BeforeValidator(_instant)]
-# A blank `from` means now, as when it is left out.
-After = Annotated[
-    datetime | None, BeforeValidator(lambda value: _instant(None if value == "" else value))
-]
+
+
+def after(value: Any) -> datetime | None:
+    """A preview's `from`: blank means now, as when it is left out; a time in the years 2 to
+    9998 (the search for fire times steps a day past either end of Python's calendar)."""
+    instant = _instant(None if value == "" else value)
+    if instant is not None and not 2 <= instant.year <= 9998:
+        raise problem("datetime", "A time between the years 2 and 9998.")
+    return instant
+
+
+After = Annotated[datetime | None, BeforeValidator(after)]
 
 
 # --- requests ---------------------------------------------------------------------------------
