@@ -135,6 +135,20 @@ class Run(Model):
 
 
 @dataclass(frozen=True)
+class RateLimit(Model):
+    """At most `count` leases started in any window of `period_seconds` (a sliding window)."""
+
+    required = (("count", int), ("periodSeconds", int))
+
+    count: int = 0
+    period_seconds: int = 0
+
+
+def _rate_limit(value: Any) -> RateLimit | None:
+    return None if value is None else RateLimit.parse(value)
+
+
+@dataclass(frozen=True)
 class Job(Model):
     """A job definition. `raw` is its JSON, which `put_job` and `apply_jobs` take back."""
 
@@ -149,7 +163,7 @@ class Job(Model):
     concurrency: int | None = None
     concurrency_per_key: int | None = None
     concurrency_key_field: str = ""
-    rate_limit: dict[str, int] | None = None
+    rate_limit: RateLimit | None = field(default=None, metadata={_CONVERT: _rate_limit})
     payload: Any = None
     paused: bool = False
     dry_run: bool = False
@@ -174,20 +188,6 @@ class FireTime(Model):
     utc: datetime | None = _time()
     start: datetime | None = _time()
     note: str = ""
-
-
-@dataclass(frozen=True)
-class RateLimit(Model):
-    """At most `count` leases started in any window of `period_seconds` (a sliding window)."""
-
-    required = (("count", int), ("periodSeconds", int))
-
-    count: int = 0
-    period_seconds: int = 0
-
-
-def _rate_limit(value: Any) -> RateLimit | None:
-    return None if value is None else RateLimit.parse(value)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from cronlease_client import (
     NetworkError,
     NotFound,
     PayloadTooLarge,
+    RateLimit,
     RateLimited,
     Run,
     Unauthorized,
@@ -357,6 +358,14 @@ def test_put_job_creates_and_replaces_and_get_and_list_answer_it(producer, team_
     replaced = producer.put_job("shop.send-receipt", {**fetched.raw, "timeoutSeconds": 60})
     assert replaced.timeout_seconds == 60
     assert replaced.retry["maxAttempts"] == 5
+    assert replaced.rate_limit is None
+
+    limited = producer.put_job(
+        "shop.send-receipt", {**fetched.raw, "rateLimit": {"count": 3, "periodSeconds": 60}}
+    )
+    # Typed as a queue's limit is.
+    assert isinstance(limited.rate_limit, RateLimit)
+    assert (limited.rate_limit.count, limited.rate_limit.period_seconds) == (3, 60)
 
     producer.put_job("shop.restock", {"queue": "shop"})
     assert [job.name for job in producer.list_jobs()] == ["shop.restock", "shop.send-receipt"]
