@@ -18,6 +18,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy client/cronlease_client
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	# The same contract again with the 16 shards on three servers (tests/shard_layout.py).
 	$(BIN)/python -m pytest --shard-servers 2 -m "shards or physical" $(PYTEST_ARGS)
@@ -25,6 +26,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy client/cronlease_client
 	$(BIN)/ruff format --check .
 
 stop-db: $(STAMP)

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 
 class LeaseFlag(Protocol):
@@ -106,7 +106,7 @@ class Context:
         lease_lost: LeaseFlag,
         worker_id: str = "",
         cancel_flag: LeaseFlag | None = None,
-    ) -> Context:
+    ) -> Self:
         """Build the context of one lease object of `POST /api/v1/leases`."""
         return cls(
             run_id=lease["runId"],

@@ -39,6 +39,9 @@ class Daemon:
     # Whether run() returns as soon as a forced stop is asked for rather than when the
     # supervisor is done: the worker's still has the pool processes to end, the bridge's nothing.
     returns_when_forced = False
+    # Made by start(): the lease loop's connection and the heartbeat thread's.
+    _lease_http: Transport
+    _heartbeat_http: Transport
 
     def __init__(
         self,

@@ -60,7 +60,7 @@ class Model:
     @classmethod
     def from_dict(cls: type[M], data: Mapping[str, Any]) -> M:
         values: dict[str, Any] = {"raw": dict(data)}
-        for name, key, convert in _plan(cls):
+        for name, key, convert in _plan(cls):  # type: ignore[arg-type]  # (a class hashes)
             if key in data:
                 values[name] = convert(data[key]) if convert else data[key]
         return cls(**values)

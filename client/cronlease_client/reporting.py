@@ -13,7 +13,7 @@ import logging
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from cronlease_client.errors import ApiError, HandlerError
 from cronlease_client.transport import Transport, backoff_delay, batch_items
@@ -185,9 +185,15 @@ def result_items(batch: Batch) -> list[dict[str, Any]]:
     return [report.item(run.run_id, run.token) for run, report in batch]
 
 
+Held = TypeVar("Held", bound=LeasedRun)
+
+
 def read_answers(
-    batch: Batch, answers: Sequence[dict[str, Any]], *, retrying: bool = False
-) -> tuple[dict[str, str], list[tuple[LeasedRun, Report]]]:
+    batch: Sequence[tuple[Held, Report]],
+    answers: Sequence[dict[str, Any]],
+    *,
+    retrying: bool = False,
+) -> tuple[dict[str, str], list[tuple[Held, Report]]]:
     """Log the scheduler's answer to each reported outcome. Return {run id: new state} of the
     accepted, and, when `retrying`, the outcomes answered 503 (their shard's database could not
     be reached: nothing was applied) to be sent again."""

@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-import celery
-from celery.exceptions import Retry
+import celery  # type: ignore[import-untyped]
+from celery.exceptions import Retry  # type: ignore[import-untyped]
 
 from cronlease_client.context import Context
 from cronlease_client.errors import ApiError, Retryable
@@ -353,7 +353,7 @@ def execute(
     the scheduler, and an exception reaching Celery would start Celery's own failure handling.
     """
     run_id, token = lease["runId"], lease["fencingToken"]
-    run = LeasedRun(run_id, lease.get("job"), lease.get("attempt"), token)
+    run = LeasedRun(run_id, lease.get("job") or "", lease.get("attempt") or 0, token)
     fields = run.fields()
     summary: dict[str, Any] = {
         "runId": run_id,
