@@ -142,10 +142,13 @@ SELECT nextval('runs_run_id_seq') * {space} + d.shard, i.definition_id, d.team_i
        coalesce(i.priority, d.priority), d.shard, 'scheduled', i.trigger, i.due_at,
        i.available_at, 0, d.retry_max_attempts, i.idempotency_key,
        -- A run given no key takes its payload's field named by concurrencyKeyField, if any
-       -- (a cron run's payload is its definition's).
-       coalesce(i.concurrency_key, CASE WHEN d.concurrency_key_field <> '' THEN
-           left((CASE WHEN i.own THEN i.payload ELSE d.payload END) ->> d.concurrency_key_field,
-                200) END),
+       -- (a cron run's payload is its definition's); an empty value is no key. A value past a
+       -- key's 200 characters keeps its first 167 and the digest of the whole, so that two
+       -- values sharing a start stay two keys.
+       coalesce(i.concurrency_key, CASE WHEN d.concurrency_key_field <> '' THEN (
+           SELECT CASE WHEN length(v) <= 200 THEN v ELSE left(v, 167) || '#' || md5(v) END
+           FROM nullif((CASE WHEN i.own THEN i.payload ELSE d.payload END)
+                       ->> d.concurrency_key_field, '') AS v) END),
        60, '', d.dry_run,
        CASE WHEN i.own THEN i.payload ELSE d.payload END,
        CASE WHEN i.own THEN i.payload_key ELSE d.payload_key END, now(), {limited}

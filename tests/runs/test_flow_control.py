@@ -17,6 +17,7 @@ from apps.runs.models import Run
 from tests.conftest import (
     add_ready_runs,
     claim,
+    db_now,
     expire_lease,
     make_definition,
     stored,
@@ -134,6 +135,30 @@ def test_a_cron_run_takes_its_key_from_the_named_payload_field(team_a):
     )
     (pk,) = add_ready_runs(definition, 1)
     assert stored_one(Run, pk=pk).concurrency_key == "acme"
+
+
+def test_a_payload_fields_key_stays_distinct_past_200_characters_and_empty_is_no_key(team_a):
+    definition = make_definition(
+        team_a, "export.long", queue="longkey", concurrency_per_key=1, concurrency_key_field="c"
+    )
+    # Two customers whose names share their first 200 characters, and one with an empty name.
+    shared = "x" * 200
+    now = db_now()
+    values = [shared + "-one", shared + "-two", shared + "-one", "", ""]
+    with shards.using(shards.alias_of_shard(definition.shard)):
+        ids = store.insert_runs(
+            [
+                store.NewRun(definition.pk, "api", now, now, f"k{i}", payload={"c": value})
+                for i, value in enumerate(values)
+            ]
+        )
+    keys = [stored_one(Run, pk=pk).concurrency_key for pk in ids]
+    assert all(key is None or len(key) <= 200 for key in keys)
+    assert keys[0] != keys[1] and keys[0] == keys[2]  # distinct names, distinct keys
+    assert keys[3] is None and keys[4] is None  # an empty name is no key, as a missing one
+    leases = claim_all(team_a, "longkey")
+    # One of each long name (their slot of one), and both runs without a key.
+    assert sorted(ids.index(lease.id) for lease in leases) in ([0, 1, 3, 4], [1, 2, 3, 4])
 
 
 def test_why_names_a_spent_rate_limit_and_a_held_key(team_a):
