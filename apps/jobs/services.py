@@ -5,7 +5,7 @@ The API and the dashboard both call these functions; none of this logic lives in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -133,6 +133,14 @@ def _same_schedule(stored: dict, given: dict) -> bool:
         return False
 
 
+def as_stored(spec: DefinitionSpec, stored_schedule: dict) -> DefinitionSpec:
+    """`spec` with the stored schedule's JSON when the two say the same, so that writing a
+    default out (or leaving it out) is neither a change nor a line in the audit trail."""
+    if spec.schedule is stored_schedule or not _same_schedule(stored_schedule, spec.schedule):
+        return spec
+    return replace(spec, schedule=stored_schedule)
+
+
 def _apply_spec(definition: JobDefinition, spec: DefinitionSpec, now: datetime) -> None:
     schedule_changed = definition.pk is None or not _same_schedule(
         definition.schedule, spec.schedule
@@ -172,7 +180,8 @@ def update_definition(
         locked = JobDefinition.objects.select_for_update().get(pk=definition.pk)
         before = snapshot(locked)
         was_paused, was_limited = locked.paused, locked.limited
-        schedule_changed = not _same_schedule(locked.schedule, spec.schedule)
+        spec = as_stored(spec, locked.schedule)
+        schedule_changed = spec.schedule is not locked.schedule
         _apply_spec(locked, spec, database_now())
         after = snapshot(locked)
         if before == after:

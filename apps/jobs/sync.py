@@ -111,12 +111,12 @@ def plan_sync(team, specs: dict[str, services.DefinitionSpec], *, prune: bool) -
         )
     existing = {d.name: d for definitions, _ in found for d in definitions}
     for name, spec in sorted(specs.items()):
-        wanted = services.spec_snapshot(spec)
         current = existing.get(name)
         if current is None:
-            plan.changes.append(Change("create", name, after=wanted))
+            plan.changes.append(Change("create", name, after=services.spec_snapshot(spec)))
             continue
         before = services.snapshot(current)
+        wanted = services.spec_snapshot(services.as_stored(spec, current.schedule))
         if before == wanted:
             plan.unchanged.append(name)
         else:

@@ -486,6 +486,10 @@ def test_a_changed_schedule_drops_the_runs_made_ahead_by_the_old_one(api_a):
     terse = {key: stored[key] for key in ("cron", "endAt")}  # as older rows hold it
     JobDefinition.objects.filter(pk=job.pk).update(schedule=terse)
     defaults = {"timeZone": "UTC", "missedRunPolicy": "run_once", "overlapPolicy": "allow_all"}
+    updates = AuditEvent.objects.filter(action="job.update").count()
     same = api_a.patch("/api/v1/jobs/ops.ending", {"schedule": defaults})
     assert same.status_code == 200, same.text
     assert Run.objects.filter(pk=kept).exists()
+    # Nor is it a change: the stored JSON stays as it was and no update is audited.
+    assert JobDefinition.objects.get(pk=job.pk).schedule == terse
+    assert AuditEvent.objects.filter(action="job.update").count() == updates

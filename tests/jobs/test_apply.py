@@ -99,6 +99,19 @@ def test_put_jobs_syncs_the_same_way(api_a, team_a):
     assert bad.status_code == 400 and "jobs[0].name" in bad.json()["errors"]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_schedule_with_its_defaults_written_out_is_unchanged(api_a, team_a):
+    job = {"name": "billing.new", "queue": "billing", "schedule": {"cron": "0 9 * * *"}}
+    api_a.put("/api/v1/jobs", {"jobs": [job]})
+    # A row that holds its schedule without the defaults (as rows written before the API
+    # wrote them out do); the API's answer spells them out.
+    JobDefinition.objects.update(schedule={"cron": "0 9 * * *"})
+    again = api_a.put("/api/v1/jobs", {"jobs": [job]}).json()
+    assert again["summary"] == {"create": 0, "update": 0, "delete": 0, "unchanged": 1}, again
+    assert JobDefinition.objects.get().schedule == {"cron": "0 9 * * *"}
+    assert AuditEvent.objects.filter(action="job.update").count() == 0
+
+
 @pytest.mark.parametrize("depth", [65, 5000])
 def test_a_file_with_a_payload_nested_past_the_limit_changes_nothing(tmp_path, team_a, depth):
     nested = "[" * depth + "]" * depth
