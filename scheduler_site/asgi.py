@@ -14,6 +14,7 @@ from django.conf import settings
 from django.core import signals
 from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
+from django.db import close_old_connections
 from django.http import FileResponse, HttpResponse
 from django.urls import get_resolver, set_script_prefix
 
@@ -112,13 +113,18 @@ class SyncChainASGIHandler(ASGIHandler):
         set_script_prefix(get_script_prefix(scope))
         # Set when the client hangs up. The view goes on in its thread (a thread cannot be
         # cancelled); a long poll reads this to stop claiming for a worker that has gone.
-        gone = threading.Event()
+        gone = Hangup()
         watcher = asyncio.create_task(self._watch_disconnect(receive, gone))
         try:
             response = await sync_to_async(self._respond, thread_sensitive=True)(
                 scope, body_file, gone
             )
-            if not gone.is_set():
+            if gone.is_set():
+                # Gone before the answer was sent (it is not): runs it leased go back now
+                # rather than when their lease expires.
+                if gone.undelivered is not None:
+                    await sync_to_async(self._give_back, thread_sensitive=True)(gone.undelivered)
+            else:
                 try:
                     await self.send_response(response, send)
                 except asyncio.CancelledError:
@@ -174,6 +180,14 @@ class SyncChainASGIHandler(ASGIHandler):
         return response
 
     @staticmethod
+    def _give_back(undelivered) -> None:
+        try:
+            undelivered()
+        finally:
+            # Outside a request: nothing else hands the connections back.
+            close_old_connections()
+
+    @staticmethod
     async def _watch_disconnect(receive, gone: threading.Event) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -189,6 +203,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from apps.dashboard.routing import websocket_urlpatterns  # noqa: E402
+from apps.runs.leasing import Hangup  # noqa: E402
 
 
 def _settle_garbage_collector() -> None:

@@ -3,11 +3,14 @@
 The view calls `claim_or_wait` once. The answer is built by the caller's `render` inside the
 claim's transaction, and the claim commits only once it is built and the worker is still
 there: a failure to render (a payload that cannot be read back, say) or a worker that hung up
-rolls the claim back, so no run stays leased to a worker that never got it.
+rolls the claim back, so no run stays leased to a worker that never got it. A worker that hangs
+up after the commit, before its answer is sent, is told by its `Hangup`: the web process gives
+those runs back (`Hangup.undelivered`) rather than leave them leased until their lease expires.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -52,6 +55,33 @@ class LeaseRequest:
 
 class _WorkerGone(Exception):
     """Raised inside the claim's transaction to roll it back."""
+
+
+class Hangup(threading.Event):
+    """Set when the worker that asked hangs up. Once a claim has committed, `undelivered` gives
+    its runs back: the web process calls it when the worker hung up before the answer was sent
+    (the answer is then never sent), not after, when the worker may have read it."""
+
+    undelivered: Callable[[], None] | None = None
+
+
+# The failure a run given back that way records (retryable: it costs an attempt, as the lease's
+# expiry would, and is retried after the job's backoff instead of after the lease).
+UNDELIVERED = {
+    "type": "WorkerGone",
+    "message": "the worker hung up before the answer with this lease reached it",
+}
+
+
+def give_back(leases: Sequence[store.Lease]) -> None:
+    """Fail the leases as retryable (UNDELIVERED), each under its fencing token."""
+    items = [(lease.id, lease.fencing_token, UNDELIVERED, True) for lease in leases]
+    outcomes = store.fail(items, team_ids=sorted({lease.team_id for lease in leases}))
+    logger.warning(
+        "a worker hung up before its lease answer was sent: %d runs given back (%d taken)",
+        len(leases),
+        sum(outcome.status == 200 for outcome in outcomes),
+    )
 
 
 class _ControlState:
@@ -152,6 +182,8 @@ def claim_or_wait(
             # A database that failed at commit leased nothing: its runs leave the answer.
             leases = [lease for lease in leases if shards.alias_of_run(lease.id) not in lost]
             answer = render(leases)
+        if leases and isinstance(gone, Hangup):
+            gone.undelivered = functools.partial(give_back, leases)
         left = deadline - time.monotonic()
         if leases or left <= 0:
             return answer

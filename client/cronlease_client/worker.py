@@ -687,7 +687,8 @@ class Worker(Daemon):
 
         1. No new lease requests (the lease loop has seen `shutdown`); one already waiting on
            the server is interrupted (the scheduler rolls back a long poll's claim when its
-           worker hangs up), and runs of an answer that arrives all the same are given back
+           worker hangs up, or fails the runs as retryable when it had committed and not yet
+           answered), and runs of an answer that arrives all the same are given back
            as retryable WorkerShutdown failures, not started.
         2. Wait until every handler has returned and the lease loop has ended, at most
            `grace_seconds` (not at all when forced).

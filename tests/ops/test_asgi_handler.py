@@ -9,10 +9,11 @@ import threading
 import httpx
 import pytest
 from django.core import signals
+from django.db import connections
 
 POOL_BEFORE = os.environ.get("SCHEDULER_DB_POOL")
 
-from scheduler_site.asgi import SyncChainASGIHandler, application  # noqa: E402
+from scheduler_site.asgi import RequestThreads, SyncChainASGIHandler, application  # noqa: E402
 
 
 def test_importing_the_application_here_does_not_turn_the_pool_on_for_child_processes():
@@ -133,3 +134,87 @@ def test_a_body_over_the_limit_is_refused_before_it_is_stored(asgi_server, setti
     assert not Run.objects.exists()
     # Under the limit, the same request is read and answered (here: the token is unknown).
     assert httpx.post(url, content=b'{"runs": []}', headers=headers).status_code == 401
+
+
+# --- a worker that hangs up after its claim committed ----------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runs_leased_to_a_worker_that_hung_up_before_its_answer_went_out_are_given_back(
+    monkeypatch,
+):
+    import json
+    import time
+
+    from apps.runs import leasing
+    from apps.runs.models import Run
+    from apps.teams.models import ApiToken, Team
+    from tests.conftest import add_ready_runs, make_definition
+
+    team = Team.objects.create(slug="hangup", name="Hangup")
+    token = ApiToken.issue(team, ["worker"])[1]
+    pks = add_ready_runs(make_definition(team, "hang.job", queue="hang"), 2)
+    committed = threading.Event()
+    finish = leasing._finish
+
+    def finish_then_dawdle(held, error):
+        lost = finish(held, error)
+        if error is None:
+            committed.set()
+            time.sleep(0.5)  # the worker hangs up meanwhile, before the answer is sent
+        return lost
+
+    monkeypatch.setattr(leasing, "_finish", finish_then_dawdle)
+    body = json.dumps({"queues": ["hang"], "max": 2, "workerId": "w-gone"}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/api/v1/leases",
+        "raw_path": b"/api/v1/leases",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"authorization", f"Bearer {token}".encode()),
+        ],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 80),
+    }
+    sent: list[dict] = []
+
+    async def call() -> None:
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            await asyncio.get_running_loop().run_in_executor(None, committed.wait, 10)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await application(scope, receive, send)
+
+    # Threads of this test's own: the database connections they open are closed with them, not
+    # left to the next test's requests, which may not touch the database.
+    threads = RequestThreads()
+    monkeypatch.setattr(SyncChainASGIHandler, "threads", threads)
+    runner = threading.Thread(target=lambda: asyncio.run(call()))
+    runner.start()
+    runner.join(30)
+    for executor in threads._idle:
+        executor.submit(connections.close_all).result()
+        executor.shutdown()
+    assert committed.is_set() and not runner.is_alive()
+    assert sent == []  # nothing was answered: the worker had gone
+    runs = list(Run.objects.filter(pk__in=pks))
+    # Failed as retryable under their fencing tokens, each its first attempt: not left leased
+    # to a worker that never heard of them until their lease ran out.
+    assert {(run.state, run.attempt) for run in runs} == {("retrying", 1)}
+    assert {run.last_error["type"] for run in runs} == {"WorkerGone"}
