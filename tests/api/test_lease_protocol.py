@@ -252,6 +252,54 @@ def test_batch_endpoints_answer_per_item(api_a, team_a):
     assert public_run_id(next(pk for pk, s in states.items() if s == "leased")) == c["runId"]
 
 
+@pytest.mark.parametrize("stranger", ["run_8000000000000", "run_ZZZZZZZZZZZZZZZZ"])
+def test_an_id_past_a_bigint_is_no_run_and_spoils_no_batch(api_a, team_a, stranger):
+    add_ready_runs(make_definition(team_a, "jobs.big", queue="q"), 1)
+    (lease,) = api_a.lease(["q"], 1)
+    single = api_a.post(f"/api/v1/runs/{stranger}/heartbeat", {"fencingToken": 1})
+    assert single.status_code == 404, single.text
+    results = api_a.post(
+        "/api/v1/results",
+        {
+            "results": [
+                {"runId": lease["runId"], "fencingToken": lease["fencingToken"],
+                 "outcome": "succeeded"},
+                {"runId": stranger, "fencingToken": 1, "outcome": "succeeded"},
+            ]
+        },
+    )  # fmt: skip
+    assert results.status_code == 200, results.text
+    assert [item["status"] for item in results.json()["results"]] == [200, 404]
+    assert stored_one(Run).state == "succeeded"
+
+
+def test_a_run_has_one_id_a_batch_cannot_name_it_twice(api_a, team_a):
+    add_ready_runs(make_definition(team_a, "jobs.alias", queue="q"), 1)
+    (lease,) = api_a.lease(["q"], 1)
+    run_id, token = lease["runId"], lease["fencingToken"]
+    digits = run_id.removeprefix("run_")
+    # Zero-padded, the id is no run's; in lower case it is the same run, once per batch.
+    assert api_a.get(f"/api/v1/runs/run_0{digits}").status_code == 404
+    padded = api_a.post(
+        "/api/v1/results",
+        {
+            "results": [
+                {"runId": run_id, "fencingToken": token, "outcome": "failed", "retryable": True},
+                {"runId": f"run_0{digits}", "fencingToken": token, "outcome": "succeeded"},
+            ]
+        },
+    )
+    assert [item["status"] for item in padded.json()["results"]] == [200, 404]
+    assert stored_one(Run).state == "retrying"
+    twice = api_a.post(
+        "/api/v1/heartbeats",
+        {"leases": [{"runId": "run_5F1J5", "fencingToken": 1},
+                    {"runId": "run_5f1j5", "fencingToken": 1}]},
+    )  # fmt: skip
+    assert twice.status_code == 400, twice.text
+    assert "leases[1].runId" in twice.json()["errors"]
+
+
 def test_lease_can_ask_for_some_jobs_only(api_a, team_a):
     wanted = make_definition(team_a, "jobs.wanted", queue="mixed")
     other = make_definition(team_a, "jobs.other", queue="mixed")

@@ -11,6 +11,7 @@ from typing_extensions import TypedDict  # pydantic reads only this one on Pytho
 
 from apps.api.shapes import ANSWER, Body, Instant, json_value, name_check, problem
 from apps.runs import limits
+from apps.runs.ids import parse_run_id
 
 BIGINT = 2**63 - 1  # every integer here meets a PostgreSQL bigint (fencing tokens above all)
 STACK_MAX_CHARS = limits.STACK_MAX_CHARS
@@ -177,12 +178,14 @@ class LeaseRequest(Body):
 def _repeats(field: str, run_ids: list[str]) -> dict[str, list[str]]:
     """One run, one item: a batch naming a run twice is refused (each item has one answer, and
     a repeated id would multiply the work, and the audit of a denied one)."""
-    seen: set[str] = set()
+    seen: set[int | str] = set()
     faults = {}
     for index, run_id in enumerate(run_ids):
-        if run_id in seen:
+        # By the run it names: an id's digits may be written in either case.
+        run = parse_run_id(run_id) or run_id
+        if run in seen:
             faults[f"{field}[{index}].runId"] = [f"{run_id} appears earlier in this batch."]
-        seen.add(run_id)
+        seen.add(run)
     return faults
 
 
