@@ -22,6 +22,9 @@ def _fresh_limits(settings):
     cache.clear()
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 @pytest.fixture
 def jobs(team_a, team_b):
     make_definition(team_a, "billing.send-invoice", queue="billing", payload={"kind": "x"})
@@ -73,6 +76,23 @@ def test_the_single_create_is_a_batch_of_one(api_a, jobs):
     assert (first.status_code, again.status_code) == (201, 200)
     assert first.json() == again.json() == bulk.json()["runs"][0]["run"]
     assert api_a.post("/api/v1/jobs/billing.remind/runs", {"job": "x"}).status_code == 400
+
+
+@pytest.mark.parametrize("number", ["1e25", "1e308", "12345678901234567890.5", "1e16", "-0.0"])
+def test_the_same_body_sent_again_answers_its_run_whatever_its_numbers(api_a, jobs, number):
+    # The database keeps numbers as decimals and writes 1e25 back as an integer: a retry of
+    # the very same bytes must still find its run, not a conflict.
+    body = '{"idempotencyKey": "k", "payload": {"f": NUMBER, "n": [NUMBER, true]}}'
+    body = body.replace("NUMBER", number)
+    answers = [
+        api_a.post("/api/v1/jobs/billing.remind/runs", content=body, headers=JSON) for _ in range(2)
+    ]
+    assert [answer.status_code for answer in answers] == [201, 200], answers[1].text
+    assert answers[0].json()["runId"] == answers[1].json()["runId"]
+    other = body.replace(f'"f": {number}', '"f": 2e25')
+    conflict = api_a.post("/api/v1/jobs/billing.remind/runs", content=other, headers=JSON)
+    assert conflict.status_code == 409 and "fields that differ: f" in conflict.json()["detail"]
+    assert Run.objects.count() == 1
 
 
 def test_a_runs_concurrency_key_and_priority_are_kept_and_shown_by_both_endpoints(api_a, jobs):
