@@ -13,7 +13,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
-from apps.runs import shards
+from apps.runs import payloads, shards
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,16 @@ class DatabaseFailed(exceptions.APIException):
     status_code = status.HTTP_503_SERVICE_UNAVAILABLE
     default_detail = "The database failed this request; try again."
     default_code = "database-unavailable"
+
+
+class PayloadUnavailable(exceptions.APIException):
+    """A payload kept in storage that the request needs (to compare a retried enqueue's, to
+    carry a definition's over) cannot be read; nothing was written, and the same request may
+    be sent again."""
+
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    default_detail = "A payload kept in storage cannot be read; try again."
+    default_code = "payload-unavailable"
 
 
 class PayloadTooLarge(exceptions.APIException):
@@ -110,6 +120,9 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
         )
     elif isinstance(exc, shards.Unavailable):
         exc = ShardUnavailable(str(exc))
+    elif isinstance(exc, payloads.Unavailable):
+        logger.error("payload storage failure answered 503", exc_info=exc)
+        exc = PayloadUnavailable(f"{exc}; try again.")
     elif isinstance(exc, OperationalError | InterfaceError):
         logger.error("database failure answered 503", exc_info=exc)
         exc = DatabaseFailed(f"The database failed this request ({type(exc).__name__}); try again.")
@@ -135,7 +148,7 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
             body = problem(response.status_code, str(detail), code=code, errors=errors)
     response.data = body
     response.content_type = "application/problem+json"
-    if isinstance(exc, DatabaseFailed | ShardUnavailable):
+    if isinstance(exc, DatabaseFailed | ShardUnavailable | PayloadUnavailable):
         response["Retry-After"] = "1"
     return response
 

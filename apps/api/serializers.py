@@ -72,7 +72,7 @@ def run_json(run, now: datetime) -> run_shape.Run:
         "cancelRequested": run.cancel_requested,
         "trigger": run.trigger,
         "dryRun": run.dry_run,
-        "payload": payloads.load(run.payload, run.payload_key),
+        "payload": payloads.shown(run.payload, run.payload_key)[0],
         "result": run.result,
         "lastError": run.last_error,
         "createdAt": format_utc(run.created_at),

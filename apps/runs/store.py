@@ -974,22 +974,44 @@ def claim(
             starts = [rated[run_id] for run_id in chosen if run_id in rated]
             if starts:
                 cursor.execute(RECORD_RATE_STARTS, {"ids": _bigints(starts)})
-    # Large payloads are read from storage after the claim's statements (inside the caller's
-    # transaction when there is one: an unreadable payload then rolls the claim back). Made
-    # from the row's values in order, not a dict of them by name: 1-9 µs (median 4) of the web
-    # process's 63-79 a run leased (in-process, 100 a request, six alternating pairs).
-    leases = [
-        Lease(
-            *fields,
+    # Large payloads are read from storage after the claim's statements. Made from the row's
+    # values in order, not a dict of them by name: 1-9 µs (median 4) of the web process's 63-79
+    # a run leased (in-process, 100 a request, six alternating pairs).
+    leases = []
+    unreadable = []
+    for *fields, payload, late, key in rows:
+        try:
             # Django reads jsonb as text on raw cursors; the ::text cast makes that explicit.
-            payload=payloads.document(payload, key),
-            late=bool(late),
-        )
-        for *fields, payload, late, key in rows
-    ]
+            document = payloads.document(payload, key)
+        except payloads.Unavailable as exc:
+            unreadable.append((Lease(*fields, payload=None), exc))
+            continue
+        leases.append(Lease(*fields, payload=document, late=bool(late)))
+    if unreadable:
+        _unreadable(unreadable)
     # Counted and logged once the claim commits: the caller may still roll it back.
     transaction.on_commit(lambda: _claimed(leases, worker_id), using=placement.current())
     return leases
+
+
+def _unreadable(leases: list[tuple[Lease, payloads.Unavailable]]) -> None:
+    """Fail, in the claim's transaction, the runs whose payload cannot be read: retryable, so a
+    storage outage costs them an attempt and a blob that is gone sends them to the dead-letter
+    queue with its reason, rather than fail every claim of their queue (a 5xx each time) and
+    hold its other runs back."""
+    fail(
+        [
+            (
+                lease.id,
+                lease.fencing_token,
+                {"type": "PayloadUnavailable", "message": str(exc)},
+                True,
+            )
+            for lease, exc in leases
+        ],
+        team_ids=sorted({lease.team_id for lease, _ in leases}),
+    )
+    log.warning("%d leased runs failed: their payload cannot be read", len(leases))
 
 
 def _claimed(leases: list[Lease], worker_id: str) -> None:

@@ -191,6 +191,56 @@ def test_a_claim_whose_worker_hangs_up_before_the_commit_is_rolled_back(team_a):
     assert set(Run.objects.filter(pk__in=pks).values_list("state", flat=True)) == {"scheduled"}
 
 
+def test_a_run_whose_stored_payload_is_gone_fails_alone_and_holds_nothing_back(api_a, team_a):
+    from apps.runs import payloads
+
+    make_definition(team_a, "blob.job", queue="blobs")
+    big = {"text": "x" * 6000}
+    made = api_a.post("/api/v1/jobs/blob.job/runs", {"idempotencyKey": "big", "payload": big})
+    small = api_a.post("/api/v1/jobs/blob.job/runs", {"idempotencyKey": "small"})
+    assert (made.status_code, small.status_code) == (201, 201)
+    broken = Run.objects.get(idempotency_key="big")
+    assert broken.payload_key  # kept in storage, not inline
+    payloads._storage().delete(broken.payload_key)  # a storage that lost it
+
+    # The queue's other run is leased; the broken one fails, retryable, saying why.
+    (lease,) = leased(api_a, "blobs")
+    assert lease["runId"] == small.json()["runId"]
+    broken.refresh_from_db()
+    assert (broken.state, broken.attempt) == ("retrying", 1)
+    assert broken.last_error["type"] == "PayloadUnavailable"
+    assert broken.payload_key in broken.last_error["message"]
+
+    # It is still shown and cancelled, without its payload.
+    run_id = made.json()["runId"]
+    shown = api_a.get(f"/api/v1/runs/{run_id}")
+    assert shown.status_code == 200 and shown.json()["payload"] is None
+    cancelled = api_a.post(f"/api/v1/runs/{run_id}/cancel")
+    assert cancelled.status_code == 200, cancelled.text
+    assert Run.objects.get(pk=broken.pk).state == "cancelled"
+    # Sent again, the same payload is stored again under its content's key: the run reads whole.
+    again = api_a.post("/api/v1/jobs/blob.job/runs", {"idempotencyKey": "big", "payload": big})
+    assert again.status_code == 200 and again.json()["payload"] == big
+    assert Run.objects.count() == 2
+
+
+def test_a_change_that_needs_a_stored_payload_it_cannot_read_is_a_503_and_changes_nothing(api_a):
+    from apps.runs import payloads
+
+    big = {"text": "y" * 6000}
+    assert api_a.post("/api/v1/jobs", {"name": "blob.def", "payload": big}).status_code == 201
+    definition = JobDefinition.objects.get(name="blob.def")
+    payloads._storage().delete(definition.payload_key)
+    # A PATCH keeps the payload it is not given: it cannot without reading it.
+    changed = api_a.patch("/api/v1/jobs/blob.def", {"queue": "elsewhere"})
+    assert assert_problem(changed, 503)["type"].endswith("/payload-unavailable")
+    assert changed.headers["Retry-After"] == "1"
+    assert definition.payload_key in changed.json()["detail"]
+    assert "/" + "work/" not in changed.text  # the storage's own paths stay in the log
+    assert JobDefinition.objects.get(name="blob.def").queue == definition.queue
+    assert not AuditEvent.objects.filter(action="job.update").exists()
+
+
 # --- 2. Bulk filters -------------------------------------------------------------------------
 
 

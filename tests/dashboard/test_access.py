@@ -191,6 +191,13 @@ def test_payloads_and_errors_render_as_text(viewer_a, job_a):
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in body, path
 
 
+def test_a_run_whose_stored_payload_cannot_be_read_still_has_its_page(viewer_a, job_a):
+    (run,) = failed_runs(job_a)
+    Run.objects.filter(pk=run.pk).update(payload=None, payload_key="payloads/gone.json")
+    body = client_for(viewer_a).get(f"/runs/{run.run_id}").content.decode()
+    assert "Unreadable: the payload payloads/gone.json cannot be read from storage" in body
+
+
 def test_every_page_sends_a_csp_without_inline_script(viewer_a):
     client = client_for(viewer_a)
     for path in [*PAGES[:4], "/accounts/login/"]:

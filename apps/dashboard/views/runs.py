@@ -206,7 +206,7 @@ def run_detail(request: HtmxHttpRequest, run_id: str) -> HttpResponse:
         "reasons": diagnosis.why_run(run, now) if run.state in WAITING_STATES else None,
         "late": run.is_late(),
         "attempts": attempts,
-        "payload": payloads.load(run.payload, run.payload_key),
+        "payload": payloads.shown(run.payload, run.payload_key),
         "history": queries.audit_for_target(run.team_id, "run", run.run_id),
         "actions": _actions_for(run),
         "live": True,
