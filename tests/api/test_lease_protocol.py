@@ -300,6 +300,32 @@ def test_a_run_has_one_id_a_batch_cannot_name_it_twice(api_a, team_a):
     assert "leases[1].runId" in twice.json()["errors"]
 
 
+def test_a_batch_item_takes_only_the_fields_of_its_outcome_as_the_single_calls_do(api_a, team_a):
+    add_ready_runs(make_definition(team_a, "jobs.strict", queue="q"), 2)
+    a, b = api_a.lease(["q"], 2)
+    items = [
+        {"runId": a["runId"], "fencingToken": a["fencingToken"], "outcome": "succeeded",
+         "retryable": False, "error": {"message": "not read"}},
+        {"runId": b["runId"], "fencingToken": b["fencingToken"], "outcome": "failed",
+         "result": {"not": "read"}},
+    ]  # fmt: skip
+    for path, body in (
+        ("/api/v1/results", {"results": items}),
+        ("/api/v1/leases", {"queues": ["q"], "workerId": "w", "results": items}),
+    ):
+        refused = api_a.post(path, body)
+        assert refused.status_code == 400, refused.text
+        assert set(refused.json()["errors"]) == {
+            "results[0].error",
+            "results[0].retryable",
+            "results[1].result",
+        }
+    single = api_a.post(f"/api/v1/runs/{a['runId']}/complete",
+                        {"fencingToken": a["fencingToken"], "retryable": False})  # fmt: skip
+    assert single.status_code == 400
+    assert {run.state for run in stored(Run)} == {"leased"}
+
+
 def test_lease_can_ask_for_some_jobs_only(api_a, team_a):
     wanted = make_definition(team_a, "jobs.wanted", queue="mixed")
     other = make_definition(team_a, "jobs.other", queue="mixed")

@@ -122,7 +122,9 @@ class ResultBatch(Body):
     results: list[ResultItem] = Field(min_length=1, max_length=1000)
 
     def problems(self) -> dict[str, list[str]]:
-        return _repeats("results", [item.runId for item in self.results])
+        return _repeats("results", [item.runId for item in self.results]) | _mismatched(
+            self.results
+        )
 
 
 class LeaseRequest(Body):
@@ -167,7 +169,8 @@ class LeaseRequest(Body):
         return _at_most(value, settings.SCHEDULER_MAX_CLAIM)
 
     def problems(self) -> dict[str, list[str]]:
-        return _repeats("results", [item.runId for item in self.results or ()])
+        results = self.results or []
+        return _repeats("results", [item.runId for item in results]) | _mismatched(results)
 
     @field_validator("waitSeconds")
     @classmethod
@@ -186,6 +189,21 @@ def _repeats(field: str, run_ids: list[str]) -> dict[str, list[str]]:
         if run in seen:
             faults[f"{field}[{index}].runId"] = [f"{run_id} appears earlier in this batch."]
         seen.add(run)
+    return faults
+
+
+def _mismatched(results: list[ResultItem]) -> dict[str, list[str]]:
+    """An item's fields must fit its outcome, as the single calls' bodies must (`complete`
+    takes no `error`, `fail` no `result`): a field that would be dropped unread is refused."""
+    faults = {}
+    for index, item in enumerate(results):
+        given = item.model_fields_set
+        if item.outcome == "succeeded":
+            for name in ("error", "retryable"):
+                if name in given:
+                    faults[f"results[{index}].{name}"] = ["Only with a failed outcome."]
+        elif "result" in given:
+            faults[f"results[{index}].result"] = ["Only with a succeeded outcome."]
     return faults
 
 
