@@ -23,7 +23,7 @@ import pytest
 
 from apps.runs import store
 from apps.runs.ids import public_run_id
-from apps.runs.models import Attempt, Run
+from apps.runs.models import Attempt, Run, Worker
 from apps.runs.store import NewRun, insert_runs
 from tests.client.conftest import runs_when, wait_for
 from tests.conftest import add_ready_runs, db_now, expire_lease, make_definition
@@ -408,6 +408,21 @@ def test_the_bridge_leases_no_more_than_prefetch_and_stops_on_sigterm(team_a, sp
     assert bridge.wait(timeout=15) == 0
     assert "still queued in Celery after the grace period" in bridge.output()
     assert Run.objects.filter(pk__in=pks, attempt=0).count() == 3
+
+
+@e2e
+def test_sigterm_hangs_up_the_bridges_long_poll_rather_than_wait_it_out(team_a, spawn, broker):
+    make_definition(team_a, "billing.send-invoice", queue="celery-idle")
+    # Nothing queued in Celery, so nothing for its 30 s grace period to wait for but the poll.
+    bridge = spawn["bridge"]("celery-idle", "--wait-seconds", "30")
+    # Asking: the queue's workers list it once its first lease request has arrived.
+    wait_for(
+        lambda: Worker.objects.filter(team=team_a, queues__contains=["celery-idle"]).exists(),
+        what="the bridge's long poll",
+    )
+    time.sleep(0.5)
+    bridge.send_signal(signal.SIGTERM)
+    assert bridge.wait(timeout=15) == 0  # well inside the 30 s the poll would have waited
 
 
 @e2e

@@ -334,11 +334,12 @@ class Bridge(Daemon):
                 parse=lease_answer,
             )
         except ApiError as exc:
-            if not carried:
-                raise
-            self._answer(carried)  # apart, then lease again without them
-            if exc.status in (400, 413):
-                return 0
+            if carried:
+                self._answer(carried)  # apart, then lease again without them
+                if exc.status in (400, 413):
+                    return 0
+            if self.shutdown.is_set():
+                return 0  # the stop hung up the long poll: nothing to retry
             raise
         if carried:
             read_answers([(_leased(lease), report) for lease, report in carried], answered)
@@ -460,13 +461,16 @@ class Bridge(Daemon):
     def _shut_down(self) -> None:
         """Stop leasing, give queued runs the grace period to start, then stop.
 
-        1. The lease loop ends after its current long poll; leases it brings are sent as usual.
+        1. The lease loop stops: a long poll under way is hung up on (the scheduler rolls its
+           claim back, or fails as retryable the runs of an answer it could not send); leases
+           of an answer that arrives all the same are sent as usual.
         2. Queued runs keep their leases extended until their tasks start, for up to
            `grace_seconds`: a deploy of the bridge does not cost the runs waiting in Celery.
         3. Runs still queued after that are left to expire: their messages stay in the broker and
            a task that starts after the lease is gone is refused by its first heartbeat.
         4. Stop heartbeats and the event receiver.
         """
+        self._lease_http.interrupt()
         with self._lock:
             queued = len(self._pending)
         logger.info(
