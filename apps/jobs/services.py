@@ -189,7 +189,7 @@ def update_definition(
         if schedule_changed:
             made_ahead = retention.delete_made_ahead(locked.pk)
         if was_paused and not locked.paused:
-            locked.next_due_at = initial_next_due_at(locked.schedule, database_now())
+            locked.next_due_at = _rearmed(locked, database_now())
         locked.save()
         if locked.limited != was_limited:
             mark_limited(locked.pk, locked.limited)
@@ -237,14 +237,18 @@ def delete_definition(definition: JobDefinition, actor: Actor) -> None:
 
 
 def set_paused(definition: JobDefinition, paused: bool, actor: Actor) -> JobDefinition:
-    """Pause or resume a definition. Resuming restarts from the next fire time: no back-fill."""
+    """Pause or resume a definition. Pausing deletes the runs its schedule made ahead of their
+    time that nobody has claimed; resuming restarts from the next fire time: no back-fill."""
+    made_ahead: list[str] = []
     with shards.writing(database_to_write(definition.name)):
         locked = JobDefinition.objects.select_for_update().get(pk=definition.pk)
         if locked.paused == paused:
             return locked
         locked.paused = paused
-        if not paused:
-            locked.next_due_at = initial_next_due_at(locked.schedule, database_now())
+        if paused:
+            made_ahead = retention.delete_made_ahead(locked.pk)
+        else:
+            locked.next_due_at = _rearmed(locked, database_now())
             notify_ready([locked.queue])
         locked.save(update_fields=["paused", "next_due_at", "updated_at"])
         record(
@@ -256,7 +260,51 @@ def set_paused(definition: JobDefinition, paused: bool, actor: Actor) -> JobDefi
             before={"paused": not paused},
             after={"paused": paused},
         )
+    payloads.delete_unreferenced(made_ahead)
     return locked
+
+
+def _rearmed(definition: JobDefinition, now: datetime) -> datetime | None:
+    """A resumed definition's next fire time, from now (a pause is not back-filled). One that
+    had nothing left to fire (a delayed job that ran, a cron job past its endAt) stays so: a
+    delay counted again from now would run it a second time."""
+    if definition.next_due_at is None:
+        return None
+    return initial_next_due_at(definition.schedule, now)
+
+
+def _queue_schedules_paused(team, queue_name: str) -> None:
+    """A paused queue's definitions make no runs (the materialiser passes them over): delete the
+    runs they made ahead of their time that nobody has claimed, on every shard database."""
+
+    def drop() -> list[str]:
+        with transaction.atomic(using=shards.current()):
+            return [
+                key
+                for pk in JobDefinition.objects.filter(team=team, queue=queue_name).values_list(
+                    "pk", flat=True
+                )
+                for key in retention.delete_made_ahead(pk)
+            ]
+
+    made_ahead, _ = shards.gather(drop)
+    payloads.delete_unreferenced([key for keys in made_ahead for key in keys])
+
+
+def _queue_schedules_resumed(team, queue_name: str) -> None:
+    """Restart the next fire times of a resuming queue's definitions from now, on every shard
+    database, before the queue resumes: a paused queue is not back-filled either."""
+
+    def rearm() -> None:
+        with transaction.atomic(using=shards.current()):
+            now = database_now()
+            for definition in JobDefinition.objects.select_for_update().filter(
+                team=team, queue=queue_name, paused=False, next_due_at__isnull=False
+            ):
+                definition.next_due_at = _rearmed(definition, now)
+                definition.save(update_fields=["next_due_at"])
+
+    shards.gather(rearm, strict=True)
 
 
 def queue_settings(queue: Queue) -> dict[str, Any]:
@@ -274,6 +322,8 @@ def set_queue_settings(
 
     A new limit holds at once in this process and within a second in every other
     (apps/runs/leasing.py, CONTROL_STATE_SECONDS); the starts already in the window count."""
+    if paused is False and _queue_paused(team, queue_name):
+        _queue_schedules_resumed(team, queue_name)  # first: see set_queue_paused
     with transaction.atomic():
         queue, _ = Queue.objects.select_for_update().get_or_create(team=team, name=queue_name)
         before = queue_settings(queue)
@@ -297,13 +347,24 @@ def set_queue_settings(
             if before["paused"] and not queue.paused:
                 notify_ready([queue_name])
             transaction.on_commit(leasing.control_state.forget)
+    if paused and not before["paused"]:
+        _queue_schedules_paused(team, queue_name)
     return queue
 
 
 def set_queue_paused(team, queue_name: str, paused: bool, actor: Actor) -> Queue:
+    """Pause or resume a queue: its runs are not leased, and its definitions make no runs while
+    it is paused (those made ahead are deleted); resuming restarts their next fire times from
+    now, as a definition's own resume does."""
+    if not paused and _queue_paused(team, queue_name):
+        # First, while the queue still holds the materialiser off them: resumed the other way
+        # round, it could meet their past fire times and back-fill the pause.
+        _queue_schedules_resumed(team, queue_name)
+    changed = False
     with transaction.atomic():
         queue, _ = Queue.objects.select_for_update().get_or_create(team=team, name=queue_name)
         if queue.paused != paused:
+            changed = True
             queue.paused = paused
             queue.save(update_fields=["paused", "updated_at"])
             record(
@@ -319,4 +380,11 @@ def set_queue_paused(team, queue_name: str, paused: bool, actor: Actor) -> Queue
             transaction.on_commit(leasing.control_state.forget)
             if not paused:
                 notify_ready([queue_name])
+    if changed and paused:
+        # After the commit: from then on the materialiser passes them over, so none comes back.
+        _queue_schedules_paused(team, queue_name)
     return queue
+
+
+def _queue_paused(team, queue_name: str) -> bool:
+    return Queue.objects.filter(team=team, name=queue_name, paused=True).exists()

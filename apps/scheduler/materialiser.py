@@ -55,8 +55,14 @@ WHERE shard = %(shard)s AND owner = %(node)s AND epoch = %(epoch)s AND expires_a
 FOR SHARE
 """
 
+# The paused queues (control database; a handful of rows): their definitions make no runs.
+PAUSED_QUEUES = """
+SELECT team_id, name FROM jobs_queue WHERE paused
+"""
+
 # Served by the partial index job_due_by_shard (shard, next_due_at) WHERE NOT paused AND
-# next_due_at IS NOT NULL. SKIP LOCKED: a definition being edited is taken next tick instead of
+# next_due_at IS NOT NULL; the definitions of paused queues are filtered from what it finds
+# (they stay due, and are walked past, until their queue resumes and restarts them). SKIP LOCKED: a definition being edited is taken next tick instead of
 # stalling the shard behind the editor's transaction. NO KEY UPDATE, which an edit's FOR UPDATE
 # still excludes, but an insert of the definition's runs (FOR KEY SHARE, apps/runs/store.py)
 # does not: a definition that producers enqueue to all the time is never passed over. A
@@ -67,6 +73,8 @@ SELECT_DUE = """
 SELECT id, name, schedule::text, next_due_at FROM jobs_jobdefinition
 WHERE shard = %(shard)s AND NOT paused AND next_due_at IS NOT NULL AND next_due_at <= %(horizon)s
   AND (next_due_at <= %(now)s OR coalesce(schedule ->> 'overlapPolicy', 'allow_all') = 'allow_all')
+  AND (team_id, queue) NOT IN (
+      SELECT * FROM unnest(%(paused_teams)s::bigint[], %(paused_queues)s::text[]))
 ORDER BY next_due_at
 LIMIT %(batch)s
 FOR NO KEY UPDATE OF jobs_jobdefinition SKIP LOCKED
@@ -561,13 +569,23 @@ def materialise_batch(
         if control.fetchone() is None:
             result.lease_held = False
             return result
+        control.execute(PAUSED_QUEUES)
+        paused = control.fetchall()
         with (
             shards.using(shards.alias_of_shard(shard)),
             atomic(savepoint=False),
             server_cursor() as cursor,
         ):
             cursor.execute(
-                SELECT_DUE, {"shard": shard, "now": now, "horizon": horizon, "batch": batch}
+                SELECT_DUE,
+                {
+                    "shard": shard,
+                    "now": now,
+                    "horizon": horizon,
+                    "batch": batch,
+                    "paused_teams": [team for team, _ in paused],
+                    "paused_queues": [queue for _, queue in paused],
+                },
             )
             rows = cursor.fetchall()
             result.definitions = len(rows)

@@ -16,6 +16,7 @@ import pytest
 from django.db import DatabaseError, connections
 
 from apps.audit.models import AuditEvent
+from apps.audit.record import Actor
 from apps.jobs import firetimes, services
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
@@ -140,6 +141,57 @@ def test_paused_definitions_are_not_materialised():
     assert not Run.objects.filter(definition=definition).exists()
     definition.refresh_from_db()
     assert definition.next_due_at == due
+
+
+def test_a_paused_queue_makes_no_runs_and_its_resume_does_not_back_fill_the_pause():
+    now = db_now()
+    missed = floor_minute(now) - timedelta(minutes=3)  # due while the queue was paused
+    definition = a_definition("queued.job", {"cron": "* * * * *"}, missed, queue="held")
+    kept = a_definition("other.job", {"cron": "* * * * *"}, missed, queue="open")
+    actor = Actor.cli("test")
+    services.set_queue_paused(definition.team, "held", True, actor)
+
+    scheduler = a_scheduler()
+    scheduler.tick()
+    assert not Run.objects.filter(definition=definition).exists()
+    assert Run.objects.filter(definition=kept).exists()  # another queue goes on
+    definition.refresh_from_db()
+    assert definition.next_due_at == missed
+
+    services.set_queue_paused(definition.team, "held", False, actor)
+    definition.refresh_from_db()
+    # Restarted from now, as a definition's own resume does: no run for the paused minutes.
+    assert definition.next_due_at == floor_minute(now) + timedelta(minutes=1)
+    scheduler.tick()
+    assert min(Run.objects.filter(definition=definition).values_list("due_at", flat=True)) > now
+
+
+def test_a_pause_deletes_the_runs_made_ahead_that_nobody_claimed():
+    now = db_now()
+    due = floor_minute(now) + timedelta(minutes=1)
+    by_job = a_definition("ahead.job", {"cron": "* * * * *"}, due, queue="ahead")
+    by_queue = a_definition("ahead.queue", {"cron": "* * * * *"}, due, queue="ahead-q")
+    a_scheduler().tick()
+    assert Run.objects.filter(definition__in=[by_job, by_queue], due_at=due).count() == 2
+
+    actor = Actor.cli("test")
+    services.set_paused(by_job, True, actor)
+    services.set_queue_paused(by_queue.team, "ahead-q", True, actor)
+    # Their fire time falls inside the pause: it is not run after the resume either.
+    assert not Run.objects.filter(definition__in=[by_job, by_queue]).exists()
+
+
+def test_resuming_a_delayed_job_that_already_ran_does_not_run_it_again():
+    definition = a_definition("once.later", {"delaySeconds": 0}, db_now())
+    a_scheduler().tick()
+    assert Run.objects.filter(definition=definition).count() == 1
+    definition.refresh_from_db()
+    assert definition.next_due_at is None
+    actor = Actor.cli("test")
+    services.set_paused(services.set_paused(definition, True, actor), False, actor)
+    a_scheduler().tick()
+    assert Run.objects.filter(definition=definition).count() == 1
+    assert JobDefinition.objects.get(pk=definition.pk).next_due_at is None
 
 
 def test_cron_run_due_within_the_lookahead_gets_its_jitter_and_key():
