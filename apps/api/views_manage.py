@@ -558,9 +558,7 @@ class JobPreviewView(ManageView):
         count = _parse_count(request.query_params.get("count"))
         after = _parse_from(request.query_params.get("from"))
         schedule = sched.parse_schedule(definition.schedule)
-        times = sched.preview(
-            definition.name, schedule, after, count, created_at=definition.created_at
-        )
+        times = sched.saved_preview(definition, schedule, after, count)
         return Response(preview_json(times))
 
 
@@ -582,7 +580,7 @@ class PreviewView(ManageView):
         body = self.body(request, job_shape.SchedulePreview)
         after = body.after or database_now()
         schedule = sched.parse_schedule(body.schedule)
-        times = sched.preview(body.name, schedule, after, body.count, created_at=after)
+        times = sched.preview(body.name, schedule, after, body.count)
         return Response(preview_json(times))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
 from apps.jobs.cron import (
     FIELD_LAYOUT,
@@ -23,6 +24,9 @@ from apps.jobs.cron import (
 from apps.jobs.firetimes import load_zone, schedule_fire_times
 from apps.runs.clock import format_utc
 from apps.runs.limits import LATEST_RUN_TIME
+
+if TYPE_CHECKING:
+    from apps.jobs.models import JobDefinition
 
 DEFAULT_TIME_ZONE = "UTC"
 DEFAULT_JITTER_SECONDS = 60
@@ -376,8 +380,9 @@ def preview(
     Cron: local time with offset, UTC, start after the job's jitter, the DST note, and whether
     a DST change moved or repeated it; only times within startAt and endAt, the first one after
     a startAt still ahead of ``after`` and the last one before endAt saying so in their notes.
-    One-off: its time if still ahead of ``after``. Delayed: ``created_at`` (or ``after``) plus
-    the delay. None: nothing.
+    One-off: its time if still ahead of ``after``. Delayed: ``created_at`` plus the delay if
+    still ahead of ``after`` (without ``created_at``, a schedule not saved yet: ``after`` plus
+    the delay). None: nothing.
     """
     if after.utcoffset() is None:
         raise ValueError("after must be an aware datetime")
@@ -396,10 +401,24 @@ def preview(
         elif isinstance(schedule, DelayedSchedule):
             start = created_at or after
             due = (start + timedelta(seconds=schedule.delay_seconds)).astimezone(UTC)
-            items.append(_preview_item(due, due, due, ""))
+            if created_at is None or due > after:
+                items.append(_preview_item(due, due, due, ""))
     except OverflowError:
         pass
     return items
+
+
+def saved_preview(
+    definition: JobDefinition, schedule: Schedule, after: datetime, count: int
+) -> list[dict]:
+    """A saved definition's preview: a delayed job's one time is the one it was given when
+    saved (its next fire time, to the microsecond), and none once its run has been made."""
+    created_at = definition.created_at
+    if isinstance(schedule, DelayedSchedule):
+        if definition.next_due_at is None:
+            return []
+        created_at = definition.next_due_at - timedelta(seconds=schedule.delay_seconds)
+    return preview(definition.name, schedule, after, count, created_at=created_at)
 
 
 def _cron_preview(

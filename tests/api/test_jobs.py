@@ -7,6 +7,7 @@ from importlib import import_module
 
 import pytest
 from django.db import connection
+from django.utils.dateparse import parse_datetime
 
 from apps.audit.models import AuditEvent
 from apps.jobs.models import JobDefinition
@@ -253,6 +254,22 @@ def test_preview_of_an_unsaved_schedule(api_a):
     assert times[0]["local"] == "2026-10-25T02:30:00+02:00"
     assert times[1]["local"] == "2026-10-26T02:30:00+01:00"
     assert JobDefinition.objects.count() == 0
+
+
+def test_a_delayed_jobs_preview_is_its_one_time_while_ahead_and_nothing_once_made(api_a):
+    made = api_a.put("/api/v1/jobs/later.once", {"queue": "q", "schedule": {"delaySeconds": 300}})
+    due = made.json()["nextDueAt"]
+    preview = "/api/v1/jobs/later.once/preview"
+    assert [t["utc"] for t in api_a.get(preview).json()["times"]] == [due]  # to the microsecond
+    # A from past the time shows nothing (the answer writes milliseconds: one more is past it).
+    past = format_utc(parse_datetime(due) + timedelta(milliseconds=1))
+    assert api_a.get(preview, params={"from": past}).json()["times"] == []
+    assert api_a.get(preview, params={"from": "9000-01-01T00:00:00Z"}).json()["times"] == []
+    JobDefinition.objects.filter(name="later.once").update(next_due_at=None)  # its run was made
+    assert api_a.get(preview).json()["times"] == []
+    unsaved = api_a.post("/api/v1/preview", {"schedule": {"delaySeconds": 0},
+                                             "from": "2031-01-01T00:00:00Z"})  # fmt: skip
+    assert [t["utc"] for t in unsaved.json()["times"]] == ["2031-01-01T00:00:00Z"]
 
 
 # --- cron day rules and schedule bounds ---------------------------------------------------------

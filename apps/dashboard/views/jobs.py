@@ -105,9 +105,7 @@ def _preview(definition: JobDefinition, after) -> tuple[list[dict], str, bool]:
     except sched.ScheduleError as exc:
         return [], str(exc), False
     return (
-        sched.preview(
-            definition.name, parsed, after, PREVIEW_COUNT, created_at=definition.created_at
-        ),
+        sched.saved_preview(definition, parsed, after, PREVIEW_COUNT),
         "",
         isinstance(parsed, sched.CronSchedule),
     )
