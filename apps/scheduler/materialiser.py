@@ -253,12 +253,14 @@ def plan_cron(
     """Return the runs of a cron definition due by `horizon`, and its next due time.
 
     1. Times in [next_due_at, now - grace) are missed: run_once keeps the latest, run_all the
-       latest `missed_cap` (noting the cap), skip none; all are `catch_up` runs.
+       latest `missed_cap` (noting the cap; with skip or buffer_one, which run the first
+       alone, the first before them), skip none; all are `catch_up` runs.
     2. Times in [max(next_due_at, now - grace), horizon] are ordinary `cron` runs; with an
        overlap policy other than allow_all, horizon is `now` (judged at the fire time).
     3. The next due time is the first fire time after horizon (None if the cron never fires again).
     """
-    if schedule.overlap_policy != sched.DEFAULT_OVERLAP_POLICY:
+    overlapping = schedule.overlap_policy != sched.DEFAULT_OVERLAP_POLICY
+    if overlapping:
         horizon = min(horizon, now)
     start = next_due_at - JUST_BEFORE
     cutoff = now - grace
@@ -267,7 +269,13 @@ def plan_cron(
     if next_due_at < cutoff and schedule.missed_run_policy != "skip":
         keep = 1 if schedule.missed_run_policy == "run_once" else max(missed_cap, 1)
         missed, more = _latest(schedule, start, cutoff - TINY, keep)
-        if more and schedule.missed_run_policy == "run_all" and missed:
+        capped = more and schedule.missed_run_policy == "run_all"
+        if capped and schedule.overlap_policy in ("skip", "buffer_one"):
+            # These run the first missed time alone (it overlaps the rest: keep_slots), past
+            # the cap too: it leads the slots.
+            missed = firetimes.fire_times_between(schedule, start, cutoff - TINY, 1) + missed
+        # Noted where the cap kept runs out: with an overlap policy one run is inserted anyway.
+        if capped and missed and not overlapping:
             note = (
                 f"Missed runs from {format_utc(next_due_at)} exceeded the cap of {keep}; "
                 f"only the latest {keep} (from {missed[0].local.isoformat()}) were inserted "
