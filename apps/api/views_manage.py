@@ -85,6 +85,13 @@ class ManageView(APIView):
             target=target,
         )
 
+    def _refuse_taken(self, request: Request, name: str, team) -> None:
+        """403, audited, when the name is another team's job (names are one namespace)."""
+        owner = _owner_elsewhere(name, team)
+        if owner is not None:
+            self._deny(request, owner.team, "job", name)
+            raise PermissionDenied(f"The job name '{name}' belongs to another team.")
+
     def definition(self, request: Request, name: str) -> JobDefinition:
         """The job named in the path: 404 when there is none, 403 when it is another team's (a
         name is taken for every team: PUT and POST already say so)."""
@@ -138,9 +145,11 @@ def _amends_cron(current: Any, given: Any) -> bool:
     )
 
 
-def _name_taken_elsewhere(name: str, team) -> bool:
+def _owner_elsewhere(name: str, team) -> JobDefinition | None:
+    """Another team's job of this name (with its team), if there is one."""
     with shards.reaching(database_of(name)):
-        return JobDefinition.objects.named(name).exclude(team=team).exists()
+        found = shards.with_teams(JobDefinition.objects.named(name).exclude(team=team))
+    return found[0] if found else None
 
 
 class JobsView(ManageView):
@@ -185,8 +194,7 @@ class JobsView(ManageView):
     def post(self, request: Request) -> Response:
         spec = self.body(request, job_shape.Definition).to_spec()
         team = self.team(request)
-        if _name_taken_elsewhere(spec.name, team):
-            raise PermissionDenied(f"The job name '{spec.name}' belongs to another team.")
+        self._refuse_taken(request, spec.name, team)
         with shards.reaching(database_of(spec.name)):
             exists = JobDefinition.objects.named(spec.name).exists()
         if exists:
@@ -214,6 +222,15 @@ class JobsView(ManageView):
         try:
             specs = sync.validate(body.jobs, job_shape.Definition.to_spec)
             plan = sync.plan_sync(self.team(request), specs, prune=body.prune)
+        except sync.NamesTaken as exc:
+            by_team: dict[int, tuple[Any, list[str]]] = {}
+            for definition in exc.taken:
+                by_team.setdefault(definition.team_id, (definition.team, []))[1].append(
+                    definition.name
+                )
+            for owner, names in by_team.values():  # one audit event per team tried
+                self._deny(request, owner, "job", sorted(names))
+            raise PermissionDenied(" ".join(exc.errors["jobs"])) from exc
         except sync.SyncError as exc:
             raise ValidationError(exc.errors) from exc
         if not body.dryRun:
@@ -273,8 +290,7 @@ class JobDetailView(ManageView):
         problem_of_name = limits.job_name_problem(name)
         if problem_of_name is not None:
             raise ValidationError({"name": [problem_of_name]})
-        if _name_taken_elsewhere(name, team):
-            raise PermissionDenied(f"The job name '{name}' belongs to another team.")
+        self._refuse_taken(request, name, team)
         # A replacement states its queue (DefinitionReplace): an empty body would otherwise
         # create (or reset a job to) every default, never what a jobs-as-code file means.
         spec = self.body(request, job_shape.DefinitionReplace, _named(request.data, name)).to_spec()

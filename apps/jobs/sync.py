@@ -23,6 +23,16 @@ class SyncError(ValueError):
         self.errors = errors
 
 
+class NamesTaken(SyncError):
+    """Some listed names are other teams' jobs (`taken`: those definitions, with their teams):
+    the API answers 403 and audits the attempt, as for any call naming another team's job."""
+
+    def __init__(self, taken: list[JobDefinition]) -> None:
+        names = sorted(definition.name for definition in taken)
+        super().__init__({"jobs": [f"'{name}' belongs to another team." for name in names]})
+        self.taken = taken
+
+
 @dataclass
 class Change:
     action: str  # create | update | delete
@@ -96,19 +106,15 @@ def plan_sync(team, specs: dict[str, services.DefinitionSpec], *, prune: bool) -
     found, _ = shards.gather(
         lambda: (
             list(JobDefinition.objects.filter(team=team)),
-            list(
-                JobDefinition.objects.filter(name__in=list(specs))
-                .exclude(team=team)
-                .values_list("name", flat=True)
+            shards.with_teams(
+                JobDefinition.objects.filter(name__in=list(specs)).exclude(team=team)
             ),
         ),
         strict=True,
     )
-    elsewhere = [name for _, names in found for name in names]
+    elsewhere = [definition for _, taken in found for definition in taken]
     if elsewhere:
-        raise SyncError(
-            {"jobs": [f"'{name}' belongs to another team." for name in sorted(elsewhere)]}
-        )
+        raise NamesTaken(elsewhere)
     existing = {d.name: d for definitions, _ in found for d in definitions}
     for name, spec in sorted(specs.items()):
         current = existing.get(name)

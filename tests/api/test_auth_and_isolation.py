@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from apps.jobs.models import JobDefinition
 from apps.runs.models import Run
 from apps.teams.models import ApiToken
 from tests.conftest import Api, add_ready_runs, make_definition
@@ -72,8 +73,17 @@ def test_other_teams_jobs_are_forbidden_and_runs_not_found(api_a, api_b, team_a)
     assert set(denied.values_list("team__slug", flat=True)) == {"team-a"}
     assert all(event.actor_token.team.slug == "team-b" for event in denied)
     assert set(denied.values_list("target", flat=True)) == {"secret.job", run_id}
-    # Another team cannot take the name either.
-    assert api_b.put("/api/v1/jobs/secret.job", {"name": "secret.job"}).status_code == 403
+    # Another team cannot take the name either, by any call: each a 403, each recorded.
+    taking = [
+        api_b.put("/api/v1/jobs/secret.job", {"name": "secret.job", "queue": "q"}),
+        api_b.post("/api/v1/jobs", {"name": "secret.job", "queue": "q"}),
+        api_b.put("/api/v1/jobs", {"jobs": [{"name": "secret.job", "queue": "q"}],
+                                   "dryRun": True}),
+    ]  # fmt: skip
+    assert [answer.status_code for answer in taking] == [403, 403, 403]
+    assert "'secret.job' belongs to another team" in taking[2].json()["detail"]
+    assert AuditEvent.objects.filter(action="access.denied").count() == 12
+    assert JobDefinition.objects.get(name="secret.job").team == team_a
 
 
 def test_a_revoked_token_stops_working_within_the_cache_time(
