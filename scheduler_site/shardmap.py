@@ -66,7 +66,7 @@ def parse(text: str, shard_count: int, control_url: str) -> ShardMap:
             placed[shard] = alias
     missing = [n for n in range(shard_count) if n not in placed]
     if missing:
-        raise ShardMapError(f"Shards {_ranges(missing)} are on no database.")
+        raise ShardMapError(f"Shards {ranges(missing)} are on no database.")
     return ShardMap(tuple(placed[n] for n in range(shard_count)), urls)
 
 
@@ -115,11 +115,12 @@ def render(aliases: tuple[str, ...], url_of: dict[str, str]) -> str:
     return ";".join(entries)
 
 
-def _ranges(numbers: list[int]) -> str:
+def ranges(numbers: list[int]) -> str:
+    """Shard numbers, in order, as ranges: [0, 1, 2, 5, 7, 8] → "0-2,5,7-8"."""
     spans: list[str] = []
     for n in numbers:
         if spans and n - 1 == int(spans[-1].split("-")[-1]):
             spans[-1] = f"{spans[-1].split('-')[0]}-{n}"
         else:
             spans.append(str(n))
-    return ", ".join(spans)
+    return ",".join(spans)

@@ -203,9 +203,9 @@ def shards_on(alias: str) -> list[int]:
 
 
 def span(alias: str) -> str:
-    """The shards of a database as people read them: "5-10", or "3" alone."""
-    held = shards_on(alias)
-    return f"{held[0]}-{held[-1]}" if len(held) > 1 else str(held[0])
+    """The shards of a database as people read them: "5-10", "3" alone, or "0-5,7" once moves
+    have left gaps."""
+    return shardmap.ranges(shards_on(alias))
 
 
 def physical() -> bool:

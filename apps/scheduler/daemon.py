@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import close_old_connections, connection, connections
 
 from apps.notify import loop as notifier
 from apps.runs import retention, shards, store
@@ -87,6 +87,7 @@ class Scheduler:
         self.held: dict[int, int] = {}
         # Shards taken this tick and not yet reaped and materialised: they go first.
         self.fresh: set[int] = set()
+        self._down: set[str] = set()  # shard databases found down this tick
         self.shutdown = False
         self.now: datetime | None = None
         self._renewed_at = 0.0  # time.monotonic(): only paces renewals, never judges expiry
@@ -227,10 +228,28 @@ class Scheduler:
 
     def _drain_shard(self, shard: int) -> None:
         # Renewal is checked before every batch: a long backlog spans many shards and batches.
-        while not self.shutdown:
-            self.handle_one_renewal()
-            if not self.handle_one_materialise(shard):
-                break
+        alias = shards.alias_of_shard(shard)
+        if alias in self._down:
+            return
+        try:
+            while not self.shutdown:
+                self.handle_one_renewal()
+                if not self.handle_one_materialise(shard):
+                    break
+        except shards.DOWN:
+            # With shards on servers of their own, a database that is down holds back its own
+            # shards only: the others of this node are materialised in this tick all the same.
+            # (The control database down fails the renewal too, and the tick with it.)
+            if not shards.physical() or alias == shards.CONTROL:
+                raise
+            log.warning(
+                "%s: shards %s wait: their database cannot be reached",
+                self.node_id,
+                shards.span(alias),
+                exc_info=True,
+            )
+            self._down.add(alias)
+            connections[alias].close()
 
     def handle_one_retention(self) -> bool:
         """Delete one round of old finished runs and audit events, on the owner of shard 0 only.
@@ -253,6 +272,7 @@ class Scheduler:
     def tick(self) -> TickReport:
         """Run one tick: clock, leases, then reap and materialise (new shards first)."""
         self.report = TickReport()
+        self._down = set()
         shards.refresh()  # a shard moved by `manage.py moveshard` is materialised where it went
         self.read_clock()
         self.handle_one_lease_round()

@@ -18,7 +18,14 @@ from apps.jobs.models import JobDefinition, Queue
 from apps.runs import leasing, shards, store
 from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import Attempt, Run
-from tests.conftest import Drain, Layout, assert_invariants_everywhere, claim, stored_run
+from tests.conftest import (
+    Drain,
+    Layout,
+    assert_invariants_everywhere,
+    claim,
+    db_now,
+    stored_run,
+)
 from tests.runs.test_claim_concurrency import run_in_threads
 
 pytestmark = [
@@ -489,3 +496,30 @@ def test_queues_and_alerts_read_every_shard_database_and_name_one_that_is_down(
     )
     assert alerts.status_code == 200, alerts.text
     assert alerts.json() == {"results": [], "unavailableShards": [dead]}
+
+
+def test_a_scheduler_with_one_shard_database_down_materialises_the_others(layout, team_a):
+    from apps.scheduler.daemon import Scheduler
+
+    # The database holding the lowest shards is the one down: a tick that stopped at its first
+    # failure would never reach the others.
+    victim = min(layout.aliases, key=lambda alias: shards.shards_on(alias)[0])
+    alive = next(alias for alias in layout.aliases if alias != victim)
+    jobs = {
+        alias: layout.job_on(alias, team_a, f"tick{n}") for n, alias in enumerate(layout.aliases)
+    }
+    scheduler = Scheduler(node_id="test-node")
+    scheduler.tick()  # takes every shard; nothing is due yet
+    for alias, job in jobs.items():
+        with shards.using(alias):
+            JobDefinition.objects.filter(pk=job.pk).update(
+                schedule={"cron": "* * * * *", "jitterSeconds": 0},
+                next_due_at=db_now().replace(second=0, microsecond=0),  # this minute's: due
+            )
+    with layout.down(layout.aliases.index(victim)):
+        scheduler.tick()
+        with shards.using(alive):
+            assert Run.objects.filter(definition_id=jobs[alive].pk).exists()
+    scheduler.tick()  # back: its shards catch up
+    with shards.using(victim):
+        assert Run.objects.filter(definition_id=jobs[victim].pk).exists()

@@ -55,6 +55,15 @@ def test_a_map_that_does_not_place_every_shard_once_is_refused_with_its_reason(t
         parse(text, 16, CONTROL)
 
 
+def test_shards_are_named_by_the_ranges_they_make_gaps_and_all():
+    from scheduler_site.shardmap import ranges
+
+    assert ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert ranges([12]) == "12" and ranges(list(range(16))) == "0-15"
+    # After moves: what a database holds is said as it is, not from its first to its last.
+    assert ranges([6, 8, 9, 10, 11, 13, 14, 15]) == "6,8-11,13-15"
+
+
 def test_a_bad_map_stops_the_process_at_start_with_the_settings_name():
     env = {**os.environ, "SCHEDULER_SHARD_DATABASES": f"0-7={A}"}
     out = subprocess.run(
