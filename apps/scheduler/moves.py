@@ -21,17 +21,25 @@ window, with nothing lost or duplicated.
    override, `ShardPlacement`) and give the scheduler lease back, then delete the shard's rows
    from the source and commit it. The guard stays on the source while the shard is away.
 
-An interrupted move is finished by running the same command again: once the control database
-places the shard on the target, the command only deletes the shard's rows elsewhere.
+A move holds a session lock on the shard in the control database from start to end: a second
+move of the shard is refused while it runs, and the lock goes with the move's session if the
+process dies. An interrupted move is finished by running the same command again: once the
+control database places the shard on the target, the command only deletes the shard's rows
+elsewhere. A move that died before that (killed, or its undo could not reach a database) left
+the shard refusing new runs: running the command with `--to` where the shard is releases it
+(its `moving` mark, its scheduler lease and the source's guard).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 from django.conf import settings
 from django.core.management import call_command
@@ -44,9 +52,23 @@ from apps.runs.models import ShardPlacement
 from apps.runs.shards import MOVED_GUARD_PREFIX
 
 SHARDED_TABLES = ("jobs_jobdefinition", "runs_run")
+log = logging.getLogger(__name__)
 
 
 # --- the statements, in the order the move runs them ----------------------------------------
+
+# 0. In the control database, for the whole move: one move of a shard at a time. A session lock,
+#    so a move that dies lets go of it with its connection.
+LOCK_MOVE = "SELECT pg_try_advisory_lock(%(space)s, %(shard)s)"
+UNLOCK_MOVE = "SELECT pg_advisory_unlock(%(space)s, %(shard)s)"
+MOVE_LOCKS = 0x6D6F7665  # "move": the lock space of moves, the shard the key within it
+
+#    The source's session, seen from the target's: the same server and database under another
+#    URL (`localhost` for `127.0.0.1`, say), which must not be taken for a target.
+SAME_DATABASE = """
+SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+               WHERE pid = %(pid)s AND datname = current_database())
+"""
 
 # 1. On the target: rows of the shard already there (a leftover of another move) refuse it.
 TARGET_HOLDS = "SELECT EXISTS (SELECT 1 FROM {table} WHERE shard = %(shard)s)"
@@ -64,6 +86,11 @@ GIVE_LEASE = """
 UPDATE scheduler_shardlease SET owner = '', expires_at = now() - interval '1 second'
 WHERE shard = %(shard)s AND owner = %(owner)s
 """
+#    A dead move's lease (its owner names a move; no move runs: the caller holds LOCK_MOVE).
+GIVE_DEAD_MOVES_LEASE = """
+UPDATE scheduler_shardlease SET owner = '', expires_at = now() - interval '1 second'
+WHERE shard = %(shard)s AND owner LIKE 'moveshard:%%'
+"""
 #    On the source (and dropped on the target, where a shard that comes back may have left one):
 #    inserts of the shard's rows refused, as check_violation named after the guard. Not a CHECK
 #    constraint, which would refuse every update of the shard's rows too.
@@ -72,6 +99,9 @@ ADD_GUARD = (
     " EXECUTE FUNCTION shard_moved_refuse()"
 )
 DROP_GUARD = "DROP TRIGGER IF EXISTS {name} ON {table}"
+GUARDED = """
+SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = %(name)s AND tgrelid = %(table)s::regclass)
+"""
 
 # 3. On the source. No index leads with the shard: each pass reads the runs table once, which
 #    the maintenance window pays for.
@@ -171,14 +201,50 @@ class Moved:
 def move(
     shard: int, url: str, *, wait: float = 300.0, say: Callable[[str], None] = lambda _: None
 ) -> Moved:
-    """Move `shard` to the database at `url` (see the module's steps)."""
+    """Move `shard` to the database at `url` (see the module's steps). MoveError when it is
+    refused or fails (undone); a database that cannot be reached is one too."""
     shards.refresh(force=True)
     if not 0 <= shard < settings.SCHEDULER_SHARD_COUNT:
         raise MoveError(f"There is no shard {shard}.")
+    if not urlparse(url).path.strip("/"):
+        raise MoveError("The target URL names no database (postgresql://HOST/DATABASE).")
+    try:
+        with _one_move(shard):
+            return _move(shard, url, wait, say)
+    except shards.DOWN as exc:
+        raise MoveError(f"A database of the move cannot be reached: {exc}".strip()) from exc
+
+
+@contextmanager
+def _one_move(shard: int) -> Iterator[None]:
+    """Hold the shard's move lock (LOCK_MOVE) for the block; MoveError if another move has it."""
+    params = {"space": MOVE_LOCKS, "shard": shard}
+    with connections[shards.CONTROL].cursor() as cursor:
+        cursor.execute(LOCK_MOVE, params)
+        if not cursor.fetchone()[0]:
+            raise MoveError(f"Another move of shard {shard} is under way.")
+    try:
+        yield
+    finally:
+        with connections[shards.CONTROL].cursor() as cursor:
+            cursor.execute(UNLOCK_MOVE, params)
+
+
+def _move(shard: int, url: str, wait: float, say: Callable[[str], None]) -> Moved:
     target = shards.connect(url)
     source = shards.alias_of_shard(shard)
     if source == target:
         return _finish(shard, target, say)
+    with connections[source].cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        pid = cursor.fetchone()[0]
+    with connections[target].cursor() as cursor:
+        cursor.execute(SAME_DATABASE, {"pid": pid})
+        if cursor.fetchone()[0]:
+            raise MoveError(
+                f"The target is the database shard {shard} lives in, under another URL:"
+                " nothing to move."
+            )
     say(f"migrating the target database ({target})")
     call_command("migrate", database=target, interactive=False, verbosity=0)
     for table in SHARDED_TABLES:
@@ -192,9 +258,9 @@ def move(
     owner = f"moveshard:{socket.gethostname()}:{os.getpid()}"
     report = Moved(shard, shards.span(source))
     say(f"taking shard {shard}'s scheduler lease and refusing its new runs")
-    _begin(shard, owner, source, target)
     copied = False
     try:
+        _begin(shard, owner, source, target)
         time.sleep(2 * shards.REFRESH_SECONDS)  # every process has seen `moving`
         with transaction.atomic(using=source):
             report.waited = _lock(shard, source, wait, say)
@@ -341,26 +407,62 @@ def _flip(shard: int, url: str, owner: str) -> None:
 def _undo(shard: int, owner: str, source: str, target: str, *, copied: bool) -> None:
     """After a refused or failed move: the shard stays where it was and takes new runs again.
     Once the control database places it on the target, only the source's clean-up is left,
-    which running the move again does (`_finish`)."""
+    which running the move again does (`_finish`). A database the undo cannot reach (the one
+    whose failure ended the move, say) is left as it is: running the command again with `--to`
+    where the shard is releases the rest (`_release`)."""
     shards.refresh(force=True)
     if shards.alias_of_shard(shard) == target:
         return
     if copied:  # the target committed its copy: nothing reads it there, and it goes
-        with transaction.atomic(using=target), connections[target].cursor() as cursor:
-            cursor.execute(DELETE_SHARD, {"shard": shard})
-            cursor.execute(DELETE_DEFINITIONS, {"shard": shard})
-    for table in SHARDED_TABLES:
-        with connections[source].cursor() as cursor:
-            cursor.execute(DROP_GUARD.format(table=table, name=f"{MOVED_GUARD_PREFIX}{shard}"))
+        try:
+            with transaction.atomic(using=target), connections[target].cursor() as cursor:
+                cursor.execute(DELETE_SHARD, {"shard": shard})
+                cursor.execute(DELETE_DEFINITIONS, {"shard": shard})
+        except shards.DOWN:
+            log.warning("the undo could not delete shard %d's copy on %s", shard, target)
+    _release(shard, source, owner)
+
+
+def _release(shard: int, home: str, owner: str | None = None) -> bool:
+    """Let the shard take new runs in `home`, where it lives: the guard off `home`, `moving`
+    off, the move's scheduler lease given back (`owner`'s, or any dead move's). Return whether
+    there was anything to release. The guard goes first: while it is on, `moving` still tells
+    every process to refuse the shard's new runs, rather than let the guard refuse them."""
+    released = False
+    try:
+        for table in SHARDED_TABLES:
+            with connections[home].cursor() as cursor:
+                cursor.execute(GUARDED, {"name": f"{MOVED_GUARD_PREFIX}{shard}", "table": table})
+                if cursor.fetchone()[0]:
+                    released = True
+                    cursor.execute(
+                        DROP_GUARD.format(table=table, name=f"{MOVED_GUARD_PREFIX}{shard}")
+                    )
+    except shards.DOWN:
+        log.warning("shard %d's guard is still on %s, which cannot be reached", shard, home)
+        shards.refresh(force=True)
+        raise
     with transaction.atomic(using=shards.CONTROL), connections[shards.CONTROL].cursor() as cursor:
-        ShardPlacement.objects.using(shards.CONTROL).filter(shard=shard).update(moving=False)
-        cursor.execute(GIVE_LEASE, {"shard": shard, "owner": owner})
+        released |= bool(
+            ShardPlacement.objects.using(shards.CONTROL)
+            .filter(shard=shard, moving=True)
+            .update(moving=False)
+        )
+        if owner is None:
+            cursor.execute(GIVE_DEAD_MOVES_LEASE, {"shard": shard})
+        else:
+            cursor.execute(GIVE_LEASE, {"shard": shard, "owner": owner})
+        released |= bool(cursor.rowcount)
     shards.refresh(force=True)
+    return released
 
 
 def _finish(shard: int, target: str, say: Callable[[str], None]) -> Moved:
-    """The shard already lives in `target`: delete what an interrupted move left elsewhere."""
+    """The shard already lives in `target`: release what a move that died left on it, and
+    delete what an interrupted move left elsewhere."""
     report = Moved(shard, shards.span(target), finished_only=True)
+    if _release(shard, target):
+        say(f"released shard {shard}: a move that did not finish had left it refusing new runs")
     for alias in shards.databases():
         if alias == target:
             continue

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from io import StringIO
 from urllib.parse import urlparse, urlunparse
 
 import psycopg
@@ -292,3 +293,83 @@ def test_a_shard_moves_to_a_database_outside_the_map(layout: Layout, team_a, pla
         ShardPlacement.objects.using(shards.CONTROL).all().delete()
         with psycopg.connect(server, autocommit=True) as conn:
             conn.execute("DROP DATABASE IF EXISTS moved_here WITH (FORCE)")
+
+
+def _another_url(url: str) -> str:
+    """The same database under another URL (a query the connection ignores)."""
+    parsed = urlparse(url)
+    query = f"{parsed.query}&" if parsed.query else ""
+    return urlunparse(parsed._replace(query=query + "connect_timeout=9"))
+
+
+def test_a_move_refuses_the_shards_own_database_a_url_without_one_and_a_second_move(
+    layout: Layout, placement_reset
+):
+    source, _ = layout.aliases
+    shard = shards.shards_on(source)[0]
+    # In a process of its own, as an operator runs it (this one's test may not open a
+    # connection to a database it did not start with).
+    env = {**os.environ, "DATABASE_URL": child_database_url(), **child_shard_env()}
+    same = subprocess.run(
+        [sys.executable, "manage.py", "moveshard", str(shard), "--to",
+         _another_url(child_database_url(source))],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert same.returncode == 1
+    assert f"The target is the database shard {shard} lives in, under another URL" in same.stderr
+    assert "Traceback" not in same.stderr
+    with pytest.raises(CommandError, match="names no database"):
+        call_command("moveshard", str(shard), "--to", "postgresql://")
+    # One move of a shard at a time: a second, while the first holds the shard, is refused.
+    with psycopg.connect(child_database_url(), autocommit=True) as other:
+        other.execute("SELECT pg_advisory_lock(%s, %s)", [moves.MOVE_LOCKS, shard])
+        with pytest.raises(CommandError, match=f"Another move of shard {shard} is under way"):
+            call_command("moveshard", str(shard), "--to", layout.servers[1].url)
+    # None of them changed anything.
+    assert shards.alias_of_shard(shard) == source and shard not in shards.moving()
+    assert not ShardPlacement.objects.using(shards.CONTROL).exists()
+
+
+def test_a_move_that_died_half_way_is_released_by_moving_the_shard_where_it_is(
+    layout: Layout, team_a, placement_reset
+):
+    source, target = layout.aliases
+    shard = shards.shards_on(source)[0]
+    with shards.using(source):
+        job = JobDefinition.objects.create(
+            team=team_a, name=_names_of_shard(shard, 1)[0], queue="q", timeout_seconds=600
+        )
+    # What a move killed while it waited leaves: the shard marked moving, its scheduler lease
+    # held by the dead move for an hour, the guard on the source.
+    moves._begin(shard, "moveshard:gone:1", source, target)
+    shards.refresh(force=True)
+    assert shard in shards.moving()
+    with pytest.raises(IntegrityError):
+        layout.new_runs(job, 1, "refused")
+
+    out = StringIO()
+    call_command("moveshard", str(shard), "--to", layout.servers[0].url, stdout=out)
+    assert f"released shard {shard}" in out.getvalue()
+    assert shard not in shards.moving() and shards.alias_of_shard(shard) == source
+    assert layout.new_runs(job, 1, "taken")  # no guard left either
+    with connections[shards.CONTROL].cursor() as cursor:
+        cursor.execute("SELECT owner FROM scheduler_shardlease WHERE shard = %s", [shard])
+        assert cursor.fetchone()[0] == ""
+
+
+def test_a_move_whose_source_is_down_fails_clearly_and_is_released_afterwards(
+    layout: Layout, team_a, placement_reset
+):
+    source, _ = layout.aliases
+    shard = shards.shards_on(source)[0]
+    with layout.down(0), pytest.raises(CommandError, match="cannot be reached"):
+        call_command("moveshard", str(shard), "--to", layout.servers[1].url)
+    # Back: the shard is where it was; whatever the failed move could not undo while its
+    # source was down, moving it where it is releases.
+    call_command("moveshard", str(shard), "--to", layout.servers[0].url, stdout=StringIO())
+    assert shards.alias_of_shard(shard) == source and shard not in shards.moving()
+    with shards.using(source):
+        job = JobDefinition.objects.create(
+            team=team_a, name=_names_of_shard(shard, 1)[0], queue="q", timeout_seconds=600
+        )
+    assert layout.new_runs(job, 1, "after")

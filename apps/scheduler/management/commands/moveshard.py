@@ -4,6 +4,7 @@ maintenance window (apps/scheduler/moves.py says how, step by step)."""
 from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
 
 from apps.scheduler import moves
 
@@ -32,6 +33,8 @@ class Command(BaseCommand):
             moved = moves.move(shard, to, wait=wait, say=self.stdout.write)
         except moves.MoveError as exc:
             raise CommandError(str(exc)) from exc
+        except DatabaseError as exc:  # a URL the server refuses (a bad option, a wrong password)
+            raise CommandError(f"The move failed and was undone: {exc}".strip()) from exc
         if moved.finished_only:
             self.stdout.write(self.style.SUCCESS(f"Shard {shard} was already there."))
             return
