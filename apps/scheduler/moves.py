@@ -212,7 +212,11 @@ def move(
         with _one_move(shard):
             return _move(shard, url, wait, say)
     except shards.DOWN as exc:
-        raise MoveError(f"A database of the move cannot be reached: {exc}".strip()) from exc
+        raise MoveError(
+            f"A database of the move cannot be reached ({str(exc).strip()}). Once it is back,"
+            f" if shard {shard} refuses new runs, run this command with --to the URL of the"
+            " database it is in: that releases it."
+        ) from exc
 
 
 @contextmanager
