@@ -42,7 +42,9 @@ def test_serves_with_several_workers_and_stops_on_sigterm():
     with closing(socket.socket()) as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Only 10.0.0.0/8 may read /metrics: this test, on 127.0.0.1, may not.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SCHEDULER_OPS_ALLOWED_NETWORKS": "10.0.0.0/8"}
+    env.pop("SCHEDULER_BEHIND_PROXY", None)
     env.setdefault("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     web = subprocess.Popen(
         [sys.executable, "manage.py", "web", "--port", str(port), "--workers", "2"],
@@ -63,6 +65,9 @@ def test_serves_with_several_workers_and_stops_on_sigterm():
                 assert time.monotonic() < deadline, "the web process never answered"
                 time.sleep(0.2)
         assert answer.status_code == 200
+        # Not behind a proxy, a caller's X-Forwarded-For is not its address.
+        url = f"http://127.0.0.1:{port}/metrics"
+        assert httpx.get(url, headers={"X-Forwarded-For": "10.1.1.1"}).status_code == 403
         web.send_signal(signal.SIGTERM)
         output, _ = web.communicate(timeout=30)
         assert web.returncode == 0, output

@@ -49,6 +49,11 @@ class Command(BaseCommand):
             port=port,
             workers=max(1, workers),
             lifespan="off",
+            # The client address is REMOTE_ADDR: X-Forwarded-For is read by the application,
+            # and only with SCHEDULER_BEHIND_PROXY (apps/teams/lockout.py). uvicorn would
+            # otherwise believe the header from any peer on 127.0.0.1, and let a caller pick its
+            # own address for the /metrics allow-list and the per-address throttles.
+            proxy_headers=False,
             log_level=options["log_level"],
             access_log=not options["no_access_log"],
         )
