@@ -34,6 +34,11 @@ class LiveConsumer(AsyncWebsocketConsumer):
         if self.page is None:
             await self.close(code=CLOSE_BAD_PAGE)
             return
+        # The page as it is now: one that is not this user's to see (another team's run, which
+        # its view records as an attempt) is refused here, not re-rendered at every change.
+        if await database_sync_to_async(live.render)(self.scope, self.page, opening=True) is None:
+            await self.close(code=CLOSE_BAD_PAGE)
+            return
         await self.channel_layer.group_add(live.GROUP, self.channel_name)
         await self.accept()
         self.seen = live.broadcaster.last
@@ -72,5 +77,7 @@ class LiveConsumer(AsyncWebsocketConsumer):
     async def _render(self) -> None:
         self.last_render = time.monotonic()
         html = await database_sync_to_async(live.render)(self.scope, self.page)
-        if html.strip():
+        if html is None:  # signed out, or the page is no longer theirs to see
+            await self.close(code=CLOSE_UNAUTHORISED)
+        elif html.strip():
             await self.send(text_data=html)

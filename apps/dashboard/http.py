@@ -69,7 +69,11 @@ def actor(request: HttpRequest) -> Actor:
 
 def record_refused(request: HttpRequest, team: Any, target_type: str, target: Any) -> None:
     """Record a person's attempt on another team's objects as `access.denied`, as the API
-    records a token's; the page answers as if they did not exist."""
+    records a token's; the page answers as if they did not exist. Not a live socket's
+    re-render (`from_socket`, set by apps/dashboard/live.py, not by any header a client can
+    send): that socket was refused when it opened, and is closed now."""
+    if getattr(request, "from_socket", False):
+        return
     record_denied(
         actor(request),
         f"{request.method} {request.path}",

@@ -17,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from http.cookies import SimpleCookie
+from importlib import import_module
 from typing import Any
 from urllib.parse import urlsplit
 
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.contrib.auth import get_user_model
+from django.contrib.auth import get_user
 from django.core.exceptions import PermissionDenied
 from django.db import close_old_connections, connections
 from django.http import Http404, HttpRequest, QueryDict
@@ -136,18 +137,20 @@ def _cookies(scope: dict[str, Any]) -> dict[str, str]:
     return {key: morsel.value for key, morsel in jar.items()}
 
 
-def render(scope: dict[str, Any], path: str) -> str:
-    """Render a page's `live` partial as its user would GET it now; "" if there is nothing.
+def render(scope: dict[str, Any], path: str, *, opening: bool = False) -> str | None:
+    """Render a page's `live` partial as its user would GET it now; "" if there is nothing,
+    None once the page is not theirs to see (the socket is then closed).
 
     The request goes through the page's own view, so the same access checks apply on every
-    update (a removed member stops receiving data at the next change). Forms in the partial carry
-    a CSRF token valid for the socket's own cookie.
+    update: a removed member, a user signed out (or whose session expired, or whose password
+    changed) stops receiving data at the next change. Forms in the partial carry a CSRF token
+    valid for the socket's own cookie. `opening`: the render that decides whether the socket
+    opens, whose refusal is audited as a page's would be (not the re-renders').
     """
     close_old_connections()
-    user_id = getattr(scope.get("user"), "pk", None)
-    user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
+    user = _signed_in(scope)
     if user is None:
-        return ""
+        return None
     parts = urlsplit(path)
     match = resolve(parts.path)
     request = HttpRequest()
@@ -166,12 +169,28 @@ def render(scope: dict[str, Any], path: str) -> str:
         LIVE_HEADER: "1",
     }
     request.user = user
+    request.from_socket = not opening  # type: ignore[attr-defined]
     request.htmx = HtmxDetails(request)
     CsrfViewMiddleware(lambda r: None).process_request(request)
     try:
         response = match.func(request, *match.args, **match.kwargs)
     except (Http404, PermissionDenied):  # gone, or no longer the user's to see
-        return ""
+        return None
     if response.status_code != 200:
-        return ""
+        return None
     return response.content.decode()
+
+
+def _signed_in(scope: dict[str, Any]) -> Any:
+    """The socket's user while its session still signs them in, else None: the user the socket
+    opened with is not enough, as sign-out ends the session and not the socket."""
+    session = scope.get("session")
+    request = HttpRequest()
+    request.session = import_module(settings.SESSION_ENGINE).SessionStore(
+        getattr(session, "session_key", None)
+    )
+    user = get_user(request)
+    opened_by = getattr(scope.get("user"), "pk", None)
+    if not user.is_authenticated or not user.is_active or user.pk != opened_by:
+        return None
+    return user

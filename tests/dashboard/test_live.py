@@ -12,6 +12,7 @@ from asgiref.testing import ApplicationCommunicator
 from django.db import connections
 from django.test import Client
 
+from apps.audit.models import AuditEvent
 from apps.audit.record import Actor
 from apps.dashboard import live
 from apps.jobs import services
@@ -58,15 +59,60 @@ def test_only_live_dashboard_pages_are_accepted():
         assert live.live_path(bad) is None, bad
 
 
-def _scope_for(user) -> dict:
-    client = Client()
+def _scope_for(user, client: Client | None = None) -> dict:
+    client = client or Client()
     client.force_login(user)
     client.get("/failures")  # sets the CSRF cookie
     return {
         "user": user,
+        "session": client.session,
         "cookies": {name: morsel.value for name, morsel in client.cookies.items()},
         "headers": [(b"host", b"testserver")],
     }
+
+
+def test_a_render_stops_when_the_session_ends_not_when_the_socket_does(operator_a, job_a):
+    failed_runs(job_a)
+    client = Client()
+    scope = _scope_for(operator_a, client)
+    assert live.render(scope, "/failures")
+    client.post("/accounts/logout/")  # the session ends; the socket's scope still names the user
+    assert live.render(scope, "/failures") is None
+
+
+def test_a_socket_on_another_teams_page_is_refused_once_and_audited_once(operator_a, job_b):
+    from scheduler_site.asgi import application
+
+    (theirs,) = failed_runs(job_b, prefix="b")
+    client = Client()
+    client.force_login(operator_a)
+    cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
+
+    async def scenario() -> dict:
+        socket = ApplicationCommunicator(
+            application,
+            {
+                "type": "websocket",
+                "path": "/ws/live/",
+                "query_string": f"path=%2Fruns%2F{theirs.run_id}".encode(),
+                "headers": [(b"origin", b"http://localhost"), (b"host", b"localhost"),
+                            (b"cookie", cookie)],
+                "subprotocols": [],
+            },
+        )  # fmt: skip
+        await socket.send_input({"type": "websocket.connect"})
+        answer = await socket.receive_output(timeout=5)
+        await sync_to_async(connections.close_all)()
+        return answer
+
+    answer = in_own_thread(scenario)
+    assert (answer["type"], answer["code"]) == ("websocket.close", 4400)
+    denied = AuditEvent.objects.filter(action="access.denied", target=theirs.run_id)
+    assert denied.count() == 1
+    # A re-render of such a page (were a socket open on it) records nothing more.
+    scope = _scope_for(operator_a)
+    assert live.render(scope, f"/runs/{theirs.run_id}") is None
+    assert denied.count() == 1
 
 
 def test_a_render_is_the_users_own_view_of_the_region(operator_a, job_a, job_b):
