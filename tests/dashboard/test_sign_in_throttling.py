@@ -132,7 +132,9 @@ def test_the_admin_sign_in_is_held_to_the_same_limits(db):
     for _ in range(5):
         client.post("/admin/login/", {"username": "root", "password": "wrong"})
     right = client.post("/admin/login/", {"username": "root", "password": PASSWORD})
-    assert right.status_code == 200  # the form again, not the redirect into the admin
+    # The form again, not the redirect into the admin, saying why and for how long.
+    assert right.status_code == 429 and 0 < int(right["Retry-After"]) <= 900
+    assert LOCKED in right.content.decode() and 'id="login-form"' in right.content.decode()
     assert "_auth_user_id" not in client.session
 
 
