@@ -48,8 +48,7 @@ def readyz(request: HttpRequest) -> JsonResponse:
     """
     try:
         connection = connections[DEFAULT_DB_ALIAS]
-        executor = MigrationExecutor(connection)
-        pending = executor.migration_plan(executor.loader.graph.leaf_nodes())
+        pending = _pending_migrations(DEFAULT_DB_ALIAS)
         with connection.cursor() as cursor:
             cursor.execute(SCHEDULERS)
             nodes = cursor.fetchall()
@@ -73,6 +72,17 @@ def readyz(request: HttpRequest) -> JsonResponse:
     shard_map.refresh()
     _, depths = depth.claimable_by_database()
     databases = [_shard_database(alias, depths) for alias in shard_map.databases()]
+    behind = [d["shards"] for d in databases if d.get("migrated") is False]
+    if behind:
+        # A deploy that left a shard database unmigrated serves none of its shards.
+        return JsonResponse(
+            {
+                "status": "unavailable",
+                "detail": f"the database of shards {', '.join(behind)} has migrations pending",
+                "shardDatabases": databases,
+            },
+            status=503,
+        )
     # A shard database that is down leaves the others served: "degraded", still 200.
     status = "ok" if all(d["reachable"] for d in databases) else "degraded"
     return JsonResponse(
@@ -88,8 +98,10 @@ def readyz(request: HttpRequest) -> JsonResponse:
 def _shard_database(alias: str, depths: dict[str, int | None]) -> dict:
     """Whether a shard database answers, with its shards (never its URL), its claimable runs and
     how far its most overdue definition is behind (the lag of the schedulers of its shards)."""
-    answer = {"shards": shard_map.span(alias)}
+    answer: dict = {"shards": shard_map.span(alias)}
     try:
+        if alias != DEFAULT_DB_ALIAS and _pending_migrations(alias):
+            return {**answer, "reachable": True, "migrated": False}
         with connections[alias].cursor() as cursor:
             cursor.execute(LAG, {"shards": shard_map.shards_on(alias)})
             lag = cursor.fetchone()[0]
@@ -102,6 +114,11 @@ def _shard_database(alias: str, depths: dict[str, int | None]) -> dict:
         "depth": depths.get(answer["shards"]) or 0,
         "lagSeconds": round(max(0.0, float(lag or 0)), 3),
     }
+
+
+def _pending_migrations(alias: str) -> list:
+    executor = MigrationExecutor(connections[alias])
+    return executor.migration_plan(executor.loader.graph.leaf_nodes())
 
 
 @ops_only

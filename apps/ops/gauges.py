@@ -134,7 +134,7 @@ def read() -> Snapshot:
                     (shard, max(0.0, float(lag))) for shard, lag in cursor.fetchall()
                 )
                 held.oldest_transaction = _health(cursor, snapshot)
-        except shards.DOWN:
+        except shards.UNREADABLE:
             if not shards.physical():
                 raise
             connections[alias].close()

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from django.db import connections
+
 from apps.runs import shards
 from apps.runs.clock import database_now
 from apps.runs.models import WAITING_STATES
@@ -122,9 +124,10 @@ def claimable_by_database() -> tuple[list[Lane], dict[str, int | None]]:
             with shards.using(alias), shards.cursor() as cursor:
                 cursor.execute(sql)
                 rows = cursor.fetchall()
-        except shards.DOWN:
+        except shards.UNREADABLE:
             if not shards.physical():
                 raise
+            connections[alias].close()
             per_database[shards.span(alias)] = None
             continue
         parts.append(rows)

@@ -35,6 +35,7 @@ from django.db import (
     DEFAULT_DB_ALIAS,
     InterfaceError,
     OperationalError,
+    ProgrammingError,
     connections,
     transaction,
 )
@@ -67,6 +68,9 @@ _noted: ContextVar[set[str] | None] = ContextVar("unavailable_shards", default=N
 # What a shard database that is down raises; with every shard on the control database it is the
 # control database's failure, and raised as before.
 DOWN = (OperationalError, InterfaceError)
+# For what reports on every database (readiness, metrics): one that answers but is not migrated
+# (its tables missing) is as unreadable as one that is down.
+UNREADABLE = (*DOWN, ProgrammingError)
 
 
 class Unavailable(Exception):

@@ -523,3 +523,37 @@ def test_a_scheduler_with_one_shard_database_down_materialises_the_others(layout
     scheduler.tick()  # back: its shards catch up
     with shards.using(victim):
         assert Run.objects.filter(definition_id=jobs[victim].pk).exists()
+
+
+def test_readyz_is_503_naming_a_shard_database_left_unmigrated(layout, live_server):
+    def ready() -> httpx.Response:
+        return httpx.get(f"{live_server.url}/readyz", timeout=30)
+
+    behind = layout.aliases[1]
+    held = shards.span(behind)
+    with connections[behind].cursor() as cursor:
+        cursor.execute(
+            "DELETE FROM django_migrations WHERE app = 'runs' AND name = ("
+            "SELECT max(name) FROM django_migrations WHERE app = 'runs') RETURNING name"
+        )
+        (latest,) = cursor.fetchone()
+        try:
+            pending = ready()
+            # Its tables missing altogether (a database never migrated): still an answer.
+            cursor.execute("ALTER TABLE runs_run RENAME TO runs_run_away")
+            try:
+                bare = ready()
+                metrics = httpx.get(f"{live_server.url}/metrics", timeout=30)
+            finally:
+                cursor.execute("ALTER TABLE runs_run_away RENAME TO runs_run")
+        finally:
+            cursor.execute(
+                "INSERT INTO django_migrations (app, name, applied) VALUES ('runs', %s, now())",
+                [latest],
+            )
+    for answer in (pending, bare):
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["status"] == "unavailable"
+        assert f"shards {held} has migrations pending" in answer.json()["detail"]
+    assert metrics.status_code == 200
+    assert ready().json()["status"] == "ok"
