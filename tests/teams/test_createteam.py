@@ -80,3 +80,46 @@ def test_a_weak_admin_password_is_refused_with_the_rule_it_breaks(db, password, 
         call_command("createteam", "ops", "--admin", "olga-admin", "--password", password)
     assert not Team.objects.filter(slug="ops").exists()
     assert not get_user_model().objects.filter(username="olga-admin").exists()
+
+
+def test_a_password_without_an_admin_is_refused_and_one_for_an_existing_user_said_ignored(db):
+    from io import StringIO
+
+    from django.contrib.auth import get_user_model
+    from django.core.management import CommandError, call_command
+
+    with pytest.raises(CommandError, match="give --admin"):
+        call_command("createteam", "ops", "--password", "a-Str0ng-passw0rd")
+    assert not Team.objects.filter(slug="ops").exists()
+
+    user = get_user_model().objects.create_user("olga", password="first-Passw0rd!")
+    said = StringIO()
+    call_command(
+        "createteam", "ops", "--admin", "olga", "--password", "other-Passw0rd!", stderr=said,
+        stdout=StringIO(),
+    )  # fmt: skip
+    user.refresh_from_db()
+    assert user.check_password("first-Passw0rd!")
+    assert "User olga exists: its password is left as it was" in said.getvalue()
+    again = StringIO()
+    call_command("createteam", "ops", stderr=again, stdout=StringIO())
+    assert "Team ops exists: issuing it another token." in again.getvalue()
+    assert ApiToken.objects.filter(team__slug="ops").count() == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["web", "--port", "99999"], "a whole number from 0 to 65535"),
+        (["web", "--workers", "0"], "a whole number from 1 to 256"),
+        (["scheduler", "--tick", "-1"], "--tick must be a number of seconds above 0"),
+    ],
+)
+def test_a_process_given_an_impossible_argument_says_so_and_does_not_start(argv, says):
+    env = {**os.environ, "DATABASE_URL": child_database_url()}
+    done = subprocess.run(
+        [sys.executable, "manage.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0 and says in done.stderr
+    assert "Traceback" not in done.stderr

@@ -9,6 +9,7 @@ its headers, 40 ms on every request.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 
@@ -17,6 +18,21 @@ from django.core.management.base import BaseCommand
 from uvicorn.supervisors import Multiprocess
 
 APPLICATION = "scheduler_site.asgi:application"
+
+
+def _bounded(low: int, high: int):
+    """An argparse type: a whole number from `low` to `high`, or a usage error saying so."""
+
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"a whole number from {low} to {high}")
+        return value
+
+    return whole
 
 
 def listening_socket(config: uvicorn.Config) -> socket.socket:
@@ -35,8 +51,10 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--host", default="127.0.0.1")
-        parser.add_argument("--port", type=int, default=8000)
-        parser.add_argument("--workers", type=int, default=1, help="processes (default 1)")
+        parser.add_argument("--port", type=_bounded(0, 65535), default=8000)
+        parser.add_argument(
+            "--workers", type=_bounded(1, 256), default=1, help="processes (default 1)"
+        )
         parser.add_argument("--log-level", default="info")
         parser.add_argument("--no-access-log", action="store_true")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from apps.scheduler.daemon import Scheduler
 
@@ -27,6 +27,9 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: object, **options: object) -> None:
+        tick = options["tick"]
+        if tick is not None and not 0 < float(tick) <= 3600:  # type: ignore[arg-type]
+            raise CommandError("--tick must be a number of seconds above 0 and at most 3600.")
         scheduler = Scheduler(node_id=options["node_id"], tick_seconds=options["tick"])
         # Handlers only flag the shutdown: the loop finishes its step and releases the shards.
         signal.signal(signal.SIGTERM, scheduler.stop)

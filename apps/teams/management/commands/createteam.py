@@ -41,6 +41,8 @@ class Command(BaseCommand):
     ) -> None:
         if slugify(slug) != slug:
             raise CommandError(f"'{slug}' is not a slug: use lowercase letters, digits and '-'.")
+        if password is not None and not admin:
+            raise CommandError("--password is the admin's: give --admin USERNAME with it.")
         wanted = [scope.strip() for scope in scopes.split(",") if scope.strip()]
         unknown = set(wanted) - set(Scope.values)
         if unknown or not wanted:
@@ -69,11 +71,18 @@ class Command(BaseCommand):
                     after={"name": team.name},
                 )
                 self.stderr.write(f"Created team {slug}.")
+            else:
+                self.stderr.write(f"Team {slug} exists: issuing it another token.")
             if admin:
                 user = user_model.objects.filter(username=admin).first()
                 if user is None:
                     user = user_model.objects.create_user(admin, password=password)
                     self.stderr.write(f"Created user {admin}.")
+                elif password is not None:
+                    self.stderr.write(
+                        f"User {admin} exists: its password is left as it was (--password is"
+                        " for new users; `manage.py changepassword` changes one)."
+                    )
                 Membership.objects.update_or_create(
                     user=user, team=team, defaults={"role": Role.ADMIN}
                 )
