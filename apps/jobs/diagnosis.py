@@ -28,6 +28,11 @@ class Reason:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
+# How long past its fire time a definition's run may still be unmade before `why` says nothing
+# is making it: a few ticks and the materialiser's grace (seconds), with room for a busy one.
+NOT_MATERIALISED = timedelta(seconds=30)
+
+
 def _queue(definition: JobDefinition) -> Queue | None:
     return Queue.objects.filter(team_id=definition.team_id, name=definition.queue).first()
 
@@ -284,8 +289,9 @@ def _why_run(run: Run, now: datetime) -> list[Reason]:
 
 def why_definition(definition: JobDefinition, now: datetime) -> list[Reason]:
     """Return what keeps a definition from producing or running runs."""
+    queue = _queue(definition)
     with shards.reaching(database_of(definition.name)):
-        reasons = _holds_of_definition(definition, _queue(definition), now)
+        reasons = _holds_of_definition(definition, queue, now)
         reasons += _keys_held(definition, now)
         # The materialiser makes runs up to a minute ahead, and moves next_due_at past them:
         # the next fire time is the earliest such run's, if there is one (as the job page says).
@@ -328,6 +334,24 @@ def why_definition(definition: JobDefinition, now: datetime) -> list[Reason]:
         )
     elif definition.next_due_at is None and not definition.paused:
         reasons.append(Reason("schedule_done", "The schedule has no more fire times."))
+    elif (
+        definition.next_due_at is not None
+        and definition.next_due_at <= now - NOT_MATERIALISED
+        and not definition.paused
+        and not (queue is not None and queue.paused)
+    ):
+        # No run for a fire time long past: nothing makes this shard's runs (no scheduler owns
+        # it, or the one that does is stuck), else the materialiser would have moved past it.
+        due, late = format_utc(definition.next_due_at), now - definition.next_due_at
+        reasons.append(
+            Reason(
+                "not_materialised",
+                f"Its fire time {due} passed {late.total_seconds():.0f} s ago and no run was made"
+                f" for it: no scheduler is making the runs of shard {definition.shard}, or the"
+                " one that owns it is behind (/readyz names the shards nobody owns).",
+                {"nextDueAt": due, "shard": definition.shard},
+            )
+        )
     elif next_due is not None and next_due > now:
         reasons.append(
             Reason(

@@ -195,3 +195,22 @@ def test_the_next_fire_time_is_a_run_already_made_for_it(team_a):
     (reason,) = [r for r in why_definition(definition, now) if r.code == "next_fire"]
 
     assert reason.detail == {"nextDueAt": format_utc(made)}
+
+
+def test_a_fire_time_long_past_without_its_run_says_nothing_is_making_the_shards_runs(team_a):
+    now = db_now()
+    missed = now - timedelta(minutes=5)
+    definition = make_definition(
+        team_a, "why.unmade", queue="u", schedule={"cron": "* * * * *"}, next_due_at=missed
+    )
+
+    (reason,) = [r for r in why_definition(definition, now) if r.code == "not_materialised"]
+
+    assert f"shard {definition.shard}" in reason.message and "/readyz" in reason.message
+    assert reason.detail == {"nextDueAt": format_utc(missed), "shard": definition.shard}
+    # Not while it is only a tick late, nor while a pause holds it.
+    assert "not_materialised" not in codes(
+        why_definition(definition, missed + timedelta(seconds=5))
+    )
+    Queue.objects.create(team=team_a, name="u", paused=True)
+    assert "not_materialised" not in codes(why_definition(definition, now))

@@ -51,6 +51,7 @@ ReasonCode = Literal[
     "schedule_done",
     "schedule_ended",
     "schedule_not_started",
+    "not_materialised",
     "next_fire",
 ]
 AlertKind = Literal["late", "missed"]
