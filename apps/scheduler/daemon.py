@@ -243,7 +243,7 @@ class Scheduler:
             if not shards.physical() or alias == shards.CONTROL:
                 raise
             log.warning(
-                "%s: shards %s wait: their database cannot be reached",
+                "%s: shards %s wait for the next tick: their database failed",
                 self.node_id,
                 shards.span(alias),
                 exc_info=True,
