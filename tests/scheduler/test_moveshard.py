@@ -63,6 +63,13 @@ def _names_of_shard(shard: int, count: int) -> list[str]:
     return [n for n in (f"move.{i}" for i in range(20_000)) if shard_for(n) == shard][:count]
 
 
+def _job_of_shard(team, alias: str, shard: int) -> JobDefinition:
+    with shards.using(alias):
+        return JobDefinition.objects.create(
+            team=team, name=_names_of_shard(shard, 1)[0], queue="q", timeout_seconds=600
+        )
+
+
 def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
     layout: Layout, team_a, placement_reset
 ):
@@ -227,10 +234,7 @@ def test_a_move_refuses_a_target_that_holds_the_shard_and_a_shard_that_stays_lea
 ):
     source, target = layout.aliases
     shard = shards.shards_on(source)[0]
-    with shards.using(source):
-        job = JobDefinition.objects.create(
-            team=team_a, name=_names_of_shard(shard, 1)[0], queue="q", timeout_seconds=600
-        )
+    job = _job_of_shard(team_a, source, shard)
     layout.new_runs(job, 3, "r")
     (lease,) = claim(
         queues=["q"], max_runs=1, worker_id="slow", lease_seconds=600, team_ids=[team_a.pk]
@@ -335,10 +339,7 @@ def test_a_move_that_died_half_way_is_released_by_moving_the_shard_where_it_is(
 ):
     source, target = layout.aliases
     shard = shards.shards_on(source)[0]
-    with shards.using(source):
-        job = JobDefinition.objects.create(
-            team=team_a, name=_names_of_shard(shard, 1)[0], queue="q", timeout_seconds=600
-        )
+    job = _job_of_shard(team_a, source, shard)
     # What a move killed while it waited leaves: the shard marked moving, its scheduler lease
     # held by the dead move for an hour, the guard on the source.
     moves._begin(shard, "moveshard:gone:1", source, target)
@@ -368,8 +369,5 @@ def test_a_move_whose_source_is_down_fails_clearly_and_is_released_afterwards(
     # source was down, moving it where it is releases.
     call_command("moveshard", str(shard), "--to", layout.servers[0].url, stdout=StringIO())
     assert shards.alias_of_shard(shard) == source and shard not in shards.moving()
-    with shards.using(source):
-        job = JobDefinition.objects.create(
-            team=team_a, name=_names_of_shard(shard, 1)[0], queue="q", timeout_seconds=600
-        )
+    job = _job_of_shard(team_a, source, shard)
     assert layout.new_runs(job, 1, "after")
