@@ -239,8 +239,13 @@ class Scheduler:
         except shards.DOWN:
             # With shards on servers of their own, a database that is down holds back its own
             # shards only: the others of this node are materialised in this tick all the same.
-            # (The control database down fails the renewal too, and the tick with it.)
-            if not shards.physical() or alias == shards.CONTROL:
+            # The control database's failure (its lease check is part of every batch) fails the
+            # tick, as before: the loop starts the next one on a fresh connection.
+            if (
+                not shards.physical()
+                or alias == shards.CONTROL
+                or connections[shards.CONTROL].errors_occurred
+            ):
                 raise
             log.warning(
                 "%s: shards %s wait for the next tick: their database failed",

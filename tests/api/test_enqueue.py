@@ -92,7 +92,7 @@ def test_the_same_body_sent_again_answers_its_run_whatever_its_numbers(api_a, jo
     other = body.replace(f'"f": {number}', '"f": 2e25')
     conflict = api_a.post("/api/v1/jobs/billing.remind/runs", content=other, headers=JSON)
     assert conflict.status_code == 409 and "fields that differ: f" in conflict.json()["detail"]
-    assert Run.objects.count() == 1
+    assert len(stored(Run)) == 1
 
 
 def test_a_runs_concurrency_key_and_priority_are_kept_and_shown_by_both_endpoints(api_a, jobs):
