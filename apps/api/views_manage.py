@@ -324,12 +324,17 @@ class JobDetailView(ManageView):
         if not isinstance(request.data, dict):
             raise ValidationError({"body": ["Expected a JSON object."]})
         merged = services.snapshot(definition)
+        # JSON merge patch: a null drops a field, which then takes its default (as in a PUT
+        # that leaves it out); `retry` merges field by field.
         for key, value in request.data.items():
-            if key == "retry" and isinstance(value, dict):
-                merged["retry"] = {**merged["retry"], **value}
+            if value is None:
+                merged.pop(key, None)
+            elif key == "retry" and isinstance(value, dict):
+                amended = {**merged["retry"], **value}
+                merged["retry"] = {k: v for k, v in amended.items() if v is not None}
             elif key == "schedule" and _amends_cron(merged["schedule"], value):
                 # A new cron expression keeps the job's time zone, jitter and policies; a null
-                # drops a field (JSON merge patch). Another kind of schedule replaces it whole.
+                # drops a field. Another kind of schedule replaces it whole.
                 amended = {**merged["schedule"], **value}
                 merged["schedule"] = {k: v for k, v in amended.items() if v is not None}
             else:

@@ -92,6 +92,23 @@ def test_patch_merges_and_delete_removes(api_a):
     assert api_a.get("/api/v1/jobs/billing.export-invoices").status_code == 404
 
 
+def test_a_null_in_a_patch_drops_the_field_to_its_default_whatever_the_field(api_a):
+    api_a.post("/api/v1/jobs", {**EXPORT, "owner": "ops", "priority": "bulk",
+                                "retry": {"maxAttempts": 9, "baseSeconds": 5, "maxSeconds": 60}})  # fmt: skip
+    path = "/api/v1/jobs/billing.export-invoices"
+    patched = api_a.patch(
+        path,
+        {"owner": None, "priority": None, "timeoutSeconds": None, "retry": {"maxAttempts": None}},
+    )
+    assert patched.status_code == 200, patched.text
+    job = patched.json()
+    assert (job["owner"], job["priority"], job["timeoutSeconds"]) == ("", "default", 3600)
+    assert job["retry"] == {"maxAttempts": 3, "baseSeconds": 5, "maxSeconds": 60}
+    assert api_a.patch(path, {"retry": None}).json()["retry"] == {
+        "maxAttempts": 3, "baseSeconds": 30, "maxSeconds": 1800,
+    }  # fmt: skip
+
+
 def test_patch_of_a_cron_schedule_keeps_its_zone_and_another_kind_replaces_it(api_a):
     api_a.post("/api/v1/jobs", EXPORT)
     path = "/api/v1/jobs/billing.export-invoices"
