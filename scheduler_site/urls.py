@@ -15,5 +15,6 @@ urlpatterns = [
 ]
 
 # JSON problem details under /api/, HTML pages everywhere else.
+handler400 = "apps.dashboard.errors.bad_request"
 handler404 = "apps.dashboard.errors.not_found"
 handler500 = "apps.dashboard.errors.server_error"

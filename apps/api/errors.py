@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import DisallowedHost, RequestDataTooBig, TooManyFieldsSent
 from django.db import InterfaceError, OperationalError
 from django.http import JsonResponse
 from rest_framework import exceptions, status
@@ -153,10 +153,24 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
     return response
 
 
-def json_problem(status_code: int, detail: str) -> JsonResponse:
+def json_problem(status_code: int, detail: str, *, errors: Any = None) -> JsonResponse:
     return JsonResponse(
-        problem(status_code, detail), status=status_code, content_type="application/problem+json"
+        problem(status_code, detail, errors=errors),
+        status=status_code,
+        content_type="application/problem+json",
     )
+
+
+def bad_request(request, exception=None) -> JsonResponse:
+    """What Django refuses before any view: a Host not in ALLOWED_HOSTS, more query parameters
+    or form fields than it reads (DATA_UPLOAD_MAX_NUMBER_FIELDS)."""
+    if isinstance(exception, DisallowedHost):
+        detail = "The Host header names no host this server answers for."
+    elif isinstance(exception, TooManyFieldsSent):
+        detail = f"More than {settings.DATA_UPLOAD_MAX_NUMBER_FIELDS} query parameters or fields."
+    else:
+        detail = "The request cannot be read."
+    return json_problem(400, detail, errors={"body": [detail]})
 
 
 def not_found(request, exception=None) -> JsonResponse:

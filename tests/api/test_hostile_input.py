@@ -627,3 +627,21 @@ def test_a_call_that_takes_no_body_refuses_one(api_a, team_a):
     # No body, or an empty object, as clients send by habit.
     assert api_a.post(calls[0]).json()["paused"] is True
     assert api_a.post("/api/v1/jobs/nobody.job/resume", {}).json()["paused"] is False
+
+
+@pytest.mark.parametrize(
+    ("query", "host", "says"),
+    [
+        ({}, "evil.example", "The Host header names no host"),
+        ({f"z{n}": "1" for n in range(1001)}, "testserver", "More than 1000 query parameters"),
+    ],
+)
+def test_what_django_refuses_before_any_view_is_a_problem_under_the_api(
+    db, settings, query, host, says
+):
+    from django.test import Client
+
+    settings.ALLOWED_HOSTS = ["testserver"]
+    answer = Client().get("/api/v1/jobs", query, HTTP_HOST=host)
+    assert_problem(answer, 400, "body")
+    assert says in answer.json()["detail"]
