@@ -59,6 +59,7 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     # Static files from the web process itself (no CDN, no separate server needed).
     "whitenoise.middleware.WhiteNoiseMiddleware",
+    "apps.api.encoding.RefuseEncodedBodies",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",

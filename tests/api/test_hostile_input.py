@@ -645,3 +645,25 @@ def test_what_django_refuses_before_any_view_is_a_problem_under_the_api(
     answer = Client().get("/api/v1/jobs", query, HTTP_HOST=host)
     assert_problem(answer, 400, "body")
     assert says in answer.json()["detail"]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br"])
+def test_a_body_under_a_content_encoding_is_refused_and_creates_nothing(api_a, team_a, encoding):
+    import gzip
+
+    make_definition(team_a, "enc.job", queue="enc")
+    body = b'{"idempotencyKey": "k"}'
+    for sent in (gzip.compress(body), body):
+        answer = api_a.post(
+            "/api/v1/jobs/enc.job/runs",
+            content=sent,
+            headers={"Content-Type": "application/json", "Content-Encoding": encoding},
+        )
+        assert assert_problem(answer, 415)["detail"].startswith(f"Content-Encoding '{encoding}'")
+    assert not Run.objects.exists()
+    identity = api_a.post(
+        "/api/v1/jobs/enc.job/runs",
+        content=body,
+        headers={"Content-Type": "application/json", "Content-Encoding": "identity"},
+    )
+    assert identity.status_code == 201
