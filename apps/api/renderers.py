@@ -51,9 +51,28 @@ def render_json(data: Any) -> bytes:
         return json.dumps(data, cls=JSONEncoder, separators=(",", ":")).encode()
 
 
+def _weighed_zero(entry: str) -> bool:
+    """Whether an Accept entry (`application/json;q=0`) gives its media type a weight of 0."""
+    for param in entry.split(";")[1:]:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "q":
+            try:
+                return float(value.strip()) == 0
+            except ValueError:
+                return False
+    return False
+
+
 class Negotiation(DefaultContentNegotiation):
     """DRF's negotiation, where a `?format=` this view cannot render is a 406 naming the
-    formats it can (DRF answers a bare 404, as if the path were wrong)."""
+    formats it can (DRF answers a bare 404, as if the path were wrong), and a media type the
+    client weighs `q=0` is one it refuses (RFC 9110, 12.4.2), which DRF does not read."""
+
+    def get_accept_list(self, request) -> list[str]:
+        asked = super().get_accept_list(request)
+        kept = [entry for entry in asked if not _weighed_zero(entry)]
+        # All of them refused: nothing this view renders is acceptable (a 406).
+        return kept if kept or not asked else ["none/none"]
 
     def filter_renderers(self, renderers: list, format: str) -> list:
         kept = [renderer for renderer in renderers if renderer.format == format]

@@ -119,6 +119,18 @@ def test_a_format_the_api_does_not_render_is_406_naming_json(api_a):
     assert api_a.get("/api/v1/jobs", params={"format": "json"}).status_code == 200
 
 
+def test_json_weighed_zero_in_accept_is_refused_not_served(api_a):
+    refused = api_a.get("/api/v1/jobs", headers={"Accept": "application/json;q=0, text/html"})
+    assert_problem(refused, 406)
+    posted = api_a.post(
+        "/api/v1/leases", {"queues": ["q"], "workerId": "w"}, headers={"Accept": "*/*;q=0"}
+    )
+    assert_problem(posted, 406)
+    # A weight above 0 is still JSON, and so is anything that accepts it.
+    for accept in ("application/json;q=0.5", "text/html, */*;q=0.1", "*/*"):
+        assert api_a.get("/api/v1/jobs", headers={"Accept": accept}).status_code == 200, accept
+
+
 def test_a_call_that_takes_no_body_refuses_any_but_an_empty_object(api_a, team_a):
     definition = make_definition(team_a, "nobody.cancel", queue="q")
     (pk,) = add_ready_runs(definition, 1)
