@@ -101,7 +101,8 @@ def test_run_command_brings_the_demo_up_and_stops_cleanly(tmp_path):
         )
         dead = wait_for(lambda: listed(api, "/api/v1/dlq"), 90, "the flaky job in the DLQ")
         assert dead[0]["job"] == "demo.flaky" and dead[0]["attempt"] == 2
-        assert {job["name"] for job in api.get("/api/v1/jobs").json()["results"]} >= {
+        jobs = wait_for(lambda: listed(api, "/api/v1/jobs"), 10, "the job list")
+        assert {job["name"] for job in jobs} >= {
             "demo.nightly-report",
             "demo.every-minute",
             "demo.flaky",
