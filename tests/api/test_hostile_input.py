@@ -667,3 +667,27 @@ def test_a_body_under_a_content_encoding_is_refused_and_creates_nothing(api_a, t
         headers={"Content-Type": "application/json", "Content-Encoding": "identity"},
     )
     assert identity.status_code == 201
+
+
+@pytest.mark.parametrize("charset", ["utf-16", "latin-1", ""])
+def test_a_body_in_a_charset_other_than_utf8_is_refused_and_creates_nothing(
+    api_a, team_a, charset
+):
+    make_definition(team_a, "charset.job", queue="charset")
+    body = '{"idempotencyKey": "k"}'
+    for path in ("/api/v1/jobs/charset.job/runs", "/api/v1/leases"):
+        answer = api_a.post(
+            path,
+            content=body.encode(charset or "utf-8"),
+            headers={"Content-Type": f"application/json; charset={charset}"},
+        )
+        assert assert_problem(answer, 415)["detail"].startswith(f"charset '{charset}'")
+    assert not Run.objects.exists()
+    for declared in ("UTF-8", "utf8", '"utf-8"', "us-ascii"):
+        created = api_a.post(
+            "/api/v1/jobs/charset.job/runs",
+            content=body.encode(),
+            headers={"Content-Type": f"application/json; charset={declared}"},
+        )
+        assert created.status_code in (200, 201), created.text
+    assert Run.objects.count() == 1
