@@ -10,7 +10,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.views import redirect_to_login
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils.http import url_has_allowed_host_and_scheme
 from django_htmx.http import HttpResponseClientRedirect
@@ -18,8 +18,6 @@ from django_htmx.middleware import HtmxDetails
 
 from apps.audit.record import Actor, record_denied
 
-# Set by the live-update consumer when it renders a page's live regions for a socket.
-LIVE_HEADER = "HTTP_X_DASHBOARD_LIVE"
 
 
 class HtmxHttpRequest(HttpRequest):
@@ -41,7 +39,9 @@ def signed_in(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
 
 
 def is_live(request: HttpRequest) -> bool:
-    return request.META.get(LIVE_HEADER) == "1"
+    """Whether the live-update socket renders this page (apps/dashboard/live.py sets `live` on
+    the request it builds). An attribute, not a header: a browser's request cannot claim it."""
+    return getattr(request, "live", False)
 
 
 def render_page(
@@ -49,12 +49,15 @@ def render_page(
     template: str,
     context: dict[str, Any],
     *,
-    regions: Iterable[str] = ("page",),
+    regions: Iterable[str] = (),
     status: int = 200,
 ) -> HttpResponse:
-    """Render the whole page, or the region an HTMX request targets (`page.html#region`), or the
-    page's `live` partial for the live-update socket."""
+    """Render the whole page, or the region an HTMX request targets when the view names it in
+    `regions` (`page.html#region`), or the page's `live` partial for the live-update socket on
+    a page whose context says it is live (others have no such partial: no update, a 404)."""
     if is_live(request):
+        if not context.get("live"):
+            raise Http404("This page has no live updates.")
         name = f"{template}#live"
     elif request.htmx and not request.htmx.boosted and request.htmx.target in set(regions):
         name = f"{template}#{request.htmx.target}"

@@ -32,7 +32,6 @@ from django.middleware.csrf import CsrfViewMiddleware
 from django.urls import Resolver404, resolve
 from django_htmx.middleware import HtmxDetails
 
-from apps.dashboard.http import LIVE_HEADER
 from apps.runs import shards
 
 logger = logging.getLogger(__name__)
@@ -166,9 +165,9 @@ def render(scope: dict[str, Any], path: str, *, opening: bool = False) -> str | 
         "SERVER_NAME": host.split(":")[0],
         "SERVER_PORT": "80",
         "HTTP_HX_REQUEST": "true",
-        LIVE_HEADER: "1",
     }
     request.user = user
+    request.live = True  # type: ignore[attr-defined]
     request.from_socket = not opening  # type: ignore[attr-defined]
     request.htmx = HtmxDetails(request)
     CsrfViewMiddleware(lambda r: None).process_request(request)

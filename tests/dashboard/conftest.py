@@ -78,6 +78,19 @@ def client_for(user) -> Client:
 # --- runs ----------------------------------------------------------------------------------
 
 
+def live_scope(user, client: Client | None = None) -> dict:
+    """The scope of a live-update socket opened by `user` (signed in through `client`)."""
+    client = client or Client()
+    client.force_login(user)
+    client.get("/failures")  # sets the CSRF cookie
+    return {
+        "user": user,
+        "session": client.session,
+        "cookies": {name: morsel.value for name, morsel in client.cookies.items()},
+        "headers": [(b"host", b"testserver")],
+    }
+
+
 def failed_runs(
     definition,
     count: int = 1,

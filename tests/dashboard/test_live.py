@@ -19,7 +19,7 @@ from apps.jobs import services
 from apps.runs import store
 from apps.runs.models import Run
 from tests.conftest import add_ready_runs
-from tests.dashboard.conftest import failed_runs
+from tests.dashboard.conftest import failed_runs, live_scope
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -59,22 +59,10 @@ def test_only_live_dashboard_pages_are_accepted():
         assert live.live_path(bad) is None, bad
 
 
-def _scope_for(user, client: Client | None = None) -> dict:
-    client = client or Client()
-    client.force_login(user)
-    client.get("/failures")  # sets the CSRF cookie
-    return {
-        "user": user,
-        "session": client.session,
-        "cookies": {name: morsel.value for name, morsel in client.cookies.items()},
-        "headers": [(b"host", b"testserver")],
-    }
-
-
 def test_a_render_stops_when_the_session_ends_not_when_the_socket_does(operator_a, job_a):
     failed_runs(job_a)
     client = Client()
-    scope = _scope_for(operator_a, client)
+    scope = live_scope(operator_a, client)
     assert live.render(scope, "/failures")
     client.post("/accounts/logout/")  # the session ends; the socket's scope still names the user
     assert live.render(scope, "/failures") is None
@@ -110,7 +98,7 @@ def test_a_socket_on_another_teams_page_is_refused_once_and_audited_once(operato
     denied = AuditEvent.objects.filter(action="access.denied", target=theirs.run_id)
     assert denied.count() == 1
     # A re-render of such a page (were a socket open on it) records nothing more.
-    scope = _scope_for(operator_a)
+    scope = live_scope(operator_a)
     assert live.render(scope, f"/runs/{theirs.run_id}") is None
     assert denied.count() == 1
 
@@ -118,12 +106,12 @@ def test_a_socket_on_another_teams_page_is_refused_once_and_audited_once(operato
 def test_a_render_is_the_users_own_view_of_the_region(operator_a, job_a, job_b):
     (mine,) = failed_runs(job_a, prefix="a")
     (theirs,) = failed_runs(job_b, prefix="b")
-    html = live.render(_scope_for(operator_a), "/failures")
+    html = live.render(live_scope(operator_a), "/failures")
     assert html.lstrip().startswith('<div id="results">')
     assert mine.run_id in html and theirs.run_id not in html
     assert 'name="csrfmiddlewaretoken"' in html
     # A page further down the list is not live: new rows belong on the first page.
-    assert live.render(_scope_for(operator_a), f"/failures?cursor={mine.run_id}").strip() == ""
+    assert live.render(live_scope(operator_a), f"/failures?cursor={mine.run_id}").strip() == ""
 
 
 def in_own_thread(scenario):
@@ -193,3 +181,41 @@ def test_a_signed_out_socket_is_closed_and_a_signed_in_one_receives_changes(oper
     run = Run.objects.get()
     assert message["type"] == "websocket.send"
     assert f'id="run-row-{run.pk}"' in message["text"] and "dead" in message["text"]
+
+
+def test_a_live_page_with_a_refused_filter_still_updates(operator_a, job_a):
+    # The page warns that it shows the default window; the socket's render has no messages
+    # to add the warning to, and answered 500 on every reconnect.
+    html = live.render(live_scope(operator_a), "/workers?minutes=0")
+    assert html is not None and "<html" not in html
+
+
+def test_a_request_cannot_ask_for_a_partial_its_page_does_not_have(operator_a, job_a):
+    (run,) = failed_runs(job_a)
+    client = Client()
+    client.force_login(operator_a)
+    pages = [
+        "/",
+        f"/runs/{run.run_id}",
+        f"/jobs/{job_a.name}",
+        f"/jobs/{job_a.name}/edit",
+        "/jobs/new",
+        "/teams",
+        f"/teams/{job_a.team.slug}",
+    ]
+    for path in pages:
+        for headers in (
+            {"HTTP_HX_REQUEST": "true", "HTTP_HX_TARGET": "page"},  # none of these has one
+            # The socket's renders are marked on the request object, not by a header.
+            {"HTTP_HX_REQUEST": "true", "HTTP_X_DASHBOARD_LIVE": "1"},
+        ):
+            answer = client.get(path, **headers)
+            assert answer.status_code in (200, 403), (path, headers, answer.status_code)
+            if answer.status_code == 200:
+                assert "<html" in answer.content.decode(), (path, headers)
+    for path in ("/audit", "/alerts"):  # pages without live updates
+        answer = client.get(path, HTTP_X_DASHBOARD_LIVE="1")
+        assert answer.status_code == 200 and "<html" in answer.content.decode(), path
+    # A page that names its regions still answers the one asked for, alone.
+    region = client.get("/failures", HTTP_HX_REQUEST="true", HTTP_HX_TARGET="results")
+    assert region.status_code == 200 and "<html" not in region.content.decode()

@@ -17,6 +17,7 @@ from django.test.utils import CaptureQueriesContext
 from playwright.sync_api import expect
 
 from apps.audit.models import AuditEvent
+from apps.dashboard.live import render as render_live
 from apps.jobs import alerts, diagnosis
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
@@ -25,7 +26,7 @@ from apps.runs.ids import public_run_id
 from apps.runs.models import Run
 from apps.runs.store import NewRun, insert_runs
 from tests.conftest import add_ready_runs, db_now, make_definition
-from tests.dashboard.conftest import XSS, client_for, failed_runs
+from tests.dashboard.conftest import XSS, client_for, failed_runs, live_scope
 
 # Server-side tests share one transaction per test (fast); the browser test needs commits.
 pytestmark = pytest.mark.django_db
@@ -61,6 +62,7 @@ def _backfill_runs(job) -> list[datetime]:
 # --- why is this not running? ---------------------------------------------------------------
 
 
+@pytest.mark.django_db(transaction=True)  # the live render closes old connections
 def test_a_waiting_run_shows_why_with_the_holders_linked(viewer_a, team_a):
     job, holder, waiting = _held_job(team_a)
     client = client_for(viewer_a)
@@ -74,7 +76,7 @@ def test_a_waiting_run_shows_why_with_the_holders_linked(viewer_a, team_a):
     held_by = re.search(r'<span class="held-by">(.*?)</span>', body, re.S).group(1)
     assert f'href="/runs/{holder.run_id}"' in held_by
     # The panel is part of the page's live region, so it follows the run without a reload.
-    live = client.get(f"/runs/{waiting.run_id}", HTTP_X_DASHBOARD_LIVE="1").content.decode()
+    live = render_live(live_scope(viewer_a), f"/runs/{waiting.run_id}")
     assert "<html" not in live and 'id="why"' in live
 
     # Only a waiting run gets the panel: not the leased holder, not a finished run.
@@ -193,6 +195,7 @@ def test_a_viewer_gets_403_on_backfill_even_by_hand(viewer_a, operator_b, team_a
     assert not AuditEvent.objects.filter(action="job.backfill").exists()
 
 
+@pytest.mark.django_db(transaction=True)  # the live render closes old connections
 def test_preview_creates_nothing_and_confirm_creates_each_cron_time_once(operator_a, team_a):
     job = _cron_job(team_a)
     # One cron time of the range already ran: the backfill must not make it twice.
@@ -202,7 +205,7 @@ def test_preview_creates_nothing_and_confirm_creates_each_cron_time_once(operato
     client = client_for(operator_a)
     assert "Preview backfill" in client.get(f"/jobs/{job.name}").content.decode()
     # Live updates redraw the job's regions around the backfill panel, never a preview being read.
-    live = client.get(f"/jobs/{job.name}", HTTP_X_DASHBOARD_LIVE="1").content.decode()
+    live = render_live(live_scope(operator_a), f"/jobs/{job.name}")
     assert 'id="job-body"' in live and 'id="job-history"' in live and 'id="why"' in live
     assert 'id="backfill"' not in live
 

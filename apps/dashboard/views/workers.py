@@ -27,7 +27,9 @@ def workers(request: HtmxHttpRequest) -> HttpResponse:
     if minutes is None:
         if request.GET.get("minutes"):  # said, not just left out: say what was shown instead
             messages.warning(
-                request, f"minutes: {seen_workers.MINUTES_RULE} Showing the default window."
+                request,
+                f"minutes: {seen_workers.MINUTES_RULE} Showing the default window.",
+                fail_silently=True,  # the live-update socket's render has no messages
             )
         minutes = seen_workers.MINUTES_DEFAULT
     found = seen_workers.seen(list(shown), minutes, expiring=MOST_EXPIRING)
