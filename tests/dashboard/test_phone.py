@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
+from apps.runs.ids import public_run_id
 from apps.runs.models import Run
-from tests.conftest import add_ready_runs
+from tests.conftest import add_ready_runs, claim, make_definition
 from tests.dashboard.conftest import BrowserPage, failed_runs
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -68,5 +69,46 @@ def test_every_page_fits_a_phone_and_the_sections_fold_behind_a_menu(
         sections.get_by_role("link", name="Queues").click()
         expect(page).to_have_url(asgi_server.url + "/queues")
         assert web.console_errors == []
+    finally:
+        context.close()
+
+
+def test_the_longest_names_wrap_at_a_phones_width(browser, asgi_server, admin_a, team_a):
+    # Names at their limits (job 200, owner 200, worker id 200 characters), as a real job's
+    # 46-character name already widened its page to 564 px.
+    job = make_definition(
+        team_a, "analytics." + "x" * 190, queue="q" * 100, owner="o" * 200
+    )
+    add_ready_runs(job, 1, prefix="long")
+    (lease,) = claim(queues=[job.queue], max_runs=1, worker_id="w" * 200)
+    context = browser.new_context(viewport=PHONE)
+    context.set_default_timeout(10_000)
+    try:
+        web = BrowserPage(context, asgi_server)
+        web.sign_in(admin_a)
+        page = web.page
+        too_wide = {}
+        for path in (
+            f"/jobs/{job.name}",
+            f"/jobs/{job.name}/edit",
+            f"/jobs/{job.name}/backfill",
+            f"/jobs/{job.name}/delete",
+            f"/runs/{public_run_id(lease.id)}",
+            "/workers",
+            "/queues",
+        ):
+            assert web.goto(path).status == 200, path
+            width = page.evaluate("document.documentElement.scrollWidth")
+            if width > PHONE["width"]:
+                too_wide[path] = width
+        # A form error that repeats an unbroken value the user typed.
+        web.goto("/jobs/new")
+        page.fill("#id_cron", "0 2 * * *")
+        page.fill("#id_time_zone", "Nowhere/" + "z" * 60)
+        expect(page.locator(".field-error").filter(has_text="z" * 20).first).to_be_visible()
+        width = page.evaluate("document.documentElement.scrollWidth")
+        if width > PHONE["width"]:
+            too_wide["/jobs/new with a long time zone"] = width
+        assert too_wide == {}
     finally:
         context.close()
