@@ -501,7 +501,11 @@ def _rate_limit(data: dict[str, Any]) -> dict[str, Any] | None:
     count, period = data.get("rate_limit_count"), data.get("rate_limit_period_seconds")
     if count is None and period is None:
         return None
-    return {key: value for key, value in (("count", count), ("periodSeconds", period)) if value}
+    return {
+        key: value
+        for key, value in (("count", count), ("periodSeconds", period))
+        if value is not None  # a 0 is sent, for the API's reason, not dropped as missing
+    }
 
 
 # --- notification channels --------------------------------------------------------------------

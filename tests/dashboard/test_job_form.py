@@ -263,6 +263,15 @@ def test_limits_are_set_in_the_form_and_a_half_given_rate_limit_is_refused_besid
     assert "rate_limit_period_seconds" in half.context["form"].errors
     job.refresh_from_db()
     assert job.rate_limit_count is None  # nothing saved
+    # A zero is out of range, not missing: the API's reason is shown beside the field.
+    for field in ("rate_limit_count", "rate_limit_period_seconds"):
+        zero = client.post(
+            f"/jobs/{job.name}/edit",
+            {**FORM, "rate_limit_count": "5", "rate_limit_period_seconds": "60", field: "0"},
+        )
+        assert zero.status_code == 200
+        (reason,) = zero.context["form"].errors[field]
+        assert "greater than or equal to 1" in reason, reason
 
 
 @pytest.mark.parametrize(
