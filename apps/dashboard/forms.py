@@ -424,7 +424,7 @@ class DefinitionForm(forms.Form):
         # Infinity, integers past 64 bits, nesting past the limit, NUL characters (which
         # PostgreSQL cannot store: json.loads took them, and saving answered 500).
         try:
-            return parse_json(raw.encode())
+            value = parse_json(raw.encode())
         except ParseError as exc:
             raise forms.ValidationError(f"Not valid JSON: {exc.__cause__}") from exc
         except DRFValidationError as exc:
@@ -434,6 +434,16 @@ class DefinitionForm(forms.Form):
             if isinstance(detail, list):
                 detail = detail[0]
             raise forms.ValidationError(str(detail)) from exc
+        # Inside a definition's JSON the payload is one level down, and the API counts from
+        # the body's own level: a payload the form took at the limit could not be sent back
+        # through PUT /api/v1/jobs/{name} or a jobs file.
+        inside = limits.json_max_depth() - 1
+        if limits.json_too_deep(value, inside) is not None:
+            raise forms.ValidationError(
+                f"Nested deeper than {inside} levels of objects and lists (the definition's "
+                "JSON holds it one level down)."
+            )
+        return value
 
     def clean(self) -> dict[str, Any]:
         """Hand the fields, as the API's JSON, to the API's definition; put each reason beside

@@ -19,7 +19,6 @@ from django_htmx.middleware import HtmxDetails
 from apps.audit.record import Actor, record_denied
 
 
-
 class HtmxHttpRequest(HttpRequest):
     htmx: HtmxDetails
 

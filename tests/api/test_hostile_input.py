@@ -670,9 +670,7 @@ def test_a_body_under_a_content_encoding_is_refused_and_creates_nothing(api_a, t
 
 
 @pytest.mark.parametrize("charset", ["utf-16", "latin-1", ""])
-def test_a_body_in_a_charset_other_than_utf8_is_refused_and_creates_nothing(
-    api_a, team_a, charset
-):
+def test_a_body_in_a_charset_other_than_utf8_is_refused_and_creates_nothing(api_a, team_a, charset):
     make_definition(team_a, "charset.job", queue="charset")
     body = '{"idempotencyKey": "k"}'
     for path in ("/api/v1/jobs/charset.job/runs", "/api/v1/leases"):

@@ -76,9 +76,7 @@ def test_every_page_fits_a_phone_and_the_sections_fold_behind_a_menu(
 def test_the_longest_names_wrap_at_a_phones_width(browser, asgi_server, admin_a, team_a):
     # Names at their limits (job 200, owner 200, worker id 200 characters), as a real job's
     # 46-character name already widened its page to 564 px.
-    job = make_definition(
-        team_a, "analytics." + "x" * 190, queue="q" * 100, owner="o" * 200
-    )
+    job = make_definition(team_a, "analytics." + "x" * 190, queue="q" * 100, owner="o" * 200)
     add_ready_runs(job, 1, prefix="long")
     (lease,) = claim(queues=[job.queue], max_runs=1, worker_id="w" * 200)
     context = browser.new_context(viewport=PHONE)
