@@ -7,7 +7,7 @@ newest run as a sample. The runs are read from every shard database and merged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -47,7 +47,12 @@ class Group:
     last_at: datetime | None = None
     latest: int = 0  # the newest run's id
     jobs: dict[str, int] = field(default_factory=dict)  # job name → runs
+    teams: dict[int, int] = field(default_factory=dict)  # team id → runs
     sample: Run | None = None
+
+    def count_in(self, team_ids: Iterable[int]) -> int:
+        """The group's runs that belong to `team_ids` (those a user may act on, say)."""
+        return sum(self.teams.get(team_id, 0) for team_id in team_ids)
 
     @property
     def key(self) -> str:
@@ -82,16 +87,19 @@ def _latest(a: datetime | None, b: datetime | None) -> datetime | None:
     return b if a is None or (b is not None and b > a) else a
 
 
-def _here(params: dict[str, Any], sql: str) -> list[tuple[Any, str, int, Any, Any, int]]:
-    """This shard database's rows, each with its definition's name."""
+def _here(params: dict[str, Any], sql: str) -> list[tuple[Any, str, int, int, Any, Any, int]]:
+    """This shard database's rows, each with its definition's name and team."""
     with shards.cursor() as cursor:
         cursor.execute(sql, params)
         rows = cursor.fetchall()
-    names = dict(
-        JobDefinition.objects.filter(pk__in={row[1] for row in rows}).values_list("pk", "name")
-    )
+    owners = {
+        pk: (name, team_id)
+        for pk, name, team_id in JobDefinition.objects.filter(
+            pk__in={row[1] for row in rows}
+        ).values_list("pk", "name", "team_id")
+    }
     return [
-        (fingerprint, names.get(definition, "?"), n, first, last, latest)
+        (fingerprint, *owners.get(definition, ("?", 0)), n, first, last, latest)
         for fingerprint, definition, n, first, last, latest in rows
     ]
 
@@ -108,9 +116,12 @@ def groups(
     sql = GROUPS.format(where=where)
     parts, _ = shards.gather(lambda: _here(params, sql))
     by_key: dict[int | None, Group] = {}
-    for fingerprint, job, n, first, last, latest in (row for part in parts for row in part):
+    for fingerprint, job, team_id, n, first, last, latest in (
+        row for part in parts for row in part
+    ):
         group = by_key.setdefault(fingerprint, Group(fingerprint))
         group.count += n
+        group.teams[team_id] = group.teams.get(team_id, 0) + n
         group.first_at = _earliest(group.first_at, first)
         group.last_at = _latest(group.last_at, last)
         group.latest = max(group.latest, latest)

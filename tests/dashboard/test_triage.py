@@ -58,6 +58,28 @@ def test_failures_grouped_by_error_show_counts_times_jobs_and_act_per_group(oper
     assert client.get("/failures?group=nothex").status_code == 200  # a form error, not a 500
 
 
+def test_a_groups_buttons_count_the_runs_the_user_may_act_on(operator, team_a, team_b):
+    # Operator in team A, viewer in team B: the group holds both teams' runs, and its button
+    # says what the confirmation will act on.
+    Membership.objects.create(user=operator, team=team_b, role="viewer")
+    keyed = insert_failed(make_definition(team_a, "billing.charge", queue="billing"), 10)
+    insert_failed(make_definition(team_b, "other.charge", queue="billing"), 3, prefix="b-")
+    client = client_for(operator)
+    key = fingerprints.to_hex(keyed)
+
+    body = client.get("/dlq?view=groups").content.decode()
+    row = body.split(f'id="group-{key}"')[1].split("</tr>")[0]
+    assert ">13</a>" in row
+    assert "Requeue 10…" in row and "of 13: the others are in teams you only view" in row
+    ask = {"mode": "dlq", "action": "requeue", "group": key, "next": "/dlq"}
+    confirm = client.post("/runs/matching", ask, HTTP_HX_REQUEST="true").content.decode()
+    assert "Requeue 10 runs?" in confirm
+    # A group only of runs the user views offers no action.
+    only_b = client.get("/dlq?view=groups&team=team-b").content.decode()
+    row_b = only_b.split(f'id="group-{key}"')[1].split("</tr>")[0]
+    assert ">3</a>" in row_b and "Requeue" not in row_b
+
+
 def test_a_group_action_shows_the_count_then_changes_it_in_one_audited_step(operator, team_a):
     job = make_definition(team_a, "billing.charge", queue="billing")
     keyed = insert_failed(job, 40)

@@ -131,6 +131,7 @@ def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
                 fingerprint=data["group"],
             )
             page = runlist.run_page(flt, now, before=cursor)
+    acting = [t.pk for t in teams if access.has_role(request.user, t, Role.OPERATOR)]
     context = {
         "now": now,
         "mode": mode,
@@ -140,7 +141,10 @@ def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
         "grouping": grouping,
         "cursor": cursor,
         "actions": [ACTIONS[name] for name in mode.actions],
-        "can_act": any(access.has_role(request.user, t, Role.OPERATOR) for t in teams),
+        "can_act": bool(acting),
+        # Each group with the runs of it the user may act on: its buttons count those, as the
+        # confirmation does, not the runs of teams the user only views.
+        "group_rows": [(g, g.count_in(acting)) for g in grouping.groups] if grouping else [],
         # The filter as the page was asked for it, for the actions on everything it selects.
         "carry": [(key, request.GET[key]) for key in FILTER_FIELDS if request.GET.get(key)],
         "live": True,
