@@ -176,7 +176,10 @@ def _parse_instant(value: object) -> datetime:
     if not isinstance(value, str):
         raise ValueError(reason)
     try:
-        instant = datetime.fromisoformat(value.strip())
+        # Taken as sent, never trimmed, as every string is ("…Z\n" is not a time).
+        if not value.isprintable() or value != value.strip():
+            raise ValueError(reason)
+        instant = datetime.fromisoformat(value)
     except ValueError:
         raise ValueError(f"'{value}' {reason}") from None
     if instant.utcoffset() is None:

@@ -1,5 +1,5 @@
 """The database clock, the only clock the scheduler trusts (workers' and web hosts' clocks drift),
-and the one way an instant is written out: ISO 8601 in UTC with a Z."""
+the one way an instant is written out (ISO 8601 in UTC with a Z), and the one way one is read."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import overload
 
 from django.db import connection
+from django.utils.dateparse import parse_datetime
 
 
 def database_now() -> datetime:
@@ -61,3 +62,16 @@ def format_timestamp(seconds: float) -> str:
         second = (whole, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)))
         _second = second
     return f"{second[1]}.{micro // 1000:03d}Z"
+
+
+def read_iso(raw: object, *, plus_as_space: bool = False) -> datetime | None:
+    """An ISO 8601 time as sent (with its offset, or naive when it has none), or None when `raw`
+    is not one. Taken as sent, as every string is: Django's pattern ends in `$`, which also
+    matches before a final newline, so `…Z\n` discarded runs as if it were `…Z`. With
+    `plus_as_space`, a space stands for the `+` that a form or a query string turned into one."""
+    if not isinstance(raw, str) or not raw or len(raw) > 64 or not raw.isprintable():
+        return None
+    try:
+        return parse_datetime(raw.replace(" ", "+") if plus_as_space else raw)
+    except ValueError:  # well formed but not a time, e.g. 12:99
+        return None

@@ -19,10 +19,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.db.models import Q, QuerySet
-from django.utils.dateparse import parse_datetime
 
 from apps.runs import fingerprints, limits, shards
-from apps.runs.clock import format_utc
+from apps.runs.clock import format_utc, read_iso
 
 FIELDS = ("job", "queue", "since", "all")
 ISO_RULE = "Give an ISO 8601 time with an offset or Z."
@@ -124,12 +123,10 @@ def parse_instant(raw: object) -> datetime | None:
 
     In UTC: PostgreSQL refuses offsets past ±15:59 that Python accepts. A space stands for the
     `+` that a query string turned into one."""
-    if not isinstance(raw, str) or not raw or "\x00" in raw or len(raw) > 64:
-        return None
+    value = read_iso(raw, plus_as_space=True)
     try:
-        value = parse_datetime(raw.replace(" ", "+"))
         return value.astimezone(UTC) if value is not None and value.tzinfo else None
-    except (ValueError, OverflowError):  # e.g. 12:99, or out of range in UTC
+    except OverflowError:  # out of range in UTC
         return None
 
 

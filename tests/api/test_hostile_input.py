@@ -689,3 +689,26 @@ def test_a_body_in_a_charset_other_than_utf8_is_refused_and_creates_nothing(api_
         )
         assert created.status_code in (200, 201), created.text
     assert Run.objects.count() == 1
+
+
+@pytest.mark.parametrize("around", [("", "\n"), (" ", ""), ("", "\t"), ("", " ")])
+def test_a_time_is_taken_as_sent_not_trimmed(api_a, team_a, around):
+    job = make_definition(team_a, "times.job", queue="times")
+    (dead,) = add_ready_runs(job, 1, prefix="dead")
+    Run.objects.filter(pk=dead).update(state="dead")
+    sent = around[0] + (db_now() + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ") + around[1]
+
+    assert_problem(api_a.get("/api/v1/runs", params={"since": sent}), 400, "since")
+    assert_problem(api_a.get("/api/v1/dlq", params={"since": sent}), 400, "since")
+    discard = api_a.post("/api/v1/dlq/discard", {"filter": {"since": sent}})
+    assert discard.status_code == 400, discard.text
+    assert_problem(api_a.post("/api/v1/jobs/times.job/runs", {"runAt": sent}), 400)
+    cron = {"cron": "0 2 * * *", "startAt": sent}
+    assert_problem(api_a.post("/api/v1/preview", {"name": "times.job", "schedule": cron}), 400)
+    preview = {"name": "times.job", "schedule": {"cron": "0 2 * * *"}, "from": sent}
+    assert_problem(api_a.post("/api/v1/preview", preview), 400)
+    assert_problem(
+        api_a.put("/api/v1/jobs/times.other", {"queue": "t", "schedule": {"runAt": sent}}), 400
+    )
+    assert Run.objects.get(pk=dead).state == "dead"
+    assert Run.objects.count() == 1 and not JobDefinition.objects.filter(name="times.other")

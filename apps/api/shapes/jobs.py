@@ -10,7 +10,6 @@ from typing import Annotated, Any, Literal, NotRequired
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.validators import URLValidator
-from django.utils.dateparse import parse_datetime
 from pydantic import (
     AfterValidator,
     BeforeValidator,
@@ -40,6 +39,7 @@ from apps.jobs import schedule as sched
 from apps.jobs.services import DefinitionSpec
 from apps.jobs.sync import InvalidEntry
 from apps.runs import limits
+from apps.runs.clock import read_iso
 from apps.runs.models import PRIORITIES
 
 # Every value of a body parsed outside a request (the edit form, an `apply` file) is measured
@@ -227,12 +227,7 @@ def _instant(value: Any) -> Any:
     """An ISO 8601 time with an offset or Z, e.g. 2026-12-01T10:00:00Z (a datetime passes)."""
     if value is None or isinstance(value, datetime):
         return value
-    parsed = None
-    if isinstance(value, str) and "\x00" not in value and len(value) <= 64:
-        try:
-            parsed = parse_datetime(value)
-        except ValueError:  # well formed but not a time, e.g. 12:99
-            parsed = None
+    parsed = read_iso(value)
     if parsed is None:
         raise problem("datetime", "Give an ISO 8601 time with an offset or Z.")
     if parsed.tzinfo is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal, NotRequired
 
-from django.utils.dateparse import parse_datetime
 from pydantic import Field, PlainValidator, WithJsonSchema
 from pydantic import with_config as typed_config
 from typing_extensions import TypedDict  # pydantic reads only this one on Python 3.11
@@ -13,6 +12,7 @@ from typing_extensions import TypedDict  # pydantic reads only this one on Pytho
 from apps.api.shapes import ANSWER, Body, Instant, UnavailableShards, problem
 from apps.api.shapes.jobs import RateLimit, RateLimitAnswer
 from apps.api.shapes.worker import RunState
+from apps.runs.clock import read_iso
 from apps.runs.filters import ISO_RULE
 
 
@@ -20,10 +20,7 @@ def offset_time(value: object) -> datetime:
     """An ISO 8601 time with an offset or Z, as given (not moved to UTC: the audit keeps it).
 
     A space stands for the `+` that a form or a query string turned into one."""
-    try:
-        parsed = parse_datetime(value.replace(" ", "+")) if isinstance(value, str) else None
-    except ValueError:  # well formed but not a time, e.g. 12:99
-        parsed = None
+    parsed = read_iso(value, plus_as_space=True)
     if parsed is None or parsed.tzinfo is None:
         raise problem("datetime", ISO_RULE)
     return parsed
