@@ -338,6 +338,19 @@ def test_lease_can_ask_for_some_jobs_only(api_a, team_a):
     assert bad.status_code == 400 and "jobs" in bad.json()["errors"]
 
 
+def test_a_queue_or_job_named_twice_is_asked_for_once(api_a, team_a):
+    limited = make_definition(team_a, "twice.limited", queue="twice", concurrency=5)
+    other = make_definition(team_a, "twice.other", queue="twice", concurrency=2)
+    add_ready_runs(limited, 8)
+    add_ready_runs(other, 4, prefix="o")
+    # Every slot the limits leave is filled in one request, as with each name once.
+    leases = api_a.lease(
+        ["twice", "twice", "twice"], 10, jobs=["twice.limited"] * 2 + ["twice.other"]
+    )
+    assert sorted(lease["job"] for lease in leases) == ["twice.limited"] * 5 + ["twice.other"] * 2
+    assert api_a.lease(["twice", "twice"], 10) == []
+
+
 def _values(run: Run) -> dict:
     return {field.attname: getattr(run, field.attname) for field in Run._meta.concrete_fields}
 

@@ -168,6 +168,13 @@ class LeaseRequest(Body):
     def _max(cls, value: int) -> int:
         return _at_most(value, settings.SCHEDULER_MAX_CLAIM)
 
+    @field_validator("queues", "jobs")
+    @classmethod
+    def _once_each(cls, names: list[str] | None) -> list[str] | None:
+        # A queue named twice was claimed from twice, each pass counting the other's leases
+        # against the jobs' limits: a worker got 3 of the 5 runs a concurrency of 5 allowed.
+        return None if names is None else list(dict.fromkeys(names))
+
     def problems(self) -> dict[str, list[str]]:
         results = self.results or []
         return _repeats("results", [item.runId for item in results]) | _mismatched(results)
