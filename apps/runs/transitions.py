@@ -14,9 +14,10 @@ from django.db import transaction
 
 from apps.audit.record import Actor, record
 from apps.runs import shards
+from apps.runs.clock import database_now
 from apps.runs.filters import BulkFilter
 from apps.runs.ids import public_run_id
-from apps.runs.models import Run
+from apps.runs.models import Run, reported_state
 from apps.runs.store import atomic, notify_ready, server_cursor
 
 if TYPE_CHECKING:
@@ -270,6 +271,8 @@ def require_one(changed: list[Run], run: Run, verb: str) -> Run:
     """Raise a TransitionError naming the state when a single-run transition did not apply."""
     if not changed:
         run.refresh_from_db()
-        raise TransitionError(f"cannot {verb} a run that is {run.state}")
+        # The state as the API and the dashboard show it: a due waiting run is `ready`.
+        shown = reported_state(run.state, run.available_at, database_now())
+        raise TransitionError(f"cannot {verb} a run that is {shown}")
     run.refresh_from_db()
     return run

@@ -135,3 +135,13 @@ def test_retry_skips_the_backoff(api_a, team_a):
     assert api_a.post(f"/api/v1/runs/{run.run_id}/retry").json()["state"] == "ready"
     assert len(api_a.lease(["q"], 1)) == 1
     assert timedelta(0) <= stored_run().available_at - run.created_at
+
+
+def test_a_refused_retry_names_the_state_as_the_api_shows_it(api_a, team_a):
+    definition = make_definition(team_a, "jobs.due", queue="q")
+    add_ready_runs(definition, 1)  # stored `scheduled`, due: shown as `ready`
+    run = stored_run()
+    assert api_a.get(f"/api/v1/runs/{run.run_id}").json()["state"] == "ready"
+    refused = api_a.post(f"/api/v1/runs/{run.run_id}/retry")
+    assert refused.status_code == 409
+    assert refused.json()["detail"] == "cannot retry a run that is ready"
