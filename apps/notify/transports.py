@@ -7,8 +7,11 @@ the HTTP status or SMTP code, the answer (capped), and whether trying again may 
 from __future__ import annotations
 
 import smtplib
+import socket
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import orjson
@@ -43,8 +46,66 @@ def cap(text: str) -> str:
     return text if len(text) <= ANSWER_CAP else text[: ANSWER_CAP - 1] + "…"
 
 
+@dataclass
+class Deadline:
+    """The end of one conversation, `SCHEDULER_NOTIFY_TIMEOUT_SECONDS` after it starts.
+
+    httpx's and smtplib's timeouts bound each read, not the conversation: a receiver that
+    answered a byte a second held a sender for a minute against a 2 s timeout, and outlived the
+    delivery's claim, so another sender sent the same message again. At the deadline the
+    conversation's sockets are shut down, which ends any read or write blocked on them."""
+
+    seconds: float
+    expired: bool = False
+    _sockets: list[socket.socket] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _timer: threading.Timer | None = None
+
+    def __enter__(self) -> Deadline:
+        self._timer = threading.Timer(self.seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def watch(self, sock: socket.socket | None) -> None:
+        if sock is None:
+            return
+        with self._lock:
+            self._sockets.append(sock)
+            expired = self.expired
+        if expired:
+            _shut(sock)
+
+    def trace(self, event: str, info: dict[str, Any]) -> None:
+        """httpx's trace hook: watch each connection's socket once it is open."""
+        if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+            self.watch(info["return_value"].get_extra_info("socket"))
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shut(sock)
+
+    def outcome(self) -> Outcome:
+        return Outcome(False, None, f"No whole answer within {self.seconds:g} s.", retryable=True)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass
+
+
 def send(channel: Channel, body: str) -> Outcome:
-    """Send `body` (the webhook JSON) to the channel, in the channel's form."""
+    """Send `body` (the webhook JSON) to the channel, in the channel's form, in at most
+    `SCHEDULER_NOTIFY_TIMEOUT_SECONDS` (name resolution aside)."""
     started = time.monotonic()
     try:
         if channel.kind == Kind.EMAIL:
@@ -70,8 +131,13 @@ def _post(url: str, content: bytes, headers: dict[str, str]) -> Outcome:
     environment are not used, and at most ANSWER_READ bytes of the answer are read."""
     resolved = targets.resolve(url)
     original = httpx.URL(url)
-    host_header = original.host + (f":{original.port}" if original.port else "")
-    extensions = {"sni_hostname": original.host} if original.scheme == "https" else {}
+    # An IPv6 literal is written in brackets in `Host` as in the URL (RFC 9110, 7.2).
+    host = f"[{original.host}]" if ":" in original.host else original.host
+    host_header = host + (f":{original.port}" if original.port else "")
+    deadline = Deadline(settings.SCHEDULER_NOTIFY_TIMEOUT_SECONDS)
+    extensions: dict[str, Any] = {"trace": deadline.trace}
+    if original.scheme == "https":
+        extensions["sni_hostname"] = original.host
     request_headers = {
         "Content-Type": "application/json",
         "User-Agent": USER_AGENT,
@@ -79,9 +145,14 @@ def _post(url: str, content: bytes, headers: dict[str, str]) -> Outcome:
         **headers,
     }
     failure: Outcome | None = None
-    with httpx.Client(
-        timeout=settings.SCHEDULER_NOTIFY_TIMEOUT_SECONDS, follow_redirects=False, trust_env=False
-    ) as client:
+    with (
+        deadline,
+        httpx.Client(
+            timeout=settings.SCHEDULER_NOTIFY_TIMEOUT_SECONDS,
+            follow_redirects=False,
+            trust_env=False,
+        ) as client,
+    ):
         for address in resolved.addresses:
             pinned = original.copy_with(host=str(address))
             try:
@@ -91,10 +162,14 @@ def _post(url: str, content: bytes, headers: dict[str, str]) -> Outcome:
                     status = response.status_code
                     location = response.headers.get("location", "")
                     answer = _head(response)
-            except httpx.ConnectError as exc:
-                failure = Outcome(False, None, f"{address}: ConnectError: {exc}", retryable=True)
-                continue
             except httpx.HTTPError as exc:
+                if deadline.expired:
+                    return deadline.outcome()
+                if isinstance(exc, httpx.ConnectError):
+                    failure = Outcome(
+                        False, None, f"{address}: ConnectError: {exc}", retryable=True
+                    )
+                    continue
                 return Outcome(False, None, f"{type(exc).__name__}: {exc}", retryable=True)
             break
         else:
@@ -122,16 +197,25 @@ def _email(address: str, body: str) -> Outcome:
     message = EmailMessage(
         subject, text, settings.DEFAULT_FROM_EMAIL, [address], connection=connection
     )
+    deadline = Deadline(settings.SCHEDULER_NOTIFY_TIMEOUT_SECONDS)
     try:
-        message.send(fail_silently=False)
-    except smtplib.SMTPRecipientsRefused as exc:
+        # Opened first (connect and greeting, each read within the timeout), so the deadline
+        # can watch its socket through the rest of the conversation.
+        with deadline, connection:
+            deadline.watch(getattr(getattr(connection, "connection", None), "sock", None))
+            message.send(fail_silently=False)
+    except (smtplib.SMTPException, OSError) as exc:
+        return deadline.outcome() if deadline.expired else _refused(exc)
+    return Outcome(True, 250, f"accepted for {address}", retryable=False)
+
+
+def _refused(exc: smtplib.SMTPException | OSError) -> Outcome:
+    if isinstance(exc, smtplib.SMTPRecipientsRefused):
         code, reply = next(iter(exc.recipients.values()))
         return Outcome(False, code, _text(reply), retryable=code < 500)
-    except smtplib.SMTPResponseException as exc:
+    if isinstance(exc, smtplib.SMTPResponseException):
         return Outcome(False, exc.smtp_code, _text(exc.smtp_error), retryable=exc.smtp_code < 500)
-    except (smtplib.SMTPException, OSError) as exc:
-        return Outcome(False, None, f"{type(exc).__name__}: {exc}", retryable=True)
-    return Outcome(True, 250, f"accepted for {address}", retryable=False)
+    return Outcome(False, None, f"{type(exc).__name__}: {exc}", retryable=True)
 
 
 def _text(reply: bytes | str) -> str:

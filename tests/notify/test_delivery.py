@@ -3,9 +3,15 @@ answer that no retry can change, and the SSRF check again at delivery time."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from email import policy
 from email.parser import BytesParser
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import orjson
 import pytest
@@ -154,3 +160,96 @@ def test_old_deliveries_and_closed_incidents_are_pruned_pending_ones_kept(team_a
     assert Notifier().handle_one_prune(force=True) is False
     assert list(Delivery.objects.values_list("pk", flat=True)) == [waiting.pk]
     assert not DeliveryAttempt.objects.filter(delivery=sent.pk).exists()
+
+
+@pytest.fixture
+def trickler() -> Iterator[Callable[[bytes, bytes], str]]:
+    """A TCP server that sends `head` at once, then `tail` a byte every 0.2 s: each read
+    comes within any timeout, the conversation never ends. Gives its address."""
+    servers: list[socket.socket] = []
+    stop = threading.Event()
+
+    def start(head: bytes, tail: bytes) -> str:
+        server = socket.create_server(("127.0.0.1", 0))
+        servers.append(server)
+
+        def serve() -> None:
+            with contextlib.suppress(OSError):
+                conn, _ = server.accept()
+                with conn:
+                    conn.sendall(head)
+                    for byte in tail:
+                        if stop.wait(0.2):
+                            return
+                        conn.sendall(bytes([byte]))
+
+        threading.Thread(target=serve, daemon=True).start()
+        return f"127.0.0.1:{server.getsockname()[1]}"
+
+    yield start
+    stop.set()
+    for server in servers:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "head, tail",
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n", b"x" * 1000),  # the body trickles
+        (b"HTTP/1.1 200 OK\r\n", b"X-Slow: " + b"y" * 1000),  # the headers trickle
+    ],
+)
+def test_a_receiver_that_trickles_is_cut_off_at_the_timeout_and_retried(
+    team_a, settings, trickler, head, tail
+):
+    settings.SCHEDULER_NOTIFY_TIMEOUT_SECONDS = 1
+    channel = make_channel(team_a, f"http://{trickler(head, tail)}/hook")
+    started = time.monotonic()
+    delivery = channels.send_test(channel, Actor.cli("test"))
+    # Past its claim (twice the timeout and 5 s), another sender would send it again.
+    assert time.monotonic() - started < 2 * 1 + 5 - 1
+    assert delivery.state == State.PENDING and delivery.attempts == 1
+    assert delivery.last_answer == "No whole answer within 1 s."
+
+
+def test_an_smtp_server_that_trickles_is_cut_off_at_the_timeout(team_a, settings, trickler):
+    settings.SCHEDULER_NOTIFY_TIMEOUT_SECONDS = 1
+    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    address = trickler(b"220 slow.example ESMTP\r\n", b"250-" + b"z" * 1000)
+    settings.EMAIL_HOST, port = address.split(":")
+    settings.EMAIL_PORT = int(port)
+    channel = make_channel(team_a, "oncall@example.com", kind="email", name="mail")
+    started = time.monotonic()
+    delivery = channels.send_test(channel, Actor.cli("test"))
+    assert time.monotonic() - started < 2 * 1 + 5 - 1
+    assert delivery.state == State.PENDING
+    assert delivery.last_answer == "No whole answer within 1 s."
+
+
+def test_an_ipv6_target_is_named_in_brackets_in_host(team_a):
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            seen.append(self.headers["Host"])
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    class Server6(ThreadingHTTPServer):
+        address_family = socket.AF_INET6
+
+    server = Server6(("::1", 0), Handler)
+    threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
+    try:
+        port = server.server_address[1]
+        channel = make_channel(team_a, f"http://[::1]:{port}/hook")
+        assert channels.send_test(channel, Actor.cli("test")).state == State.SENT
+        assert seen == [f"[::1]:{port}"]
+    finally:
+        server.shutdown()
+        server.server_close()
