@@ -80,6 +80,16 @@ IPV4_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")  # RFC 2765 (SIIT), i
 # The 6to4 relays' anycast prefix (RFC 7526: deprecated): Python calls it global, but what
 # answers there is whichever relay is nearest, often inside the network.
 SIX_TO_FOUR_RELAYS = ipaddress.IPv4Network("192.88.99.0/24")
+# Ranges not globally reachable that this Python's is_global (3.11) still calls global: the
+# IETF protocol assignments (RFC 6890; the two anycast addresses in it are refused with the
+# rest), IPv6 site-local (RFC 3879: deprecated, still routed inside some networks), IPv6
+# documentation (RFC 9637) and SRv6 SIDs (RFC 9602).
+NOT_GLOBAL = (
+    ipaddress.IPv4Network("192.0.0.0/24"),
+    ipaddress.IPv6Network("fec0::/10"),
+    ipaddress.IPv6Network("3fff::/20"),
+    ipaddress.IPv6Network("5f00::/16"),
+)
 
 
 def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
@@ -110,7 +120,12 @@ def address_problem(address: Address) -> str | None:
         return "a loopback address"
     if address.is_link_local:
         return "a link-local address"
-    if address.is_private or not address.is_global or address in SIX_TO_FOUR_RELAYS:
+    if (
+        address.is_private
+        or not address.is_global
+        or address in SIX_TO_FOUR_RELAYS
+        or any(address in network for network in NOT_GLOBAL)
+    ):
         return "a private or reserved address"
     return None
 

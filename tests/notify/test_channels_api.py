@@ -3,13 +3,17 @@ delivery log, delete; another team's channel, bad input, limits and refused targ
 
 from __future__ import annotations
 
+import threading
+
 import orjson
 import pytest
 from django.core.cache import cache
+from django.db import connections
 
 from apps.audit.models import AuditEvent
+from apps.notify import channels
 from apps.notify.models import Channel, Delivery
-from tests.notify.conftest import readme_verifier
+from tests.notify.conftest import make_channel, readme_verifier
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -93,6 +97,12 @@ REFUSED = [
     "https://[::ffff:0:a9fe:a9fe]/latest",
     "http://[64:ff9b:1::808:808]/",
     "http://192.88.99.1/",  # the 6to4 relays' anycast
+    # Not global, though Python 3.11's is_global says so: IETF protocol assignments, IPv6
+    # site-local, IPv6 documentation, SRv6.
+    "http://192.0.0.8/",
+    "http://[fec0::1]/",
+    "http://[3fff::1]/",
+    "http://[5f00::1]/",
 ]
 
 
@@ -172,3 +182,29 @@ def test_other_teams_bad_input_limits_and_private_targets_are_refused(
     settings.SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS = True
     allowed = api_a.post("/api/v1/channels", {**hook, "target": REFUSED[0]})
     assert allowed.status_code == 201, allowed.text
+
+
+def test_creates_at_the_same_moment_do_not_pass_the_channel_cap(team_a, settings):
+    settings.SCHEDULER_NOTIFY_MAX_CHANNELS = 3
+    make_channel(team_a, "first@example.com", kind="email", name="first")
+    start = threading.Barrier(6)
+    outcomes: list[str] = []
+
+    def create(n: int) -> None:
+        try:
+            start.wait()
+            make_channel(team_a, f"c{n}@example.com", kind="email", name=f"c{n}")
+            outcomes.append("created")
+        except channels.ChannelError as exc:
+            outcomes.append(exc.errors["body"][0])
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=create, args=(n,)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(outcomes).count("created") == 2
+    assert all(o == "created" or o.startswith("A team has at most 3 channels") for o in outcomes)
+    assert Channel.objects.filter(team=team_a).count() == 3
