@@ -315,8 +315,9 @@ RECENT_RUNS = 20
 
 def job_recovered(incident: Incident) -> bool | None:
     """Whether the incident's job has recovered: its latest finished run (succeeded or dead)
-    succeeded, after the incident's latest occurrence, and no run died since that occurrence.
-    None when the job is gone."""
+    succeeded, after the incident's latest occurrence, and no run died since that occurrence;
+    for a late or missed time, a run of that time (or a later one) succeeded. None when the
+    job is gone."""
     name = incident.job
     try:
         with shards.using(database_of(name)):
@@ -326,19 +327,29 @@ def job_recovered(incident: Incident) -> bool | None:
             recent = list(
                 Run.objects.filter(definition=definition)
                 .order_by("-id")
-                .values_list("state", "finished_at")[:RECENT_RUNS]
+                .values_list("state", "finished_at", "due_at")[:RECENT_RUNS]
             )
     except shards.DOWN:
         if not shards.physical():
             raise
         return False  # cannot tell: stays open until its database is back
-    finished = [(at, state) for state, at in recent if state in ("succeeded", "dead") and at]
+    finished = [
+        (at, state, due) for state, at, due in recent if state in ("succeeded", "dead") and at
+    ]
     if not finished:
         return False
-    if any(state == "dead" and at > incident.last_event_at for at, state in finished):
+    if any(state == "dead" and at > incident.last_event_at for at, state, _ in finished):
         # A death the detector has not read yet (it reads up to a settled time, a batch at a
         # time): it belongs to this incident, which stays open until it is counted, rather
         # than recovering now and opening a second incident for it a moment later.
         return False
-    at, state = max(finished)
-    return state == "succeeded" and at > incident.last_event_at
+    at, state, _ = max(finished)
+    if state != "succeeded" or at <= incident.last_event_at:
+        return False
+    if incident.event in (Event.JOB_LATE, Event.JOB_MISSED):
+        # The occurrence is a due time: the run of an earlier time that finished after it
+        # (12:44's, done at 12:45:06) is no answer to 12:45's, which may still be missed.
+        return any(
+            state == "succeeded" and due >= incident.last_event_at for _, state, due in finished
+        )
+    return True

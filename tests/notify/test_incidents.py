@@ -12,6 +12,7 @@ from django.db.models import F
 
 from apps.notify import detect
 from apps.notify.models import Delivery, Incident
+from apps.runs import store
 from apps.scheduler import leases
 from tests.conftest import add_ready_runs, claim, everywhere, make_definition
 from tests.notify.conftest import die, drain, make_channel, messages_of, readme_verifier, succeed
@@ -210,3 +211,39 @@ def test_late_runs_and_missed_cron_times_each_page_once(team_a, receiver, notifi
     assert "started 300" in bodies["job.late"]["summary"] and bodies["job.late"]["runId"]
     assert "No successful run for the cron time" in bodies["job.missed"]["summary"]
     assert Delivery.objects.count() == 2
+
+
+def test_a_missed_time_recovers_when_that_time_has_run_not_an_earlier_one(
+    team_a, receiver, notifier, settings
+):
+    job = make_definition(
+        team_a,
+        "billing.every5",
+        queue="billing",
+        schedule={"cron": "*/5 * * * *", "jitterSeconds": 0},
+        lateness_slo_seconds=60,
+        timeout_seconds=60,
+    )
+    everywhere(
+        "UPDATE jobs_jobdefinition SET created_at = now() - interval '2 hours' WHERE id = %s",
+        [job.pk],
+    )
+    make_channel(team_a, receiver.url, events=["job.missed", "job.recovered"])
+    notifier.handle_one_detection(force=True)
+    missed = Incident.objects.get(event="job.missed")
+
+    def run_and_succeed(due, key: str) -> None:
+        store.insert_runs([store.NewRun(job.pk, "cron", due, due, key)])
+        (lease,) = claim(queues=["billing"], max_runs=1, worker_id="w", team_ids=[team_a.pk])
+        store.complete([(lease.id, lease.fencing_token, None)], team_ids=[team_a.pk])
+
+    # The time before the missed one ran late, finishing after it: no answer to the missed time.
+    run_and_succeed(missed.last_event_at - timedelta(minutes=5), "earlier")
+    settings.SCHEDULER_NOTIFY_RECOVERY_SECONDS = 0
+    notifier.handle_one_detection(force=True)
+    assert Incident.objects.get(pk=missed.pk).closed_at is None
+    run_and_succeed(missed.last_event_at, "the-missed-time")
+    notifier.handle_one_detection(force=True)
+    drain(notifier)
+    assert Incident.objects.get(pk=missed.pk).closed_at is not None
+    assert messages_of(receiver) == [("job.missed", "open"), ("job.recovered", "resolved")]
