@@ -26,7 +26,7 @@ if not SECRET_KEY:
         # Fail closed: sessions and CSRF tokens signed with a published key are forgeable.
         raise ImproperlyConfigured("SECRET_KEY must be set when SCHEDULER_HTTPS is on.")
     SECRET_KEY = "django-insecure-development-key-set-SECRET_KEY-in-production"
-ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
 INSTALLED_APPS = [

@@ -1,4 +1,5 @@
-"""The product's settings, with the one change Django advises for tests: a fast password hasher.
+"""The product's settings, with the changes Django advises for tests: a fast password hasher,
+and its test client's host name allowed.
 
 PBKDF2's 1 000 000 iterations cost 0.3-0.4 s per user a test makes, and most dashboard tests
 make one or two. Processes the suite starts (the ASGI server of the browser tests, `manage.py`
@@ -11,3 +12,5 @@ PASSWORD_HASHERS = [
     "django.contrib.auth.hashers.MD5PasswordHasher",
     "django.contrib.auth.hashers.PBKDF2PasswordHasher",
 ]
+
+ALLOWED_HOSTS = [*ALLOWED_HOSTS, "testserver"]  # noqa: F405 - Django's test client's host

@@ -51,6 +51,10 @@ def render_json(data: Any) -> bytes:
         return json.dumps(data, cls=JSONEncoder, separators=(",", ":")).encode()
 
 
+def _media_type(entry: str) -> str:
+    return entry.split(";", 1)[0].strip().lower()
+
+
 def _weighed_zero(entry: str) -> bool:
     """Whether an Accept entry (`application/json;q=0`) gives its media type a weight of 0."""
     for param in entry.split(";")[1:]:
@@ -73,6 +77,20 @@ class Negotiation(DefaultContentNegotiation):
         kept = [entry for entry in asked if not _weighed_zero(entry)]
         # All of them refused: nothing this view renders is acceptable (a 406).
         return kept if kept or not asked else ["none/none"]
+
+    def select_renderer(self, request, renderers: list, format_suffix: str | None = None):
+        # A type weighed 0 is refused however a wildcard beside it is weighed: RFC 9110 gives
+        # the most specific range's weight, and `application/json;q=0, */*` was served JSON.
+        refused = {
+            _media_type(entry)
+            for entry in super().get_accept_list(request)
+            if _weighed_zero(entry) and "*" not in entry
+        }
+        if refused:
+            renderers = [r for r in renderers if r.media_type.lower() not in refused]
+            if not renderers:
+                raise NotAcceptable("This resource is JSON only, and the Accept header refuses it.")
+        return super().select_renderer(request, renderers, format_suffix)
 
     def filter_renderers(self, renderers: list, format: str) -> list:
         kept = [renderer for renderer in renderers if renderer.format == format]

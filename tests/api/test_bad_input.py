@@ -126,6 +126,9 @@ def test_json_weighed_zero_in_accept_is_refused_not_served(api_a):
         "/api/v1/leases", {"queues": ["q"], "workerId": "w"}, headers={"Accept": "*/*;q=0"}
     )
     assert_problem(posted, 406)
+    # Refused by name, it stays refused whatever a wildcard beside it says.
+    for accept in ("application/json;q=0, */*", "*/*, Application/JSON; q=0.0"):
+        assert_problem(api_a.get("/api/v1/jobs", headers={"Accept": accept}), 406)
     # A weight above 0 is still JSON, and so is anything that accepts it.
     for accept in ("application/json;q=0.5", "text/html, */*;q=0.1", "*/*"):
         assert api_a.get("/api/v1/jobs", headers={"Accept": accept}).status_code == 200, accept
