@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         parser.error(str(exc))
     try:
         worker.run()
-    except ApiError as exc:
+    except Exception as exc:  # a refusal (ApiError) or a crash, logged where it happened
         logging.getLogger("cronlease_client").error("worker exiting: %s", exc)
         return 1
     return 130 if worker.forced else 0

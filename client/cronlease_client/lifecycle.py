@@ -67,8 +67,9 @@ class Daemon:
         self.grace_seconds = grace_seconds
         self.heartbeat_interval = heartbeat_interval
         self.http_timeout = http_timeout
-        # Set by a fatal answer (401, 403, 400) to a lease request; run() raises it.
-        self.error: ApiError | None = None
+        # Set by a fatal answer (401, 403, 400) to a lease request, or by a crash of the
+        # lease loop; run() raises it, so the process exits non-zero and a supervisor restarts it.
+        self.error: Exception | None = None
 
         self.shutdown = threading.Event()
         self._forced = threading.Event()

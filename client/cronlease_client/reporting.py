@@ -138,12 +138,27 @@ def describe_failure(exc: BaseException, ctx_retryable: bool | None = None) -> R
         trace = full
     return Report(
         "failed",
-        error_type=error_type,
-        message=message or error_type,
+        error_type=storable(error_type),
+        message=storable(message or error_type),
         retryable=retryable,
         traceback=trace,
-        stack=cut_stack(full),
+        stack=storable(cut_stack(full)),
     )
+
+
+def storable(text: str) -> str:
+    """`text` as the scheduler can store it: PostgreSQL's text holds no NUL, and a lone
+    surrogate (a file name read with `surrogateescape`, say) is not UTF-8. Both are written as
+    escapes; before, such a message was refused (400) and the failure never recorded, or the
+    worker stopped on it."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def describe_result(
@@ -152,15 +167,24 @@ def describe_result(
     """Turn what a handler (`source`) returned into a succeeded Report; its repr if not JSON.
     `log` gives the run's logger, made only when there is something to say (0.6 µs a run
     otherwise)."""
-    if value is None or type(value) in (str, int, float, bool):
+    if value is None or type(value) in (int, bool) or (type(value) is str and value.isascii()):
         return Report("succeeded", value)
     try:
-        json.dumps(value)
-    except (TypeError, ValueError):
+        # As the scheduler reads it: no NaN or Infinity (orjson would send null), and text that
+        # is UTF-8 (a lone surrogate stopped the worker, and lost its batch's other results).
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
         # The work is done; failing now would only run it again for nothing.
         log().warning("%s result is not JSON; storing its repr", source)
-        value = {"unserializable": repr(value)[:1000]}
+        value = {"unserializable": _repr(value)}
     return Report("succeeded", value)
+
+
+def _repr(value: Any) -> str:
+    try:
+        return storable(repr(value)[:1000])
+    except RecursionError:
+        return f"<{type(value).__name__} nested too deep to show>"
 
 
 def log_failure(run: LeasedRun, report: Report) -> None:

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from multiprocessing.managers import SyncManager
 from typing import Any, Literal, Protocol
@@ -320,7 +321,12 @@ class Worker(Daemon):
         self._manager.start(_init_child, (os.getpid(),))
         package_logger = logging.getLogger("cronlease_client")
         level = package_logger.getEffectiveLevel() if logging.getLogger().handlers else 0
-        self._executor = ProcessPoolExecutor(
+        self._pool_settings = (mp_context, level)
+        self._executor = self._new_pool()
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        mp_context, level = self._pool_settings
+        return ProcessPoolExecutor(
             max_workers=self.concurrency,
             mp_context=mp_context,
             initializer=_init_pool_process,
@@ -448,8 +454,9 @@ class Worker(Daemon):
                 refused = [lease for lease in leases if not self._dispatch(lease)]
                 if refused:
                     self._refuse(refused)
-        except Exception:
+        except Exception as exc:
             logger.exception("lease loop crashed; stopping the worker")
+            self.error = self.error or exc
             self.shutdown.set()
         finally:
             self._lease_done.set()
@@ -527,10 +534,30 @@ class Worker(Daemon):
             return SKIPPED_DRY_RUN
         if self._executor is None:
             return invoke(spec.func, run.lease, run.flag, self.worker_id, run.cancel_flag)
-        future = self._executor.submit(
-            invoke, spec.func, run.lease, run.flag, self.worker_id, run.cancel_flag
-        )
-        return future.result()
+        executor = self._executor
+        try:
+            future = executor.submit(
+                invoke, spec.func, run.lease, run.flag, self.worker_id, run.cancel_flag
+            )
+            return future.result()
+        except BrokenProcessPool as exc:
+            # A handler's process died (os._exit, a segfault, the OOM killer): every run of
+            # that pool fails, and a new pool takes the next ones. Kept, the broken pool failed
+            # every later run at once until their attempts were spent.
+            self._replace_pool(executor)
+            return Report(
+                "failed",
+                error_type="HandlerProcessDied",
+                message=f"a handler process of worker {self.worker_id} died: {exc}",
+            )
+
+    def _replace_pool(self, broken: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._executor is not broken or self.shutdown.is_set():
+                return  # another run replaced it already, or the worker is stopping
+            logger.error("a handler process died; starting a new process pool")
+            self._executor = self._new_pool()
+        broken.shutdown(wait=False, cancel_futures=True)
 
     def _finish(self, run: _Run, report: Report) -> None:
         # One locked step, so the supervisor never sees a returned handler as still running.

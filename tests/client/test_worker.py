@@ -17,6 +17,7 @@ from django.conf import settings
 from apps.runs import store
 from apps.runs.ids import public_run_id
 from apps.runs.models import Attempt, Run
+from tests.client import handlers_for_pools
 from tests.client.conftest import read_ledger, runs_when, wait_for
 from tests.client.scripted import Request, Response
 from tests.conftest import Api, add_ready_runs, expire_lease, make_definition
@@ -654,3 +655,57 @@ def test_runs_that_arrive_after_the_stop_are_given_back_not_started(
     runs = wait_for(runs_when(ids, "retrying"), what="the runs given back")
     assert called == []
     assert {(run.attempt, run.last_error["type"]) for run in runs} == {(1, "WorkerShutdown")}
+
+
+def test_a_dead_handler_process_fails_its_run_and_a_new_pool_takes_the_next(team_a, make_worker):
+    crash = make_definition(team_a, "demo.crash", queue="pool", retry_max_attempts=1)
+    fine = make_definition(team_a, "demo.fine", queue="pool")
+    (crashed,) = add_ready_runs(crash, 1, prefix="c")
+    handlers = {"demo.crash": handlers_for_pools.die, "demo.fine": handlers_for_pools.succeed}
+    make_worker(["pool"], handlers=handlers, pool="process", concurrency=2).start()
+
+    (dead,) = wait_for(runs_when([crashed], "dead"), timeout=60, what="the crashed run failed")
+    assert dead.last_error["type"] == "HandlerProcessDied"
+    # The pool that lost a process is replaced: the runs after it succeed, not fail at once.
+    later = add_ready_runs(fine, 3, prefix="f")
+    runs = wait_for(runs_when(later, "succeeded"), timeout=60, what="the later runs done")
+    assert [run.attempt for run in runs] == [1, 1, 1]
+
+
+def test_text_the_scheduler_cannot_store_is_escaped_not_lost(team_a, make_worker):
+    """A lone surrogate (a file name read with surrogateescape) or a NUL in an error, and a
+    result that is not JSON as the scheduler reads it: each run ends with its outcome, beside
+    a plain success in the same batch, and the worker keeps running."""
+    definition = make_definition(team_a, "demo.text", queue="text", retry_max_attempts=1)
+    handlers_by_key: dict[str, Any] = {
+        "surrogate-error": ValueError("file-\udcff"),
+        "nul-error": ValueError("bad\x00byte"),
+        "surrogate-result": {"name": "file-\udcff"},
+        "nan-result": {"v": float("nan")},
+        "plain": {"ok": True},
+    }
+
+    def handle(ctx: Context) -> Any:
+        outcome = handlers_by_key[ctx.idempotency_key]
+        if isinstance(outcome, Exception):
+            raise NonRetryable(str(outcome))
+        return outcome
+
+    store.insert_runs(
+        [
+            store.NewRun(definition.pk, "api", definition.created_at, definition.created_at, key)
+            for key in handlers_by_key
+        ]
+    )
+    worker = make_worker(["text"], handlers={"demo.text": handle}, concurrency=5)
+    worker.start()
+    pks = list(Run.objects.values_list("pk", flat=True))
+    runs = wait_for(runs_when(pks, "dead", "succeeded"), timeout=30, what="every run ended")
+    by_key = {run.idempotency_key: run for run in runs}
+    assert by_key["surrogate-error"].last_error["message"] == "file-\\udcff"
+    assert by_key["nul-error"].last_error["message"] == "bad\\x00byte"
+    assert by_key["surrogate-result"].state == "succeeded"
+    assert "unserializable" in by_key["surrogate-result"].result
+    assert by_key["nan-result"].result == {"unserializable": "{'v': nan}"}
+    assert by_key["plain"].result == {"ok": True}
+    assert not worker.shutdown.is_set()
