@@ -301,6 +301,13 @@ def _refused(
     key: str, status: int, code: str, detail: str, errors: dict[str, list[str]] | None = None
 ) -> EnqueueResult:
     """An item the client answers itself, as the scheduler answers an item it refuses."""
+    return EnqueueResult(status, key, error=_refusal(status, code, detail, errors))
+
+
+def _refusal(
+    status: int, code: str, detail: str, errors: dict[str, list[str]] | None = None
+) -> ApiError:
+    """The error the scheduler would answer for an item the client refuses itself."""
     problem: dict[str, Any] = {
         "type": PROBLEM_TYPES + code,
         "title": _TITLES[status],
@@ -309,7 +316,7 @@ def _refused(
     }
     if errors:
         problem["errors"] = errors
-    return EnqueueResult(status, key, error=error_for(status, problem))
+    return error_for(status, problem)
 
 
 def _first_run(results: list[EnqueueResult]) -> Run:
@@ -390,11 +397,22 @@ class Api:
         item = Enqueue(job, payload, delay, run_at, idempotency_key, priority, concurrency_key)
         key = idempotency_key or self.new_key()
         parse = _enqueue_answer([key])
+        try:
+            body = item.to_json(key)
+            encode(body)
+        except InvalidItem as exc:
+            # Raised as the scheduler's refusal of the item would be, and as enqueue_many
+            # answers it: a BadRequest (an ApiError) with the reasons by argument.
+            raise _refusal(400, "invalid-input", str(exc), exc.errors) from None
+        except (TypeError, ValueError) as exc:
+            name = _unencodable(body)
+            reason = f"{name} cannot be encoded as JSON: {exc}"
+            raise _refusal(400, "invalid-input", reason, {name: [reason]}) from None
         return Call(
             "POST",
             "/api/v1/runs",
             lambda data: _first_run(parse(data)),
-            {"runs": [item.to_json(key)]},
+            {"runs": [body]},
             idempotent=True,
         )
 

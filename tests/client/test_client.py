@@ -133,10 +133,18 @@ def test_enqueue_at_a_time_takes_an_aware_datetime_or_an_iso_string(producer, te
 
     assert by_datetime.due_at == at
     assert by_string.due_at == at
-    with pytest.raises(ValueError, match="aware"):
+    # Refused before sending, as the scheduler refuses a bad item, and as enqueue_many answers
+    # one: a BadRequest (an ApiError) with the reasons by argument.
+    with pytest.raises(BadRequest, match="aware") as naive:
         producer.enqueue("shop.send-receipt", run_at=datetime(2030, 1, 1))
-    with pytest.raises(ValueError, match="either"):
+    assert "run_at" in naive.value.errors
+    with pytest.raises(BadRequest, match="either"):
         producer.enqueue("shop.send-receipt", run_at=at, delay=5)
+    with pytest.raises(BadRequest, match="negative"):
+        producer.enqueue("shop.send-receipt", delay=-1)
+    with pytest.raises(BadRequest) as unencodable:
+        producer.enqueue("shop.send-receipt", payload={1, 2})
+    assert list(unencodable.value.errors) == ["payload"]
 
 
 def test_enqueue_without_a_key_makes_one_so_a_retry_cannot_create_a_second_run(producer, team_a):
