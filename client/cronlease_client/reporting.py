@@ -271,6 +271,7 @@ def send_results(
     attempts: int = 0,
     settled: Callable[[Batch], None] | None = None,
     unavailable_retries: int = UNAVAILABLE_RETRIES,
+    unreachable: Callable[[Batch], None] | None = None,
 ) -> dict[str, str]:
     """Report outcomes in `POST /api/v1/results`; return {run id: new state} of those accepted.
 
@@ -280,8 +281,11 @@ def send_results(
     3. A 400 for one success: the result itself is invalid, so the run is failed for good
        (`ResultRefused`, the scheduler's reason as its message) rather than left leased until
        its lease expires and run again to the same end.
-    4. Any other failure is logged: the leases expire and the scheduler retries the runs.
-    5. Items answered 503 are sent again, `unavailable_retries` times at most.
+    4. A failure that may pass (no answer, 429, 5xx, after the transport's own tries) goes to
+       `unreachable` when given: the worker holds the outcomes and sends them again while
+       their leases last, rather than let a web restart of 20 s run them twice.
+    5. Any other failure is logged: the leases expire and the scheduler retries the runs.
+    6. Items answered 503 are sent again, `unavailable_retries` times at most.
     `attempts` is the transport's (its default when 0). Each part of the batch goes to `settled`
     once the scheduler has answered it, or could not be reached.
     """
@@ -296,7 +300,11 @@ def send_results(
         if exc.status in (400, 413) and len(batch) > 1:
             states: dict[str, str] = {}
             for one in batch:
-                states.update(send_results(http, [one], attempts=attempts, settled=settled))
+                states.update(
+                    send_results(
+                        http, [one], attempts=attempts, settled=settled, unreachable=unreachable
+                    )
+                )
             return states
         if exc.status == 413 and batch[0][1].outcome == "succeeded":
             run, _ = batch[0]
@@ -314,6 +322,9 @@ def send_results(
                 extra=run.fields(),
             )
             return send_results(http, [(run, refused)], attempts=attempts, settled=settled)
+        if exc.transient and unreachable is not None:
+            unreachable(batch)
+            return {}
         if len(batch) == 1:
             run, _ = batch[0]
             logger.error(

@@ -36,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from multiprocessing.managers import SyncManager
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from cronlease_client.context import Context, LeaseFlag
 from cronlease_client.errors import ApiError
@@ -699,7 +699,32 @@ class Worker(Daemon):
 
     def _send_results(self, batch: list[tuple[_Run, Report]]) -> None:
         # A run is forgotten (no longer heartbeated) once the scheduler has answered its result.
-        send_results(self._results_http, batch, settled=self._forget)
+        send_results(self._results_http, batch, settled=self._forget, unreachable=self._hold_again)
+
+    def _hold_again(self, batch: Batch) -> None:
+        """Outcomes the scheduler could not be reached for, after the transport's tries (about
+        20 s): held and sent again, their runs still heartbeated, until the scheduler answers.
+        Its answer settles them either way: taken, or 409 once a lease ran out meanwhile. Before,
+        they were dropped while their leases still ran, and a web restart ran them twice. At
+        shutdown they are dropped: the leases expire and the runs are retried."""
+        runs = cast("list[tuple[_Run, Report]]", list(batch))
+        with self._lock:
+            stopping = self.shutdown.is_set()
+            if not stopping:
+                for run, report in runs:
+                    self._queue_outcome(run, report)
+        if stopping:
+            logger.error(
+                "could not report %d results while stopping; their leases will expire and the "
+                "runs be retried",
+                len(runs),
+            )
+            self._forget(batch)
+        else:
+            logger.warning(
+                "could not reach the scheduler to report %d results; sending them again",
+                len(runs),
+            )
 
     def _forget(self, batch: Batch) -> None:
         with self._lock:

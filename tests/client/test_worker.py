@@ -19,7 +19,7 @@ from apps.runs.ids import public_run_id
 from apps.runs.models import Attempt, Run
 from tests.client import handlers_for_pools
 from tests.client.conftest import read_ledger, runs_when, wait_for
-from tests.client.scripted import Request, Response
+from tests.client.scripted import Request, Response, json_response
 from tests.conftest import Api, add_ready_runs, expire_lease, make_definition
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -709,3 +709,55 @@ def test_text_the_scheduler_cannot_store_is_escaped_not_lost(team_a, make_worker
     assert by_key["nan-result"].result == {"unserializable": "{'v': nan}"}
     assert by_key["plain"].result == {"ok": True}
     assert not worker.shutdown.is_set()
+
+
+def test_a_result_is_held_through_a_web_restart_longer_than_the_transports_tries(
+    team_a, live_server, worker_token_a, serve, monkeypatch
+):
+    """The scheduler unreachable for longer than the transport retries a request (three tries
+    here, about a second; ten, about 20 s, by default) while the lease runs for 30: the result
+    is sent once the scheduler is back, and the run is not leased and run a second time."""
+    made = Worker._transport
+    monkeypatch.setattr(
+        Worker,
+        "_transport",
+        lambda self, *, cancel, attempts=5: made(self, cancel=cancel, attempts=3),
+    )
+    definition = make_definition(team_a, "demo.restart", queue="restart")
+    (pk,) = add_ready_runs(definition, 1)
+    down, finished = threading.Event(), threading.Event()
+
+    def web(request: Request) -> Response:
+        if down.is_set():
+            return json_response(503, {"status": 503, "detail": "restarting"})
+        answer = httpx.request(
+            request.method,
+            live_server.url + request.path,
+            content=request.content,
+            headers={k: v for k, v in request.headers.items() if k in FORWARDED},
+            timeout=30,
+        )
+        return Response(answer.status_code, answer.content, {"Content-Type": "application/json"})
+
+    def handle(ctx: Context) -> dict:
+        down.set()  # the web process goes away while the handler works
+        finished.set()
+        return {"done": ctx.attempt}
+
+    worker = Worker(
+        serve(web).url, worker_token_a, ["restart"], handlers={"demo.restart": handle},
+        lease_seconds=30, wait_seconds=1, grace_seconds=5,
+    )  # fmt: skip
+    worker.start()
+    try:
+        assert finished.wait(20)
+        time.sleep(4)  # past the transport's tries of the result
+        assert Run.objects.get(pk=pk).state == "leased"
+        down.clear()
+        (run,) = wait_for(runs_when([pk], "succeeded"), timeout=20, what="the result sent")
+        assert (run.attempt, run.result) == (1, {"done": 1})
+    finally:
+        worker.stop(timeout=15)
+
+
+FORWARDED = ("authorization", "content-type", "accept")
