@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from io import StringIO
 
 import pytest
@@ -112,10 +113,26 @@ def test_a_schedule_with_its_defaults_written_out_is_unchanged(api_a, team_a):
     assert AuditEvent.objects.filter(action="job.update").count() == 0
 
 
-@pytest.mark.parametrize("depth", [65, 5000])
+@pytest.mark.parametrize("depth", [62, 65, 5000])
 def test_a_file_with_a_payload_nested_past_the_limit_changes_nothing(tmp_path, team_a, depth):
+    # Counted from the file's own level, as PUT /api/v1/jobs counts its body's: the file, its
+    # `jobs` list and the entry leave a payload 61 levels of its own.
     nested = "[" * depth + "]" * depth
     text = f"team: team-a\njobs:\n  - name: deep.job\n    queue: q\n    payload: {nested}\n"
-    with pytest.raises(CommandError):
+    with pytest.raises(CommandError, match=r"jobs\[0\]\.payload|too deeply"):
         apply(tmp_path, text)
     assert not JobDefinition.objects.exists()
+
+
+def test_a_file_and_put_jobs_take_the_same_nesting(api_a, tmp_path, team_a):
+    entry = {"name": "deep.job", "queue": "q", "payload": [[[]]]}
+    for depth in (61, 62):
+        entry["payload"] = json.loads("[" * depth + "]" * depth)
+        by_api = api_a.put("/api/v1/jobs", {"jobs": [entry], "dryRun": True}).status_code
+        text = f"team: team-a\njobs:\n  - {json.dumps(entry)}\n"
+        try:
+            apply(tmp_path, text, "--dry-run")
+            by_file = 200
+        except CommandError:
+            by_file = 400
+        assert by_api == by_file == (200 if depth == 61 else 400), depth

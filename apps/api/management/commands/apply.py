@@ -17,6 +17,7 @@ from django.core.management.base import BaseCommand, CommandError
 from apps.api.shapes.jobs import parse_definition
 from apps.audit.record import Actor
 from apps.jobs import sync
+from apps.runs import limits
 from apps.teams.models import Team
 
 
@@ -54,6 +55,15 @@ class Command(BaseCommand):
             entries = json.loads(json.dumps(document.get("jobs"), default=str))
         except RecursionError as exc:
             raise CommandError(f"{file} nests objects and lists too deeply.") from exc
+        # Counted from the file's own level, as `PUT /api/v1/jobs` counts its body's: the same
+        # entries pass or fail both ways (a payload the file took at 64 levels of its own could
+        # not be sent back through the API).
+        where = limits.json_too_deep({"jobs": entries})
+        if where is not None:
+            raise CommandError(
+                f"{file}: {where} nests objects and lists deeper than "
+                f"{limits.json_max_depth()} levels, counted from the file's own."
+            )
         try:
             plan = sync.plan_sync(owner, sync.validate(entries, parse_definition), prune=prune)
         except sync.SyncError as exc:
