@@ -182,6 +182,11 @@ class Daemon:
             self._fail_fatally(exc)
             return False
         delay = backoff_delay(failures, base=0.5, cap=30.0)
+        # The scheduler's Retry-After (429, 503) is at least what it asked, here as in the
+        # transport's own tries; the round's backoff alone sent one 0.4 s after a 3 s ask.
+        asked = getattr(exc, "retry_after", None)
+        if asked:
+            delay = max(delay, min(asked, 300.0))
         logger.warning("leasing failed; retrying in %.1fs: %s", delay, exc)
         self.shutdown.wait(delay)
         return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,6 +22,7 @@ class Request:
     headers: dict[str, str]  # names lower-cased
     content: bytes
     connection: int  # the TCP connection it came on, numbered from 0 in order of arrival
+    at: float = field(default_factory=time.monotonic)  # when it was read
 
     def json(self) -> Any:
         return json.loads(self.content)

@@ -761,3 +761,23 @@ def test_a_result_is_held_through_a_web_restart_longer_than_the_transports_tries
 
 
 FORWARDED = ("authorization", "content-type", "accept")
+
+
+def test_the_lease_loop_waits_what_retry_after_asks_between_its_rounds(serve):
+    """Throttled (429, Retry-After: 1) on every lease request: no request comes sooner than
+    asked, within the transport's tries or between the lease loop's rounds of them."""
+    throttled = serve(
+        lambda request: json_response(
+            429, {"status": 429, "detail": "slow down"}, **{"Retry-After": "1"}
+        )
+    )
+    worker = Worker(throttled.url, "jst_token", ["q"], handlers={"demo.x": lambda ctx: None})
+    worker.start()
+    try:
+        time.sleep(7.5)  # past the transport's five tries: at least one round's end
+    finally:
+        worker.stop(timeout=10)
+    times = [request.at for request in throttled.seen if request.path == "/api/v1/leases"]
+    assert len(times) >= 6
+    gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    assert min(gaps) >= 0.95, gaps
