@@ -3,6 +3,9 @@ scrolling boxes, and the sections behind a "Menu" button."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 from playwright.sync_api import expect
 
@@ -16,17 +19,35 @@ pytestmark = pytest.mark.django_db(transaction=True)
 PHONE = {"width": 390, "height": 844}
 
 
+@contextmanager
+def on_a_phone(browser, asgi_server, user) -> Iterator[BrowserPage]:
+    """`user` signed in, in a browser the width of a phone."""
+    context = browser.new_context(viewport=PHONE)
+    context.set_default_timeout(10_000)
+    try:
+        web = BrowserPage(context, asgi_server)
+        web.sign_in(user)
+        yield web
+    finally:
+        context.close()
+
+
+def wider_than_a_phone(web: BrowserPage, path: str | None = None) -> int | None:
+    """The page's width (of `path` once opened, else of the page as it is) when wider than the
+    phone's screen, else None."""
+    if path is not None:
+        assert web.goto(path).status == 200, path
+    width = web.page.evaluate("document.documentElement.scrollWidth")
+    return width if width > PHONE["width"] else None
+
+
 def test_every_page_fits_a_phone_and_the_sections_fold_behind_a_menu(
     browser, asgi_server, admin_a, job_a
 ):
     failed_runs(job_a, 2, message="connection reset by peer " * 8)
     add_ready_runs(job_a, 3, prefix="ready")
     run = Run.objects.filter(state="dead").first()
-    context = browser.new_context(viewport=PHONE)
-    context.set_default_timeout(10_000)
-    try:
-        web = BrowserPage(context, asgi_server)
-        web.sign_in(admin_a)
+    with on_a_phone(browser, asgi_server, admin_a) as web:
         page = web.page
         paths = [
             "/",
@@ -47,20 +68,15 @@ def test_every_page_fits_a_phone_and_the_sections_fold_behind_a_menu(
         ]
         too_wide = {}
         for path in paths:
-            assert web.goto(path).status == 200, path
+            too_wide[path] = wider_than_a_phone(web, path)
             expect(page.locator("h1").first).to_be_visible()
-            width = page.evaluate("document.documentElement.scrollWidth")
-            if width > PHONE["width"]:
-                too_wide[path] = width
         # The job form's fire-time preview is a table of its own: once a cron fills it, it
         # scrolls inside its box (it once widened the form's column to 605 px).
         web.goto("/jobs/new")
         page.fill("#id_cron", "30 2 * * *")
         expect(page.locator("#preview tbody tr")).to_have_count(10)
-        width = page.evaluate("document.documentElement.scrollWidth")
-        if width > PHONE["width"]:
-            too_wide["/jobs/new with its preview"] = width
-        assert too_wide == {}
+        too_wide["/jobs/new with its preview"] = wider_than_a_phone(web)
+        assert {path: width for path, width in too_wide.items() if width} == {}
 
         sections = page.locator("nav#sections")
         expect(sections).to_be_hidden()
@@ -69,8 +85,6 @@ def test_every_page_fits_a_phone_and_the_sections_fold_behind_a_menu(
         sections.get_by_role("link", name="Queues").click()
         expect(page).to_have_url(asgi_server.url + "/queues")
         assert web.console_errors == []
-    finally:
-        context.close()
 
 
 def test_the_longest_names_wrap_at_a_phones_width(browser, asgi_server, admin_a, team_a):
@@ -79,11 +93,7 @@ def test_the_longest_names_wrap_at_a_phones_width(browser, asgi_server, admin_a,
     job = make_definition(team_a, "analytics." + "x" * 190, queue="q" * 100, owner="o" * 200)
     add_ready_runs(job, 1, prefix="long")
     (lease,) = claim(queues=[job.queue], max_runs=1, worker_id="w" * 200)
-    context = browser.new_context(viewport=PHONE)
-    context.set_default_timeout(10_000)
-    try:
-        web = BrowserPage(context, asgi_server)
-        web.sign_in(admin_a)
+    with on_a_phone(browser, asgi_server, admin_a) as web:
         page = web.page
         too_wide = {}
         for path in (
@@ -95,18 +105,11 @@ def test_the_longest_names_wrap_at_a_phones_width(browser, asgi_server, admin_a,
             "/workers",
             "/queues",
         ):
-            assert web.goto(path).status == 200, path
-            width = page.evaluate("document.documentElement.scrollWidth")
-            if width > PHONE["width"]:
-                too_wide[path] = width
+            too_wide[path] = wider_than_a_phone(web, path)
         # A form error that repeats an unbroken value the user typed.
         web.goto("/jobs/new")
         page.fill("#id_cron", "0 2 * * *")
         page.fill("#id_time_zone", "Nowhere/" + "z" * 60)
         expect(page.locator(".field-error").filter(has_text="z" * 20).first).to_be_visible()
-        width = page.evaluate("document.documentElement.scrollWidth")
-        if width > PHONE["width"]:
-            too_wide["/jobs/new with a long time zone"] = width
-        assert too_wide == {}
-    finally:
-        context.close()
+        too_wide["/jobs/new with a long time zone"] = wider_than_a_phone(web)
+        assert {path: width for path, width in too_wide.items() if width} == {}

@@ -187,10 +187,11 @@ def _shard_of(name: str) -> int:
     return shard_for(name)
 
 
-def test_late_runs_and_missed_cron_times_each_page_once(team_a, receiver, notifier):
+def _watched_every_five_minutes(team, name: str):
+    """A job due every five minutes with a lateness SLO of a minute, made two hours ago."""
     job = make_definition(
-        team_a,
-        "billing.nightly",
+        team,
+        name,
         queue="billing",
         schedule={"cron": "*/5 * * * *", "jitterSeconds": 0},
         lateness_slo_seconds=60,
@@ -200,6 +201,11 @@ def test_late_runs_and_missed_cron_times_each_page_once(team_a, receiver, notifi
         "UPDATE jobs_jobdefinition SET created_at = now() - interval '2 hours' WHERE id = %s",
         [job.pk],
     )
+    return job
+
+
+def test_late_runs_and_missed_cron_times_each_page_once(team_a, receiver, notifier):
+    job = _watched_every_five_minutes(team_a, "billing.nightly")
     add_ready_runs(job, 1, age_seconds=300)  # claimed 300 s after it became available
     claim(queues=["billing"], max_runs=1, worker_id="w", team_ids=[team_a.pk])
     make_channel(team_a, receiver.url, events=["job.late", "job.missed"])
@@ -216,18 +222,7 @@ def test_late_runs_and_missed_cron_times_each_page_once(team_a, receiver, notifi
 def test_a_missed_time_recovers_when_that_time_has_run_not_an_earlier_one(
     team_a, receiver, notifier, settings
 ):
-    job = make_definition(
-        team_a,
-        "billing.every5",
-        queue="billing",
-        schedule={"cron": "*/5 * * * *", "jitterSeconds": 0},
-        lateness_slo_seconds=60,
-        timeout_seconds=60,
-    )
-    everywhere(
-        "UPDATE jobs_jobdefinition SET created_at = now() - interval '2 hours' WHERE id = %s",
-        [job.pk],
-    )
+    job = _watched_every_five_minutes(team_a, "billing.every5")
     make_channel(team_a, receiver.url, events=["job.missed", "job.recovered"])
     notifier.handle_one_detection(force=True)
     missed = Incident.objects.get(event="job.missed")
