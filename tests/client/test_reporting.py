@@ -9,6 +9,7 @@ from cronlease_client.reporting import (
     RESULT_TOO_LARGE,
     LeasedRun,
     Report,
+    describe_result,
     send_results,
 )
 from cronlease_client.transport import Transport
@@ -134,3 +135,19 @@ def test_an_item_answered_503_is_sent_again_alone_until_it_is_taken(scheduler):
         ["run_B"],
     ]
     assert [run.run_id for run, _ in settled] == ["run_A", "run_B"]  # once, at the end
+
+
+def test_a_result_nested_past_what_python_can_write_is_stored_as_a_note_not_retried():
+    value: list = []
+    for _ in range(5000):
+        value = [value]
+    warned: list[str] = []
+
+    class Log:
+        def warning(self, message: str, *args: object) -> None:
+            warned.append(message % args)
+
+    report = describe_result(value, lambda: Log(), "handler")  # type: ignore[arg-type, return-value]
+    assert report.outcome == "succeeded"
+    assert report.result == {"unserializable": "<list nested too deep to show>"}
+    assert warned == ["handler result is not JSON; storing its repr"]
