@@ -147,7 +147,7 @@ def spawn(
             ],
         )
 
-    def bridge(queue: str, *options: str) -> Process:
+    def bridge(queue: str, *options: str, tasks: str = "examples.celery_worker.app") -> Process:
         # The bridge's token also has the manage scope, for its check of the queue's jobs.
         return start(
             f"bridge-{len(processes)}",
@@ -156,7 +156,7 @@ def spawn(
                 "-m",
                 "cronlease_client",
                 "bridge",
-                "examples.celery_worker.app",
+                tasks,
                 "--queue",
                 queue,
                 "--url",
@@ -423,6 +423,22 @@ def test_sigterm_hangs_up_the_bridges_long_poll_rather_than_wait_it_out(team_a, 
     time.sleep(0.5)
     bridge.send_signal(signal.SIGTERM)
     assert bridge.wait(timeout=15) == 0  # well inside the 30 s the poll would have waited
+
+
+@e2e
+def test_a_task_the_celery_worker_does_not_have_fails_its_run_at_once(team_a, spawn, broker):
+    """A bridge deployed ahead of its Celery workers sends a task they do not have: Celery drops
+    the message, and the run is failed at once as retryable, not kept leased by the bridge for
+    its max_queued_seconds (600 s) per attempt."""
+    definition = make_definition(team_a, "demo.ahead", queue="celery-ahead", retry_max_attempts=2)
+    pk = add_cron_run(definition)
+    spawn["celery_worker"]()
+    bridge = spawn["bridge"]("celery-ahead", tasks="tests.client.celery_bridge_ahead")
+
+    (run,) = wait_for(runs_when([pk], "retrying", "dead"), timeout=30, what="the run failed")
+    assert run.last_error["type"] == "TaskNotRegistered"
+    assert "celery_bridge_ahead.ahead" in run.last_error["message"]
+    wait_for(lambda: "not_registered" in bridge.output(), timeout=10, what="the bridge told")
 
 
 @e2e

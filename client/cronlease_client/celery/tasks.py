@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import celery  # type: ignore[import-untyped]
+from celery import signals  # type: ignore[import-untyped]
 from celery.exceptions import Retry  # type: ignore[import-untyped]
 
 from cronlease_client.context import Context
@@ -234,10 +235,20 @@ def _announce(
     task: celery.Task, bridge: Mapping[str, Any], lease: Mapping[str, Any], outcome: str
 ) -> None:
     """Tell the bridge that sent this message that it can stop heartbeating the lease."""
+    _tell_bridge(task.app, task.request.hostname, bridge, lease, outcome)
+
+
+def _tell_bridge(
+    app: celery.Celery,
+    hostname: str | None,
+    bridge: Mapping[str, Any],
+    lease: Mapping[str, Any],
+    outcome: str,
+) -> None:
     if not bridge.get("id"):
         return
     try:
-        with task.app.events.default_dispatcher(hostname=task.request.hostname) as dispatcher:
+        with app.events.default_dispatcher(hostname=hostname) as dispatcher:
             dispatcher.send(
                 HANDOFF_EVENT,
                 bridge=bridge["id"],
@@ -249,6 +260,33 @@ def _announce(
         # Best effort: a bridge that misses it sees a 409 once the run ends, or stops after
         # max_queued_seconds, and the task's own heartbeats keep the lease meanwhile.
         logger.debug("could not send the handoff event run_id=%s", lease["runId"], exc_info=True)
+
+
+@signals.task_unknown.connect
+def fail_unknown_task(sender: Any = None, message: Any = None, name: str = "", **_: Any) -> None:
+    """A bridge's message for a task this Celery worker does not have (the bridge was deployed
+    ahead of it, or routes to the wrong workers): Celery drops it, and its run stayed leased,
+    heartbeated by the bridge for `max_queued_seconds` (600 s) per attempt. Its run is failed
+    at once as retryable (`TaskNotRegistered`), and the bridge told to let it go."""
+    try:
+        _, kwargs, _ = message.decode()
+        lease, bridge = kwargs["lease"], kwargs.get("bridge") or {}
+        run = LeasedRun(
+            lease["runId"], lease.get("job") or "", lease.get("attempt") or 0, lease["fencingToken"]
+        )
+    except Exception:  # noqa: BLE001 - not a bridge's message (another app's task)
+        return
+    hostname = getattr(sender, "hostname", None)
+    _tell_bridge(sender.app, hostname, bridge, lease, "not_registered")
+    report = Report(
+        "failed",
+        error_type="TaskNotRegistered",
+        message=f"the Celery worker {hostname or '?'} has no task {name!r}",
+    )
+    try:
+        send_results(_transport(sender.app), [(run, report)], attempts=3)
+    except BridgeConfigError:
+        logger.error("could not fail run_id=%s: no scheduler configured", run.run_id)
 
 
 class _LeaseKeeper(threading.Thread):
