@@ -763,9 +763,15 @@ def test_a_result_is_held_through_a_web_restart_longer_than_the_transports_tries
 FORWARDED = ("authorization", "content-type", "accept")
 
 
-def test_the_lease_loop_waits_what_retry_after_asks_between_its_rounds(serve):
+def test_the_lease_loop_waits_what_retry_after_asks_between_its_rounds(serve, monkeypatch):
     """Throttled (429, Retry-After: 1) on every lease request: no request comes sooner than
-    asked, within the transport's tries or between the lease loop's rounds of them."""
+    asked, within the transport's tries (two here) or between the lease loop's rounds."""
+    made = Worker._transport
+    monkeypatch.setattr(
+        Worker,
+        "_transport",
+        lambda self, *, cancel, attempts=5: made(self, cancel=cancel, attempts=2),
+    )
     throttled = serve(
         lambda request: json_response(
             429, {"status": 429, "detail": "slow down"}, **{"Retry-After": "1"}
@@ -774,10 +780,10 @@ def test_the_lease_loop_waits_what_retry_after_asks_between_its_rounds(serve):
     worker = Worker(throttled.url, "jst_token", ["q"], handlers={"demo.x": lambda ctx: None})
     worker.start()
     try:
-        time.sleep(7.5)  # past the transport's five tries: at least one round's end
+        time.sleep(3.6)  # two rounds of two tries
     finally:
         worker.stop(timeout=10)
     times = [request.at for request in throttled.seen if request.path == "/api/v1/leases"]
-    assert len(times) >= 6
+    assert len(times) >= 4
     gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
     assert min(gaps) >= 0.95, gaps
