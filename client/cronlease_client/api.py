@@ -397,13 +397,14 @@ class Api:
         item = Enqueue(job, payload, delay, run_at, idempotency_key, priority, concurrency_key)
         key = idempotency_key or self.new_key()
         parse = _enqueue_answer([key])
+        # Refused as the scheduler's refusal of the item would be, and as enqueue_many answers
+        # it: a BadRequest (an ApiError) with the reasons by argument.
         try:
             body = item.to_json(key)
-            encode(body)
         except InvalidItem as exc:
-            # Raised as the scheduler's refusal of the item would be, and as enqueue_many
-            # answers it: a BadRequest (an ApiError) with the reasons by argument.
             raise _refusal(400, "invalid-input", str(exc), exc.errors) from None
+        try:
+            encode(body)
         except (TypeError, ValueError) as exc:
             name = _unencodable(body)
             reason = f"{name} cannot be encoded as JSON: {exc}"
