@@ -18,10 +18,11 @@ from django.db.models import Q, QuerySet
 from apps.audit.models import AuditEvent
 from apps.jobs.models import JobDefinition, Queue, database_of
 from apps.jobs.queues import RateWindow, rate_window
-from apps.runs import counters, depth, shards
+from apps.runs import census, counters, shards
 from apps.runs.models import (
     FINISHED_STATES,
     PRIORITY_NAMES,
+    WAITING_STATES,
     Run,
     State,
     Trigger,
@@ -41,12 +42,6 @@ def _fetch(sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     with shards.cursor() as cursor:
         cursor.execute(sql, params)
         return _rows(cursor)
-
-
-def _fetch_everywhere(sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows of `sql` on every shard database, one list."""
-    parts, _ = shards.gather(lambda: _fetch(sql, params))
-    return [row for part in parts for row in part]
 
 
 # --- runs ---------------------------------------------------------------------------------
@@ -92,30 +87,10 @@ def _runs_of(pks: list[int], narrow: Callable[[QuerySet], QuerySet]) -> list[Run
 
 
 # --- overview -------------------------------------------------------------------------------
-# The overview never reads the whole runs heap: finished and leased runs are counted from the
-# index run_team_state, waiting runs from the partial index run_claimable, and everything with a
-# time window (failures, throughput, latency) from the per-minute counters (apps/runs/counters.py).
-
-# Index-only scan of run_team_state (team_id, state, -id). Succeeded runs are most of the table
-# (a million entries took 200 ms to count): the overview shows those of the last 24 hours, from
-# the counters.
-SETTLED_COUNTS = """
-SELECT state, count(*) AS n
-FROM runs_run
-WHERE team_id = ANY(%(teams)s::bigint[]) AND state IN ('leased', 'dead', 'cancelled')
-GROUP BY state
-"""
-
-# The backlog (by state for the overview): apps.runs.depth, index-only from the partial index
-# run_claimable, which includes the stored state.
-
-# Leased runs: the partial index run_leased_expiry holds only leased rows.
-LEASED_BY_QUEUE = """
-SELECT team_id, queue, priority, count(*) AS leased
-FROM runs_run
-WHERE state = 'leased' AND team_id = ANY(%(teams)s::bigint[])
-GROUP BY team_id, queue, priority
-"""
+# The overview never reads the whole runs heap: the runs of each state but succeeded are counted
+# by apps.runs.census (index scans, or the scheduler's census of them when there are too many to
+# count on every load), and everything with a time window (failures, throughput, latency, the
+# succeeded runs of the last 24 hours) from the per-minute counters (apps/runs/counters.py).
 
 
 @dataclass
@@ -131,19 +106,21 @@ class Overview:
     per_minute: list[tuple[datetime, int, int]]
     queues: list[dict[str, Any]]
     latency: list[dict[str, Any]]
+    # When the state counts and queues were counted, if not now (apps.runs.census).
+    counted_at: datetime | None = None
 
 
 def overview(team_ids: list[int], now: datetime) -> Overview:
-    params: dict[str, Any] = {"teams": team_ids}
     counts = {state.value: 0 for state in State}
-    for row in _fetch_everywhere(SETTLED_COUNTS, params):
-        counts[row["state"]] += row["n"]
-    lanes, waiting = _queue_lanes(team_ids, now, by_state=True)
+    counted = census.everywhere(team_ids)
     retrying = 0
-    for state, due, later in waiting:
-        counts[State.READY] += due
-        counts[state] += later if state != State.READY else 0
-        retrying += due + later if state == State.RETRYING else 0
+    for count in counted.counts:
+        if count.state not in WAITING_STATES:
+            counts[count.state] += count.due
+            continue
+        counts[State.READY] += count.due
+        counts[count.state] += count.later if count.state != State.READY else 0
+        retrying += count.due + count.later if count.state == State.RETRYING else 0
 
     # The windows come from the per-minute counters (apps/runs/counters.py), by whole minutes.
     hour0 = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=23)
@@ -188,26 +165,26 @@ def overview(team_ids: list[int], now: datetime) -> Overview:
         failures_24h=sum(by_hour.values()),
         failures_by_hour=[(h, by_hour.get(h, 0)) for h in hours],
         per_minute=[(m, *by_minute.get(m, (0, 0))) for m in minutes],
-        queues=lanes,
+        queues=_queue_lanes(counted.counts, now),
         latency=latency,
+        counted_at=counted.taken_at,
     )
 
 
-def _queue_lanes(
-    team_ids: list[int], now: datetime, *, by_state: bool = False
-) -> tuple[list[dict[str, Any]], list[tuple[str, int, int]]]:
-    """Per (team, queue, priority): ready, waiting, leased, oldest ready age; busiest first.
-    Also (stored state, due, later) per group, for the overview's state counts."""
+def _queue_lanes(counts: list[census.Count], now: datetime) -> list[dict[str, Any]]:
+    """Per (team, queue, priority) of these counts: ready, waiting, leased and the oldest ready
+    run's age; busiest first."""
     lanes: dict[tuple[int, str, int], dict[str, Any]] = {}
-
-    def lane(team_id: int, queue: str, priority: int) -> dict[str, Any]:
-        return lanes.setdefault(
-            (team_id, queue, priority),
+    for count in counts:
+        if count.state not in WAITING_STATES and count.state != State.LEASED:
+            continue
+        lane = lanes.setdefault(
+            (count.team_id, count.queue, count.priority),
             {
-                "team_id": team_id,
-                "queue": queue,
-                "priority": priority,
-                "priority_name": PRIORITY_NAMES[priority],
+                "team_id": count.team_id,
+                "queue": count.queue,
+                "priority": count.priority,
+                "priority_name": PRIORITY_NAMES[count.priority],
                 "ready": 0,
                 "waiting": 0,
                 "leased": 0,
@@ -215,25 +192,16 @@ def _queue_lanes(
                 "oldest_age": None,
             },
         )
-
-    waiting = []
-    for row in depth.lanes(team_ids, by_state=by_state):
-        item = lane(row.team_id, row.queue, row.priority)
-        item["ready"] += row.ready
-        item["waiting"] += row.waiting
-        oldest = row.oldest_ready
-        if oldest is not None and (item["oldest_ready"] is None or oldest < item["oldest_ready"]):
-            item["oldest_ready"] = oldest
-            item["oldest_age"] = (now - oldest).total_seconds()
-        waiting.append((row.state, row.ready, row.waiting))
-    for row in _fetch_everywhere(LEASED_BY_QUEUE, {"teams": team_ids}):
-        lane(row["team_id"], row["queue"], row["priority"])["leased"] += row["leased"]
-    ordered = sorted(lanes.values(), key=lambda r: (-r["ready"], r["queue"], r["priority"]))
-    return ordered, waiting
-
-
-def queue_depth(team_ids: list[int], now: datetime) -> list[dict[str, Any]]:
-    return _queue_lanes(team_ids, now)[0]
+        if count.state == State.LEASED:
+            lane["leased"] += count.due
+            continue
+        lane["ready"] += count.due
+        lane["waiting"] += count.later
+        oldest = count.oldest_due
+        if oldest is not None and (lane["oldest_ready"] is None or oldest < lane["oldest_ready"]):
+            lane["oldest_ready"] = oldest
+            lane["oldest_age"] = (now - oldest).total_seconds()
+    return sorted(lanes.values(), key=lambda r: (-r["ready"], r["queue"], r["priority"]))
 
 
 @dataclass
@@ -258,8 +226,9 @@ class QueueRow:
         return max(ages) if ages else None
 
 
-def queues(teams: list[Any], now: datetime) -> list[QueueRow]:
-    """Every queue of the teams: those with runs, those definitions name, and paused ones."""
+def queues(teams: list[Any], now: datetime) -> tuple[list[QueueRow], datetime | None]:
+    """Every queue of the teams: those with runs, those definitions name, and paused ones; and
+    when their runs were counted, if not now (apps.runs.census)."""
     by_id = {team.pk: team for team in teams}
     team_ids = list(by_id)
     rows: dict[tuple[int, str], QueueRow] = {}
@@ -280,9 +249,11 @@ def queues(teams: list[Any], now: datetime) -> list[QueueRow]:
         found = row(queue.team_id, queue.name)
         found.paused = queue.paused
         found.rate = rate_window(queue, now)
-    for lane in queue_depth(team_ids, now):
-        row(lane["team_id"], lane["queue"]).lanes[lane["priority_name"]] = lane
-    return sorted(rows.values(), key=lambda r: (r.team.slug, r.name))
+    counted = census.everywhere(team_ids)
+    for lane in _queue_lanes(counted.counts, now):
+        if lane["team_id"] in by_id:
+            row(lane["team_id"], lane["queue"]).lanes[lane["priority_name"]] = lane
+    return sorted(rows.values(), key=lambda r: (r.team.slug, r.name)), counted.taken_at
 
 
 # --- definitions ----------------------------------------------------------------------------

@@ -17,6 +17,10 @@ from apps.runs import shards
 from apps.runs.models import Run, State, reported_state
 
 PAGE_SIZE = 50
+# Runs per (team, stored state) that one page of an error-text search reads, newest first. The
+# text is in the row, not in an index: 1.3 M failed runs took 1 059 ms to search in full
+# (bench/bigtables.py with the dashboard benchmark's shares), ~1.6 µs a run.
+SEARCH_SCAN = 10_000
 
 # A branch of a list: a stored state, and "due" (available_at <= now), "future"
 # (available_at > now) or None (either).
@@ -46,7 +50,9 @@ class RunFilter:
     created_from: datetime | None = None
     due_from: datetime | None = None
     due_to: datetime | None = None
-    error: str = ""  # a substring of the last error's message or type
+    # A substring of the last error's message or type. Read from each run's row, so a search
+    # reads at most SEARCH_SCAN runs per (team, state) on a page: see `run_page`.
+    error: str = ""
     # The last error's group (apps/runs/fingerprints.py): a team's runs of one group, newest
     # first, are read from run_failed_by_fingerprint (team_id, error_fingerprint, state, id).
     fingerprint: int | None = None
@@ -58,6 +64,9 @@ class RunPage:
     next_cursor: int | None
     # Shards whose database could not be read for this page ("5-10"): their runs are missing.
     unavailable: list[str] = field(default_factory=list)
+    # An error-text search that stopped at its scan budget: every run from this id up was
+    # searched, and the next page (cursor `next_cursor`, this id) goes on below it.
+    searched_to: int | None = None
 
 
 def _branch(
@@ -111,7 +120,9 @@ def run_page(
             pages, unavailable = [_page_ids(flt, now, before, limit)], []
     else:
         pages, unavailable = shards.gather(lambda: _page_ids(flt, now, before, limit))
-    found = [pk for page in pages for pk in page]
+    # Each database searched down to its floor: together, down to the highest of them.
+    floor = max((page.floor for page in pages if page.floor is not None), default=None)
+    found = [pk for page in pages for pk in page.ids if floor is None or pk >= floor]
     found.sort(reverse=True)
     more = len(found) > limit
     found = found[:limit]
@@ -122,10 +133,21 @@ def run_page(
     runs.sort(key=lambda run: run.pk, reverse=True)
     for run in runs:
         run.shown_state = reported_state(run.state, run.available_at, now)
-    return RunPage(runs, found[-1] if more and found else None, unavailable)
+    if more and found:
+        return RunPage(runs, found[-1], unavailable)
+    if floor is not None:
+        return RunPage(runs, floor, unavailable, searched_to=floor)
+    return RunPage(runs, None, unavailable)
 
 
-def _page_ids(flt: RunFilter, now: datetime, before: int | None, limit: int) -> list[int]:
+@dataclass
+class _Ids:
+    ids: list[int]  # up to `limit + 1`, newest first
+    # With an error-text search: the lowest id searched, when the scan budget stopped it.
+    floor: int | None = None
+
+
+def _page_ids(flt: RunFilter, now: datetime, before: int | None, limit: int) -> _Ids:
     """Up to `limit + 1` ids of the current shard database's runs, newest first."""
     definition_id = None
     team_ids = flt.team_ids
@@ -136,16 +158,40 @@ def _page_ids(flt: RunFilter, now: datetime, before: int | None, limit: int) -> 
             .first()
         )
         if found is None:
-            return []
+            return _Ids([])
         # Its team's branches only: another team's would each read that team's runs in the
         # state whole, finding none of the job's (1.9 s at 10 M runs over five teams).
         definition_id, team_ids = found[0], [found[1]]
+    floor = _search_floor(flt, team_ids, before) if flt.error else None
     branches = []
     for team_id in team_ids:
         for state, clock in flt.branches:
             queryset = _branch(flt, team_id, state, clock, definition_id, now)
             if before is not None:
                 queryset = queryset.filter(pk__lt=before)
+            if floor is not None:
+                queryset = queryset.filter(pk__gte=floor)
             branches.append(queryset.order_by("-pk").values_list("pk", flat=True)[: limit + 1])
-    ids_query = branches[0] if len(branches) == 1 else branches[0].union(*branches[1:], all=True)
-    return sorted(ids_query, reverse=True)[: limit + 1]
+    return _Ids(sorted(_union(branches), reverse=True)[: limit + 1], floor)
+
+
+def _union(querysets: list) -> list:
+    return list(
+        querysets[0] if len(querysets) == 1 else querysets[0].union(*querysets[1:], all=True)
+    )
+
+
+def _search_floor(flt: RunFilter, team_ids: list[int], before: int | None) -> int | None:
+    """The id down to which a text search reads: the highest of each (team, stored state)'s
+    SEARCH_SCAN-th run below the cursor, by index-only scans of run_team_state (team_id, state,
+    -id) that stop there; None when no branch has that many left (the search reads them all)."""
+    nth = []
+    for team_id in team_ids:
+        for state in dict.fromkeys(state for state, _ in flt.branches):
+            queryset = Run.objects.filter(team_id=team_id, state=state)
+            if before is not None:
+                queryset = queryset.filter(pk__lt=before)
+            nth.append(
+                queryset.order_by("-pk").values_list("pk", flat=True)[SEARCH_SCAN - 1 : SEARCH_SCAN]
+            )
+    return max(_union(nth), default=None)

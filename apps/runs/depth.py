@@ -48,7 +48,8 @@ GROUP BY team_id, queue, priority{group_state}
 """
 
 
-def _sql(team_ids: list[int] | None, *, by_state: bool, due_only: bool) -> str:
+def statement(team_ids: list[int] | None, *, by_state: bool, due_only: bool) -> str:
+    """DEPTH for these teams (every team with None), grouped by stored state too or not."""
     return DEPTH.format(
         state="state" if by_state else "''",
         waiting=tuple(WAITING_STATES),
@@ -69,7 +70,7 @@ def lanes(
     oldest run is by the control database's clock, the team's slug from the control database."""
     if team_ids is not None and not team_ids:
         return []
-    sql = _sql(team_ids, by_state=by_state, due_only=due_only)
+    sql = statement(team_ids, by_state=by_state, due_only=due_only)
 
     def read() -> list[tuple]:
         with shards.cursor() as cursor:
@@ -116,7 +117,7 @@ def claimable(team_ids: list[int] | None = None) -> list[Lane]:
 def claimable_by_database() -> tuple[list[Lane], dict[str, int | None]]:
     """Every team's claimable lanes, and the claimable runs of each shard database by its
     shards ("0-7"), None for one that could not be read (the /metrics gauges)."""
-    sql = _sql(None, by_state=False, due_only=True)
+    sql = statement(None, by_state=False, due_only=True)
     parts: list[list[tuple]] = []
     per_database: dict[str, int | None] = {}
     for alias in shards.databases():

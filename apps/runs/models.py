@@ -359,3 +359,28 @@ class Worker(models.Model):
 
     def __str__(self) -> str:
         return f"{self.worker_id} (team {self.team_id})"
+
+
+class Census(models.Model):
+    """The runs of one database counted by team, queue, priority and stored state, as the
+    dashboard's overview and queues pages count them (apps/runs/census.py). The scheduler
+    replaces all rows every SCHEDULER_CENSUS_SECONDS; the pages read them instead of counting
+    when there are too many runs to count on every load. Lives in each shard database."""
+
+    id = models.BigAutoField(primary_key=True)
+    # The team's id (it is in the control database); a deleted team's rows go with the next count.
+    team_id = models.BigIntegerField()
+    queue = models.CharField(max_length=200)  # empty for dead and cancelled runs
+    priority = models.PositiveSmallIntegerField()
+    state = models.CharField(max_length=16)
+    due = models.BigIntegerField()  # waiting runs: availableAt passed; others: all of them
+    later = models.BigIntegerField()  # waiting runs with availableAt still ahead
+    oldest_due = models.DateTimeField(null=True)
+    taken_at = models.DateTimeField()
+    seconds = models.FloatField()  # how long the count took
+
+    class Meta:
+        indexes = [models.Index(fields=["team_id"], name="census_team")]
+
+    def __str__(self) -> str:
+        return f"team {self.team_id} {self.queue}/{self.priority} {self.state}"

@@ -55,7 +55,14 @@ CONTROL = DEFAULT_DB_ALIAS
 
 # Sharded models, as "app_label.model_name".
 SHARDED = frozenset(
-    {"jobs.jobdefinition", "runs.run", "runs.attempt", "runs.minutecounts", "runs.ratestart"}
+    {
+        "jobs.jobdefinition",
+        "runs.run",
+        "runs.attempt",
+        "runs.minutecounts",
+        "runs.ratestart",
+        "runs.census",
+    }
 )
 
 _current: ContextVar[str | None] = ContextVar("shard_database", default=None)

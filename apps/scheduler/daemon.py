@@ -22,7 +22,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection, connections
 
 from apps.notify import loop as notifier
-from apps.runs import retention, shards, store
+from apps.runs import census, retention, shards, store
 from apps.scheduler import leases
 from apps.scheduler.materialiser import grace_for, materialise_batch
 
@@ -52,6 +52,7 @@ class TickReport:
     # Fire times an overlap policy left without a run; runs cancel_other cancelled or asked to stop.
     skipped: int = 0
     cancelled: int = 0
+    counted: list[str] = field(default_factory=list)  # databases whose census was taken
 
 
 class Scheduler:
@@ -94,6 +95,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._shards_ensured = False
         self._retention_at = float("-inf")
+        self._census_due: dict[str, float] = {}  # time.monotonic() of each database's next census
         self.report = TickReport()
 
     # --- signals -------------------------------------------------------------------------------
@@ -274,6 +276,35 @@ class Scheduler:
         self._retention_at = now
         return True
 
+    def handle_one_census(self) -> None:
+        """Take the census (apps/runs/census.py) of each shard database whose first shard this
+        node holds, when it is due: one node per database, and different nodes count
+        different databases."""
+        for alias in shards.databases():
+            if (
+                min(shards.shards_on(alias)) not in self.held
+                or alias in self._down
+                or time.monotonic() < self._census_due.get(alias, float("-inf"))
+            ):
+                continue
+            try:
+                with shards.using(alias):
+                    seconds = census.take()
+            except shards.DOWN:
+                if not shards.physical() or alias == shards.CONTROL:
+                    raise
+                log.warning(
+                    "%s: no census of shards %s: their database failed",
+                    self.node_id,
+                    shards.span(alias),
+                    exc_info=True,
+                )
+                self._down.add(alias)
+                connections[alias].close()
+                continue
+            self._census_due[alias] = time.monotonic() + census.period(seconds)
+            self.report.counted.append(alias)
+
     def tick(self) -> TickReport:
         """Run one tick: clock, leases, then reap and materialise (new shards first)."""
         self.report = TickReport()
@@ -299,6 +330,8 @@ class Scheduler:
             for _ in range(10):
                 if self.shutdown or not self.handle_one_retention():
                     break
+        if not self.shutdown:
+            self.handle_one_census()
         return self.report
 
     def leave(self) -> None:

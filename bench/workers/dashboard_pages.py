@@ -64,9 +64,10 @@ def main() -> None:
     started = time.perf_counter()
     load(args.runs)
     loaded = time.perf_counter() - started
-    staff = Client()
+    # An allowed host of the settings (the test client's default `testserver` is refused).
+    staff = Client(HTTP_HOST="localhost")
     staff.force_login(get_user_model().objects.get(username="bench-staff"))
-    anonymous = Client()
+    anonymous = Client(HTTP_HOST="localhost")
     pages = []
     for name, path in addresses():
         try:

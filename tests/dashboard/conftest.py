@@ -11,10 +11,10 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from apps.runs import store
+from apps.runs import shards, store
 from apps.runs.models import Run
 from apps.teams.models import Membership, Team
-from tests.conftest import REPO, LiveServer, add_ready_runs, make_definition
+from tests.conftest import REPO, LiveServer, add_ready_runs, claim, make_definition
 
 # Playwright's sync API runs an event loop in this thread; the ORM calls the tests make between
 # browser steps are ordinary blocking calls, which Django would otherwise refuse.
@@ -102,9 +102,11 @@ def failed_runs(
 ) -> list[Run]:
     """Insert `count` runs, lease them and fail them: dead (default) or retrying."""
     ids = add_ready_runs(definition, count, prefix=prefix)
+    alias = shards.alias_of_shard(definition.shard)  # where its runs are
     if payload is not None:
-        Run.objects.filter(pk__in=ids).update(payload=payload)
-    leases = store.claim(
+        with shards.using(alias):
+            Run.objects.filter(pk__in=ids).update(payload=payload)
+    leases = claim(
         queues=[definition.queue],
         max_runs=count,
         worker_id="worker-1/4242",
@@ -119,7 +121,8 @@ def failed_runs(
         ],
         team_ids=[definition.team_id],
     )
-    return list(Run.objects.filter(pk__in=ids).order_by("pk"))
+    with shards.using(alias):
+        return list(Run.objects.filter(pk__in=ids).order_by("pk"))
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.http import HttpResponse
 
 from apps.dashboard import charts, queries
@@ -55,6 +56,7 @@ def overview(request: HtmxHttpRequest) -> HttpResponse:
         # The ten whole minutes before this one (it is still running): beside the chart's last
         # bars, not an hour's average that a busy quarter of an hour rounds down to 0.
         "runs_per_minute": _per_minute(stats.per_minute[-11:-1]),
+        "census_seconds": settings.SCHEDULER_CENSUS_SECONDS,
         "live": True,
     }
     return render_page(request, "dashboard/overview.html", context)

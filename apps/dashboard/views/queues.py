@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.http import Http404, HttpResponse
 from django.urls import reverse
 from django.views.decorators.http import require_POST
@@ -20,11 +21,14 @@ def queues(request: HtmxHttpRequest) -> HttpResponse:
     teams = list(access.visible_teams(request.user))
     chosen = request.GET.get("team", "")
     shown = [t for t in teams if not chosen or t.slug == chosen]
+    rows, counted_at = queries.queues(shown, now)
     context = {
         "now": now,
         "teams": teams,
         "chosen_team": chosen,
-        "queues": queries.queues(shown, now),
+        "queues": rows,
+        "counted_at": counted_at,
+        "census_seconds": settings.SCHEDULER_CENSUS_SECONDS,
         "priorities": ["critical", "default", "bulk"],
         "live": True,
     }

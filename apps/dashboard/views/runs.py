@@ -140,6 +140,7 @@ def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
         "page": page,
         "grouping": grouping,
         "cursor": cursor,
+        "search_scan": f"{runlist.SEARCH_SCAN:,}",
         "actions": [ACTIONS[name] for name in mode.actions],
         "can_act": bool(acting),
         # Each group with the runs of it the user may act on: its buttons count those, as the

@@ -1,0 +1,126 @@
+"""The census: every run that is not succeeded, counted by team, queue, priority and stored state,
+as the dashboard's overview and queues pages show them.
+
+Counting is an index-only scan, but it reads one index entry per run: with a backlog of 1.5 M
+runs and 1.3 M failures (bench/bigtables.py with the dashboard benchmark's shares) the overview
+took 749 ms and the queues page 470. So the scheduler counts each shard database every
+SCHEDULER_CENSUS_SECONDS (`take`, in the scheduler's tick) and keeps the figures in runs_census;
+a page counts live while its teams have at most DASHBOARD_COUNT_LIMIT runs to count in a
+database, and reads that database's census above it (`here`), saying how old the figures are.
+A census older than three periods (a scheduler that stopped) is not used: the page counts live,
+slow but true.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import NamedTuple
+
+from django.conf import settings
+from django.db import transaction
+
+from apps.runs import depth, shards
+
+log = logging.getLogger(__name__)
+
+
+class Count(NamedTuple):
+    team_id: int
+    queue: str  # empty for dead and cancelled runs
+    priority: int  # 0 for dead and cancelled runs
+    state: str  # the stored state
+    due: int  # waiting runs whose availableAt has passed; for the other states all of them
+    later: int  # waiting runs whose availableAt is still ahead
+    oldest_due: datetime | None  # the oldest availableAt among `due`, for waiting runs
+
+
+# Three scans, each of an index that holds only its states' entries or leads with them:
+# 1. waiting runs: depth.DEPTH by state, index-only on the partial index run_claimable;
+# 2. leased runs: the partial index run_leased_expiry (leased rows only), queue and priority
+#    from the heap (leased runs are as many as the workers hold);
+# 3. dead and cancelled runs: index-only on run_team_state (team_id, state, -id), per team.
+# Succeeded runs are not counted: the overview shows those of the last 24 hours, from the
+# per-minute counters.
+COUNT = f"""
+{depth.statement([], by_state=True, due_only=False)}
+UNION ALL
+SELECT team_id, queue, priority, state, count(*), 0, NULL
+FROM runs_run
+WHERE state = 'leased' AND team_id = ANY(%(teams)s::bigint[])
+GROUP BY team_id, queue, priority, state
+UNION ALL
+SELECT team_id, '', 0, state, count(*), 0, NULL
+FROM runs_run
+WHERE state IN ('dead', 'cancelled') AND team_id = ANY(%(teams)s::bigint[])
+GROUP BY team_id, state
+"""
+
+# The census replaced in one statement: readers see the old rows or the new ones, never neither.
+# `seconds` is how long the count took (the statement's start to the moment the rows are built).
+TAKE = f"""
+WITH gone AS (DELETE FROM runs_census)
+INSERT INTO runs_census (team_id, queue, priority, state, due, later, oldest_due, taken_at, seconds)
+SELECT c.*, statement_timestamp(), extract(epoch FROM clock_timestamp() - statement_timestamp())
+FROM ({COUNT}) AS c(team_id, queue, priority, state, due, later, oldest_due)
+"""
+
+# The census of some teams, by the index census_team (team_id), with its age by the same clock.
+READ = """
+SELECT team_id, queue, priority, state, due, later, oldest_due, taken_at, seconds,
+       extract(epoch FROM now() - taken_at)::float8 AS age
+FROM runs_census
+WHERE team_id = ANY(%(teams)s::bigint[])
+"""
+
+
+def period(seconds: float) -> float:
+    """How often a census that took `seconds` is taken: SCHEDULER_CENSUS_SECONDS, or twenty
+    times its own length when that is longer, so that counting stays under 5 % of the time."""
+    return max(float(settings.SCHEDULER_CENSUS_SECONDS), 20 * seconds)
+
+
+def take() -> float:
+    """Count the current shard database's runs of every team into its census; return the
+    seconds the count took."""
+    from apps.teams.models import Team
+
+    team_ids = list(Team.objects.using(shards.CONTROL).values_list("pk", flat=True))
+    started = time.perf_counter()
+    with transaction.atomic(using=shards.current()), shards.cursor() as cursor:
+        cursor.execute(TAKE, {"teams": team_ids})
+    return time.perf_counter() - started
+
+
+@dataclass(frozen=True)
+class Counted:
+    counts: list[Count]
+    # When the oldest figures were counted (the census's time); None when all were counted now.
+    taken_at: datetime | None = None
+
+
+def here(team_ids: list[int]) -> Counted:
+    """The counts of these teams on the current shard database: from its census when that is
+    fresh and holds more than DASHBOARD_COUNT_LIMIT runs of them, else counted now."""
+    if not team_ids:
+        return Counted([])
+    with shards.cursor() as cursor:
+        cursor.execute(READ, {"teams": team_ids})
+        rows = cursor.fetchall()
+    if rows:
+        taken_at, seconds, age = rows[0][7], rows[0][8], rows[0][9]
+        runs = sum(row[4] + row[5] for row in rows)
+        if runs > settings.DASHBOARD_COUNT_LIMIT and age <= 3 * period(seconds):
+            return Counted([Count(*row[:7]) for row in rows], taken_at)
+    with shards.cursor() as cursor:
+        cursor.execute(COUNT, {"teams": team_ids})
+        return Counted([Count(*row) for row in cursor.fetchall()])
+
+
+def everywhere(team_ids: list[int]) -> Counted:
+    """`here` on every shard database (one that is down is left out, and noted), one list."""
+    parts, _ = shards.gather(lambda: here(team_ids))
+    taken = [part.taken_at for part in parts if part.taken_at is not None]
+    return Counted([count for part in parts for count in part.counts], min(taken, default=None))

@@ -1,0 +1,137 @@
+"""The census (apps/runs/census.py): the scheduler's count of each shard database's runs, read by
+the overview and queues pages instead of counting when their teams have more runs than
+DASHBOARD_COUNT_LIMIT; the same figures as a live count, never another team's, never stale past
+three periods."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from apps.dashboard import queries
+from apps.runs import census, shards, store
+from apps.runs.models import Run
+from apps.scheduler.daemon import Scheduler
+from tests.conftest import add_ready_runs, claim, db_now, everywhere, make_definition
+from tests.dashboard.conftest import client_for, failed_runs, make_user
+
+pytestmark = [pytest.mark.shards, pytest.mark.django_db(transaction=True, databases="__all__")]
+
+
+def take_everywhere() -> None:
+    for alias in shards.databases():
+        with shards.using(alias):
+            census.take()
+
+
+def mixed_runs(team, name: str) -> None:
+    """Runs of `team` in every state the census counts: ready, scheduled, leased, retrying,
+    dead, cancelled, and one succeeded (not counted)."""
+    job = make_definition(team, name, queue=f"{name}-q", retry_max_attempts=3)
+    ids = add_ready_runs(job, 9, prefix=name)
+    with shards.using(shards.alias_of_shard(job.shard)):
+        Run.objects.filter(pk=ids[0]).update(available_at=db_now() + timedelta(hours=1))
+        Run.objects.filter(pk=ids[-1]).update(state="cancelled")
+    leased = claim(queues=[f"{name}-q"], max_runs=2, worker_id="w", team_ids=[team.pk])
+    store.complete([(leased[0].id, leased[0].fencing_token, None)], team_ids=[team.pk])
+    failing = make_definition(team, f"{name}.failing", queue=f"{name}-f", retry_max_attempts=3)
+    failed_runs(failing, 2, retryable=True, prefix=f"{name}-r")
+    failed_runs(failing, 3, prefix=f"{name}-d")
+
+
+def test_the_census_counts_what_a_live_count_counts(team_a, team_b, settings):
+    mixed_runs(team_a, "alpha")
+    mixed_runs(team_b, "beta")
+    live = queries.overview([team_a.pk], db_now())
+    assert live.counted_at is None
+    assert {s: n for s, n in live.counts.items() if s != "succeeded"} == {
+        "ready": 5, "scheduled": 1, "leased": 1, "retrying": 2, "dead": 3, "cancelled": 1,
+    }  # fmt: skip
+    take_everywhere()
+    settings.DASHBOARD_COUNT_LIMIT = 0
+    counted = queries.overview([team_a.pk], db_now())
+    assert counted.counted_at is not None
+    assert counted.counts == live.counts
+    assert (counted.dlq, counted.failing, counted.to_retry) == (3, 5, 2)
+    strip = ("oldest_age",)  # by the clock of each reading
+    assert [{k: v for k, v in lane.items() if k not in strip} for lane in counted.queues] == [
+        {k: v for k, v in lane.items() if k not in strip} for lane in live.queues
+    ]
+    assert {lane["team_id"] for lane in counted.queues} == {team_a.pk}
+
+
+def test_pages_count_live_up_to_the_limit_and_read_the_census_above_it(team_a, settings):
+    settings.DASHBOARD_COUNT_LIMIT = 5
+    job = make_definition(team_a, "census.job", queue="counted")
+    add_ready_runs(job, 4, prefix="a")
+    take_everywhere()
+    add_ready_runs(job, 3, prefix="b")
+    # The census holds 4 runs of the team, within the limit: counted on each load.
+    stats = queries.overview([team_a.pk], db_now())
+    assert stats.counts["ready"] == 7 and stats.counted_at is None
+
+    take_everywhere()  # 7 runs: over the limit
+    add_ready_runs(job, 2, prefix="c")
+    stats = queries.overview([team_a.pk], db_now())
+    assert stats.counts["ready"] == 7 and stats.counted_at is not None
+    assert [lane["ready"] for lane in stats.queues] == [7]
+    rows, counted_at = queries.queues([team_a], db_now())
+    assert [row.ready for row in rows] == [7] and counted_at == stats.counted_at
+
+    viewer = make_user("census-viewer", team_a, "viewer")
+    for page in ("/", "/queues"):
+        body = client_for(viewer).get(page).content.decode()
+        assert 'id="counted-at"' in body and "the scheduler counts them every" in body, page
+
+    settings.DASHBOARD_COUNT_LIMIT = 100
+    assert queries.overview([team_a.pk], db_now()).counts["ready"] == 9
+    assert 'id="counted-at"' not in client_for(viewer).get("/").content.decode()
+
+
+def test_a_census_older_than_three_periods_is_not_used(team_a, settings):
+    settings.DASHBOARD_COUNT_LIMIT = 0
+    settings.SCHEDULER_CENSUS_SECONDS = 15
+    job = make_definition(team_a, "census.stale", queue="stale")
+    add_ready_runs(job, 2, prefix="a")
+    take_everywhere()
+    add_ready_runs(job, 1, prefix="b")
+    assert queries.overview([team_a.pk], db_now()).counts["ready"] == 2
+    everywhere("UPDATE runs_census SET taken_at = now() - interval '44 seconds'")
+    assert queries.overview([team_a.pk], db_now()).counts["ready"] == 2
+    everywhere("UPDATE runs_census SET taken_at = now() - interval '46 seconds'")
+    stats = queries.overview([team_a.pk], db_now())
+    assert stats.counts["ready"] == 3 and stats.counted_at is None
+
+
+def test_a_census_that_takes_long_is_taken_less_often(settings):
+    settings.SCHEDULER_CENSUS_SECONDS = 15
+    assert census.period(0.2) == 15
+    assert census.period(2.0) == 40  # counting stays under 5 % of the time
+
+
+def test_the_scheduler_takes_each_databases_census_once_a_period(team_a, settings):
+    settings.SCHEDULER_CENSUS_SECONDS = 3600
+    job = make_definition(team_a, "census.tick", queue="tick")
+    add_ready_runs(job, 3)
+    everywhere("DELETE FROM runs_census")
+    node = Scheduler(node_id="census-node", lease_seconds=10)
+    try:
+        first = node.tick()
+        assert set(first.counted) == set(shards.databases())
+        assert node.tick().counted == []  # not due again for an hour
+        settings.DASHBOARD_COUNT_LIMIT = 0
+        assert queries.overview([team_a.pk], db_now()).counts["ready"] == 3
+        assert queries.overview([team_a.pk], db_now()).counted_at is not None
+    finally:
+        node.leave()
+
+
+def test_only_the_holder_of_a_databases_first_shard_counts_it(team_a, settings):
+    node = Scheduler(node_id="census-other", lease_seconds=10)
+    first_shards = {min(shards.shards_on(alias)) for alias in shards.databases()}
+    node.held = {shard: 1 for shard in range(settings.SCHEDULER_SHARD_COUNT)}
+    for shard in first_shards:
+        node.held.pop(shard)
+    node.handle_one_census()
+    assert node.report.counted == []
