@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from apps.jobs.models import JobDefinition
-from apps.runs import fingerprints, shards
+from apps.runs import census, fingerprints, shards
 from apps.runs.filters import BulkFilter
 from apps.runs.models import Run
 
@@ -77,6 +77,8 @@ class Grouping:
     groups: list[Group]  # the largest GROUPS_SHOWN
     total_groups: int
     total_runs: int
+    # When the groups were counted, if not now (apps.runs.census: a page without filters).
+    counted_at: datetime | None = None
 
 
 def _earliest(a: datetime | None, b: datetime | None) -> datetime | None:
@@ -87,11 +89,19 @@ def _latest(a: datetime | None, b: datetime | None) -> datetime | None:
     return b if a is None or (b is not None and b > a) else a
 
 
-def _here(params: dict[str, Any], sql: str) -> list[tuple[Any, str, int, int, Any, Any, int]]:
-    """This shard database's rows, each with its definition's name and team."""
-    with shards.cursor() as cursor:
-        cursor.execute(sql, params)
-        rows = cursor.fetchall()
+def _here(
+    params: dict[str, Any], sql: str | None
+) -> tuple[list[tuple[Any, str, int, int, Any, Any, int]], datetime | None]:
+    """This shard database's rows, each with its definition's name and team, and when they were
+    counted if not now. Without `sql` (no filter), from the census when it stands in for a
+    count (apps.runs.census)."""
+    counted = None if sql else census.failure_groups_here(params["teams"], params["states"])
+    if counted is not None:
+        rows, taken_at = counted
+    else:
+        with shards.cursor() as cursor:
+            cursor.execute(sql or GROUPS.format(where="true"), params)
+            rows, taken_at = cursor.fetchall(), None
     owners = {
         pk: (name, team_id)
         for pk, name, team_id in JobDefinition.objects.filter(
@@ -101,7 +111,7 @@ def _here(params: dict[str, Any], sql: str) -> list[tuple[Any, str, int, int, An
     return [
         (fingerprint, *owners.get(definition, ("?", 0)), n, first, last, latest)
         for fingerprint, definition, n, first, last, latest in rows
-    ]
+    ], taken_at
 
 
 def groups(
@@ -113,11 +123,11 @@ def groups(
         return Grouping([], 0, 0)
     where, params = flt.where()
     params = {**params, "teams": list(team_ids), "states": list(states)}
-    sql = GROUPS.format(where=where)
+    sql = None if flt.everything else GROUPS.format(where=where)
     parts, _ = shards.gather(lambda: _here(params, sql))
     by_key: dict[int | None, Group] = {}
     for fingerprint, job, team_id, n, first, last, latest in (
-        row for part in parts for row in part
+        row for part, _ in parts for row in part
     ):
         group = by_key.setdefault(fingerprint, Group(fingerprint))
         group.count += n
@@ -137,4 +147,7 @@ def groups(
             samples.update(Run.objects.only("id", "last_error").in_bulk(ids))
     for group in shown:
         group.sample = samples.get(group.latest)
-    return Grouping(shown, len(ordered), sum(group.count for group in ordered))
+    taken = [taken_at for _, taken_at in parts if taken_at is not None]
+    return Grouping(
+        shown, len(ordered), sum(group.count for group in ordered), min(taken, default=None)
+    )

@@ -384,3 +384,27 @@ class Census(models.Model):
 
     def __str__(self) -> str:
         return f"team {self.team_id} {self.queue}/{self.priority} {self.state}"
+
+
+class FailureCensus(models.Model):
+    """The failed runs (retrying or dead) of one database counted by team, error fingerprint,
+    definition and state, as the dashboard's grouped failures show them: taken with `Census`,
+    read instead of counting above DASHBOARD_COUNT_LIMIT runs (apps/runs/census.py)."""
+
+    id = models.BigAutoField(primary_key=True)
+    team_id = models.BigIntegerField()
+    fingerprint = models.BigIntegerField(null=True)  # None: runs that failed before fingerprints
+    definition_id = models.BigIntegerField()
+    state = models.CharField(max_length=16)
+    n = models.BigIntegerField()
+    first_at = models.DateTimeField(null=True)
+    last_at = models.DateTimeField(null=True)
+    latest = models.BigIntegerField()  # the newest run's id
+    taken_at = models.DateTimeField()
+    seconds = models.FloatField()
+
+    class Meta:
+        indexes = [models.Index(fields=["team_id"], name="failure_census_team")]
+
+    def __str__(self) -> str:
+        return f"team {self.team_id} group {self.fingerprint} {self.state}: {self.n}"

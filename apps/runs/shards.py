@@ -62,6 +62,7 @@ SHARDED = frozenset(
         "runs.minutecounts",
         "runs.ratestart",
         "runs.census",
+        "runs.failurecensus",
     }
 )
 

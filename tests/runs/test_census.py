@@ -10,13 +10,18 @@ from datetime import timedelta
 import pytest
 
 from apps.dashboard import queries
+from apps.jobs import triage
 from apps.runs import census, shards, store
+from apps.runs.filters import BulkFilter
 from apps.runs.models import Run
 from apps.scheduler.daemon import Scheduler
 from tests.conftest import add_ready_runs, claim, db_now, everywhere, make_definition
 from tests.dashboard.conftest import client_for, failed_runs, make_user
+from tests.triage_runs import insert_failed
 
 pytestmark = [pytest.mark.shards, pytest.mark.django_db(transaction=True, databases="__all__")]
+
+EVERYTHING = BulkFilter(everything=True)
 
 
 def take_everywhere() -> None:
@@ -135,3 +140,38 @@ def test_only_the_holder_of_a_databases_first_shard_counts_it(team_a, settings):
         node.held.pop(shard)
     node.handle_one_census()
     assert node.report.counted == []
+
+
+def test_failures_grouped_without_a_filter_read_the_census_above_the_limit(
+    team_a, team_b, settings
+):
+    charge = make_definition(team_a, "census.charge", queue="billing")
+    refund = make_definition(team_a, "census.refund", queue="billing")
+    keyed = insert_failed(charge, 6)
+    insert_failed(refund, 3, state="retrying")
+    insert_failed(charge, 2, error_type="TimeoutError", message="after %s s")
+    insert_failed(make_definition(team_b, "census.theirs", queue="search"), 9)
+    states = ["retrying", "dead"]
+
+    def shown(grouping: triage.Grouping) -> list[tuple]:
+        return [
+            (g.fingerprint, g.count, g.jobs, g.teams, g.first_at, g.last_at, g.latest)
+            for g in grouping.groups
+        ]
+
+    live = triage.groups([team_a.pk], states, EVERYTHING)
+    assert live.counted_at is None and (live.total_groups, live.total_runs) == (2, 11)
+    take_everywhere()
+    insert_failed(charge, 4, prefix="after-")  # after the census
+    settings.DASHBOARD_COUNT_LIMIT = 10
+    counted = triage.groups([team_a.pk], states, EVERYTHING)
+    assert counted.counted_at is not None and shown(counted) == shown(live)
+    assert counted.groups[0].fingerprint == keyed and counted.groups[0].sample is not None
+    # A filter is counted live; so are fewer runs than the limit.
+    filtered = triage.groups([team_a.pk], states, BulkFilter(job="census.charge"))
+    assert filtered.counted_at is None and filtered.groups[0].count == 10
+    assert triage.groups([team_a.pk], ["retrying"], EVERYTHING).counted_at is None
+
+    viewer = make_user("census-groups", team_a, "viewer")
+    body = client_for(viewer).get("/failures?view=groups").content.decode()
+    assert 'id="counted-at"' in body and "11 runs in 2 error groups" in body

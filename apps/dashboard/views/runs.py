@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse
@@ -141,6 +142,7 @@ def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
         "grouping": grouping,
         "cursor": cursor,
         "search_scan": f"{runlist.SEARCH_SCAN:,}",
+        "census_seconds": settings.SCHEDULER_CENSUS_SECONDS,
         "actions": [ACTIONS[name] for name in mode.actions],
         "can_act": bool(acting),
         # Each group with the runs of it the user may act on: its buttons count those, as the
