@@ -119,6 +119,10 @@ def take() -> float:
     team_ids = list(Team.objects.using(shards.CONTROL).values_list("pk", flat=True))
     started = time.perf_counter()
     with transaction.atomic(using=shards.current()), shards.cursor() as cursor:
+        # Two nodes may both hold the database's first shard for a moment (a handover): the
+        # second waits, then its statement's snapshot sees the first's rows and replaces them
+        # (without the lock, its DELETE missed them: the counts doubled). Readers never wait.
+        cursor.execute("LOCK TABLE runs_census, runs_failurecensus IN EXCLUSIVE MODE")
         cursor.execute(TAKE, {"teams": team_ids})
         cursor.execute(TAKE_FAILURES, {"teams": team_ids})
     return time.perf_counter() - started

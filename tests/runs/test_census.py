@@ -17,6 +17,7 @@ from apps.runs.models import Run
 from apps.scheduler.daemon import Scheduler
 from tests.conftest import add_ready_runs, claim, db_now, everywhere, make_definition
 from tests.dashboard.conftest import client_for, failed_runs, make_user
+from tests.runs.test_claim_concurrency import run_in_threads
 from tests.triage_runs import insert_failed
 
 pytestmark = [pytest.mark.shards, pytest.mark.django_db(transaction=True, databases="__all__")]
@@ -175,3 +176,25 @@ def test_failures_grouped_without_a_filter_read_the_census_above_the_limit(
     viewer = make_user("census-groups", team_a, "viewer")
     body = client_for(viewer).get("/failures?view=groups").content.decode()
     assert 'id="counted-at"' in body and "11 runs in 2 error groups" in body
+
+
+def test_two_nodes_taking_a_census_at_once_leave_one(team_a, settings):
+    """During a handover two nodes may both hold a database's first shard for a moment."""
+    job = make_definition(team_a, "census.twice", queue="twice")
+    add_ready_runs(job, 5)
+    failed_runs(make_definition(team_a, "census.failed", queue="failed"), 2)
+    alias = shards.alias_of_shard(job.shard)
+
+    def take(_: int) -> None:
+        with shards.using(alias):
+            for _ in range(10):
+                census.take()
+
+    run_in_threads(4, take)
+    settings.DASHBOARD_COUNT_LIMIT = 0
+    with shards.using(alias):
+        counted = census.here([team_a.pk])
+        groups = census.failure_groups_here([team_a.pk], ["dead"])
+    assert counted.taken_at is not None
+    assert sum(c.due for c in counted.counts if c.queue == "twice") == 5
+    assert groups is not None and [row[2] for row in groups[0]] == [2]
