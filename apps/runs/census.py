@@ -1,19 +1,19 @@
-"""The census: every run that is not succeeded, counted by team, queue, priority and stored state,
-as the dashboard's overview and queues pages show them.
+"""The census: every run that is not succeeded, counted by team, queue, priority and stored state
+as the dashboard's overview and queues pages show them, and the failed ones by error group as
+the grouped failures show them.
 
 Counting is an index-only scan, but it reads one index entry per run: with a backlog of 1.5 M
 runs and 1.3 M failures (bench/bigtables.py with the dashboard benchmark's shares) the overview
-took 749 ms and the queues page 470. So the scheduler counts each shard database every
-SCHEDULER_CENSUS_SECONDS (`take`, in the scheduler's tick) and keeps the figures in runs_census;
-a page counts live while its teams have at most DASHBOARD_COUNT_LIMIT runs to count in a
-database, and reads that database's census above it (`here`), saying how old the figures are.
-A census older than three periods (a scheduler that stopped) is not used: the page counts live,
-slow but true.
+took 749 ms, the queues page 470 and the grouped failures 414. So the scheduler counts each
+shard database every SCHEDULER_CENSUS_SECONDS (`take`, in the scheduler's tick) into
+runs_census and runs_failurecensus; a page counts live while its teams have at most
+DASHBOARD_COUNT_LIMIT runs to count in a database, and reads that database's census above it
+(`here`, `failure_groups_here`), saying how old the figures are. A census older than three
+periods (a scheduler that stopped) is not used: the page counts live, slow but true.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -23,8 +23,6 @@ from django.conf import settings
 from django.db import transaction
 
 from apps.runs import depth, shards
-
-log = logging.getLogger(__name__)
 
 
 class Count(NamedTuple):
@@ -59,11 +57,11 @@ GROUP BY team_id, state
 """
 
 # The census replaced in one statement: readers see the old rows or the new ones, never neither.
-# `seconds` is how long the count took (the statement's start to the moment the rows are built).
+# `seconds`, how long the whole census took, is set once both tables are counted (`take`).
 TAKE = f"""
 WITH gone AS (DELETE FROM runs_census)
 INSERT INTO runs_census (team_id, queue, priority, state, due, later, oldest_due, taken_at, seconds)
-SELECT c.*, statement_timestamp(), extract(epoch FROM clock_timestamp() - statement_timestamp())
+SELECT c.*, statement_timestamp(), 0
 FROM ({COUNT}) AS c(team_id, queue, priority, state, due, later, oldest_due)
 """
 
@@ -76,8 +74,7 @@ INSERT INTO runs_failurecensus (
     team_id, fingerprint, definition_id, state, n, first_at, last_at, latest, taken_at, seconds
 )
 SELECT team_id, error_fingerprint, definition_id, state, count(*), min(failed_at),
-       max(failed_at), max(id), statement_timestamp(),
-       extract(epoch FROM clock_timestamp() - statement_timestamp())
+       max(failed_at), max(id), statement_timestamp(), 0
 FROM runs_run
 WHERE team_id = ANY(%(teams)s::bigint[]) AND state IN ('retrying', 'dead')
 GROUP BY team_id, error_fingerprint, definition_id, state
@@ -125,7 +122,11 @@ def take() -> float:
         cursor.execute("LOCK TABLE runs_census, runs_failurecensus IN EXCLUSIVE MODE")
         cursor.execute(TAKE, {"teams": team_ids})
         cursor.execute(TAKE_FAILURES, {"teams": team_ids})
-    return time.perf_counter() - started
+        # The readers judge the census's age by the period this length gives (`period`).
+        seconds = time.perf_counter() - started
+        cursor.execute("UPDATE runs_census SET seconds = %s", [seconds])
+        cursor.execute("UPDATE runs_failurecensus SET seconds = %s", [seconds])
+    return seconds
 
 
 def _usable(rows: list[tuple], runs: int) -> bool:

@@ -13,7 +13,7 @@ from apps.dashboard import queries
 from apps.jobs import triage
 from apps.runs import census, shards, store
 from apps.runs.filters import BulkFilter
-from apps.runs.models import Run
+from apps.runs.models import Census, Run
 from apps.scheduler.daemon import Scheduler
 from tests.conftest import add_ready_runs, claim, db_now, everywhere, make_definition
 from tests.dashboard.conftest import client_for, failed_runs, make_user
@@ -108,6 +108,9 @@ def test_a_census_older_than_three_periods_is_not_used(team_a, settings):
     everywhere("UPDATE runs_census SET taken_at = now() - interval '46 seconds'")
     stats = queries.overview([team_a.pk], db_now())
     assert stats.counts["ready"] == 3 and stats.counted_at is None
+    # A census that took 3 s is taken once a minute: it stands for three minutes.
+    everywhere("UPDATE runs_census SET taken_at = now() - interval '170 seconds', seconds = 3")
+    assert queries.overview([team_a.pk], db_now()).counts["ready"] == 2
 
 
 def test_a_census_that_takes_long_is_taken_less_often(settings):
@@ -125,6 +128,8 @@ def test_the_scheduler_takes_each_databases_census_once_a_period(team_a, setting
     try:
         first = node.tick()
         assert set(first.counted) == set(shards.databases())
+        with shards.using(shards.alias_of_shard(job.shard)):
+            assert Census.objects.filter(seconds__gt=0).exists()
         assert node.tick().counted == []  # not due again for an hour
         settings.DASHBOARD_COUNT_LIMIT = 0
         assert queries.overview([team_a.pk], db_now()).counts["ready"] == 3
