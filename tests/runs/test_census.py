@@ -15,7 +15,14 @@ from apps.runs import census, shards, store
 from apps.runs.filters import BulkFilter
 from apps.runs.models import Census, Run
 from apps.scheduler.daemon import Scheduler
-from tests.conftest import add_ready_runs, claim, db_now, everywhere, make_definition
+from tests.conftest import (
+    add_ready_runs,
+    claim,
+    db_now,
+    everywhere,
+    make_definition,
+    names_on_one_database,
+)
 from tests.dashboard.conftest import client_for, failed_runs, make_user
 from tests.runs.test_claim_concurrency import run_in_threads
 from tests.triage_runs import insert_failed
@@ -185,9 +192,10 @@ def test_failures_grouped_without_a_filter_read_the_census_above_the_limit(
 
 def test_two_nodes_taking_a_census_at_once_leave_one(team_a, settings):
     """During a handover two nodes may both hold a database's first shard for a moment."""
-    job = make_definition(team_a, "census.twice", queue="twice")
+    twice, failed = names_on_one_database("census.twice", 2)
+    job = make_definition(team_a, twice, queue="twice")
     add_ready_runs(job, 5)
-    failed_runs(make_definition(team_a, "census.failed", queue="failed"), 2)
+    failed_runs(make_definition(team_a, failed, queue="failed"), 2)
     alias = shards.alias_of_shard(job.shard)
 
     def take(_: int) -> None:
