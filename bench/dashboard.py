@@ -252,7 +252,7 @@ def screens() -> dict[str, str]:
 
 def take_census() -> None:
     """What a running scheduler does every SCHEDULER_CENSUS_SECONDS (apps/runs/census.py): the
-    pages read the census when there are more runs than DASHBOARD_COUNT_LIMIT to count. Taken
+    pages read the census when there are more runs than SCHEDULER_LIVE_COUNT_LIMIT to count. Taken
     before each screen, outside the timings, so that it is never older than one period."""
     from apps.runs import census
 

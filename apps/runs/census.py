@@ -7,7 +7,7 @@ runs and 1.3 M failures (bench/bigtables.py with the dashboard benchmark's share
 took 749 ms, the queues page 470 and the grouped failures 414. So the scheduler counts each
 shard database every SCHEDULER_CENSUS_SECONDS (`take`, in the scheduler's tick) into
 runs_census and runs_failurecensus; a page counts live while its teams have at most
-DASHBOARD_COUNT_LIMIT runs to count in a database, and reads that database's census above it
+SCHEDULER_LIVE_COUNT_LIMIT runs to count in a database, and reads that database's census above it
 (`here`, `failure_groups_here`), saying how old the figures are. A census older than three
 periods (a scheduler that stopped) is not used: the page counts live, slow but true.
 """
@@ -23,6 +23,7 @@ from django.conf import settings
 from django.db import transaction
 
 from apps.runs import depth, shards
+from apps.runs.models import WAITING_STATES
 
 
 class Count(NamedTuple):
@@ -81,11 +82,12 @@ GROUP BY team_id, error_fingerprint, definition_id, state
 """
 
 # The census of some teams, by the index census_team (team_id), with its age by the same clock.
+# (Every team's, for the gauges: the whole table.)
 READ = """
 SELECT team_id, queue, priority, state, due, later, oldest_due, taken_at, seconds,
        extract(epoch FROM now() - taken_at)::float8 AS age
 FROM runs_census
-WHERE team_id = ANY(%(teams)s::bigint[])
+{where}
 """
 
 
@@ -135,7 +137,7 @@ def _usable(rows: list[tuple], runs: int) -> bool:
     if not rows:
         return False
     seconds, age = rows[0][-2], rows[0][-1]
-    return runs > settings.DASHBOARD_COUNT_LIMIT and age <= 3 * period(seconds)
+    return runs > settings.SCHEDULER_LIVE_COUNT_LIMIT and age <= 3 * period(seconds)
 
 
 @dataclass(frozen=True)
@@ -145,16 +147,26 @@ class Counted:
     taken_at: datetime | None = None
 
 
-def here(team_ids: list[int]) -> Counted:
-    """The counts of these teams on the current shard database: from its census when that is
-    fresh and holds more than DASHBOARD_COUNT_LIMIT runs of them, else counted now."""
-    if not team_ids:
-        return Counted([])
+def _census(team_ids: list[int] | None) -> Counted | None:
+    """The census of these teams (every team with None) on the current shard database, when it
+    stands in for a live count: fresh, and more than SCHEDULER_LIVE_COUNT_LIMIT runs."""
+    where = "" if team_ids is None else "WHERE team_id = ANY(%(teams)s::bigint[])"
     with shards.cursor() as cursor:
-        cursor.execute(READ, {"teams": team_ids})
+        cursor.execute(READ.format(where=where), {"teams": team_ids})
         rows = cursor.fetchall()
     if _usable(rows, sum(row[4] + row[5] for row in rows)):
         return Counted([Count(*row[:7]) for row in rows], rows[0][7])
+    return None
+
+
+def here(team_ids: list[int]) -> Counted:
+    """The counts of these teams on the current shard database: from its census when that is
+    fresh and holds more than SCHEDULER_LIVE_COUNT_LIMIT runs of them, else counted now."""
+    if not team_ids:
+        return Counted([])
+    counted = _census(team_ids)
+    if counted is not None:
+        return counted
     with shards.cursor() as cursor:
         cursor.execute(COUNT, {"teams": team_ids})
         return Counted([Count(*row) for row in cursor.fetchall()])
@@ -165,6 +177,24 @@ def everywhere(team_ids: list[int]) -> Counted:
     parts, _ = shards.gather(lambda: here(team_ids))
     taken = [part.taken_at for part in parts if part.taken_at is not None]
     return Counted([count for part in parts for count in part.counts], min(taken, default=None))
+
+
+def claimable_here() -> list[tuple] | None:
+    """Every team's runs claimable now on the current shard database, per (team, queue,
+    priority), as depth.DEPTH's rows (state "", waiting 0), from its census when that stands
+    in for a count; else None. For the gauges and /readyz: counting 1.1 M claimable runs took
+    them 300–500 ms at every scrape and probe."""
+    counted = _census(None)
+    if counted is None:
+        return None
+    lanes: dict[tuple[int, str, int], list] = {}
+    for count in counted.counts:
+        if count.state in WAITING_STATES and count.due:
+            lane = lanes.setdefault((count.team_id, count.queue, count.priority), [0, None])
+            lane[0] += count.due
+            if lane[1] is None or (count.oldest_due is not None and count.oldest_due < lane[1]):
+                lane[1] = count.oldest_due
+    return [(*key, "", due, 0, oldest) for key, (due, oldest) in lanes.items()]
 
 
 def failure_groups_here(

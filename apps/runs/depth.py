@@ -116,15 +116,21 @@ def claimable(team_ids: list[int] | None = None) -> list[Lane]:
 
 def claimable_by_database() -> tuple[list[Lane], dict[str, int | None]]:
     """Every team's claimable lanes, and the claimable runs of each shard database by its
-    shards ("0-7"), None for one that could not be read (the /metrics gauges)."""
+    shards ("0-7"), None for one that could not be read (the /metrics gauges and /readyz).
+    Above SCHEDULER_LIVE_COUNT_LIMIT runs in a database, its census's figures
+    (apps/runs/census.py)."""
+    from apps.runs import census  # it builds its count from this module's statement
+
     sql = statement(None, by_state=False, due_only=True)
     parts: list[list[tuple]] = []
     per_database: dict[str, int | None] = {}
     for alias in shards.databases():
         try:
             with shards.using(alias), shards.cursor() as cursor:
-                cursor.execute(sql)
-                rows = cursor.fetchall()
+                rows = census.claimable_here()  # at a big backlog; else counted now
+                if rows is None:
+                    cursor.execute(sql)
+                    rows = cursor.fetchall()
         except shards.UNREADABLE:
             if not shards.physical():
                 raise

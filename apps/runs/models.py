@@ -389,7 +389,7 @@ class Census(models.Model):
 class FailureCensus(models.Model):
     """The failed runs (retrying or dead) of one database counted by team, error fingerprint,
     definition and state, as the dashboard's grouped failures show them: taken with `Census`,
-    read instead of counting above DASHBOARD_COUNT_LIMIT runs (apps/runs/census.py)."""
+    read instead of counting above SCHEDULER_LIVE_COUNT_LIMIT runs (apps/runs/census.py)."""
 
     id = models.BigAutoField(primary_key=True)
     team_id = models.BigIntegerField()

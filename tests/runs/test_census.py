@@ -1,6 +1,6 @@
 """The census (apps/runs/census.py): the scheduler's count of each shard database's runs, read by
 the overview and queues pages instead of counting when their teams have more runs than
-DASHBOARD_COUNT_LIMIT; the same figures as a live count, never another team's, never stale past
+SCHEDULER_LIVE_COUNT_LIMIT; the same figures as a live count, never another team's, never stale past
 three periods."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from apps.dashboard import queries
 from apps.jobs import triage
-from apps.runs import census, shards, store
+from apps.runs import census, depth, shards, store
 from apps.runs.filters import BulkFilter
 from apps.runs.models import Census, Run
 from apps.scheduler.daemon import Scheduler
@@ -62,7 +62,7 @@ def test_the_census_counts_what_a_live_count_counts(team_a, team_b, settings):
         "ready": 5, "scheduled": 1, "leased": 1, "retrying": 2, "dead": 3, "cancelled": 1,
     }  # fmt: skip
     take_everywhere()
-    settings.DASHBOARD_COUNT_LIMIT = 0
+    settings.SCHEDULER_LIVE_COUNT_LIMIT = 0
     counted = queries.overview([team_a.pk], db_now())
     assert counted.counted_at is not None
     assert counted.counts == live.counts
@@ -75,7 +75,7 @@ def test_the_census_counts_what_a_live_count_counts(team_a, team_b, settings):
 
 
 def test_pages_count_live_up_to_the_limit_and_read_the_census_above_it(team_a, settings):
-    settings.DASHBOARD_COUNT_LIMIT = 5
+    settings.SCHEDULER_LIVE_COUNT_LIMIT = 5
     job = make_definition(team_a, "census.job", queue="counted")
     add_ready_runs(job, 4, prefix="a")
     take_everywhere()
@@ -97,13 +97,13 @@ def test_pages_count_live_up_to_the_limit_and_read_the_census_above_it(team_a, s
         body = client_for(viewer).get(page).content.decode()
         assert 'id="counted-at"' in body and "the scheduler counts them every" in body, page
 
-    settings.DASHBOARD_COUNT_LIMIT = 100
+    settings.SCHEDULER_LIVE_COUNT_LIMIT = 100
     assert queries.overview([team_a.pk], db_now()).counts["ready"] == 9
     assert 'id="counted-at"' not in client_for(viewer).get("/").content.decode()
 
 
 def test_a_census_older_than_three_periods_is_not_used(team_a, settings):
-    settings.DASHBOARD_COUNT_LIMIT = 0
+    settings.SCHEDULER_LIVE_COUNT_LIMIT = 0
     settings.SCHEDULER_CENSUS_SECONDS = 15
     job = make_definition(team_a, "census.stale", queue="stale")
     add_ready_runs(job, 2, prefix="a")
@@ -138,7 +138,7 @@ def test_the_scheduler_takes_each_databases_census_once_a_period(team_a, setting
         with shards.using(shards.alias_of_shard(job.shard)):
             assert Census.objects.filter(seconds__gt=0).exists()
         assert node.tick().counted == []  # not due again for an hour
-        settings.DASHBOARD_COUNT_LIMIT = 0
+        settings.SCHEDULER_LIVE_COUNT_LIMIT = 0
         assert queries.overview([team_a.pk], db_now()).counts["ready"] == 3
         assert queries.overview([team_a.pk], db_now()).counted_at is not None
     finally:
@@ -176,7 +176,7 @@ def test_failures_grouped_without_a_filter_read_the_census_above_the_limit(
     assert live.counted_at is None and (live.total_groups, live.total_runs) == (2, 11)
     take_everywhere()
     insert_failed(charge, 4, prefix="after-")  # after the census
-    settings.DASHBOARD_COUNT_LIMIT = 10
+    settings.SCHEDULER_LIVE_COUNT_LIMIT = 10
     counted = triage.groups([team_a.pk], states, EVERYTHING)
     assert counted.counted_at is not None and shown(counted) == shown(live)
     assert counted.groups[0].fingerprint == keyed and counted.groups[0].sample is not None
@@ -204,10 +204,27 @@ def test_two_nodes_taking_a_census_at_once_leave_one(team_a, settings):
                 census.take()
 
     run_in_threads(4, take)
-    settings.DASHBOARD_COUNT_LIMIT = 0
+    settings.SCHEDULER_LIVE_COUNT_LIMIT = 0
     with shards.using(alias):
         counted = census.here([team_a.pk])
         groups = census.failure_groups_here([team_a.pk], ["dead"])
     assert counted.taken_at is not None
     assert sum(c.due for c in counted.counts if c.queue == "twice") == 5
     assert groups is not None and [row[2] for row in groups[0]] == [2]
+
+
+def test_the_gauges_and_readiness_read_the_census_above_the_limit(team_a, settings):
+    job = make_definition(team_a, "census.gauge", queue="gauge", priority="bulk")
+    add_ready_runs(job, 4, prefix="a")
+    take_everywhere()
+    add_ready_runs(job, 2, prefix="b")
+
+    def gauge() -> tuple[int, int, float | None]:
+        lanes, per_database = depth.claimable_by_database()
+        (lane,) = [lane for lane in lanes if lane.queue == "gauge"]
+        return lane.ready, sum(n or 0 for n in per_database.values()), lane.oldest_age
+
+    assert gauge()[:2] == (6, 6)  # 4 in the census, within the limit: counted now
+    settings.SCHEDULER_LIVE_COUNT_LIMIT = 3
+    ready, total, age = gauge()
+    assert (ready, total) == (4, 4) and age is not None and age > 0
