@@ -224,11 +224,16 @@ def test_pool_processes_do_not_outlive_a_killed_worker(team_a, spawn_worker):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_second_sigint_exits_at_once(team_a, spawn_worker):
+def test_a_second_sigint_exits_at_once(team_a, spawn_worker, tmp_path):
     definition = make_definition(team_a, "demo.sleep", queue="int", payload={"seconds": 60})
     (pk,) = add_ready_runs(definition, 1)
     worker = spawn_worker("int", "--grace-seconds", "60")
     wait_leased(pk)
+    # Leased is the server's side: a signal before the answer reached the worker gave the run
+    # back and stopped with nothing running (exit 0). Its handler starts right after the answer.
+    log = tmp_path / "worker-0.log"
+    wait_for(lambda: "POST /api/v1/leases: 200" in log.read_text(), what="the lease answered")
+    time.sleep(0.3)
 
     worker.send_signal(signal.SIGINT)
     time.sleep(0.5)
