@@ -239,24 +239,29 @@ class Scheduler:
                 if not self.handle_one_materialise(shard):
                     break
         except shards.DOWN:
-            # With shards on servers of their own, a database that is down holds back its own
-            # shards only: the others of this node are materialised in this tick all the same.
-            # The control database's failure (its lease check is part of every batch) fails the
-            # tick, as before: the loop starts the next one on a fresh connection.
-            if (
-                not shards.physical()
-                or alias == shards.CONTROL
-                or connections[shards.CONTROL].errors_occurred
-            ):
-                raise
-            log.warning(
-                "%s: shards %s wait for the next tick: their database failed",
-                self.node_id,
-                shards.span(alias),
-                exc_info=True,
-            )
-            self._down.add(alias)
-            connections[alias].close()
+            self._pass_over(alias, "wait for the next tick")
+
+    def _pass_over(self, alias: str, what: str) -> None:
+        """In an `except shards.DOWN` block: with shards on servers of their own, a database
+        that is down holds back its own shards only (noted for this tick; the others are
+        served all the same). The control database's failure (its lease check is part of every
+        batch) is raised again, failing the tick as before: the loop starts the next one on a
+        fresh connection."""
+        if (
+            not shards.physical()
+            or alias == shards.CONTROL
+            or connections[shards.CONTROL].errors_occurred
+        ):
+            raise  # the exception being handled
+        log.warning(
+            "%s: shards %s %s: their database failed",
+            self.node_id,
+            shards.span(alias),
+            what,
+            exc_info=True,
+        )
+        self._down.add(alias)
+        connections[alias].close()
 
     def handle_one_retention(self) -> bool:
         """Delete one round of old finished runs and audit events, on the owner of shard 0 only.
@@ -291,16 +296,7 @@ class Scheduler:
                 with shards.using(alias):
                     seconds = census.take()
             except shards.DOWN:
-                if not shards.physical() or alias == shards.CONTROL:
-                    raise
-                log.warning(
-                    "%s: no census of shards %s: their database failed",
-                    self.node_id,
-                    shards.span(alias),
-                    exc_info=True,
-                )
-                self._down.add(alias)
-                connections[alias].close()
+                self._pass_over(alias, "are not counted")
                 continue
             self._census_due[alias] = time.monotonic() + census.period(seconds)
             self.report.counted.append(alias)
