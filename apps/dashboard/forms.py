@@ -81,7 +81,12 @@ class RunFilterForm(forms.Form):
 
     def clean_cursor(self) -> int | None:
         raw = self.cleaned_data.get("cursor") or ""
-        return parse_run_id(raw) if raw else None
+        if not raw:
+            return None
+        pk = parse_run_id(raw)
+        if pk is None:  # as the API says it: not the first page shown as if it were the next
+            raise forms.ValidationError("Not a cursor from a previous page.")
+        return pk
 
     # Names follow the rules of the names they filter by (as the API's filters do): one no job
     # or queue can have is an error, not an empty list.

@@ -80,7 +80,15 @@ def test_the_failures_page_says_how_far_it_searched(team_a, monkeypatch):
     client = client_for(make_user("searcher", team_a, "viewer"))
     body = client.get("/failures?error=needle").content.decode()
     assert 'id="searched-to"' in body and "Search older →" in body
-    assert "the needle" not in body
+    assert "the needle" not in body and "No match among the runs searched so far" in body
+    assert "Nothing is failing" not in body
     cursor = body.split("cursor=")[1].split('"')[0].split("&")[0]
     older = client.get(f"/failures?error=needle&cursor={cursor}").content.decode()
     assert "the needle" in older and 'id="searched-to"' not in older
+
+
+def test_a_cursor_that_is_not_one_is_a_form_error(team_a):
+    client = client_for(make_user("cursor-reader", team_a, "viewer"))
+    for cursor in ("abc", "run_!!!", "-1", "rün_ß"):
+        body = client.get(f"/failures?error=x&cursor={cursor}").content.decode()
+        assert "cursor: Not a cursor from a previous page." in body, cursor

@@ -4,47 +4,46 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('runs', '0022_moved_shard_insert_guard'),
+        ("runs", "0022_moved_shard_insert_guard"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Census',
+            name="Census",
             fields=[
-                ('id', models.BigAutoField(primary_key=True, serialize=False)),
-                ('team_id', models.BigIntegerField()),
-                ('queue', models.CharField(max_length=200)),
-                ('priority', models.PositiveSmallIntegerField()),
-                ('state', models.CharField(max_length=16)),
-                ('due', models.BigIntegerField()),
-                ('later', models.BigIntegerField()),
-                ('oldest_due', models.DateTimeField(null=True)),
-                ('taken_at', models.DateTimeField()),
-                ('seconds', models.FloatField()),
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                ("team_id", models.BigIntegerField()),
+                ("queue", models.CharField(max_length=200)),
+                ("priority", models.PositiveSmallIntegerField()),
+                ("state", models.CharField(max_length=16)),
+                ("due", models.BigIntegerField()),
+                ("later", models.BigIntegerField()),
+                ("oldest_due", models.DateTimeField(null=True)),
+                ("taken_at", models.DateTimeField()),
+                ("seconds", models.FloatField()),
             ],
             options={
-                'indexes': [models.Index(fields=['team_id'], name='census_team')],
+                "indexes": [models.Index(fields=["team_id"], name="census_team")],
             },
         ),
         migrations.CreateModel(
-            name='FailureCensus',
+            name="FailureCensus",
             fields=[
-                ('id', models.BigAutoField(primary_key=True, serialize=False)),
-                ('team_id', models.BigIntegerField()),
-                ('fingerprint', models.BigIntegerField(null=True)),
-                ('definition_id', models.BigIntegerField()),
-                ('state', models.CharField(max_length=16)),
-                ('n', models.BigIntegerField()),
-                ('first_at', models.DateTimeField(null=True)),
-                ('last_at', models.DateTimeField(null=True)),
-                ('latest', models.BigIntegerField()),
-                ('taken_at', models.DateTimeField()),
-                ('seconds', models.FloatField()),
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                ("team_id", models.BigIntegerField()),
+                ("fingerprint", models.BigIntegerField(null=True)),
+                ("definition_id", models.BigIntegerField()),
+                ("state", models.CharField(max_length=16)),
+                ("n", models.BigIntegerField()),
+                ("first_at", models.DateTimeField(null=True)),
+                ("last_at", models.DateTimeField(null=True)),
+                ("latest", models.BigIntegerField()),
+                ("taken_at", models.DateTimeField()),
+                ("seconds", models.FloatField()),
             ],
             options={
-                'indexes': [models.Index(fields=['team_id'], name='failure_census_team')],
+                "indexes": [models.Index(fields=["team_id"], name="failure_census_team")],
             },
         ),
     ]
