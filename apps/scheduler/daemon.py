@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import close_old_connections, connection, connections
+from django.db import DatabaseError, close_old_connections, connection, connections
 
 from apps.notify import loop as notifier
 from apps.runs import census, retention, shards, store
@@ -297,6 +297,14 @@ class Scheduler:
                     seconds = census.take()
             except shards.DOWN:
                 self._pass_over(alias, "are not counted")
+                continue
+            except DatabaseError:
+                # Not migrated yet (a deploy under way), say: the pages count live meanwhile,
+                # and the tick's other work never waits on a census.
+                log.warning(
+                    "%s: no census of shards %s", self.node_id, shards.span(alias), exc_info=True
+                )
+                self._census_due[alias] = time.monotonic() + census.period(0)
                 continue
             self._census_due[alias] = time.monotonic() + census.period(seconds)
             self.report.counted.append(alias)

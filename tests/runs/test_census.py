@@ -228,3 +228,21 @@ def test_the_gauges_and_readiness_read_the_census_above_the_limit(team_a, settin
     settings.SCHEDULER_LIVE_COUNT_LIMIT = 3
     ready, total, age = gauge()
     assert (ready, total) == (4, 4) and age is not None and age > 0
+
+
+def test_a_database_without_the_census_table_fails_no_tick(team_a, settings):
+    """A shard database not yet migrated (a deploy under way): the census waits, nothing else."""
+    job = make_definition(team_a, "census.unmigrated", queue="unmigrated")
+    add_ready_runs(job, 2)
+    node = Scheduler(node_id="census-unmigrated", lease_seconds=10)
+    everywhere("ALTER TABLE runs_census RENAME TO runs_census_away")
+    try:
+        report = node.tick()
+        assert report.counted == [] and sorted(node.held) == list(
+            range(settings.SCHEDULER_SHARD_COUNT)
+        )
+        assert node.tick().counted == []  # not tried again at once
+    finally:
+        everywhere("ALTER TABLE runs_census_away RENAME TO runs_census")
+        node.leave()
+    assert queries.overview([team_a.pk], db_now()).counts["ready"] == 2
