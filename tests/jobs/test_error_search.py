@@ -11,7 +11,7 @@ from apps.jobs import runlist
 from tests.conftest import db_now, make_definition
 from tests.dashboard.conftest import client_for, failed_runs, make_user
 
-pytestmark = [pytest.mark.shards, pytest.mark.django_db(transaction=True, databases="__all__")]
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 
 def search(team_ids: list[int], text: str, *, limit: int) -> list[runlist.RunPage]:
@@ -48,6 +48,7 @@ def test_a_search_reads_its_budget_then_goes_on_below_it(team_a, monkeypatch):
     assert third.searched_to is None and third.next_cursor is None
 
 
+@pytest.mark.shards  # the databases' floors merged
 def test_followed_to_the_end_the_pages_find_every_match_once(team_a, team_b, monkeypatch):
     monkeypatch.setattr(runlist, "SEARCH_SCAN", 3)
     chance = random.Random(20261204)

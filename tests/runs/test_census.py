@@ -27,7 +27,8 @@ from tests.dashboard.conftest import client_for, failed_runs, make_user
 from tests.runs.test_claim_concurrency import run_in_threads
 from tests.triage_runs import insert_failed
 
-pytestmark = [pytest.mark.shards, pytest.mark.django_db(transaction=True, databases="__all__")]
+# The tests of what each shard database does apart also run with shards on servers of their own.
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 EVERYTHING = BulkFilter(everything=True)
 
@@ -53,6 +54,7 @@ def mixed_runs(team, name: str) -> None:
     failed_runs(failing, 3, prefix=f"{name}-d")
 
 
+@pytest.mark.shards
 def test_the_census_counts_what_a_live_count_counts(team_a, team_b, settings):
     mixed_runs(team_a, "alpha")
     mixed_runs(team_b, "beta")
@@ -74,6 +76,7 @@ def test_the_census_counts_what_a_live_count_counts(team_a, team_b, settings):
     assert {lane["team_id"] for lane in counted.queues} == {team_a.pk}
 
 
+@pytest.mark.shards
 def test_pages_count_live_up_to_the_limit_and_read_the_census_above_it(team_a, settings):
     settings.SCHEDULER_LIVE_COUNT_LIMIT = 5
     job = make_definition(team_a, "census.job", queue="counted")
@@ -126,6 +129,7 @@ def test_a_census_that_takes_long_is_taken_less_often(settings):
     assert census.period(2.0) == 40  # counting stays under 5 % of the time
 
 
+@pytest.mark.shards
 def test_the_scheduler_takes_each_databases_census_once_a_period(team_a, settings):
     settings.SCHEDULER_CENSUS_SECONDS = 3600
     job = make_definition(team_a, "census.tick", queue="tick")
@@ -190,6 +194,7 @@ def test_failures_grouped_without_a_filter_read_the_census_above_the_limit(
     assert 'id="counted-at"' in body and "11 runs in 2 error groups" in body
 
 
+@pytest.mark.shards
 def test_two_nodes_taking_a_census_at_once_leave_one(team_a, settings):
     """During a handover two nodes may both hold a database's first shard for a moment."""
     twice, failed = names_on_one_database("census.twice", 2)
@@ -213,6 +218,7 @@ def test_two_nodes_taking_a_census_at_once_leave_one(team_a, settings):
     assert groups is not None and [row[2] for row in groups[0]] == [2]
 
 
+@pytest.mark.shards
 def test_the_gauges_and_readiness_read_the_census_above_the_limit(team_a, settings):
     job = make_definition(team_a, "census.gauge", queue="gauge", priority="bulk")
     add_ready_runs(job, 4, prefix="a")
