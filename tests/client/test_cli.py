@@ -76,14 +76,21 @@ def wait_leased(pk: int) -> Run:
     )
 
 
+def wait_handed(log: Path, pk: int) -> None:
+    """Until the worker (logging at DEBUG) has handed the run to a handler. Leased is the
+    server's side: a signal before the answer reached the worker leaves nothing running."""
+    line = f"leased run_id={public_run_id(pk)} "
+    wait_for(lambda: line in log.read_text(), what=f"run {pk} handed to a handler")
+
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_sigterm_lets_the_running_handler_finish_and_report(team_a, spawn_worker, ledger):
+def test_sigterm_lets_the_running_handler_finish_and_report(team_a, spawn_worker, ledger, tmp_path):
     definition = make_definition(team_a, "demo.sleep", queue="sig", payload={"seconds": 2})
     (pk,) = add_ready_runs(definition, 1)
     worker = spawn_worker("sig", "--concurrency", "1", "--grace-seconds", "20")
-    wait_leased(pk)
+    wait_handed(tmp_path / "worker-0.log", pk)
 
     worker.send_signal(signal.SIGTERM)
     (later,) = add_ready_runs(definition, 1, prefix="after-sigterm")
@@ -228,12 +235,7 @@ def test_a_second_sigint_exits_at_once(team_a, spawn_worker, tmp_path):
     definition = make_definition(team_a, "demo.sleep", queue="int", payload={"seconds": 60})
     (pk,) = add_ready_runs(definition, 1)
     worker = spawn_worker("int", "--grace-seconds", "60")
-    wait_leased(pk)
-    # Leased is the server's side: a signal before the answer reached the worker gave the run
-    # back and stopped with nothing running (exit 0). Its handler starts right after the answer.
-    log = tmp_path / "worker-0.log"
-    wait_for(lambda: "POST /api/v1/leases: 200" in log.read_text(), what="the lease answered")
-    time.sleep(0.3)
+    wait_handed(tmp_path / "worker-0.log", pk)
 
     worker.send_signal(signal.SIGINT)
     time.sleep(0.5)
