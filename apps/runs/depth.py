@@ -24,7 +24,7 @@ class Lane:
     team_slug: str
     queue: str
     priority: int
-    state: str  # the stored state with `by_state`, else ""
+    state: str  # "" (lanes are not split by stored state; the census's counts are)
     ready: int
     waiting: int
     oldest_ready: datetime | None
@@ -59,18 +59,16 @@ def statement(team_ids: list[int] | None, *, by_state: bool, due_only: bool) -> 
     )
 
 
-def lanes(
-    team_ids: list[int] | None = None, *, by_state: bool = False, due_only: bool = False
-) -> list[Lane]:
+def lanes(team_ids: list[int] | None = None, *, due_only: bool = False) -> list[Lane]:
     """The backlog of the given teams (every team with None), one lane per (team, queue,
-    priority) with any waiting run, or per (team, queue, priority, stored state) with
-    `by_state`; with `due_only`, only the lanes with runs claimable now, and `waiting` is 0.
+    priority) with any waiting run; with `due_only`, only the lanes with runs claimable now,
+    and `waiting` is 0.
 
     Summed over the shard databases (one that is down is left out, and noted); the age of the
     oldest run is by the control database's clock, the team's slug from the control database."""
     if team_ids is not None and not team_ids:
         return []
-    sql = statement(team_ids, by_state=by_state, due_only=due_only)
+    sql = statement(team_ids, by_state=False, due_only=due_only)
 
     def read() -> list[tuple]:
         with shards.cursor() as cursor:
