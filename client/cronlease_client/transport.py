@@ -35,6 +35,10 @@ from cronlease_client.errors import ApiError, BadAnswer, NetworkError, error_for
 
 logger = logging.getLogger("cronlease_client")
 JSON_BODY = {"Content-Type": "application/json"}
+# After interrupt() hangs up, how long a server gets to answer or close before the reading half
+# is shut too. The scheduler closes within milliseconds of the hang-up; this bounds a server or
+# proxy that does not notice it.
+HANGUP_SECONDS = 2.0
 T = TypeVar("T")
 
 
@@ -87,6 +91,16 @@ def _problem(status: int, reason: str, content: bytes) -> tuple[str, dict[str, A
     if isinstance(body, dict):
         return str(body.get("detail") or body.get("title") or reason), body
     return reason, {}
+
+
+def _shut(sock: socket.socket, how: int) -> None:
+    """Shut down a direction of a connection, TLS or not. `socket.socket`'s own method on a TLS
+    socket too: the TLS socket's would drop its TLS state, and the rest of an answer still to be
+    read after a half-close would be read as raw bytes."""
+    try:
+        socket.socket.shutdown(sock, how)
+    except OSError:  # already closed, by either side
+        pass
 
 
 def _dropped(sock: Any) -> bool:
@@ -258,16 +272,27 @@ class Transport:
     def interrupt(self) -> None:
         """From another thread: end the request under way (a long poll) and refuse later ones.
 
-        The socket is shut down, not closed, so the thread reading it wakes with an error at
-        once, and the scheduler sees the hang-up (a long poll's claim is then rolled back)."""
+        Only the sending half of the connection is shut down. The scheduler sees the hang-up
+        and either closes without an answer (a long poll's claim is rolled back; runs already
+        committed are given back) or has answered before it saw it: that answer is then read
+        whole. Shutting the reading half too cut off an answer whose body was still arriving,
+        and its leases stayed taken, known to neither side, until they expired. A server that
+        neither answers nor closes within `HANGUP_SECONDS` is cut off all the same."""
         with self._guard:
             self._interrupted = True
             sock = self._conn.sock if self._conn is not None else None
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:  # already closed by the other side
-                    pass
+            if sock is None:
+                return
+            _shut(sock, socket.SHUT_WR)
+        cut = threading.Timer(HANGUP_SECONDS, self._cut, (sock,))
+        cut.daemon = True
+        cut.start()
+
+    def _cut(self, sock: socket.socket) -> None:
+        """Wake a read still waiting on `sock` once the server has had its chance to answer."""
+        with self._guard:
+            if self._conn is not None and self._conn.sock is sock:
+                _shut(sock, socket.SHUT_RDWR)
 
     def close(self) -> None:
         if self._conn is not None:

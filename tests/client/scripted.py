@@ -32,13 +32,16 @@ class Request:
 class Response:
     """What the server answers. `hang_up`: close the connection without answering;
     `close_after`: answer, then close the connection without saying so (as a server does when
-    its keep-alive timeout passes)."""
+    its keep-alive timeout passes); `body_after_hangup`: send the headers, wait for the client
+    to hang up its sending half, then send the body and close (an answer whose body was still
+    on its way when the client stopped)."""
 
     status: int = 200
     content: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     hang_up: bool = False
     close_after: bool = False
+    body_after_hangup: bool = False
 
 
 def json_response(status: int, body: Any, **headers: str) -> Response:
@@ -55,6 +58,10 @@ class ScriptedServer:
 
     def __init__(self, handle: Callable[[Request], Response]) -> None:
         self.seen: list[Request] = []
+        # For `body_after_hangup` answers: set once the headers are sent; then what the client
+        # sent before hanging up (b"" when it only hung up).
+        self.headers_sent = threading.Event()
+        self.before_hangup: list[bytes] = []
         connections = itertools.count()
         server = self
 
@@ -84,6 +91,11 @@ class ScriptedServer:
                     self.send_header(name, value)
                 self.send_header("Content-Length", str(len(response.content)))
                 self.end_headers()
+                if response.body_after_hangup:
+                    server.headers_sent.set()
+                    self.connection.settimeout(30)
+                    server.before_hangup.append(self.rfile.read())  # up to the client's FIN
+                    self.close_connection = True
                 self.wfile.write(response.content)
                 if response.close_after:
                     self.wfile.flush()

@@ -6,9 +6,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import pytest
 from cronlease_client import ApiError
+from cronlease_client import transport as transport_module
 from cronlease_client.transport import Transport, backoff_delay, batch_items, lease_answer
 
 from tests.client.scripted import HANG_UP, Request, Response, json_response
@@ -210,7 +213,12 @@ def test_a_lease_answer_of_the_wrong_shape_is_retried_then_raised_as_transient(s
     assert len(seen) == 4
 
 
-def test_interrupt_ends_a_waiting_request_at_once_and_refuses_the_next(serve):
+def test_interrupt_cuts_off_a_server_that_ignores_the_hangup_and_refuses_the_next(
+    serve, monkeypatch
+):
+    """The stop hangs up (the scheduler then closes at once); a server that neither answers nor
+    closes is cut off after HANGUP_SECONDS, and no request is sent after the stop."""
+    monkeypatch.setattr(transport_module, "HANGUP_SECONDS", 0.3)
     released = threading.Event()
 
     def long_poll(request: Request) -> Response:
@@ -235,7 +243,7 @@ def test_interrupt_ends_a_waiting_request_at_once_and_refuses_the_next(serve):
         transport.interrupt()
         waiting.join(5)
         assert not waiting.is_alive()
-        assert time.monotonic() - started < 1
+        assert 0.3 <= time.monotonic() - started < 2
         assert [exc.status for exc in failed] == [None]  # a network error, not retried
         with pytest.raises(ApiError):
             transport.post("/api/v1/leases", {})
@@ -243,3 +251,28 @@ def test_interrupt_ends_a_waiting_request_at_once_and_refuses_the_next(serve):
     finally:
         released.set()
         waiting.join(5)
+
+
+def test_an_answer_whose_body_is_on_its_way_when_interrupted_is_read_whole(serve):
+    """The stop lands between an answer's headers and its body: the body is still read (the
+    leases in it are then given back by the worker), not cut off and lost."""
+    leases = {"leases": [{"runId": "run_1", "fencingToken": 7}]}
+    server = serve(lambda request: replace(json_response(200, leases), body_after_hangup=True))
+    transport = Transport(server.url, "jst_token", attempts=5, backoff_base=0.001)
+    answers: list[Any] = []
+    failed: list[ApiError] = []
+
+    def lease() -> None:
+        try:
+            answers.append(transport.post("/api/v1/leases", {"max": 1}, timeout=10))
+        except ApiError as exc:
+            failed.append(exc)
+
+    waiting = threading.Thread(target=lease)
+    waiting.start()
+    server.headers_sent.wait(5)
+    transport.interrupt()
+    waiting.join(5)
+    assert not waiting.is_alive()
+    assert (answers, failed) == ([leases], [])
+    assert server.before_hangup == [b""]  # the server saw the hang-up before sending the body
