@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sqlite3
+import ssl
+import subprocess
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing
 from pathlib import Path
@@ -42,13 +44,40 @@ def read_ledger(path: Path) -> dict[str, dict[str, Any]]:
     return {row["idempotency_key"]: dict(row) for row in rows}
 
 
+@pytest.fixture(scope="session")
+def tls_certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key, made by openssl."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
+        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
 @pytest.fixture
-def serve() -> Iterator[Callable[[Callable[[Request], Response]], ScriptedServer]]:
+def tls(tls_certificate: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> ssl.SSLContext:
+    """A server context for scripted servers over TLS, whose certificate clients trust."""
+    cert, key = tls_certificate
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    return context
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., ScriptedServer]]:
     """Start scripted HTTP servers (tests/client/scripted.py); each is closed at teardown."""
     servers: list[ScriptedServer] = []
 
-    def start(handle: Callable[[Request], Response]) -> ScriptedServer:
-        servers.append(ScriptedServer(handle))
+    def start(
+        handle: Callable[[Request], Response], tls: ssl.SSLContext | None = None
+    ) -> ScriptedServer:
+        servers.append(ScriptedServer(handle, tls))
         return servers[-1]
 
     yield start

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +35,8 @@ class Response:
     `close_after`: answer, then close the connection without saying so (as a server does when
     its keep-alive timeout passes); `body_after_hangup`: send the headers, wait for the client
     to hang up its sending half, then send the body and close (an answer whose body was still
-    on its way when the client stopped)."""
+    on its way when the client stopped); `hold_body`: send the headers, wait for the event,
+    then send the body in two pieces a moment apart (read in two reads)."""
 
     status: int = 200
     content: bytes = b""
@@ -42,6 +44,7 @@ class Response:
     hang_up: bool = False
     close_after: bool = False
     body_after_hangup: bool = False
+    hold_body: threading.Event | None = None
 
 
 def json_response(status: int, body: Any, **headers: str) -> Response:
@@ -54,12 +57,15 @@ HANG_UP = Response(hang_up=True)
 
 
 class ScriptedServer:
-    """Answers each request with `handle(request)`; keeps every request in `seen`."""
+    """Answers each request with `handle(request)`; keeps every request in `seen`. Over TLS
+    with `tls`, a server context."""
 
-    def __init__(self, handle: Callable[[Request], Response]) -> None:
+    def __init__(
+        self, handle: Callable[[Request], Response], tls: ssl.SSLContext | None = None
+    ) -> None:
         self.seen: list[Request] = []
-        # For `body_after_hangup` answers: set once the headers are sent; then what the client
-        # sent before hanging up (b"" when it only hung up).
+        # For `body_after_hangup` and `hold_body` answers: set once the headers are sent; then
+        # what the client sent before hanging up (b"" when it only hung up).
         self.headers_sent = threading.Event()
         self.before_hangup: list[bytes] = []
         connections = itertools.count()
@@ -96,6 +102,13 @@ class ScriptedServer:
                     self.connection.settimeout(30)
                     server.before_hangup.append(self.rfile.read())  # up to the client's FIN
                     self.close_connection = True
+                if response.hold_body is not None:
+                    server.headers_sent.set()
+                    response.hold_body.wait(30)
+                    self.wfile.write(response.content[:10])
+                    time.sleep(0.2)
+                    self.wfile.write(response.content[10:])
+                    return
                 self.wfile.write(response.content)
                 if response.close_after:
                     self.wfile.flush()
@@ -108,7 +121,10 @@ class ScriptedServer:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        if tls is not None:
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
+        scheme = "https" if tls is not None else "http"
+        self.url = f"{scheme}://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 

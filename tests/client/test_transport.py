@@ -14,7 +14,7 @@ from cronlease_client import ApiError
 from cronlease_client import transport as transport_module
 from cronlease_client.transport import Transport, backoff_delay, batch_items, lease_answer
 
-from tests.client.scripted import HANG_UP, Request, Response, json_response
+from tests.client.scripted import HANG_UP, Request, Response, ScriptedServer, json_response
 from tests.waiting import wait_for
 
 Script = Callable[[Request], Response]
@@ -253,12 +253,14 @@ def test_interrupt_cuts_off_a_server_that_ignores_the_hangup_and_refuses_the_nex
         waiting.join(5)
 
 
-def test_an_answer_whose_body_is_on_its_way_when_interrupted_is_read_whole(serve):
-    """The stop lands between an answer's headers and its body: the body is still read (the
-    leases in it are then given back by the worker), not cut off and lost."""
-    leases = {"leases": [{"runId": "run_1", "fencingToken": 7}]}
-    server = serve(lambda request: replace(json_response(200, leases), body_after_hangup=True))
-    transport = Transport(server.url, "jst_token", attempts=5, backoff_base=0.001)
+LEASES = {"leases": [{"runId": "run_1", "fencingToken": 7}]}
+
+
+def interrupted_between_headers_and_body(
+    transport: Transport, server: ScriptedServer, then: Callable[[], Any] = lambda: None
+) -> tuple[list[Any], list[ApiError]]:
+    """POST a lease request, interrupt the transport once the server has sent the answer's
+    headers, then call `then`; the answers and errors the request ended with."""
     answers: list[Any] = []
     failed: list[ApiError] = []
 
@@ -270,9 +272,28 @@ def test_an_answer_whose_body_is_on_its_way_when_interrupted_is_read_whole(serve
 
     waiting = threading.Thread(target=lease)
     waiting.start()
-    server.headers_sent.wait(5)
+    assert server.headers_sent.wait(5)
     transport.interrupt()
+    then()
     waiting.join(5)
     assert not waiting.is_alive()
-    assert (answers, failed) == ([leases], [])
+    return answers, failed
+
+
+def test_an_answer_whose_body_is_on_its_way_when_interrupted_is_read_whole(serve):
+    """The stop lands between an answer's headers and its body: the body is still read (the
+    leases in it are then given back by the worker), not cut off and lost."""
+    server = serve(lambda request: replace(json_response(200, LEASES), body_after_hangup=True))
+    transport = Transport(server.url, "jst_token", attempts=5, backoff_base=0.001)
+    assert interrupted_between_headers_and_body(transport, server) == ([LEASES], [])
     assert server.before_hangup == [b""]  # the server saw the hang-up before sending the body
+
+
+def test_over_tls_too_an_answer_on_its_way_when_interrupted_is_read_whole(serve, tls):
+    """The hang-up shuts the TCP socket's sending half beneath TLS: the TLS socket's own
+    shutdown dropped its TLS state, and a body in two reads was cut off at the second."""
+    release = threading.Event()
+    server = serve(lambda request: replace(json_response(200, LEASES), hold_body=release), tls)
+    assert server.url.startswith("https://")
+    transport = Transport(server.url, "jst_token", attempts=5, backoff_base=0.001)
+    assert interrupted_between_headers_and_body(transport, server, release.set) == ([LEASES], [])
