@@ -364,7 +364,7 @@ def test_long_polls_hold_no_pooled_connection_while_they_wait(harness):
         # A queue with a definition (and no runs): only such queues record lease activity.
         h.definition("faults.idle", "pool-idle")
         (pk,) = h.add_runs(definition, [{}])
-        body = {"max": 1, "leaseSeconds": 60, "waitSeconds": 8}
+        body = {"max": 1, "leaseSeconds": 60, "waitSeconds": 5}
         polls = [
             Call(
                 url,
