@@ -14,10 +14,26 @@ class JSONObjectParser(parsers.JSONParser):
     """JSON bodies, with the parser's reason in the problem detail."""
 
     def parse(self, stream, media_type=None, parser_context=None):
-        return parse_json(stream.read())
+        view = (parser_context or {}).get("view")
+        return parse_json(stream.read(), items=getattr(view, "body_items", None))
 
 
-def parse_json(raw: bytes) -> Any:
+class RefusedItem:
+    """An item of a batch whose items are answered each on its own (the view's `body_items`)
+    that holds a value no body may: it is answered 400 with these `errors` (keyed as within
+    the item), and the rest of the batch goes on."""
+
+    __slots__ = ("errors",)
+
+    def __init__(self, errors: dict[str, list[str]]) -> None:
+        self.errors = errors
+
+
+def parse_json(raw: bytes, *, items: str | None = None) -> Any:
+    """The body's JSON, refused (ParseError, or ValidationError naming where) when it is not
+    JSON or holds what no body may: nesting past the limit, an integer past 64 bits, a NUL.
+    With `items`, the key of a batch's items: such a value inside an item replaces that item
+    with a RefusedItem instead."""
     limit = limits.json_max_depth()
     try:
         # orjson, like DRF's strict parser, refuses NaN and Infinity, and lone surrogates.
@@ -29,35 +45,68 @@ def parse_json(raw: bytes) -> Any:
             ) from exc
         raise ParseError(f"The body is not valid JSON: {exc}") from exc
     # orjson reads an integer past 64 bits as a float: refused rather than rounded.
-    inexact = limits.inexact_integer_problem(raw)
-    if inexact is not None:
-        raise ValidationError({"body": [inexact]})
+    problems = limits.inexact_integers(raw)
     # Whatever is accepted must render back: nested past the limit, a value was once stored and
     # then answered 500 on every list showing it. Counting brackets (6 µs for 100 results)
     # spares most bodies the walk.
     if raw.count(b"{") + raw.count(b"[") > limit:
-        where = limits.json_too_deep(data, limit)
-        if where is not None:
-            raise ValidationError(
-                {where: [f"Nested deeper than {limit} levels of objects and lists."]}
-            )
+        deep = too_deep(data, limit, items)
+        problems.extend(
+            (keys, f"Nested deeper than {limit} levels of objects and lists.") for keys in deep
+        )
     # PostgreSQL's text and jsonb cannot hold U+0000, which JSON writes as \u0000: refuse it
     # here (400) rather than in the database (500). The byte search keeps the common case
     # cheap; the walk tells a real NUL from an escaped backslash followed by "u0000".
     if b"\\u0000" in raw:
-        pending = [data]
-        while pending:
-            value = pending.pop()
-            if isinstance(value, dict):
-                pending.extend(value.keys())
-                pending.extend(value.values())
-            elif isinstance(value, list):
-                pending.extend(value)
-            elif isinstance(value, str) and "\x00" in value:
-                raise ValidationError(
-                    {"body": ["Strings cannot contain the NUL character (\\u0000)."]}
-                )
+        problems.extend(
+            (keys, "Strings cannot contain the NUL character (\\u0000).")
+            for keys in limits.nul_strings(data)
+        )
+    if problems:
+        refuse(data, problems, items)
     return data
+
+
+def too_deep(data: Any, limit: int, items: str | None) -> list[list[str | int]]:
+    """Where `data` nests past `limit`: in a batch of `items`, each item that does (a batch
+    refuses its deep items alone), else the first place found."""
+    keys = limits.too_deep_at(data, limit)
+    within = batch_items(data, items)
+    if keys is None or within is None or keys[0] != items:
+        return [] if keys is None else [keys]
+    # An item's own levels start two below the body's (the object, then the list).
+    found = []
+    for index, item in enumerate(within):
+        inside = limits.too_deep_at(item, limit - 2)
+        if inside is not None:
+            found.append([items, index, *inside])
+    return found
+
+
+def batch_items(data: Any, items: str | None) -> list[Any] | None:
+    if items is None or not isinstance(data, dict):
+        return None
+    within = data.get(items)
+    return within if isinstance(within, list) else None
+
+
+def refuse(data: Any, problems: list[tuple[list[str | int], str]], items: str | None) -> None:
+    """Raise the problems found outside a batch's items; mark the items holding the others."""
+    within = batch_items(data, items)
+    body: dict[str, list[str]] = {}
+    refused: dict[int, dict[str, list[str]]] = {}
+    for keys, reason in problems:
+        if within is not None and len(keys) >= 2 and keys[0] == items and isinstance(keys[1], int):
+            where = limits.field_path(keys[2:])
+            refused.setdefault(keys[1], {}).setdefault(where, []).append(reason)
+        else:
+            body.setdefault(limits.field_path(keys), []).append(reason)
+    if body:
+        raise ValidationError({where: sorted(set(reasons)) for where, reasons in body.items()})
+    for index, errors in refused.items():
+        within[index] = RefusedItem(
+            {where: sorted(set(reasons)) for where, reasons in errors.items()}
+        )
 
 
 def payload_size(value) -> int:

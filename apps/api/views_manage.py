@@ -681,6 +681,8 @@ class RunsView(FastPathView, ManageView):
     pays for the enqueue, not for DRF's objects."""
 
     enqueue_methods = ("POST",)
+    # Each item is answered on its own, one holding a value no body may hold too (parsers.py).
+    body_items = "runs"
 
     def answer(self, call: Call) -> run_shape.EnqueueAnswer:
         size = body_size(call.request)

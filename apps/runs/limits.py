@@ -89,19 +89,27 @@ def json_too_deep(value: Any, limit: int | None = None) -> str | None:
     The answer names the field ("payload"; in a batch, "results[3].result"). Recursive, with
     the recursion bounded by `limit`, and the path found only after a failure: 40 µs
     for a batch of 100 results, a fifth of a generic iterative walk, so every body affords it."""
+    keys = too_deep_at(value, limit)
+    return None if keys is None else field_path(keys)
+
+
+def too_deep_at(value: Any, limit: int | None = None) -> list[str | int] | None:
+    """The keys (outermost first) down to where `value` nests deeper than `limit` levels, or
+    None if it does not."""
     limit = json_max_depth() if limit is None else limit
     if type(value) is not dict and type(value) is not list:
         return None
     if _fits(value, limit):
         return None
-    keys = _deeper(value, limit) or []
-    # The field, as a client names it: "payload"; in a batch, "results[3].result".
-    outermost = list(reversed(keys))
-    shown = outermost[:1]
-    if len(outermost) > 1 and isinstance(outermost[1], int):
-        shown = (
-            outermost[:3] if len(outermost) > 2 and isinstance(outermost[2], str) else outermost[:2]
-        )
+    return list(reversed(_deeper(value, limit) or []))
+
+
+def field_path(keys: list[str | int]) -> str:
+    """The field a client names for the value at `keys` (outermost first): "payload"; in a
+    batch, "results[3].result"; "body" for the body itself."""
+    shown = keys[:1]
+    if len(keys) > 1 and isinstance(keys[1], int):
+        shown = keys[:3] if len(keys) > 2 and isinstance(keys[2], str) else keys[:2]
     path = ""
     for key in shown:
         if isinstance(key, int):
@@ -154,25 +162,52 @@ _DIGIT_BYTES = bytes(0x31 if 0x30 <= byte <= 0x39 else 0x30 for byte in range(25
 _NINETEEN_DIGITS = b"1" * 19
 
 
-def inexact_integer_problem(text: str | bytes) -> str | None:
-    """Why a valid JSON text cannot be taken as it is: it holds an integer past 64 bits (nothing
-    here carries one exactly everywhere it goes: JSON answers, jsonb, the workers' languages).
-    Only a text with a run of 19 digits (in a number or a string) is read again to find out."""
+def inexact_integers(text: str | bytes) -> list[tuple[list[str | int], str]]:
+    """Where a valid JSON text holds an integer past 64 bits (nothing here carries one exactly
+    everywhere it goes: JSON answers, jsonb, the workers' languages), each with why it is
+    refused: (keys, outermost first; reason). Only a text with a run of 19 digits (in a number
+    or a string) is read again to find out."""
     raw = text.encode() if isinstance(text, str) else text
     if raw.translate(_DIGIT_BYTES).find(_NINETEEN_DIGITS) < 0:
-        return None
-    found: list[str] = []
+        return []
+    return [
+        (keys, inexact_reason(value))
+        for keys, value in walk(json.loads(raw))
+        if type(value) is int and value not in EXACT_INTEGERS
+    ]
 
-    def integer(literal: str) -> int:
-        if not found and int(literal) not in EXACT_INTEGERS:
-            found.append(literal)
-        return 0
 
-    json.loads(text, parse_int=integer)
-    if not found:
-        return None
-    shown = found[0] if len(found[0]) <= 30 else found[0][:30] + "…"
+def inexact_reason(value: int) -> str:
+    literal = str(value)
+    shown = literal if len(literal) <= 30 else literal[:30] + "…"
     return f"The integer {shown} is outside 64 bits and would lose digits: send it as a string."
+
+
+def nul_strings(value: Any) -> list[list[str | int]]:
+    """Where `value` holds a string (a value or an object's key) with U+0000, which
+    PostgreSQL's text and jsonb cannot hold."""
+    return [
+        keys for keys, leaf in walk(value, keys_too=True) if type(leaf) is str and "\x00" in leaf
+    ]
+
+
+def walk(value: Any, *, keys_too: bool = False) -> list[tuple[list[str | int], Any]]:
+    """Every scalar of a JSON value with its keys (outermost first); with `keys_too`, objects'
+    keys as well (at their own key's place). Iterative: the depth is not bounded yet."""
+    found: list[tuple[list[str | int], Any]] = []
+    pending: list[tuple[list[str | int], Any]] = [([], value)]
+    while pending:
+        keys, node = pending.pop()
+        if type(node) is dict:
+            for key, child in node.items():
+                if keys_too:
+                    found.append(([*keys, key], key))
+                pending.append(([*keys, key], child))
+        elif type(node) is list:
+            pending.extend(([*keys, index], child) for index, child in enumerate(node))
+        else:
+            found.append((keys, node))
+    return found
 
 
 # --- run times -------------------------------------------------------------------------------

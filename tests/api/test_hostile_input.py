@@ -102,20 +102,47 @@ def test_an_integer_past_64_bits_is_refused_not_rounded(api_a, team_a, number):
     as 1180591620717411300000. It is refused, on every path that parses a body."""
     definition = make_definition(team_a, "wide.job", queue="wide")
     answer = api_a.post("/api/v1/jobs/wide.job/runs", {"payload": {"n": number}})
-    assert "outside 64 bits" in str(assert_problem(answer, 400)["errors"]["body"])
-    bulk = {
-        "runs": [
-            {"job": "wide.job", "payload": {"ok": 1}},
-            {"job": "wide.job", "payload": [number]},
-        ]
-    }
-    assert_problem(api_a.post("/api/v1/runs", bulk), 400)
+    assert "outside 64 bits" in str(assert_problem(answer, 400)["errors"]["payload"])
     assert not Run.objects.exists()
     add_ready_runs(definition, 1)
     (lease,) = leased(api_a, "wide")
     body = {"fencingToken": lease["fencingToken"], "result": {"n": number}}
     assert_problem(api_a.post(f"/api/v1/runs/{lease['runId']}/complete", body), 400)
     assert Run.objects.get().state == "leased"
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ({"n": 2**70}, "outside 64 bits"),
+        ({"text": "a\x00b"}, "NUL character"),
+        ({"a\x00": 1}, "NUL character"),
+        (deep(62), "Nested deeper than 64 levels"),
+    ],
+    ids=["integer", "nul", "nul-key", "depth"],
+)
+def test_a_batch_item_holding_a_value_no_body_may_is_refused_alone(api_a, team_a, value, reason):
+    """Each item of a bulk enqueue is answered on its own, as the README says, also when it
+    holds what the body's parser refuses: before, one such item refused the whole batch."""
+    make_definition(team_a, "mixed.job", queue="mixed")
+    bulk = {
+        "runs": [
+            {"job": "mixed.job", "idempotencyKey": "before"},
+            {"job": "mixed.job", "idempotencyKey": "bad", "payload": value},
+            {"job": "mixed.job", "idempotencyKey": "after", "payload": deep(61)},
+        ]
+    }
+    answer = api_a.post("/api/v1/runs", bulk)
+    assert answer.status_code == 200, answer.text
+    before, bad, after = answer.json()["runs"]
+    assert (before["status"], bad["status"], after["status"]) == (201, 400, 201)
+    assert list(bad["errors"]) == ["payload"]
+    assert reason in bad["errors"]["payload"][0]
+    assert sorted(Run.objects.values_list("idempotency_key", flat=True)) == ["after", "before"]
+    # Outside the items, the body is refused whole, naming where.
+    wrong = {"runs": [{"job": "mixed.job", "idempotencyKey": "k"}], "note": value}
+    assert_problem(api_a.post("/api/v1/runs", wrong), 400, "note")
+    assert Run.objects.count() == 2
 
 
 def test_an_integer_past_64_bits_stored_before_the_refusal_still_renders(api_a, team_a):

@@ -27,7 +27,7 @@ from pydantic_core import PydanticCustomError
 from rest_framework.exceptions import ValidationError
 
 from apps.api.errors import PayloadTooLarge
-from apps.api.parsers import payload_size
+from apps.api.parsers import RefusedItem, payload_size
 from apps.runs import limits
 
 REF_TEMPLATE = "#/components/schemas/{model}"
@@ -95,6 +95,8 @@ def parse_each(
     parsed: list[M | ValidationError | PayloadTooLarge] = []
     for body in bodies:
         try:
+            if isinstance(body, RefusedItem):  # a value no body may hold (parse_json)
+                raise ValidationError(body.errors)
             if isinstance(body, model):
                 faults = body.problems() if isinstance(body, Body) else {}
                 if faults:
