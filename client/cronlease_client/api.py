@@ -9,6 +9,7 @@ loop, so both speak the API through this one module.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -275,11 +276,20 @@ def _given_key(item: Any) -> Any:
     return item.get("idempotency_key") if isinstance(item, Mapping) else None
 
 
+def _encoded(item: Mapping[str, Any]) -> bytes:
+    """An item's JSON; ValueError for NaN or Infinity, which orjson writes as null where the
+    scheduler refuses them (not JSON): only a text with a null is encoded again to tell."""
+    content = encode(item)
+    if b"null" in content:
+        json.dumps(item, allow_nan=False)
+    return content
+
+
 def _unencodable(item: Mapping[str, Any]) -> str:
     """The field of an item's JSON that cannot be encoded (looked for once encoding failed)."""
     for name, value in item.items():
         try:
-            encode(value)
+            _encoded({name: value})
         except (TypeError, ValueError):
             return _FIELD_NAMES.get(name, name)
     return "item"
@@ -395,7 +405,7 @@ class Api:
         a retry of this request cannot create a second run.
         """
         item = Enqueue(job, payload, delay, run_at, idempotency_key, priority, concurrency_key)
-        key = idempotency_key or self.new_key()
+        key = self.new_key() if idempotency_key is None else idempotency_key
         parse = _enqueue_answer([key])
         # Refused as the scheduler's refusal of the item would be, and as enqueue_many answers
         # it: a BadRequest (an ApiError) with the reasons by argument.
@@ -404,7 +414,7 @@ class Api:
         except InvalidItem as exc:
             raise _refusal(400, "invalid-input", str(exc), exc.errors) from None
         try:
-            encode(body)
+            _encoded(body)
         except (TypeError, ValueError) as exc:
             name = _unencodable(body)
             reason = f"{name} cannot be encoded as JSON: {exc}"
@@ -438,7 +448,8 @@ class Api:
         refused: dict[int, EnqueueResult] = {}
         largest = self.max_body_bytes - _FRAME
         for index, item in enumerate(items):
-            key = _given_key(item) or self.new_key()
+            given = _given_key(item)
+            key = self.new_key() if given is None else given
             try:
                 body = _entry(item).to_json(key)
             except InvalidItem as exc:
@@ -446,7 +457,7 @@ class Api:
                 continue
             try:
                 # Each item encoded alone, to cut the batches by size; they are sent as is.
-                content = encode(body)
+                content = _encoded(body)
             except (TypeError, ValueError) as exc:
                 name = _unencodable(body)
                 reason = f"{name} cannot be encoded as JSON: {exc}"

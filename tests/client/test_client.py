@@ -249,6 +249,43 @@ def test_enqueue_many_reports_a_bad_item_without_raising(producer, team_a):
     assert RunRow.objects.count() == 3
 
 
+def test_values_json_or_the_scheduler_cannot_take_are_refused_per_item_not_sent_changed(
+    producer, team_a
+):
+    """NaN and Infinity (orjson would send null), an empty key (not replaced by a made-up
+    one), a NUL character and an integer past 64 bits (the scheduler refuses the item alone,
+    not the batch): each item is answered in its place, and the others are created."""
+    make_definition(team_a, "shop.send-receipt", queue="shop")
+    job = "shop.send-receipt"
+
+    results = producer.enqueue_many(
+        [
+            Enqueue(job, idempotency_key="first"),
+            Enqueue(job, payload={"total": float("nan")}),
+            Enqueue(job, payload=[float("inf"), None]),
+            Enqueue(job, idempotency_key=""),
+            Enqueue(job, payload={"note": "a\x00b"}),
+            Enqueue(job, payload={"n": 2**70}),
+            Enqueue(job, idempotency_key="last", payload={"kept": None}),
+        ]
+    )
+
+    assert [result.status for result in results] == [201, 400, 400, 400, 400, 400, 201]
+    assert [sorted(result.error.errors) for result in results[1:-1]] == [
+        ["payload"],
+        ["payload"],
+        ["idempotencyKey"],
+        ["payload"],
+        ["payload"],
+    ]
+    assert results[3].idempotency_key == ""
+    assert RunRow.objects.get(idempotency_key="last").payload == {"kept": None}
+    assert RunRow.objects.count() == 2
+    with pytest.raises(BadRequest) as refused:
+        producer.enqueue(job, payload=float("-inf"))
+    assert list(refused.value.errors) == ["payload"]
+
+
 def test_enqueue_many_answers_an_item_it_cannot_send_in_its_place_and_sends_the_others(
     producer, team_a, wire
 ):
