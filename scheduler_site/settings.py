@@ -218,6 +218,19 @@ CHANNEL_LAYERS = {
         else {"BACKEND": "channels.layers.InMemoryChannelLayer"}
     )
 }
+# The per-token rate limits count in the cache (apps/api/throttling.py): in Redis, when set, so
+# a token's limit holds across every web process; else in each process's memory.
+CACHES = {
+    "default": (
+        {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": "cronlease",
+        }
+        if REDIS_URL
+        else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+    )
+}
 # How often each web process with open dashboard sockets looks for changed runs (seconds).
 DASHBOARD_LIVE_INTERVAL = float(env_str("DASHBOARD_LIVE_INTERVAL", "1.0"))
 # Every dashboard page: scripts and styles from this origin only, never inline.

@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
+import redis
 from django.core.cache import cache
+
+from apps.api import throttling
+from apps.api.throttling import Window
+from apps.teams.models import ApiToken
+from tests.conftest import unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -21,3 +37,105 @@ def test_throttled_token_gets_429_and_others_do_not(api_a, api_b, settings):
     # The worker budget is separate from the management one.
     assert api_a.post("/api/v1/leases", {"queues": ["q"], "workerId": "w"}).status_code == 200
     cache.clear()
+
+
+class Clock:
+    """The throttle's clock, set by the test."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def time(self) -> float:
+        return self.at
+
+
+def test_the_budget_slides_no_burst_of_twice_the_rate_at_a_windows_edge(monkeypatch):
+    """Ten a minute, all spent in the last instant of a minute: the next minute's first
+    seconds are still refused (a fixed window let ten more through at once), with a
+    Retry-After of when enough of them has slid out."""
+    cache.clear()
+    clock = Clock(600 * 60 - 0.1)  # 0.1 s before a minute ends
+    monkeypatch.setattr(throttling, "time", clock)
+    assert [Window("t", 1, "10/min").spend(1) for _ in range(11)] == [True] * 10 + [False]
+    clock.at += 0.2  # 0.1 s into the next minute
+    window = Window("t", 1, "10/min")
+    assert not window.spend(1)
+    # One fits once a tenth of the last minute's ten weigh no more: 6 s into this one.
+    assert window.wait == pytest.approx(5.9)
+    clock.at += 5.8
+    assert not Window("t", 1, "10/min").spend(1)
+    clock.at += 0.2
+    assert Window("t", 1, "10/min").spend(1)
+    assert not Window("t", 1, "10/min").spend(1)
+    cache.clear()
+
+
+REDIS_URL = os.environ.get("THROTTLE_TEST_REDIS", "redis://127.0.0.1:6379/8")
+
+
+@pytest.fixture
+def shared_cache(settings) -> Iterator[Any]:
+    """The cache on a flushed Redis database, configured as REDIS_URL configures it."""
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        client.close()
+        unavailable(f"Redis is unreachable at {REDIS_URL}: {exc}")
+    client.flushdb()
+    settings.CACHES = json.loads(in_a_process_with_redis(CACHES))
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def in_a_process_with_redis(program: str, *args: str) -> str:
+    """The last line `program` prints, run in a Django process started with REDIS_URL set."""
+    env = {
+        **os.environ,
+        "REDIS_URL": REDIS_URL,
+        "DJANGO_SETTINGS_MODULE": "scheduler_site.settings",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()\n" + program, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()[-1]
+
+
+CACHES = "import json; from django.conf import settings; print(json.dumps(settings.CACHES))"
+# Another process's throttle: the same budget, spent in its own memory and connections.
+SPEND = """
+import sys
+from apps.api.throttling import Window
+print("allowed" if Window("manage", int(sys.argv[1]), "4/h").spend(1) else "refused")
+"""
+
+
+def test_with_redis_every_web_process_spends_the_same_budget(api_a, team_a, shared_cache, settings):
+    """With REDIS_URL set, a token's budget is one across web processes: calls to this one use
+    it up, and another process (started apart, with REDIS_URL) is refused."""
+    settings.SCHEDULER_API_RATES = {"worker": "", "manage": "4/h", "enqueue": ""}
+    assert [api_a.get("/api/v1/jobs").status_code for _ in range(4)] == [200] * 4
+    token = ApiToken.objects.get(team=team_a)
+    assert in_a_process_with_redis(SPEND, str(token.pk)) == "refused"
+    assert api_a.get("/api/v1/jobs").status_code == 429
+    assert any(key.startswith(b"cronlease:") for key in shared_cache.keys())
+
+
+def test_an_unreachable_cache_lets_calls_through_and_says_so(api_a, settings, caplog, monkeypatch):
+    """Rate limits do not take the API down with Redis."""
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": "redis://127.0.0.1:1/0",
+        }
+    }
+    settings.SCHEDULER_API_RATES = {"worker": "", "manage": "1/h", "enqueue": ""}
+    monkeypatch.setattr(throttling, "_warned_at", float("-inf"))
+    assert [api_a.get("/api/v1/jobs").status_code for _ in range(3)] == [200] * 3
+    assert any("rate limits are not counted" in r.getMessage() for r in caplog.records)

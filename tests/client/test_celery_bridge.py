@@ -26,7 +26,7 @@ from apps.runs.ids import public_run_id
 from apps.runs.models import Attempt, Run, Worker
 from apps.runs.store import NewRun, insert_runs
 from tests.client.conftest import runs_when, wait_for
-from tests.conftest import add_ready_runs, db_now, expire_lease, make_definition
+from tests.conftest import add_ready_runs, db_now, expire_lease, make_definition, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_DIR = Path(cronlease_client.__file__).resolve().parents[1]
@@ -37,13 +37,6 @@ CELERY_QUEUE = "celery"  # the example app's default queue
 pytestmark = pytest.mark.slow
 # The tests with processes: they see the test's rows only once committed.
 e2e = pytest.mark.django_db(transaction=True)
-
-
-def unavailable(reason: str) -> None:
-    """CI must run these tests; elsewhere a missing Redis or Celery only skips them."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(reason)
-    pytest.skip(reason)
 
 
 @pytest.fixture
