@@ -126,6 +126,18 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
     elif isinstance(exc, OperationalError | InterfaceError):
         logger.error("database failure answered 503", exc_info=exc)
         exc = DatabaseFailed(f"The database failed this request ({type(exc).__name__}); try again.")
+    elif isinstance(exc, exceptions.UnsupportedMediaType):
+        # DRF's own words for a body without a Content-Type were: Unsupported media type "".
+        request = context.get("request")
+        sent = request.META.get("CONTENT_TYPE", "") if request is not None else ""
+        exc = exceptions.UnsupportedMediaType(
+            sent,
+            detail=f"The body is {sent[:60]!r}: send it as JSON, with Content-Type: "
+            "application/json."
+            if sent
+            else "The body has no Content-Type: send it as JSON, with Content-Type: "
+            "application/json.",
+        )
     response = exception_handler(exc, context)
     if response is None:
         return None

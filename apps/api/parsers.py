@@ -18,6 +18,16 @@ class JSONObjectParser(parsers.JSONParser):
         return parse_json(stream.read(), items=getattr(view, "body_items", None))
 
 
+def not_json(raw: bytes, exc: orjson.JSONDecodeError) -> str:
+    """Why a body is not JSON, in words that fit it: orjson says "str is not valid UTF-8:
+    surrogates not allowed" of any bytes that are not UTF-8."""
+    try:
+        raw.decode()
+    except UnicodeDecodeError as bad:
+        return f"it is not UTF-8 text (byte {bad.start} is not)"
+    return str(exc)
+
+
 class RefusedItem:
     """An item of a batch whose items are answered each on its own (the view's `body_items`)
     that holds a value no body may: it is answered 400 with these `errors` (keyed as within
@@ -43,7 +53,7 @@ def parse_json(raw: bytes, *, items: str | None = None) -> Any:
             raise ValidationError(
                 {"body": [f"Nested deeper than {limit} levels of objects and lists."]}
             ) from exc
-        raise ParseError(f"The body is not valid JSON: {exc}") from exc
+        raise ParseError(f"The body is not valid JSON: {not_json(raw, exc)}") from exc
     # orjson reads an integer past 64 bits as a float: refused rather than rounded.
     problems = limits.inexact_integers(raw)
     # Whatever is accepted must render back: nested past the limit, a value was once stored and

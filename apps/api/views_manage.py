@@ -95,12 +95,13 @@ class ManageView(APIView):
     def definition(self, request: Request, name: str) -> JobDefinition:
         """The job named in the path: 404 when there is none, 403 when it is another team's (a
         name is taken for every team: PUT and POST already say so)."""
-        definition = None
         # Not a job name (PostgreSQL text cannot hold the NUL some carry): no such job.
-        if limits.job_name_problem(name) is None:
-            with shards.reaching(database_of(name)):
-                found = shards.with_teams(JobDefinition.objects.named(name))
-            definition = found[0] if found else None
+        reason = limits.job_name_problem(name)
+        if reason is not None:
+            raise NotFound(f"No job named {name[:200]!r}: {reason}")
+        with shards.reaching(database_of(name)):
+            found = shards.with_teams(JobDefinition.objects.named(name))
+        definition = found[0] if found else None
         if definition is None:
             raise NotFound(f"No job named '{name}'.")
         if access.role_in(request.user, definition.team_id) is None:

@@ -68,10 +68,18 @@ def read_iso(raw: object, *, plus_as_space: bool = False) -> datetime | None:
     """An ISO 8601 time as sent (with its offset, or naive when it has none), or None when `raw`
     is not one. Taken as sent, as every string is: Django's pattern ends in `$`, which also
     matches before a final newline, so `…Z\n` discarded runs as if it were `…Z`. With
-    `plus_as_space`, a space stands for the `+` that a form or a query string turned into one."""
-    if not isinstance(raw, str) or not raw or len(raw) > 64 or not raw.isprintable():
+    `plus_as_space`, a space stands for the `+` that a form or a query string turned into one.
+    ASCII digits only (Django's pattern takes any Unicode digit: "２０２７-01-01…" passed), and
+    an offset in whole minutes, as ISO 8601 writes it (Python also reads "+05:30:15")."""
+    if not isinstance(raw, str) or not raw or len(raw) > 64:
+        return None
+    if not (raw.isascii() and raw.isprintable()):
         return None
     try:
-        return parse_datetime(raw.replace(" ", "+") if plus_as_space else raw)
+        value = parse_datetime(raw.replace(" ", "+") if plus_as_space else raw)
     except ValueError:  # well formed but not a time, e.g. 12:99
         return None
+    offset = value.utcoffset() if value is not None else None
+    if offset is not None and offset.total_seconds() % 60:
+        return None
+    return value

@@ -9,6 +9,8 @@ from apps.jobs.models import JobDefinition
 from apps.runs.models import Run
 from tests.conftest import add_ready_runs, make_definition
 
+JSON = {"Content-Type": "application/json"}
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
@@ -205,3 +207,38 @@ def test_large_payload_round_trips_through_storage(api_a, team_a, settings, tmp_
     small = api_a.post("/api/v1/jobs/big.job/runs", {"payload": {"a": 1}}).json()
     assert Run.objects.get(pk__gt=run.pk).payload == {"a": 1} and small["payload"] == {"a": 1}
     storages._storages.pop("payloads", None)
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "status", "says"),
+    [
+        (b'{"runs": []}', {"Content-Type": "text/plain"}, 415, "with Content-Type: application"),
+        (b'{"runs": [{"job": "\xff\xfe"}]}', JSON, 400, "not UTF-8 text (byte 19 is not)"),
+        (b'{"runs": [{"job": "\\ud800"}]}', JSON, 400, "surrogate"),
+    ],
+    ids=["text", "not-utf8", "lone-surrogate"],
+)
+def test_a_body_that_is_not_json_text_is_refused_saying_why(api_a, content, headers, status, says):
+    answer = api_a.http.post("/api/v1/runs", content=content, headers=headers)
+    body = assert_problem(answer, status)
+    assert says in body["detail"], body
+
+
+@pytest.mark.parametrize(
+    "at",
+    ["２０３０-01-01T00:00:00Z", "2030-01-01T00:00:00+05:30:15", "2030-01-01T00:00:00+0530:15"],
+)
+def test_a_run_time_in_other_digits_or_with_offset_seconds_is_refused(api_a, team_a, at):
+    make_definition(team_a, "odd.time", queue="odd")
+    body = {"runs": [{"job": "odd.time", "runAt": at}]}
+    (item,) = api_a.post("/api/v1/runs", body).json()["runs"]
+    assert (item["status"], list(item["errors"])) == (400, ["runAt"])
+    accepted = {"runs": [{"job": "odd.time", "runAt": "2030-01-01T00:00:00+05:30"}]}
+    (item,) = api_a.post("/api/v1/runs", accepted).json()["runs"]
+    assert item["status"] == 201
+    assert item["run"]["dueAt"] == "2029-12-31T18:30:00Z"
+
+
+def test_a_path_that_is_no_job_name_is_404_saying_why(api_a):
+    body = assert_problem(api_a.post("/api/v1/jobs/A%20B/runs", {}), 404)
+    assert "No job named 'A B'" in body["detail"] and "lowercase" in body["detail"], body

@@ -119,6 +119,21 @@ def test_a_chunked_body_is_read_like_any_other(asgi_server):
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_body_without_a_content_type_is_415_saying_so(asgi_server):
+    """Under uvicorn such a body has no type at all (Django's test server says text/plain)."""
+    from apps.teams.models import ApiToken, Team
+
+    token = ApiToken.issue(Team.objects.create(slug="bare", name="Bare"), ["manage"])[1]
+    answer = httpx.post(
+        f"{asgi_server.url}/api/v1/runs",
+        content=b'{"runs": []}',
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    assert answer.status_code == 415, answer.text
+    assert "The body has no Content-Type" in answer.json()["detail"]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_body_over_the_limit_is_refused_before_it_is_stored(asgi_server, settings):
     from apps.runs.models import Run
 
