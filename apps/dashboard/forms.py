@@ -6,7 +6,6 @@ import json
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from zoneinfo import available_timezones
 
 from django import forms
 from pydantic import ValidationError as PydanticError
@@ -21,6 +20,7 @@ from apps.api.shapes.jobs import parse_definition
 from apps.audit.models import Source
 from apps.jobs import schedule as sched
 from apps.jobs import services
+from apps.jobs.firetimes import iana_zones
 from apps.jobs.models import JobDefinition
 from apps.jobs.services import DefinitionSpec
 from apps.jobs.sync import InvalidEntry
@@ -178,7 +178,7 @@ SCHEDULE_KINDS = [
     ("delay", "once, after a delay"),
     ("none", "none (trigger only)"),
 ]
-TIME_ZONES = sorted(available_timezones())
+TIME_ZONES = sorted(iana_zones())  # the names the API takes
 
 # Error paths of the API's definition → the form field that shows them.
 FIELD_FOR_PATH = {

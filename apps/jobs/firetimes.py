@@ -22,7 +22,7 @@ from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from itertools import islice, takewhile
 from typing import Protocol
-from zoneinfo import ZoneInfo
+from zoneinfo import ZoneInfo, available_timezones
 
 from apps.jobs.cron import Cron, compile_cron
 
@@ -66,14 +66,22 @@ class ZonedCron(Protocol):
 @lru_cache(maxsize=1024)
 def load_zone(name: str) -> ZoneInfo:
     """Return the IANA zone, or raise ValueError naming it."""
-    # These files sit in the zoneinfo tree but are host settings or helpers, not IANA zones.
-    if not name or name in {"localtime", "posixrules", "Factory"} or name.startswith(("/", ".")):
+    # Only IANA's names: the zoneinfo tree also holds host settings and helpers ("localtime",
+    # "posixrules", "Factory") and, on some hosts, copies under "posix/" and "right/" (the
+    # latter counting leap seconds), which another host may not have.
+    if name not in iana_zones():
         raise ValueError(f"unknown time zone '{name}'")
     try:
         return ZoneInfo(name)
     # ZoneInfoNotFoundError is a KeyError; malformed keys and odd files raise the others.
     except (KeyError, ValueError, OSError) as exc:
         raise ValueError(f"unknown time zone '{name}'") from exc
+
+
+@lru_cache(maxsize=1)
+def iana_zones() -> frozenset[str]:
+    """The IANA time zone names this Python knows (the system's tzdata, or the tzdata package)."""
+    return frozenset(available_timezones()) - {"localtime", "posixrules", "Factory"}
 
 
 def _offset_at(instant: datetime, zone: ZoneInfo) -> timedelta:
@@ -259,7 +267,11 @@ def iter_fire_times(cron: Cron, zone: ZoneInfo, after: datetime) -> Iterator[Fir
             for candidate in repeated:
                 utc = (candidate - first).replace(tzinfo=UTC)
                 if utc > last:
-                    yield FireTime(candidate.replace(tzinfo=zone), utc, "")
+                    note = (
+                        f"{_hhmm(candidate)} occurs twice on this day (DST); "
+                        "this is the first pass"
+                    )
+                    yield FireTime(candidate.replace(tzinfo=zone), utc, note)
                     last = utc
             for candidate in repeated:
                 utc = (candidate - second).replace(tzinfo=UTC)

@@ -9,6 +9,7 @@ times and the DST rules in ``firetimes``.
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
@@ -21,7 +22,7 @@ from apps.jobs.cron import (
     never_fires_reason,
     shortest_gap,
 )
-from apps.jobs.firetimes import load_zone, schedule_fire_times
+from apps.jobs.firetimes import iter_fire_times, load_zone, schedule_fire_times
 from apps.runs.clock import format_utc
 from apps.runs.limits import LATEST_RUN_TIME
 
@@ -200,6 +201,23 @@ def _parse_one_off(value: object) -> OneOffSchedule:
         raise ScheduleError({"schedule.runAt": str(exc)}) from None
 
 
+def _odd_space(expression: str) -> str | None:
+    """The first white space in `expression` other than a plain space, named, or None. Taken
+    for a separator, a tab or a no-break space was silently rewritten to a space."""
+    for char in expression:
+        if char != " " and (char.isspace() or unicodedata.category(char) in {"Cf", "Zs"}):
+            name = unicodedata.name(char, "").lower()
+            return f"U+{ord(char):04X}" + (f" ({name})" if name else "")
+    return None
+
+
+def _fires_between(cron: Cron, time_zone: str, start_at: datetime, end_at: datetime) -> bool:
+    """Whether `cron` has a fire time from `start_at` to `end_at`, both inclusive."""
+    after = start_at - timedelta(microseconds=1)
+    first = next(iter_fire_times(cron, load_zone(time_zone), after), None)
+    return first is not None and first.utc <= end_at
+
+
 def _parse_delayed(value: object) -> DelayedSchedule:
     if not _is_int(value):
         raise ScheduleError({"schedule.delaySeconds": "must be a whole number of seconds"})
@@ -226,15 +244,18 @@ def _parse_cron(raw: dict) -> CronSchedule:
     elif not isinstance(expression, str) or not expression.strip():
         errors["schedule.cron"] = f"must be a cron expression: 5 fields ({FIELD_LAYOUT}) or a macro"
     else:
+        odd = _odd_space(expression)
         expression = " ".join(expression.split())
         try:
             compiled = compile_cron(expression)
         except CronSyntaxError as exc:
             errors["schedule.cron"] = str(exc)
         else:
-            never = never_fires_reason(compiled)
-            if never:
-                errors["schedule.cron"] = never
+            # Checked once the expression reads as cron: a real mistake is named first.
+            wrong = f"separate the fields with spaces, not {odd}" if odd else None
+            wrong = wrong or never_fires_reason(compiled)
+            if wrong:
+                errors["schedule.cron"] = wrong
                 compiled = None
 
     time_zone = raw.get("timeZone", DEFAULT_TIME_ZONE)
@@ -287,6 +308,14 @@ def _parse_cron(raw: dict) -> CronSchedule:
         errors["schedule.endAt"] = (
             f"must be after startAt ({format_utc(start_at)}); the schedule would never run"
         )
+    elif start_at is not None and end_at is not None and compiled is not None:
+        if "schedule.timeZone" not in errors and not _fires_between(
+            compiled, time_zone, start_at, end_at
+        ):
+            errors["schedule.endAt"] = (
+                f"the cron has no fire time from startAt ({format_utc(start_at)}) to endAt; "
+                "the schedule would never run"
+            )
 
     if errors:
         raise ScheduleError(errors)

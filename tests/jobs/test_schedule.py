@@ -576,3 +576,48 @@ def test_preview_shows_the_day_rules(cron, expected):
     items = preview("x.y", parse_schedule({"cron": cron}), at("2026-01-01T00:00:00Z"), 2)
 
     assert [item["local"] for item in items] == expected
+
+
+@pytest.mark.parametrize(
+    ("cron", "named"),
+    [
+        ("0\t0 * * *", "U+0009"),
+        ("0\u00a00 * * *", "U+00A0 (no-break space)"),
+        ("0\u20030 * * *", "U+2003 (em space)"),
+        ("0 0 * * *\n", "U+000A"),
+        ("0\r0 * * *", "U+000D"),
+    ],
+)
+def test_white_space_other_than_spaces_is_refused_not_rewritten(cron, named):
+    """Strings are taken as sent: such a character was read as a space and stored as one."""
+    with pytest.raises(ScheduleError) as caught:
+        parse_schedule({"cron": cron})
+    assert caught.value.errors == {"schedule.cron": f"separate the fields with spaces, not {named}"}
+
+
+@pytest.mark.parametrize("zone", ["right/UTC", "posix/Europe/Berlin", "Factory", "localtime"])
+def test_only_iana_zone_names_are_taken(zone):
+    """Files of the host's zoneinfo tree that are not IANA names (another host may lack them)."""
+    with pytest.raises(ScheduleError) as caught:
+        parse_schedule({"cron": "0 0 * * *", "timeZone": zone})
+    assert caught.value.errors == {"schedule.timeZone": f"unknown time zone '{zone}'"}
+    assert parse_schedule({"cron": "0 0 * * *", "timeZone": "Etc/GMT-3"}).time_zone == "Etc/GMT-3"
+
+
+def test_bounds_that_hold_no_fire_time_are_refused_as_a_schedule_that_never_runs():
+    never = {
+        "cron": "0 0 1 1 *",
+        "startAt": "2027-01-02T00:00:00Z",
+        "endAt": "2027-01-03T00:00:00Z",
+    }
+    with pytest.raises(ScheduleError) as caught:
+        parse_schedule(never)
+    assert list(caught.value.errors) == ["schedule.endAt"]
+    assert "would never run" in caught.value.errors["schedule.endAt"]
+    # Both bounds are inclusive: a fire time on either one is enough.
+    new_year = "2028-01-01T00:00:00Z"
+    for start, end in ((new_year, "2028-01-02T00:00:00Z"), ("2027-12-31T00:00:00Z", new_year)):
+        assert parse_schedule({**never, "startAt": start, "endAt": end}).cron == "0 0 1 1 *"
+    # In the definition's zone: midnight in Berlin is 23:00 the day before in UTC.
+    berlin = {**never, "timeZone": "Europe/Berlin", "startAt": "2027-12-31T23:00:00Z"}
+    assert parse_schedule({**berlin, "endAt": "2027-12-31T23:30:00Z"}).time_zone == "Europe/Berlin"

@@ -90,7 +90,8 @@ SCHEDULE_SCHEMA: dict[str, Any] = {
                     "minimum": 0,
                     "default": 60,
                     "description": "Spread the start by a stable per-job offset below this "
-                    "many seconds; 0 turns it off. At most the shortest gap between fire times.",
+                    "many seconds; 0 turns it off. At most the shortest gap between fire times on the "
+                    "wall clock.",
                 },
                 "missedRunPolicy": {
                     "type": "string",
