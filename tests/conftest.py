@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -44,6 +44,26 @@ def unavailable(reason: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(reason)
     pytest.skip(reason)
+
+
+@contextmanager
+def flushed_redis(url: str) -> Iterator[Any]:
+    """A client of the Redis database at `url`, flushed before and after; unavailable() when
+    Redis cannot be reached."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        client.close()
+        unavailable(f"Redis is unreachable at {url}: {exc}")
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.flushdb()
+        client.close()
 
 
 def child_database_url(alias: str = "default") -> str:

@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from django.core.cache import cache
 
 from apps.api import throttling
 from apps.api.throttling import Window
 from apps.teams.models import ApiToken
-from tests.conftest import unavailable
+from tests.conftest import flushed_redis
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,17 +75,9 @@ REDIS_URL = os.environ.get("THROTTLE_TEST_REDIS", "redis://127.0.0.1:6379/8")
 @pytest.fixture
 def shared_cache(settings) -> Iterator[Any]:
     """The cache on a flushed Redis database, configured as REDIS_URL configures it."""
-    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2, socket_timeout=5)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        client.close()
-        unavailable(f"Redis is unreachable at {REDIS_URL}: {exc}")
-    client.flushdb()
-    settings.CACHES = json.loads(in_a_process_with_redis(CACHES))
-    yield client
-    client.flushdb()
-    client.close()
+    with flushed_redis(REDIS_URL) as client:
+        settings.CACHES = json.loads(in_a_process_with_redis(CACHES))
+        yield client
 
 
 def in_a_process_with_redis(program: str, *args: str) -> str:

@@ -26,7 +26,14 @@ from apps.runs.ids import public_run_id
 from apps.runs.models import Attempt, Run, Worker
 from apps.runs.store import NewRun, insert_runs
 from tests.client.conftest import runs_when, wait_for
-from tests.conftest import add_ready_runs, db_now, expire_lease, make_definition, unavailable
+from tests.conftest import (
+    add_ready_runs,
+    db_now,
+    expire_lease,
+    flushed_redis,
+    make_definition,
+    unavailable,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_DIR = Path(cronlease_client.__file__).resolve().parents[1]
@@ -51,18 +58,8 @@ def celery_installed() -> None:
 @pytest.fixture
 def broker(celery_installed) -> Iterator[Any]:
     """A flushed Redis database for the broker; the redis client, to look inside it."""
-    import redis
-
-    client = redis.Redis.from_url(BROKER_URL, socket_connect_timeout=2, socket_timeout=5)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        client.close()
-        unavailable(f"Redis is unreachable at {BROKER_URL}: {exc}")
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+    with flushed_redis(BROKER_URL) as client:
+        yield client
 
 
 @dataclass
