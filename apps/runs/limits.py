@@ -170,9 +170,15 @@ def inexact_integers(text: str | bytes) -> list[tuple[list[str | int], str]]:
     raw = text.encode() if isinstance(text, str) else text
     if raw.translate(_DIGIT_BYTES).find(_NINETEEN_DIGITS) < 0:
         return []
+    try:
+        exact = json.loads(raw)
+    except RecursionError:
+        # Nested some thousand levels deep (orjson reads up to 1 024): far past the depth
+        # limit, which refuses it. A 500 before.
+        return []
     return [
         (keys, inexact_reason(value))
-        for keys, value in walk(json.loads(raw))
+        for keys, value in walk(exact)
         if type(value) is int and value not in EXACT_INTEGERS
     ]
 

@@ -145,6 +145,22 @@ def test_a_batch_item_holding_a_value_no_body_may_is_refused_alone(api_a, team_a
     assert Run.objects.count() == 2
 
 
+def test_a_thousand_levels_around_a_long_integer_are_a_400_not_a_500(api_a, team_a):
+    """Read again for its integers, such a body passed orjson's depth limit (1 024) and not the
+    standard library's (1 000): a RecursionError, answered 500."""
+    make_definition(team_a, "deep.job", queue="deep")
+    deep_number = b"[" * 1000 + b"12345678901234567890123" + b"]" * 1000
+    for body, where in (
+        (b'{"payload": ' + deep_number + b"}", "/api/v1/jobs/deep.job/runs"),
+        (b'{"runs": [{"job": "deep.job", "payload": ' + deep_number + b"}]}", "/api/v1/runs"),
+    ):
+        answer = api_a.http.post(where, content=body, headers={"Content-Type": "application/json"})
+        assert answer.status_code in (200, 400), answer.text
+        refused = answer.json() if answer.status_code == 400 else answer.json()["runs"][0]
+        assert "Nested deeper than" in str(refused["errors"]), refused
+    assert not Run.objects.exists()
+
+
 def test_an_integer_past_64_bits_stored_before_the_refusal_still_renders(api_a, team_a):
     definition = make_definition(team_a, "wide.job", queue="wide")
     (run_id,) = add_ready_runs(definition, 1)
