@@ -92,7 +92,9 @@ def db_url(name: str) -> str:
 
 def recreate_database(name: str) -> str:
     with connect(PG_URL) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     return db_url(name)
 
@@ -154,7 +156,9 @@ def fresh_project_database(name: str) -> tuple[str, str]:
             [PYTHON, "-m", "bench.workers.setup_project"], cwd=REPO, env=django_env(url), check=True
         )
     with connect(PG_URL) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
         conn.execute(
             sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
                 sql.Identifier(name), sql.Identifier(TEMPLATE)
@@ -166,7 +170,9 @@ def fresh_project_database(name: str) -> tuple[str, str]:
 def clone_database(source: str, name: str) -> str:
     """`CREATE DATABASE name TEMPLATE source` (dropping `name` first); return its URL."""
     with connect(PG_URL) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
         conn.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", [source]
         )
@@ -180,7 +186,9 @@ def clone_database(source: str, name: str) -> str:
 
 def drop_database(name: str) -> None:
     with connect(PG_URL) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 def xact_commits(names: Iterable[str], server: str | None = None) -> int:
@@ -238,12 +246,21 @@ def private_server(options: str = "") -> Iterator[str]:
     port = free_port()
 
     def as_postgres(*args: str) -> None:
-        subprocess.run([str(PG_BIN / args[0]), *args[1:]], user="postgres", cwd=root, check=True,
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, timeout=120)
+        subprocess.run(
+            [str(PG_BIN / args[0]), *args[1:]],
+            user="postgres",
+            cwd=root,
+            check=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            timeout=120,
+        )
 
     as_postgres("initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
-    options = (f"-p {port} -c listen_addresses=127.0.0.1 -k {root} -c shared_buffers=128MB"
-               f" -c max_connections=100 {options}")
+    options = (
+        f"-p {port} -c listen_addresses=127.0.0.1 -k {root} -c shared_buffers=128MB"
+        f" -c max_connections=100 {options}"
+    )
     as_postgres("pg_ctl", "-D", str(data), "-o", options, "-l", str(root / "log"), "-w", "start")
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
@@ -273,12 +290,19 @@ def copy_database(source: str, target: str) -> str:
     server = urlunparse(urlparse(target)._replace(path="/postgres"))
     name = urlparse(target).path.lstrip("/")
     with connect(server) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    dump = subprocess.Popen([str(PG_BIN / "pg_dump"), "--no-owner", "--dbname", source],
-                            stdout=subprocess.PIPE)
-    restore = subprocess.run([str(PG_BIN / "psql"), "-q", "-v", "ON_ERROR_STOP=1", "--dbname", target],
-                             stdin=dump.stdout, stdout=subprocess.DEVNULL, check=False)
+    dump = subprocess.Popen(
+        [str(PG_BIN / "pg_dump"), "--no-owner", "--dbname", source], stdout=subprocess.PIPE
+    )
+    restore = subprocess.run(
+        [str(PG_BIN / "psql"), "-q", "-v", "ON_ERROR_STOP=1", "--dbname", target],
+        stdin=dump.stdout,
+        stdout=subprocess.DEVNULL,
+        check=False,
+    )
     dump.stdout.close()
     if dump.wait() or restore.returncode:
         raise RuntimeError(f"copying {source} to {target} failed")
@@ -291,8 +315,16 @@ def server_facts() -> dict[str, Any]:
         settings = dict(
             conn.execute(
                 "SELECT name, current_setting(name) FROM pg_settings WHERE name = ANY(%s)",
-                [["shared_buffers", "synchronous_commit", "max_connections", "fsync", "wal_level",
-                  "autovacuum"]],
+                [
+                    [
+                        "shared_buffers",
+                        "synchronous_commit",
+                        "max_connections",
+                        "fsync",
+                        "wal_level",
+                        "autovacuum",
+                    ]
+                ],
             ).fetchall()
         )
     return {
@@ -319,7 +351,11 @@ class Procs:
     ) -> subprocess.Popen:
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         proc = subprocess.Popen(
-            list(args), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            list(args),
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         if log_path:
@@ -390,7 +426,10 @@ class Sampler:
     """
 
     def __init__(
-        self, procs: Procs | None, databases: Sequence[str] = (), extra: dict[int, str] | None = None
+        self,
+        procs: Procs | None,
+        databases: Sequence[str] = (),
+        extra: dict[int, str] | None = None,
     ) -> None:
         self.procs = procs
         self.databases = [f" {name} " for name in databases]
@@ -526,9 +565,13 @@ class Row:
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out["runs_per_s"] = round(self.rate, 1) if self.rate else None
-        out["cpu_s_per_1k"] = round(1000 * self.cpu_s / self.runs, 3) if self.cpu_s and self.runs else None
+        out["cpu_s_per_1k"] = (
+            round(1000 * self.cpu_s / self.runs, 3) if self.cpu_s and self.runs else None
+        )
         out["commits_per_1k"] = (
-            round(1000 * self.commits / self.runs, 1) if self.commits is not None and self.runs else None
+            round(1000 * self.commits / self.runs, 1)
+            if self.commits is not None and self.runs
+            else None
         )
         return out
 
@@ -537,7 +580,11 @@ class RunDir:
     """A scratch directory for one measurement: recorder files, go file, logs."""
 
     def __init__(self, label: str) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix=f"bench-{label}-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        self.path = Path(
+            tempfile.mkdtemp(
+                prefix=f"bench-{label}-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
+            )
+        )
         self.go = self.path / "GO"
 
     def logs(self, name: str) -> Path:

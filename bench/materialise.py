@@ -264,7 +264,9 @@ def _usage(connection) -> dict[str, float]:
     ticks = os.sysconf("SC_CLK_TCK")
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     status = Path(f"/proc/{pid}/status").read_text()
-    rss_backend = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
+    rss_backend = int(
+        next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]
+    )
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "python": usage.ru_utime + usage.ru_stime,

@@ -8,8 +8,15 @@ from bench.common import Row
 from bench.systems import LABELS
 
 PEERS = ("raw", "procrastinate", "celery")
-ROLE_SHORT = {"web": "web", "worker": "wkr", "postgres": "pg", "redis": "redis", "producer": "prod",
-              "scheduler": "sched", "bench": "bench"}
+ROLE_SHORT = {
+    "web": "web",
+    "worker": "wkr",
+    "postgres": "pg",
+    "redis": "redis",
+    "producer": "prod",
+    "scheduler": "sched",
+    "bench": "bench",
+}
 
 
 def clean(row: Row) -> dict[str, Any]:
@@ -47,27 +54,64 @@ def _ratio(row: Row, peer: Row | None) -> str:
 
 def table(rows: list[Row]) -> str:
     index = {(r.scenario, r.config, r.system): r for r in rows}
-    head = ["scenario", "system", "config", "runs", "runs/s", "×raw", "×procr", "×celery",
-            "p50 s", "p99 s", "max s", "CPU-s/1k", "commits/1k", "peak RSS MB", "load", "note"]
+    head = [
+        "scenario",
+        "system",
+        "config",
+        "runs",
+        "runs/s",
+        "×raw",
+        "×procr",
+        "×celery",
+        "p50 s",
+        "p99 s",
+        "max s",
+        "CPU-s/1k",
+        "commits/1k",
+        "peak RSS MB",
+        "load",
+        "note",
+    ]
     lines = []
     for r in rows:
         d = r.as_dict()
         rss = " ".join(f"{ROLE_SHORT.get(k, k)}:{v:.0f}" for k, v in r.rss_mb.items())
-        lines.append([
-            r.scenario, LABELS.get(r.system, r.system), r.config, _num(r.runs),
-            _num(r.rate), *(_ratio(r, index.get((r.scenario, r.config, p))) for p in PEERS),
-            _secs(r.p50), _secs(r.p99), _secs(r.max), _num(d["cpu_s_per_1k"], 2),
-            _num(d["commits_per_1k"], 1), rss, "→".join(f"{x:.1f}" for x in r.load), r.note,
-        ])
+        lines.append(
+            [
+                r.scenario,
+                LABELS.get(r.system, r.system),
+                r.config,
+                _num(r.runs),
+                _num(r.rate),
+                *(_ratio(r, index.get((r.scenario, r.config, p))) for p in PEERS),
+                _secs(r.p50),
+                _secs(r.p99),
+                _secs(r.max),
+                _num(d["cpu_s_per_1k"], 2),
+                _num(d["commits_per_1k"], 1),
+                rss,
+                "→".join(f"{x:.1f}" for x in r.load),
+                r.note,
+            ]
+        )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
     right = {3, 4, 5, 6, 7, 8, 9, 10, 11, 12}
 
     def fmt(cells: list[str]) -> str:
-        return "| " + " | ".join(
-            (str(c).rjust(w) if i in right else str(c).ljust(w))
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ) + " |"
+        return (
+            "| "
+            + " | ".join(
+                (str(c).rjust(w) if i in right else str(c).ljust(w))
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            )
+            + " |"
+        )
 
-    sep = "|" + "|".join(("-" * (w + 1) + ":" if i in right else "-" * (w + 2))
-                         for i, w in enumerate(widths)) + "|"
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":" if i in right else "-" * (w + 2)) for i, w in enumerate(widths)
+        )
+        + "|"
+    )
     return "\n".join([fmt(head), sep, *(fmt(line) for line in lines)])

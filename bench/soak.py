@@ -50,7 +50,9 @@ CRON_JOBS = 20
 
 def database_urls(base: str, name: str) -> tuple[str, str]:
     parsed = urlparse(base)
-    return urlunparse(parsed._replace(path="/postgres")), urlunparse(parsed._replace(path=f"/{name}"))
+    return urlunparse(parsed._replace(path="/postgres")), urlunparse(
+        parsed._replace(path=f"/{name}")
+    )
 
 
 class Fleet:
@@ -71,7 +73,9 @@ class Fleet:
     def spawn(self, name: str, command: list[str]) -> subprocess.Popen:
         self.count += 1
         log = (self.logs / f"{name}-{self.count}.log").open("w")
-        return subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+        )
 
     def start_api(self, port: int) -> None:
         self.api = self.spawn(
@@ -82,8 +86,23 @@ class Fleet:
     def worker(self) -> subprocess.Popen:
         return self.spawn(
             "worker",
-            [sys.executable, "-m", "cronlease_client", "run", "soak_handlers", "--queue", "soak",
-             "--concurrency", "8", "--lease-seconds", "5", "--wait-seconds", "2", "--grace-seconds", "5"],
+            [
+                sys.executable,
+                "-m",
+                "cronlease_client",
+                "run",
+                "soak_handlers",
+                "--queue",
+                "soak",
+                "--concurrency",
+                "8",
+                "--lease-seconds",
+                "5",
+                "--wait-seconds",
+                "2",
+                "--grace-seconds",
+                "5",
+            ],
         )
 
     def scheduler(self) -> subprocess.Popen:
@@ -107,7 +126,9 @@ class Fleet:
 
 def inject(fleet: Fleet, db_url: str, faults: dict[str, int]) -> None:
     """One fault, chosen at random; the victim is replaced where it died."""
-    kind = random.choice(["kill_worker", "term_worker", "freeze_scheduler", "reset_connections", "restart_scheduler"])
+    kind = random.choice(
+        ["kill_worker", "term_worker", "freeze_scheduler", "reset_connections", "restart_scheduler"]
+    )
     faults[kind] = faults.get(kind, 0) + 1
     if kind in ("kill_worker", "term_worker"):
         index = random.randrange(len(fleet.workers))
@@ -179,13 +200,18 @@ def feed(api: httpx.Client, stop: threading.Event, rate: float, created: list[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--rate", type=float, default=20, help="API-created runs per second")
     parser.add_argument("--fault-every", type=float, default=15, help="seconds between faults")
     parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
+    parser.add_argument(
+        "--database-url",
+        default=os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
+    )
     args = parser.parse_args()
 
     admin_url, db_url = database_urls(args.database_url, "soak")
@@ -216,13 +242,30 @@ def main() -> None:
     }
     env.pop("TEST_DATABASE_NAME", None)
     subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
-    token = subprocess.run(
-        [sys.executable, "manage.py", "createteam", "soak"], cwd=ROOT, env=env, check=True, capture_output=True, text=True
-    ).stdout.strip().splitlines()[-1]
+    token = (
+        subprocess.run(
+            [sys.executable, "manage.py", "createteam", "soak"],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
 
-    fleet = Fleet({**env, "CRONLEASE_URL": f"http://127.0.0.1:{args.port}", "CRONLEASE_TOKEN": token}, work, args.workers)
+    fleet = Fleet(
+        {**env, "CRONLEASE_URL": f"http://127.0.0.1:{args.port}", "CRONLEASE_TOKEN": token},
+        work,
+        args.workers,
+    )
     fleet.start_api(args.port)
-    api = httpx.Client(base_url=f"http://127.0.0.1:{args.port}", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    api = httpx.Client(
+        base_url=f"http://127.0.0.1:{args.port}",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -231,17 +274,39 @@ def main() -> None:
         except httpx.HTTPError:
             time.sleep(0.5)
     retry = {"maxAttempts": 5, "baseSeconds": 1, "maxSeconds": 5}
-    api.put("/api/v1/jobs/soak.work", json={"name": "soak.work", "queue": "soak", "retry": retry, "timeoutSeconds": 30})
+    api.put(
+        "/api/v1/jobs/soak.work",
+        json={"name": "soak.work", "queue": "soak", "retry": retry, "timeoutSeconds": 30},
+    )
     # The ledger handlers are registered under the example's job names.
-    api.put("/api/v1/jobs/demo.flaky", json={"name": "demo.flaky", "queue": "soak", "retry": retry, "payload": {"failAttempts": 1}})
+    api.put(
+        "/api/v1/jobs/demo.flaky",
+        json={
+            "name": "demo.flaky",
+            "queue": "soak",
+            "retry": retry,
+            "payload": {"failAttempts": 1},
+        },
+    )
     api.put(
         "/api/v1/jobs/demo.sleep",
-        json={"name": "demo.sleep", "queue": "soak", "retry": retry, "concurrency": LIMIT, "payload": {"seconds": 0.2}},
+        json={
+            "name": "demo.sleep",
+            "queue": "soak",
+            "retry": retry,
+            "concurrency": LIMIT,
+            "payload": {"seconds": 0.2},
+        },
     )
     for minute in range(CRON_JOBS):
         api.put(
             f"/api/v1/jobs/soak.cron-{minute}",
-            json={"name": f"soak.cron-{minute}", "queue": "soak", "schedule": {"cron": "* * * * *", "jitterSeconds": 30}, "retry": retry},
+            json={
+                "name": f"soak.cron-{minute}",
+                "queue": "soak",
+                "schedule": {"cron": "* * * * *", "jitterSeconds": 30},
+                "retry": retry,
+            },
         )
 
     stop = threading.Event()
@@ -264,7 +329,14 @@ def main() -> None:
     finally:
         stop.set()
         fleet.stop()
-    totals.update({"faults": faults, "maxConcurrencySeen": max(seen or [0]), "concurrencyLimit": LIMIT, "minutes": args.minutes})
+    totals.update(
+        {
+            "faults": faults,
+            "maxConcurrencySeen": max(seen or [0]),
+            "concurrencyLimit": LIMIT,
+            "minutes": args.minutes,
+        }
+    )
     print(json.dumps(totals, indent=2))
 
 
@@ -301,7 +373,9 @@ def drain_and_count(db_url: str, ledger: Path, created: list[str]) -> dict:
             "GROUP BY run_id HAVING count(*) > 1) AS d"
         ).fetchone()
         pks = [parse_run_id(run_id) for run_id in created]
-        (found,) = conn.execute("SELECT count(*) FROM runs_run WHERE id = ANY(%s)", [pks]).fetchone()
+        (found,) = conn.execute(
+            "SELECT count(*) FROM runs_run WHERE id = ANY(%s)", [pks]
+        ).fetchone()
         keys = [
             key
             for (key,) in conn.execute(

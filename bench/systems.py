@@ -76,7 +76,9 @@ class ProjectDatabase:
             return
         started = time.perf_counter()
         self.url, self.token = common.fresh_project_database(self.name)
-        log(f"  {self.name}: ready (migrated, team, token, job) in {time.perf_counter() - started:.1f}s")
+        log(
+            f"  {self.name}: ready (migrated, team, token, job) in {time.perf_counter() - started:.1f}s"
+        )
 
     def execute(self, statement: str, params: Any = None) -> list[tuple]:
         with common.connect(self.url) as conn:
@@ -189,8 +191,14 @@ class System:
         (the product's timed runs are inserted by the bench itself)."""
         if not kwargs.pop("enqueue", False):
             return None
-        args = [PYTHON, "-m", "bench.workers.enqueuer", *self.enqueuer_target(),
-                "--go", str(run_dir.go)]
+        args = [
+            PYTHON,
+            "-m",
+            "bench.workers.enqueuer",
+            *self.enqueuer_target(),
+            "--go",
+            str(run_dir.go),
+        ]
         for key, value in kwargs.items():
             flag = "--" + key.replace("_", "-")
             args += [flag] if value is True else [flag, str(value)]
@@ -237,8 +245,18 @@ class RestSystem(System):
 
     def web_command(self) -> list[str]:
         return [
-            PYTHON, "manage.py", "web", "--host", "127.0.0.1", "--port", str(self.port),
-            "--workers", str(self.web_workers), "--no-access-log", "--log-level", "warning",
+            PYTHON,
+            "manage.py",
+            "web",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            str(self.web_workers),
+            "--no-access-log",
+            "--log-level",
+            "warning",
         ]
 
     def reset(self) -> None:
@@ -248,8 +266,12 @@ class RestSystem(System):
         # that finds its connections dead waits 1 s, then 2 s, between checks before it has
         # fresh ones: take that wait here, in every web process, not in the next measurement.
         with concurrent.futures.ThreadPoolExecutor(8 * self.web_workers) as pool:
-            list(pool.map(lambda _: httpx.get(f"{self.base_url}/readyz", timeout=30),
-                          range(8 * self.web_workers)))
+            list(
+                pool.map(
+                    lambda _: httpx.get(f"{self.base_url}/readyz", timeout=30),
+                    range(8 * self.web_workers),
+                )
+            )
 
     def enqueuer_target(self) -> list[str]:
         return ["rest", "--url", self.base_url, "--token", self.project.token]
@@ -257,9 +279,19 @@ class RestSystem(System):
     def worker_args(self, batch: int, run_dir: RunDir) -> tuple[list[str], dict[str, str]]:
         return (
             [
-                PYTHON, "-m", "bench.workers.sdk_worker", "--url", self.base_url,
-                "--token", self.project.token, "--batch", str(batch),
-                "--out", str(run_dir.path), "--go", str(run_dir.go),
+                PYTHON,
+                "-m",
+                "bench.workers.sdk_worker",
+                "--url",
+                self.base_url,
+                "--token",
+                self.project.token,
+                "--batch",
+                str(batch),
+                "--out",
+                str(run_dir.path),
+                "--go",
+                str(run_dir.go),
             ],
             common.django_env(self.project.url),
         )
@@ -272,8 +304,15 @@ class HttpCeilingSystem(RestSystem):
 
     def web_command(self) -> list[str]:
         return [
-            PYTHON, "-m", "bench.workers.http_ceiling", "--url", self.project.url,
-            "--port", str(self.port), "--workers", str(self.web_workers),
+            PYTHON,
+            "-m",
+            "bench.workers.http_ceiling",
+            "--url",
+            self.project.url,
+            "--port",
+            str(self.port),
+            "--workers",
+            str(self.web_workers),
         ]
 
 
@@ -283,8 +322,15 @@ class StoreSystem(System):
     def worker_args(self, batch: int, run_dir: RunDir) -> tuple[list[str], dict[str, str]]:
         return (
             [
-                PYTHON, "-m", "bench.workers.store_worker", "--batch", str(batch),
-                "--out", str(run_dir.path), "--go", str(run_dir.go),
+                PYTHON,
+                "-m",
+                "bench.workers.store_worker",
+                "--batch",
+                str(batch),
+                "--out",
+                str(run_dir.path),
+                "--go",
+                str(run_dir.go),
             ],
             common.django_env(self.project.url, SCHEDULER_APPLICATION_NAME="bench:store"),
         )
@@ -296,8 +342,17 @@ class RawSystem(System):
 
     def worker_args(self, batch: int, run_dir: RunDir) -> tuple[list[str], dict[str, str]]:
         args = [
-            PYTHON, "-m", "bench.workers.raw_worker", "--url", self.project.url,
-            "--batch", str(batch), "--out", str(run_dir.path), "--go", str(run_dir.go),
+            PYTHON,
+            "-m",
+            "bench.workers.raw_worker",
+            "--url",
+            self.project.url,
+            "--batch",
+            str(batch),
+            "--out",
+            str(run_dir.path),
+            "--go",
+            str(run_dir.go),
         ]
         if self.runs_only:
             args.append("--runs-only")
@@ -318,8 +373,16 @@ class PeerSystem(System):
     def worker_args(self, batch: int, run_dir: RunDir) -> tuple[list[str], dict[str, str]]:
         return (
             [
-                PYTHON, "-m", "bench.workers.peer_worker", self.name, "--batch", str(batch),
-                "--out", str(run_dir.path), "--go", str(run_dir.go),
+                PYTHON,
+                "-m",
+                "bench.workers.peer_worker",
+                self.name,
+                "--batch",
+                str(batch),
+                "--out",
+                str(run_dir.path),
+                "--go",
+                str(run_dir.go),
             ],
             self.peer_env(),
         )

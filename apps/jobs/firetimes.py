@@ -268,8 +268,7 @@ def iter_fire_times(cron: Cron, zone: ZoneInfo, after: datetime) -> Iterator[Fir
                 utc = (candidate - first).replace(tzinfo=UTC)
                 if utc > last:
                     note = (
-                        f"{_hhmm(candidate)} occurs twice on this day (DST); "
-                        "this is the first pass"
+                        f"{_hhmm(candidate)} occurs twice on this day (DST); this is the first pass"
                     )
                     yield FireTime(candidate.replace(tzinfo=zone), utc, note)
                     last = utc

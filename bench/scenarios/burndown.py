@@ -67,8 +67,10 @@ def run(opts) -> list:
                         keep=opts.keep,
                     )
                     row.extra["round"] = round_
-                    log(f"  {system.label:<20} {config:<14}: {row.runs} runs, "
-                        f"{(row.rate or 0):,.0f}/s {row.note}")
+                    log(
+                        f"  {system.label:<20} {config:<14}: {row.runs} runs, "
+                        f"{(row.rate or 0):,.0f}/s {row.note}"
+                    )
                     rows.append(row)
             finally:
                 system.teardown()
@@ -90,6 +92,8 @@ def log_rounds(rows: list[Row]) -> None:
             if (mine := rates.get((system, config, r))) and (raw := rates.get(("raw", config, r)))
         ]
         if ratios:
-            log(f"  {system:<14} {config:<10} ×raw per round "
+            log(
+                f"  {system:<14} {config:<10} ×raw per round "
                 + ", ".join(f"{x:.2f}" for x in ratios)
-                + f" (median {statistics.median(ratios):.2f})")
+                + f" (median {statistics.median(ratios):.2f})"
+            )

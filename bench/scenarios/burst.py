@@ -24,12 +24,23 @@ def run(opts) -> list[Row]:
         system.setup()
         try:
             system.reset()
-            common = dict(scenario="burst", config=f"{n} due at once", expected=n,
-                          workers=opts.workers, batch=opts.batch, cap_from_first=False,
-                          keep=opts.keep)
+            common = dict(
+                scenario="burst",
+                config=f"{n} due at once",
+                expected=n,
+                workers=opts.workers,
+                batch=opts.batch,
+                cap_from_first=False,
+                keep=opts.keep,
+            )
             if system.peer:
-                row = measure(system, producer={"count": n, "burst": True}, t0_after_go=1.0,
-                              deadline_after_go=1.0 + cap, **common)
+                row = measure(
+                    system,
+                    producer={"count": n, "burst": True},
+                    t0_after_go=1.0,
+                    deadline_after_go=1.0 + cap,
+                    **common,
+                )
                 due = row.extra["_t_go"] + 1.0
             else:
                 when = {}

@@ -28,10 +28,22 @@ def run(opts) -> list[Row]:
     out = scratch.path / "pages.json"
     load = common.load_average()[0]
     done = subprocess.run(
-        [PYTHON, "-m", "bench.workers.dashboard_pages", "--runs", str(n),
-         "--requests", str(requests), "--out", str(out)],
-        cwd=REPO, env=common.django_env(url, SCHEDULER_APPLICATION_NAME="bench:dashboard"),
-        capture_output=True, text=True, check=False,
+        [
+            PYTHON,
+            "-m",
+            "bench.workers.dashboard_pages",
+            "--runs",
+            str(n),
+            "--requests",
+            str(requests),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=common.django_env(url, SCHEDULER_APPLICATION_NAME="bench:dashboard"),
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode:
         raise RuntimeError(f"dashboard pages failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -41,18 +53,30 @@ def run(opts) -> list[Row]:
     rows = []
     for page in figures["pages"]:
         if "skipped" in page:
-            rows.append(Row("dashboard", "dashboard", page["page"], note=f"skipped: {page['skipped']}"))
+            rows.append(
+                Row("dashboard", "dashboard", page["page"], note=f"skipped: {page['skipped']}")
+            )
             continue
         s = latency_summary(page["timings"])
         over = s["p99"] is not None and s["p99"] > TARGET
         statuses = ",".join(str(x) for x in page["statuses"])
-        rows.append(Row(
-            "dashboard", "dashboard", page["page"], runs=n, p50=s["p50"], p99=s["p99"], max=s["max"],
-            load=[load, common.load_average()[0]],
-            note=f"{len(page['timings'])} req, HTTP {statuses}, {page['queries']} queries"
-                 + ("; OVER 300 ms" if over else ""),
-            extra={"path": page["path"], "queries": page["queries"]},
-        ))
-        log(f"  {page['page']:<22} p50 {s['p50'] * 1000:6.1f} ms  p99 {s['p99'] * 1000:6.1f} ms  "
-            f"{page['queries']} queries")
+        rows.append(
+            Row(
+                "dashboard",
+                "dashboard",
+                page["page"],
+                runs=n,
+                p50=s["p50"],
+                p99=s["p99"],
+                max=s["max"],
+                load=[load, common.load_average()[0]],
+                note=f"{len(page['timings'])} req, HTTP {statuses}, {page['queries']} queries"
+                + ("; OVER 300 ms" if over else ""),
+                extra={"path": page["path"], "queries": page["queries"]},
+            )
+        )
+        log(
+            f"  {page['page']:<22} p50 {s['p50'] * 1000:6.1f} ms  p99 {s['p99'] * 1000:6.1f} ms  "
+            f"{page['queries']} queries"
+        )
     return rows

@@ -56,8 +56,18 @@ def cpu(pids: list[int]) -> float:
 def produce(args: list[str], env: dict[str, str], count: int, batch: int) -> dict:
     """Run the producer process; its JSON line (count, seconds, cpu_s)."""
     out = subprocess.run(
-        [PYTHON, "-m", "bench.workers.enqueuer", *args, "--count", str(count),
-         "--batch", str(batch), "--threads", "4"],
+        [
+            PYTHON,
+            "-m",
+            "bench.workers.enqueuer",
+            *args,
+            "--count",
+            str(count),
+            "--batch",
+            str(batch),
+            "--threads",
+            "4",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -72,8 +82,13 @@ def run(opts) -> list[Row]:
     n = opts.runs or 20_000 * scale
     # (batch, runs, variant): the product also at batch 1 000 answered by id alone, and the
     # HTTP floor beside its batch 1.
-    points = [(1, n // 10, ""), (1, n // 10, "floor"), (100, n, ""), (1000, n, ""),
-              (1000, n, "ids")]
+    points = [
+        (1, n // 10, ""),
+        (1, n // 10, "floor"),
+        (100, n, ""),
+        (1000, n, ""),
+        (1000, n, "ids"),
+    ]
     project = ProjectDatabase("enqueue")
     rows: list[Row] = []
     names = [s for s in opts.systems if s in SYSTEMS] or list(SYSTEMS)
@@ -159,17 +174,24 @@ def log_rounds(rows: list[Row]) -> None:
         if row.scenario == "enqueue" and row.rate:
             by.setdefault((row.system, row.config), {})[row.extra["round"]] = row.rate
     for (system, config), rates in by.items():
-        log(f"  {system:<20} {config:<16}: median {statistics.median(rates.values()):,.0f} "
-            f"runs/s over {len(rates)} rounds")
-    ours = {config: rates for (system, config), rates in by.items() if system.startswith("cronlease")}
+        log(
+            f"  {system:<20} {config:<16}: median {statistics.median(rates.values()):,.0f} "
+            f"runs/s over {len(rates)} rounds"
+        )
+    ours = {
+        config: rates for (system, config), rates in by.items() if system.startswith("cronlease")
+    }
     for (system, config), theirs in by.items():
         if system.startswith("cronlease"):
             continue
         for mine in (config, f"{config} ids"):
             if mine in ours:
                 ratios = [ours[mine][r] / theirs[r] for r in sorted(theirs) if r in ours[mine]]
-                log(f"  ×{system} at {mine}: " + ", ".join(f"{x:.2f}" for x in ratios)
-                    + f" (median {statistics.median(ratios):.2f})")
+                log(
+                    f"  ×{system} at {mine}: "
+                    + ", ".join(f"{x:.2f}" for x in ratios)
+                    + f" (median {statistics.median(ratios):.2f})"
+                )
 
 
 def drain(system, opts, scale: int, batch: int = 1000) -> Row:
@@ -186,10 +208,14 @@ def drain(system, opts, scale: int, batch: int = 1000) -> Row:
         workers=workers,
         batch=claim,
         deadline_after_go=opts.cap or 60.0 * scale,
-        producer={"enqueue": True, "count": count, "batch": batch, "threads": 4,
-                  **({"ids_only": True} if system.name == "rest" else {})},
+        producer={
+            "enqueue": True,
+            "count": count,
+            "batch": batch,
+            "threads": 4,
+            **({"ids_only": True} if system.name == "rest" else {}),
+        },
         keep=opts.keep,
     )
-    log(f"  {system.label:<20} enqueue+drain: {row.runs} runs, {(row.rate or 0):,.0f}/s "
-        f"{row.note}")
+    log(f"  {system.label:<20} enqueue+drain: {row.runs} runs, {(row.rate or 0):,.0f}/s {row.note}")
     return row

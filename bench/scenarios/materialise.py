@@ -31,22 +31,43 @@ DUE_MINUTES = 4  # every variant must be done before the definitions fall due
 
 def _materialise_py(url: str, n: int, *extra: str) -> None:
     done = subprocess.run(
-        [PYTHON, "bench/materialise.py", "--no-recreate", "--database-url", url,
-         "--definitions", str(n), *extra],
-        cwd=REPO, env=common.django_env(url, SCHEDULER_APPLICATION_NAME="bench:materialise"),
-        capture_output=True, text=True, check=False,
+        [
+            PYTHON,
+            "bench/materialise.py",
+            "--no-recreate",
+            "--database-url",
+            url,
+            "--definitions",
+            str(n),
+            *extra,
+        ],
+        cwd=REPO,
+        env=common.django_env(url, SCHEDULER_APPLICATION_NAME="bench:materialise"),
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode:
         raise RuntimeError(f"bench/materialise.py failed:\n{done.stdout}\n{done.stderr}")
 
 
-def _oneshot(label: str, args: list[str], env: dict[str, str], databases: list[str],
-             extra_pids: dict[int, str] | None = None, timeout: float = 600) -> tuple[dict, dict, int | None]:
+def _oneshot(
+    label: str,
+    args: list[str],
+    env: dict[str, str],
+    databases: list[str],
+    extra_pids: dict[int, str] | None = None,
+    timeout: float = 600,
+) -> tuple[dict, dict, int | None]:
     """Run a process that waits for the go file and writes result.json; sample it meanwhile."""
     run_dir = RunDir(label)
     procs = Procs()
-    procs.start("worker", [*args, "--out", str(run_dir.path), "--go", str(run_dir.go)], env,
-                run_dir.logs("worker"))
+    procs.start(
+        "worker",
+        [*args, "--out", str(run_dir.path), "--go", str(run_dir.go)],
+        env,
+        run_dir.logs("worker"),
+    )
     common.wait_ready(run_dir.path, 1, procs)
     before = common.xact_commits(databases) if databases else None
     sampler = Sampler(procs, databases, extra_pids).start()
@@ -96,21 +117,38 @@ def run(opts) -> list[Row]:
             _materialise_py(url, n, "--skip-load", "--json", str(out))
             f = json.loads(out.read_text())
             scratch.cleanup()
-            row = Row("materialise", name, config, runs=f["runs"], seconds=round(f["seconds"], 3),
-                      cpu_s=round(f["cpu_s_python"] + f["cpu_s_backend"], 2),
-                      commits=f["commits"], rss_mb={k2: round(v, 1) for k2, v in f["rss_mb"].items()},
-                      note=f"{n:,} defs; Scheduler steps in-process, 1 node",
-                      extra={"cpu_s_python": f["cpu_s_python"], "cpu_s_backend": f["cpu_s_backend"]})
+            row = Row(
+                "materialise",
+                name,
+                config,
+                runs=f["runs"],
+                seconds=round(f["seconds"], 3),
+                cpu_s=round(f["cpu_s_python"] + f["cpu_s_backend"], 2),
+                commits=f["commits"],
+                rss_mb={k2: round(v, 1) for k2, v in f["rss_mb"].items()},
+                note=f"{n:,} defs; Scheduler steps in-process, 1 node",
+                extra={"cpu_s_python": f["cpu_s_python"], "cpu_s_backend": f["cpu_s_backend"]},
+            )
         elif name == "rest":
             row = _daemons(clone, n, cap_after_start=max(cap, 120.0))
         elif name == "raw":
             figures, usage, commits = _oneshot(
                 "materialise-raw",
                 [PYTHON, "-m", "bench.workers.raw_materialise", "--url", url],
-                common.django_env(url), [clone.name])
-            row = Row("materialise", name, config, runs=figures["runs"],
-                      seconds=round(figures["seconds"], 3), cpu_s=usage["cpu_s"], commits=commits,
-                      rss_mb=usage["rss_mb"], note=f"{n:,} defs; set-based, batches of 5 000")
+                common.django_env(url),
+                [clone.name],
+            )
+            row = Row(
+                "materialise",
+                name,
+                config,
+                runs=figures["runs"],
+                seconds=round(figures["seconds"], 3),
+                cpu_s=usage["cpu_s"],
+                commits=commits,
+                rss_mb=usage["rss_mb"],
+                note=f"{n:,} defs; set-based, batches of 5 000",
+            )
         else:
             system = make(name, "materialise", project)
             system.setup()
@@ -118,16 +156,35 @@ def run(opts) -> list[Row]:
             try:
                 figures, usage, commits = _oneshot(
                     f"materialise-{name}",
-                    [PYTHON, "-m", "bench.workers.peer_periodic", name, "--count", str(k),
-                     "--cap", str(cap)],
-                    system.peer_env(), system.databases, system.extra_pids())
+                    [
+                        PYTHON,
+                        "-m",
+                        "bench.workers.peer_periodic",
+                        name,
+                        "--count",
+                        str(k),
+                        "--cap",
+                        str(cap),
+                    ],
+                    system.peer_env(),
+                    system.databases,
+                    system.extra_pids(),
+                )
             finally:
                 system.teardown()
             what = "PeriodicDeferrer" if name == "procrastinate" else "beat Scheduler.tick"
-            row = Row("materialise", name, config, runs=figures["runs"],
-                      seconds=round(figures["seconds"], 3), cpu_s=usage["cpu_s"], commits=commits,
-                      rss_mb=usage["rss_mb"],
-                      note=f"{k:,} entries; {what}" + (f"; capped at {cap:.0f}s" if figures["runs"] < k else ""))
+            row = Row(
+                "materialise",
+                name,
+                config,
+                runs=figures["runs"],
+                seconds=round(figures["seconds"], 3),
+                cpu_s=usage["cpu_s"],
+                commits=commits,
+                rss_mb=usage["rss_mb"],
+                note=f"{k:,} entries; {what}"
+                + (f"; capped at {cap:.0f}s" if figures["runs"] < k else ""),
+            )
         if clone is not None:
             common.drop_database(clone.name)
         row.load = load + [common.load_average()[0]]
@@ -141,8 +198,9 @@ def _daemons(project: ProjectDatabase, n: int, cap_after_start: float) -> Row:
     procs = Procs()
     before = common.xact_commits([project.name])
     sampler = Sampler(procs, [project.name])
-    env = common.django_env(url, SCHEDULER_LOOKAHEAD_SECONDS="300",
-                            SCHEDULER_APPLICATION_NAME="bench:scheduler")
+    env = common.django_env(
+        url, SCHEDULER_LOOKAHEAD_SECONDS="300", SCHEDULER_APPLICATION_NAME="bench:scheduler"
+    )
     log_path = Path(f"/tmp/bench-scheduler-{project.name}.log")
     # In service the definitions fall due while the nodes run, each holding its share of the
     # shards. Started together on due definitions, the first node to come up would hold all 16
@@ -154,8 +212,13 @@ def _daemons(project: ProjectDatabase, n: int, cap_after_start: float) -> Row:
         procs.start("scheduler", [PYTHON, "manage.py", "scheduler"], env, log_path)
     with common.connect(url) as conn:
         deadline = time.time() + 60
-        while conn.execute("SELECT count(DISTINCT owner) FROM scheduler_shardlease"
-                           " WHERE owner <> '' AND expires_at > now()").fetchone()[0] < 2:
+        while (
+            conn.execute(
+                "SELECT count(DISTINCT owner) FROM scheduler_shardlease"
+                " WHERE owner <> '' AND expires_at > now()"
+            ).fetchone()[0]
+            < 2
+        ):
             if time.time() > deadline or procs.dead():
                 raise RuntimeError(f"the two schedulers did not share the shards; see {log_path}")
             time.sleep(0.2)
@@ -176,14 +239,23 @@ def _daemons(project: ProjectDatabase, n: int, cap_after_start: float) -> Row:
                 raise RuntimeError(f"scheduler died; see {log_path}")
             time.sleep(0.25)
         polls += 1
-        first = conn.execute("SELECT extract(epoch FROM min(created_at))::float8 FROM runs_run").fetchone()[0]
+        first = conn.execute(
+            "SELECT extract(epoch FROM min(created_at))::float8 FROM runs_run"
+        ).fetchone()[0]
     usage = sampler.stop()
     procs.stop(grace=10)
     common.flush_backends([project.name])
     commits = common.xact_commits([project.name]) - before - polls
     end = done_at or time.time()
-    return Row("materialise", "rest", "hourly defs due now", runs=count,
-               seconds=round(end - first, 3) if first else 0.0, cpu_s=usage["cpu_s"],
-               commits=commits, rss_mb=usage["rss_mb"],
-               note=f"{n:,} defs; `manage.py scheduler` ×2" + ("" if done_at else " (capped)"),
-               extra={"cpu_s_by_role": usage["cpu_s_by_role"]})
+    return Row(
+        "materialise",
+        "rest",
+        "hourly defs due now",
+        runs=count,
+        seconds=round(end - first, 3) if first else 0.0,
+        cpu_s=usage["cpu_s"],
+        commits=commits,
+        rss_mb=usage["rss_mb"],
+        note=f"{n:,} defs; `manage.py scheduler` ×2" + ("" if done_at else " (capped)"),
+        extra={"cpu_s_by_role": usage["cpu_s_by_role"]},
+    )

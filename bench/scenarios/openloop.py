@@ -34,8 +34,15 @@ def run(opts) -> list[Row]:
             for rate in rates:
                 config = f"{rate}/s"
                 if failed_at is not None:
-                    rows.append(Row("openloop", name, config, load=[load_average()[0]] * 2,
-                                    note=f"skipped: p99 > {TARGET_P99:g}s at {failed_at}/s"))
+                    rows.append(
+                        Row(
+                            "openloop",
+                            name,
+                            config,
+                            load=[load_average()[0]] * 2,
+                            note=f"skipped: p99 > {TARGET_P99:g}s at {failed_at}/s",
+                        )
+                    )
                     continue
                 n = int(rate * duration)
                 system.reset()
@@ -52,12 +59,24 @@ def run(opts) -> list[Row]:
                     overdue = min(n, int((now - t0 - TARGET_P99) * rate))
                     return overdue - handled > 0.01 * n + rate * 0.2
 
-                common = dict(scenario="openloop", config=config, expected=n,
-                              workers=opts.workers, batch=opts.batch, cap_from_first=False,
-                              on_tick=lagging, keep=opts.keep)
+                common = dict(
+                    scenario="openloop",
+                    config=config,
+                    expected=n,
+                    workers=opts.workers,
+                    batch=opts.batch,
+                    cap_from_first=False,
+                    on_tick=lagging,
+                    keep=opts.keep,
+                )
                 if system.peer:
-                    row = measure(system, producer={"count": n, "rate": rate}, t0_after_go=1.0,
-                                  deadline_after_go=1.0 + duration + drain, **common)
+                    row = measure(
+                        system,
+                        producer={"count": n, "rate": rate},
+                        t0_after_go=1.0,
+                        deadline_after_go=1.0 + duration + drain,
+                        **common,
+                    )
                 else:
                     # The workers are up and waiting; insert the runs so they fall due from
                     # t0 (one second after the insert ends) on.
@@ -65,7 +84,9 @@ def run(opts) -> list[Row]:
                         t0 = time.time() + 0.7 + n / 20_000
                         system.schedule(n, t0, rate)
                         if time.time() > t0 - 0.2:
-                            log(f"  warning: the insert of {n} runs ended {time.time() - t0:.1f}s after t0")
+                            log(
+                                f"  warning: the insert of {n} runs ended {time.time() - t0:.1f}s after t0"
+                            )
                         clock["fixed"] = t0
                         return t0 + duration + drain
 
@@ -83,10 +104,16 @@ def run(opts) -> list[Row]:
                 ok = row.p99 is not None and row.p99 <= TARGET_P99
                 row.extra["offered"] = rate
                 row.extra["p99_ok"] = ok
-                early = " (stopped when over 1 % were > 1 s late)" if row.note == "stopped early" else ""
+                early = (
+                    " (stopped when over 1 % were > 1 s late)"
+                    if row.note == "stopped early"
+                    else ""
+                )
                 row.note = "p99 ≤ 1s" if ok else f"p99 > 1s; {len(pairs)}/{n} started{early}"
-                log(f"  {system.label:<20} {config:>8}: p50 {row.p50:.3f}s p99 {row.p99:.3f}s "
-                    f"max {row.max:.3f}s ({len(pairs)}/{n} started)")
+                log(
+                    f"  {system.label:<20} {config:>8}: p50 {row.p50:.3f}s p99 {row.p99:.3f}s "
+                    f"max {row.max:.3f}s ({len(pairs)}/{n} started)"
+                )
                 rows.append(row)
                 if ok:
                     best = rate
@@ -94,6 +121,14 @@ def run(opts) -> list[Row]:
                     failed_at = rate
         finally:
             system.teardown()
-        rows.append(Row("openloop", name, "max rate p99≤1s", runs=best, seconds=1.0 if best else 0,
-                        note="highest offered rate with p99 ≤ 1 s" if best else "none of the rates"))
+        rows.append(
+            Row(
+                "openloop",
+                name,
+                "max rate p99≤1s",
+                runs=best,
+                seconds=1.0 if best else 0,
+                note="highest offered rate with p99 ≤ 1 s" if best else "none of the rates",
+            )
+        )
     return rows

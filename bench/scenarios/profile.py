@@ -28,8 +28,12 @@ from bench.recorder import read_progress
 from bench.systems import ProjectDatabase, make
 
 
-def summarise(raw_path: Path, within: tuple[str, ...] = (), top: int = 25,
-              without: tuple[str, ...] = ("_find_and_load",)) -> str:
+def summarise(
+    raw_path: Path,
+    within: tuple[str, ...] = (),
+    top: int = 25,
+    without: tuple[str, ...] = ("_find_and_load",),
+) -> str:
     """py-spy's raw format: one collapsed stack per line, `frame;frame;… count`.
 
     `within`: keep only the stacks that pass through one of these functions (the work loop,
@@ -45,8 +49,18 @@ def summarise(raw_path: Path, within: tuple[str, ...] = (), top: int = 25,
             continue
         n = int(count)
         samples += n
-        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].replace(str(REPO) + "/", "").replace(".venv/lib/python3.11/site-packages/", "") + ")" if " (" in f else f
-                  for f in stack.split(";")]
+        frames = [
+            f.split(" (")[0]
+            + " ("
+            + f.split(" (")[1]
+            .split(":")[0]
+            .replace(str(REPO) + "/", "")
+            .replace(".venv/lib/python3.11/site-packages/", "")
+            + ")"
+            if " (" in f
+            else f
+            for f in stack.split(";")
+        ]
         if within and not any(any(w in frame for w in within) for frame in frames):
             continue
         if any(any(w in frame for w in without) for frame in frames):
@@ -73,8 +87,13 @@ def pyspy_command(out: Path) -> list[str]:
 
 
 def pyspy(args: list[str], out: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([*pyspy_command(out), *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=REPO, env=env)
+    return subprocess.Popen(
+        [*pyspy_command(out), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        env=env,
+    )
 
 
 def run(opts) -> list:
@@ -89,8 +108,20 @@ def run(opts) -> list:
     project.insert_runs(n, time.time() - 1)
     run_dir = RunDir("profile-store")
     raw = run_dir.path / "store.raw"
-    spy = pyspy(["--", PYTHON, "-m", "bench.workers.store_worker", "--batch", "100",
-                 "--out", str(run_dir.path)], raw, common.django_env(project.url))
+    spy = pyspy(
+        [
+            "--",
+            PYTHON,
+            "-m",
+            "bench.workers.store_worker",
+            "--batch",
+            "100",
+            "--out",
+            str(run_dir.path),
+        ],
+        raw,
+        common.django_env(project.url),
+    )
     _wait(run_dir, n, seconds)
     spy.send_signal(signal.SIGINT)
     spy.wait(30)
@@ -98,8 +129,16 @@ def run(opts) -> list:
         if "store_worker" in " ".join(child.cmdline()):
             child.kill()
     report.append("\n### py-spy: store-layer worker (claim 100 + complete 100), one process\n")
-    report.append(summarise(raw, ("claim (apps/runs/store.py)", "complete (apps/runs/store.py)",
-                                  "next_available_at (apps/runs/store.py)")))
+    report.append(
+        summarise(
+            raw,
+            (
+                "claim (apps/runs/store.py)",
+                "complete (apps/runs/store.py)",
+                "next_available_at (apps/runs/store.py)",
+            ),
+        )
+    )
 
     # 2. the web process under the REST API
     project.reset()
@@ -118,8 +157,9 @@ def run(opts) -> list:
             args = [a for a in args if a not in ("--go", str(run_dir.go))]
             # The first SDK worker under py-spy too (its samples include waits on the socket
             # and on locks: tell CPU by the bench's CPU columns, not by these shares).
-            workers.start("worker", [*pyspy_command(sdk_raw), "--", *args] if index == 0 else args,
-                          env)
+            workers.start(
+                "worker", [*pyspy_command(sdk_raw), "--", *args] if index == 0 else args, env
+            )
         _wait(run_dir, n, seconds)
         for _, proc in workers.items[:1]:
             proc.send_signal(signal.SIGINT)
@@ -132,8 +172,16 @@ def run(opts) -> list:
         system.teardown()
     report.append("\n### py-spy: the uvicorn worker process serving two SDK workers (batch 100)\n")
     # The views run on asgiref's threads (thread_handler), the protocol on the event loop.
-    report.append(summarise(raw, ("handle (scheduler_site/asgi.py)", "run (uvicorn/server.py)",
-                                  "thread_handler (asgiref/sync.py)")))
+    report.append(
+        summarise(
+            raw,
+            (
+                "handle (scheduler_site/asgi.py)",
+                "run (uvicorn/server.py)",
+                "thread_handler (asgiref/sync.py)",
+            ),
+        )
+    )
     report.append("\n### py-spy: one of the two SDK workers (batch 100, a no-op handler)\n")
     report.append(summarise(sdk_raw))
 
@@ -141,9 +189,14 @@ def run(opts) -> list:
     project.reset()
     project.insert_runs(n, time.time() - 1)
     for batch in (1, 100):
-        done = subprocess.run([PYTHON, "-m", "bench.workers.explain", "--batch", str(batch)],
-                              cwd=REPO, env=common.django_env(project.url), capture_output=True,
-                              text=True, check=True)
+        done = subprocess.run(
+            [PYTHON, "-m", "bench.workers.explain", "--batch", str(batch)],
+            cwd=REPO,
+            env=common.django_env(project.url),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         report.append(f"\n### EXPLAIN (ANALYZE, BUFFERS), batch {batch}, {n} waiting runs\n")
         report.append(done.stdout)
     text = "\n".join(report)

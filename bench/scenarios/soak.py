@@ -38,8 +38,12 @@ def table_stats(url: str, tables: list[str]) -> dict:
             [tables],
         ).fetchall()
     return {
-        name: {"live": live, "dead": dead, "table_mb": round(t / 2**20, 1),
-               "indexes_mb": round(i / 2**20, 1)}
+        name: {
+            "live": live,
+            "dead": dead,
+            "table_mb": round(t / 2**20, 1),
+            "indexes_mb": round(i / 2**20, 1),
+        }
         for name, live, dead, t, i in rows
     }
 
@@ -55,7 +59,11 @@ def run(opts) -> list[Row]:
         system = make(name, "soak", project, opts.web_workers)
         system.setup()
         try:
-            kind = "procrastinate" if name == "procrastinate" else (None if name == "celery" else "project")
+            kind = (
+                "procrastinate"
+                if name == "procrastinate"
+                else (None if name == "celery" else "project")
+            )
             url = getattr(system, "pq_url", None) if kind == "procrastinate" else project.url
             stats: dict[str, dict] = {}
 
@@ -64,11 +72,26 @@ def run(opts) -> list[Row]:
                 system.load(backlog)
                 if kind:
                     stats["start"] = table_stats(url, TABLES[kind])
-            state = {"submitted": backlog, "samples": [], "idle": None, "t_go": None,
-                     "idle_window": None}
 
-            def tick(run_dir, now, handled, system=system, duration=duration, kind=kind,
-                     url=url, state=state, stats=stats):
+            state = {
+                "submitted": backlog,
+                "samples": [],
+                "idle": None,
+                "t_go": None,
+                "idle_window": None,
+            }
+
+            def tick(
+                run_dir,
+                now,
+                handled,
+                system=system,
+                duration=duration,
+                kind=kind,
+                url=url,
+                state=state,
+                stats=stats,
+            ):
                 if state["t_go"] is None:
                     state["t_go"] = now
                     state["idle_window"] = (now + 0.25 * duration, now + 0.75 * duration)
@@ -95,12 +118,23 @@ def run(opts) -> list[Row]:
                     log(f"  idle-in-transaction session closed at {now - state['t_go']:.0f}s")
                 return False
 
-            producer = ({"refill": "DIR", "backlog": backlog, "seconds": duration}
-                        if system.peer else None)
-            row = measure(system, scenario="soak", config=f"{duration:.0f}s",
-                          expected=10**12, workers=opts.workers, batch=opts.batch,
-                          deadline_after_go=duration, cap_from_first=False, on_tick=tick,
-                          producer=producer, setup_while_starting=load, keep=opts.keep)
+            producer = (
+                {"refill": "DIR", "backlog": backlog, "seconds": duration} if system.peer else None
+            )
+            row = measure(
+                system,
+                scenario="soak",
+                config=f"{duration:.0f}s",
+                expected=10**12,
+                workers=opts.workers,
+                batch=opts.batch,
+                deadline_after_go=duration,
+                cap_from_first=False,
+                on_tick=tick,
+                producer=producer,
+                setup_while_starting=load,
+                keep=opts.keep,
+            )
             if isinstance(state["idle"], psycopg.Connection):
                 state["idle"].close()
             row.extra.pop("_pairs", None)
@@ -130,10 +164,12 @@ def run(opts) -> list[Row]:
                 if before and during:
                     row.extra["idle_tx_rate_ratio"] = round(during / before, 2)
             drift = row.extra.get("drift")
-            dead = (stats.get("end", {}).get(TABLES[kind][0], {}).get("dead") if kind else None)
-            row.note = (f"drift {drift if drift is not None else '–'}"
-                        + (f", idle-tx ×{row.extra.get('idle_tx_rate_ratio', '–')}" if kind else "")
-                        + (f", dead tuples {dead:,}" if dead is not None else ""))
+            dead = stats.get("end", {}).get(TABLES[kind][0], {}).get("dead") if kind else None
+            row.note = (
+                f"drift {drift if drift is not None else '–'}"
+                + (f", idle-tx ×{row.extra.get('idle_tx_rate_ratio', '–')}" if kind else "")
+                + (f", dead tuples {dead:,}" if dead is not None else "")
+            )
             row.p50 = row.p99 = row.max = None
             log(f"  {system.label:<20} {row.runs} runs in {duration:.0f}s, {row.note}")
             rows.append(row)

@@ -54,6 +54,7 @@ def run(opts) -> list[Row]:
                 system = make(name, "statements", project, opts.web_workers)
                 system.setup()
                 try:
+
                     def load(system=system) -> None:
                         system.reset()
                         system.load(n)
@@ -76,8 +77,7 @@ def run(opts) -> list[Row]:
                 finally:
                     system.teardown()
                 row.extra.update(round=round_, **read(project, row.runs or n))
-                log(f"  {system.label:<20} {config:<14}: {row.runs} runs, "
-                    f"{(row.rate or 0):,.0f}/s")
+                log(f"  {system.label:<20} {config:<14}: {row.runs} runs, {(row.rate or 0):,.0f}/s")
                 log_statistics(row.extra)
                 rows.append(row)
     return rows

@@ -87,8 +87,15 @@ def main() -> None:
             statuses.add(response.status_code)
         with CaptureQueriesContext(connection) as queries:
             client.get(path)
-        pages.append({"page": name, "path": path, "timings": timings,
-                      "statuses": sorted(statuses), "queries": len(queries)})
+        pages.append(
+            {
+                "page": name,
+                "path": path,
+                "timings": timings,
+                "statuses": sorted(statuses),
+                "queries": len(queries),
+            }
+        )
     with open(args.out, "w") as out:
         json.dump({"runs": args.runs, "load_seconds": loaded, "pages": pages}, out)
 

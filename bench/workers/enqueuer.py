@@ -98,10 +98,16 @@ def main() -> None:
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--threads", type=int, default=4)
-    parser.add_argument("--ids-only", action="store_true",
-                        help="rest: ask for the runs' ids alone (Prefer: return=minimal)")
-    parser.add_argument("--http-floor", action="store_true",
-                        help="rest: GET /healthz instead of each run (the HTTP floor)")
+    parser.add_argument(
+        "--ids-only",
+        action="store_true",
+        help="rest: ask for the runs' ids alone (Prefer: return=minimal)",
+    )
+    parser.add_argument(
+        "--http-floor",
+        action="store_true",
+        help="rest: GET /healthz instead of each run (the HTTP floor)",
+    )
     parser.add_argument("--ready", help="touch this file when connected, then wait for --go")
     parser.add_argument("--go")
     args = parser.parse_args()

@@ -53,7 +53,10 @@ def main() -> None:
     with transaction.atomic():
         with connection.execute_wrapper(explain_first):
             leases = store.claim(
-                queues=[QUEUE], max_runs=args.batch, worker_id="explain", lease_seconds=60,
+                queues=[QUEUE],
+                max_runs=args.batch,
+                worker_id="explain",
+                lease_seconds=60,
                 team_ids=[team],
             )
             calls = [("store.claim", len(captured))]

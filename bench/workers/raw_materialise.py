@@ -66,7 +66,9 @@ def main() -> None:
     inserted = 0
     for shard in range(16):
         while True:
-            handled, new = conn.execute(MATERIALISE, {"shard": shard, "batch": args.batch}).fetchone()
+            handled, new = conn.execute(
+                MATERIALISE, {"shard": shard, "batch": args.batch}
+            ).fetchone()
             inserted += new
             if handled < args.batch:
                 break
