@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import orjson
@@ -45,6 +46,7 @@ def parse_json(raw: bytes, *, items: str | None = None) -> Any:
     With `items`, the key of a batch's items: such a value inside an item replaces that item
     with a RefusedItem instead."""
     limit = limits.json_max_depth()
+    huge = False
     try:
         # orjson, like DRF's strict parser, refuses NaN and Infinity, and lone surrogates.
         data = orjson.loads(raw)
@@ -53,9 +55,19 @@ def parse_json(raw: bytes, *, items: str | None = None) -> Any:
             raise ValidationError(
                 {"body": [f"Nested deeper than {limit} levels of objects and lists."]}
             ) from exc
-        raise ParseError(f"The body is not valid JSON: {not_json(raw, exc)}") from exc
+        if "infinity" not in exc.msg:
+            raise ParseError(f"The body is not valid JSON: {not_json(raw, exc)}") from exc
+        # A number past a 64-bit float's range (309 digits, 1e400): JSON all the same, read
+        # so that it is refused where it stands (in a batch, its item alone).
+        data, huge = read_huge_numbers(raw), True
     # orjson reads an integer past 64 bits as a float: refused rather than rounded.
     problems = limits.inexact_integers(raw)
+    if huge:
+        problems.extend(
+            (keys, "The number is past a 64-bit float's range: send it as a string.")
+            for keys, value in limits.walk(data)
+            if type(value) is float and not math.isfinite(value)
+        )
     # Whatever is accepted must render back: nested past the limit, a value was once stored and
     # then answered 500 on every list showing it. Counting brackets (6 µs for 100 results)
     # spares most bodies the walk.
@@ -75,6 +87,21 @@ def parse_json(raw: bytes, *, items: str | None = None) -> Any:
     if problems:
         refuse(data, problems, items)
     return data
+
+
+def read_huge_numbers(raw: bytes) -> Any:
+    """A JSON body orjson refuses for a number past a double's range, read by the standard
+    library (exact integers, such floats as infinity); ParseError when it is not JSON."""
+
+    def constant(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(raw, parse_constant=constant)
+    except RecursionError:
+        raise ParseError("The body is nested too deeply to be read.") from None
+    except ValueError as exc:
+        raise ParseError(f"The body is not valid JSON: {exc}") from None
 
 
 def too_deep(data: Any, limit: int, items: str | None) -> list[list[str | int]]:

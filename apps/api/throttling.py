@@ -15,58 +15,73 @@ from collections.abc import Callable
 
 from django.conf import settings
 from django.core.cache import cache
-from rest_framework import exceptions
+from rest_framework import exceptions, status
 from rest_framework.throttling import BaseThrottle, SimpleRateThrottle
 
 logger = logging.getLogger(__name__)
 
 
+# A period is counted in this many slices: the count over the last period is the slices inside
+# it plus the share of the oldest one still inside, so at most 1/SLICES of the rate more than it
+# can pass in any period (two halves weighted as one let 1.8 times the rate through at an edge).
+SLICES = 10
+
+
 class Window:
-    """A token's use of one budget, as a sliding window estimated from two fixed ones: the
-    count of this period plus the last period's, weighted by the share of it still inside the
-    sliding period. Past the rate at once, and no burst of twice the rate at a window's edge,
-    at the cost of one read more than a fixed window."""
+    """A token's use of one budget over the last period, counted in SLICES slices of it."""
 
     def __init__(self, budget: str, token_pk: int, rate: str) -> None:
         self.allowed, period = SimpleRateThrottle.parse_rate(None, rate)  # it reads no state
         self.period = float(period)
-        now = time.time()
-        index = int(now // self.period)
-        self.elapsed = now / self.period - index  # of this window, 0 to 1
-        self.key = f"throttle:{budget}:{token_pk}:{index}"
-        self.previous_key = f"throttle:{budget}:{token_pk}:{index - 1}"
+        self.slice = self.period / SLICES
+        position = time.time() / self.slice
+        index = int(position)
+        self.elapsed = position - index  # of the current slice, 0 to 1
+        prefix = f"throttle:{budget}:{token_pk}:"
+        self.key = f"{prefix}{index}"
+        # Oldest first: the slice the period began in, then the rest up to the current one.
+        self.keys = [f"{prefix}{index - back}" for back in range(SLICES, 0, -1)]
         self.wait = 0.0  # once refused: seconds until the same amount would pass
 
     def spend(self, amount: int) -> bool:
         """Count `amount` against the budget; False (nothing counted, `wait` set) past it.
         True when the cache cannot be reached: a limit must not take the API down with it."""
         try:
-            used, before = self._count(amount)
+            counts = self._count(amount)
         except Exception:  # the cache client's own errors (redis-py's are not OSErrors)
             _cache_down()
             return True
-        if used + before * (1 - self.elapsed) <= self.allowed:
+        if counts[0] * (1 - self.elapsed) + sum(counts[1:]) <= self.allowed:
             return True
         self.give_back(amount)
-        room = self.allowed - used  # what this window's own count leaves
-        if room < 0 or before == 0:
-            self.wait = (1 - self.elapsed) * self.period
-        else:  # when enough of the last window has slid out
-            self.wait = max(0.0, (1 - room / before) - self.elapsed) * self.period
-        self.wait = max(0.001, self.wait)
+        counts[-1] -= amount
+        self.wait = max(0.001, self._until_room(counts, amount))
         return False
 
-    def _count(self, amount: int) -> tuple[int, int]:
-        # Kept through the next window too, which weighs it. add, then incr: each atomic in
-        # the local-memory cache and in Redis.
-        timeout = int(2 * self.period) + 1
+    def _until_room(self, counts: list[int], amount: int) -> float:
+        """Seconds until `amount` more fits, as the oldest slices slide out (if nothing else
+        is spent meanwhile)."""
+        for step in range(len(counts)):
+            oldest, rest = counts[step], sum(counts[step + 1 :]) + amount
+            if rest > self.allowed:
+                continue  # this slice slides out whole before there is room
+            start = self.elapsed if step == 0 else 0.0
+            share = 1 - (self.allowed - rest) / oldest if oldest else 0.0
+            return (step + max(start, share) - self.elapsed) * self.slice
+        return (len(counts) - self.elapsed) * self.slice
+
+    def _count(self, amount: int) -> list[int]:
+        """The counts of the period's slices, oldest first, once `amount` is added to the
+        current one. add, then incr: each atomic in the local-memory cache and in Redis."""
+        timeout = int(self.period + 2 * self.slice) + 1  # while a period still weighs it
         cache.add(self.key, 0, timeout=timeout)
         try:
             used = cache.incr(self.key, amount)
         except ValueError:  # expired between the two calls
             cache.add(self.key, 0, timeout=timeout)
             used = cache.incr(self.key, amount)
-        return used, cache.get(self.previous_key, 0)
+        found = cache.get_many(self.keys)
+        return [int(found.get(key, 0)) for key in self.keys] + [used]
 
     def give_back(self, amount: int) -> None:
         if amount <= 0:
@@ -118,6 +133,14 @@ class TokenRateThrottle(BaseThrottle):
         return self._wait
 
 
+class BatchOverRate(exceptions.APIException):
+    """A bulk enqueue of more runs than the token may create in a whole period: it could never
+    pass, so it is not a 429 to wait out."""
+
+    status_code = status.HTTP_400_BAD_REQUEST
+    default_code = "batch-over-rate"
+
+
 def charge_enqueue(token, runs: int) -> Callable[[int], None]:
     """Count `runs` against the token's enqueue budget (SCHEDULER_API_RATE_ENQUEUE, runs per
     period); past it, 429 with the seconds to the next period, and nothing is created.
@@ -130,6 +153,11 @@ def charge_enqueue(token, runs: int) -> Callable[[int], None]:
     if not rate or token is None:
         return _no_refund
     window = Window("enqueue", token.pk, rate)
+    if runs > window.allowed:
+        raise BatchOverRate(
+            f"{runs} runs are more than this token may create in {int(window.period)} s "
+            f"({window.allowed}): send at most {window.allowed} a request."
+        )
     if not window.spend(runs):
         raise exceptions.Throttled(
             wait=window.wait,

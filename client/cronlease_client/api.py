@@ -279,9 +279,12 @@ def _given_key(item: Any) -> Any:
 def _encoded(item: Mapping[str, Any]) -> bytes:
     """An item's JSON; ValueError for NaN or Infinity, which orjson writes as null where the
     scheduler refuses them (not JSON): only a text with a null is encoded again to tell."""
-    content = encode(item)
-    if b"null" in content:
-        json.dumps(item, allow_nan=False)
+    try:
+        content = encode(item)
+        if b"null" in content:
+            json.dumps(item, allow_nan=False)
+    except RecursionError:  # the standard library's encoder, past orjson's 255 levels
+        raise ValueError("nested too deeply to be sent as JSON") from None
     return content
 
 
@@ -506,7 +509,9 @@ class Api:
             return [result for result in merged if result is not None]
 
         results: list[EnqueueResult] = []
-        for batch in self._batches(items):
+        pending = list(self._batches(items))
+        while pending:
+            batch = pending.pop(0)
             content = _BODY_HEAD + b",".join(item for _, item in batch) + _BODY_TAIL
             try:
                 answers = yield Call(
@@ -518,6 +523,11 @@ class Api:
                     content=content,
                 )
             except ApiError as error:
+                if error.type.endswith("/batch-over-rate") and len(batch) > 1:
+                    # More runs than the token may create in a whole period: in halves.
+                    half = len(batch) // 2
+                    pending[:0] = [batch[:half], batch[half:]]
+                    continue
                 # The batches before this one were created: say which, so nothing is lost.
                 error.enqueued = in_order(results)
                 raise

@@ -175,8 +175,8 @@ def test_a_bad_batch_is_refused_whole(api_a, jobs, body):
 def test_enqueue_is_limited_per_run_created_not_per_request(api_a, jobs, settings):
     settings.SCHEDULER_API_RATES = {"worker": "", "manage": "20/s", "enqueue": "1500/min"}
     batch = [{"job": "billing.remind"} for _ in range(1000)]
-    # The budget is a fixed window: start just after a minute begins, or a slow first batch
-    # could be counted in one minute and the second in the next.
+    # Counted over the last minute, in slices: start just after a minute begins, so the
+    # batches' slices are all still inside it.
     minute = datetime.now(UTC).replace(second=1, microsecond=0) + timedelta(minutes=1)
     with time_machine.travel(minute, tick=True):
         _over_budget(api_a, batch)
@@ -202,6 +202,18 @@ def test_items_that_create_nothing_leave_the_enqueue_budget_as_it_was(api_a, job
         assert [item["status"] for item in more.json()["runs"]] == [201] * 12
         assert api_a.post("/api/v1/runs", {"runs": [{"job": "billing.remind"}]}).status_code == 429
     assert len(stored(Run)) == 20
+
+
+def test_a_batch_larger_than_the_whole_budget_is_a_400_not_a_429_to_wait_out(api_a, jobs, settings):
+    settings.SCHEDULER_API_RATES = {"worker": "", "manage": "", "enqueue": "200/s"}
+    answer = api_a.post("/api/v1/runs", {"runs": [{"job": "billing.remind"}] * 201})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["type"].endswith("/batch-over-rate")
+    assert "send at most 200 a request" in answer.json()["detail"]
+    assert not stored(Run)
+    assert (
+        api_a.post("/api/v1/runs", {"runs": [{"job": "billing.remind"}] * 200}).status_code == 200
+    )
 
 
 def _over_budget(api_a, batch: list[dict]) -> None:

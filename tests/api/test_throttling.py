@@ -49,9 +49,10 @@ class Clock:
 
 
 def test_the_budget_slides_no_burst_of_twice_the_rate_at_a_windows_edge(monkeypatch):
-    """Ten a minute, all spent in the last instant of a minute: the next minute's first
-    seconds are still refused (a fixed window let ten more through at once), with a
-    Retry-After of when enough of them has slid out."""
+    """Ten a minute, all spent in the last instant of a minute: the next minute is still
+    refused (a fixed window let ten more through at once; two halves weighted, nine), until
+    the slice they were counted in slides out, which Retry-After says to the tenth of a
+    second."""
     cache.clear()
     clock = Clock(600 * 60 - 0.1)  # 0.1 s before a minute ends
     monkeypatch.setattr(throttling, "time", clock)
@@ -59,13 +60,31 @@ def test_the_budget_slides_no_burst_of_twice_the_rate_at_a_windows_edge(monkeypa
     clock.at += 0.2  # 0.1 s into the next minute
     window = Window("t", 1, "10/min")
     assert not window.spend(1)
-    # One fits once a tenth of the last minute's ten weigh no more: 6 s into this one.
-    assert window.wait == pytest.approx(5.9)
-    clock.at += 5.8
+    # Counted in the minute's last 6 s slice, the ten weigh a tenth less once 0.6 s of that
+    # slice has slid out of the last minute: 54.6 s after the minute began.
+    assert window.wait == pytest.approx(54.5)
+    clock.at += window.wait - 0.1
     assert not Window("t", 1, "10/min").spend(1)
     clock.at += 0.2
     assert Window("t", 1, "10/min").spend(1)
     assert not Window("t", 1, "10/min").spend(1)
+    cache.clear()
+
+
+def test_a_client_that_waits_out_retry_after_is_served(monkeypatch):
+    """Retry-After is when the same call fits (nothing else spent): not a second early."""
+    cache.clear()
+    clock = Clock(0)
+    monkeypatch.setattr(throttling, "time", clock)
+    for at, calls in ((1000.05, 1), (1000.35, 1), (1000.65, 1), (1000.85, 2)):  # five a second
+        clock.at = at
+        assert all(Window("t", 2, "5/s").spend(1) for _ in range(calls))
+    refused = Window("t", 2, "5/s")
+    assert not refused.spend(1)
+    clock.at += refused.wait - 0.01
+    assert not Window("t", 2, "5/s").spend(1)
+    clock.at += 0.02
+    assert Window("t", 2, "5/s").spend(1)
     cache.clear()
 
 

@@ -674,8 +674,8 @@ def test_enqueue_over_the_runs_budget_waits_for_the_next_window_and_creates_each
     wire = CountingTransport()
     producer = Client(live_server.url, token_a, batch_size=2, retries=5, http_transport=wire)
 
-    # The budget is a fixed window: start as a second begins, or the first batch could be
-    # counted in one second and the second batch in the next.
+    # Start as a second begins: the 429 below is then certain (the budget slides over the
+    # last second, counted in tenths).
     second = datetime.now(UTC).replace(microsecond=20_000) + timedelta(seconds=2)
     with time_machine.travel(second, tick=True):
         results = producer.enqueue_many([Enqueue("shop.send-receipt") for _ in range(5)])
@@ -684,6 +684,24 @@ def test_enqueue_over_the_runs_budget_waits_for_the_next_window_and_creates_each
     # The second batch would pass 3 runs in the second: refused whole, then sent again.
     assert 429 in [status for _, _, status in wire.seen]
     assert RunRow.objects.count() == 5
+    producer.close()
+
+
+def test_enqueue_many_halves_a_batch_larger_than_the_whole_budget(
+    live_server, token_a, team_a, ready_listener, settings
+):
+    """A batch the token could never send in one period (batch-over-rate) is sent in halves,
+    and each half waits its turn: before, it was told to retry in a second, forever."""
+    make_definition(team_a, "shop.send-receipt", queue="shop")
+    settings.SCHEDULER_API_RATES = {"worker": "", "manage": "", "enqueue": "20/s"}
+    wire = CountingTransport()
+    producer = Client(live_server.url, token_a, batch_size=30, retries=5, http_transport=wire)
+
+    results = producer.enqueue_many([Enqueue("shop.send-receipt") for _ in range(30)])
+
+    assert [result.status for result in results] == [201] * 30
+    assert [status for _, _, status in wire.seen][0] == 400
+    assert RunRow.objects.count() == 30
     producer.close()
 
 

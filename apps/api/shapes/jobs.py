@@ -5,7 +5,7 @@ the sync of a team's definitions. The same models validate the dashboard's edit 
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, NotRequired
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -233,7 +233,11 @@ def _instant(value: Any) -> Any:
         raise problem("datetime", "Give an ISO 8601 time with an offset or Z.")
     if parsed.tzinfo is None:
         raise problem("datetime", "Give an offset or Z, e.g. 2026-12-01T10:00:00Z.")
-    return parsed
+    # In UTC: PostgreSQL refuses offsets past ±15:59 that Python reads (a 500 before).
+    try:
+        return parsed.astimezone(UTC)
+    except OverflowError:  # out of range once in UTC
+        raise problem("datetime", "Out of range once in UTC.") from None
 
 
 AwareTime = Annotated[datetime | None, BeforeValidator(_instant)]
