@@ -7,7 +7,7 @@ leases, emptied a dead-letter queue or flooded an audit trail.
 from __future__ import annotations
 
 import re
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.core.cache import cache
@@ -115,11 +115,12 @@ def test_an_integer_past_64_bits_is_refused_not_rounded(api_a, team_a, number):
     ("value", "reason"),
     [
         ({"n": 2**70}, "outside 64 bits"),
+        ({"n": 10**309}, "outside 64 bits"),  # past a double's range: orjson cannot read it
         ({"text": "a\x00b"}, "NUL character"),
         ({"a\x00": 1}, "NUL character"),
         (deep(62), "Nested deeper than 64 levels"),
     ],
-    ids=["integer", "nul", "nul-key", "depth"],
+    ids=["integer", "huge-integer", "nul", "nul-key", "depth"],
 )
 def test_a_batch_item_holding_a_value_no_body_may_is_refused_alone(api_a, team_a, value, reason):
     """Each item of a bulk enqueue is answered on its own, as the README says, also when it
@@ -143,6 +144,30 @@ def test_a_batch_item_holding_a_value_no_body_may_is_refused_alone(api_a, team_a
     wrong = {"runs": [{"job": "mixed.job", "idempotencyKey": "k"}], "note": value}
     assert_problem(api_a.post("/api/v1/runs", wrong), 400, "note")
     assert Run.objects.count() == 2
+
+
+def test_a_float_past_a_doubles_range_is_refused_in_its_item_alone(api_a, team_a):
+    make_definition(team_a, "mixed.job", queue="mixed")
+    body = b'{"runs": [{"job": "mixed.job"}, {"job": "mixed.job", "payload": {"x": -1e400}}]}'
+    answer = api_a.http.post(
+        "/api/v1/runs", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert answer.status_code == 200, answer.text
+    first, second = answer.json()["runs"]
+    assert (first["status"], second["status"]) == (201, 400)
+    assert "past a 64-bit float's range" in second["errors"]["payload"][0]
+    assert Run.objects.count() == 1
+
+
+@pytest.mark.parametrize("offset", ["+16:00", "-23:59", "+15:59"])
+def test_a_run_time_offset_postgresql_does_not_take_is_read_in_utc(api_a, team_a, offset):
+    """Python reads offsets up to ±23:59, PostgreSQL only to ±15:59: such a runAt was a 500."""
+    make_definition(team_a, "far.zone", queue="far")
+    at = f"2030-01-01T00:00:00{offset}"
+    answer = api_a.post("/api/v1/jobs/far.zone/runs", {"runAt": at})
+    assert answer.status_code == 201, answer.text
+    expected = datetime.fromisoformat(at).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert answer.json()["dueAt"] == expected
 
 
 def test_a_thousand_levels_around_a_long_integer_are_a_400_not_a_500(api_a, team_a):

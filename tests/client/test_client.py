@@ -249,6 +249,13 @@ def test_enqueue_many_reports_a_bad_item_without_raising(producer, team_a):
     assert RunRow.objects.count() == 3
 
 
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 def test_values_json_or_the_scheduler_cannot_take_are_refused_per_item_not_sent_changed(
     producer, team_a
 ):
@@ -266,15 +273,17 @@ def test_values_json_or_the_scheduler_cannot_take_are_refused_per_item_not_sent_
             Enqueue(job, idempotency_key=""),
             Enqueue(job, payload={"note": "a\x00b"}),
             Enqueue(job, payload={"n": 2**70}),
+            Enqueue(job, payload=nested(1200)),  # past what JSON encoders write
             Enqueue(job, idempotency_key="last", payload={"kept": None}),
         ]
     )
 
-    assert [result.status for result in results] == [201, 400, 400, 400, 400, 400, 201]
+    assert [result.status for result in results] == [201, 400, 400, 400, 400, 400, 400, 201]
     assert [sorted(result.error.errors) for result in results[1:-1]] == [
         ["payload"],
         ["payload"],
         ["idempotencyKey"],
+        ["payload"],
         ["payload"],
         ["payload"],
     ]
