@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -181,10 +181,10 @@ def enqueue_many(
     # The audit event commits with the runs when they share the control database; a shard
     # database of its own commits its runs first (one transaction per database).
     with transaction.atomic(using=shards.CONTROL):
-        for alias, part in _by_database(asked, by_id).items():
+        for alias, asked_here in _by_database(asked, by_id).items():
+            made, part = _insert_on(alias, asked_here, by_id, failed, full=full)
             ids = {new.definition_id for new in part}
             with shards.using(alias), _unless_unreachable(alias, ids, failed):
-                made = insert_keyed(part, full=full)
                 rows.update(made)
                 if full:
                     runs.update(
@@ -238,6 +238,41 @@ def enqueue_many(
     return Batch(answers, now)
 
 
+def _insert_on(
+    alias: str,
+    part: list[NewRun],
+    by_id: dict[int, JobDefinition],
+    failed: dict[int, str],
+    *,
+    full: bool,
+) -> tuple[dict[tuple[int, str], Any], list[NewRun]]:
+    """Insert `part` on database `alias` in one statement: what insert_keyed answers, and the
+    runs it was given (none when the database could not be reached).
+
+    The runs of a shard whose move's guard refuses them answer 503 (`failed`), and the others
+    are inserted again without them: a move refuses its own shard's runs only, though this
+    process's map may be a second late to know of it. In the control database the insert runs
+    in the audit event's transaction: a savepoint keeps it usable once a shard has moved (two
+    statements more); before any move is known, a refusal there is a 503 for the request."""
+    shared = alias == shards.CONTROL
+    while part:
+        ids = {new.definition_id for new in part}
+        moving: list[int] = []
+        savepoint = transaction.atomic(using=alias) if shared and shards.ever_moved() else None
+        with shards.using(alias), _unless_unreachable(alias, ids, failed, moving):
+            with savepoint or nullcontext():
+                return insert_keyed(part, full=full), part
+        if not moving:
+            return {}, []  # the database could not be reached: every item answers 503
+        if shared and savepoint is None:
+            raise shards.Moving(moving[0])  # its transaction is spoilt: nothing was written
+        for pk in ids:
+            if by_id[pk].shard != moving[0]:
+                del failed[pk]
+        part = [new for new in part if by_id[new.definition_id].shard != moving[0]]
+    return {}, part
+
+
 def _vanished(definition: JobDefinition) -> Enqueued:
     """The answer for an item whose insert found no definition row to insert for (nor a run
     of that key): the job was deleted meanwhile (404), or its shard moved to another database
@@ -254,9 +289,12 @@ def _vanished(definition: JobDefinition) -> Enqueued:
 
 
 @contextmanager
-def _unless_unreachable(alias: str, keys: Iterable[Any], down: dict[Any, str]) -> Iterator[None]:
+def _unless_unreachable(
+    alias: str, keys: Iterable[Any], down: dict[Any, str], moving: list[int] | None = None
+) -> Iterator[None]:
     """With shards on databases of their own, one that cannot be reached fails its items alone
-    (they answer 503: `down` gets why, for each of `keys`), not the batch."""
+    (they answer 503: `down` gets why, for each of `keys`), not the batch. A shard whose move's
+    guard refused a row is added to `moving`."""
     try:
         yield
     except (OperationalError, InterfaceError) as exc:
@@ -272,6 +310,8 @@ def _unless_unreachable(alias: str, keys: Iterable[Any], down: dict[Any, str]) -
             raise
         shard = int(constraint.removeprefix(shards.MOVED_GUARD_PREFIX))
         down.update(dict.fromkeys(keys, shards.moving_detail(shard)))
+        if moving is not None:
+            moving.append(shard)
 
 
 def _definitions(

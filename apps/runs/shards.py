@@ -95,6 +95,7 @@ class Unavailable(Exception):
 class _Placement:
     map: ShardMap
     moving: frozenset[int] = frozenset()
+    relocated: bool = False  # some shard lives away from the settings' map
 
 
 # The map this process routes by: the settings' until `refresh` reads the moved shards from the
@@ -145,6 +146,7 @@ def refresh(*, force: bool = False) -> None:
     placement = _Placement(
         shardmap.relocated(base, moved, settings.DATABASE_URL) if moved else base,
         frozenset(shard for shard, _, moving in rows if moving),
+        bool(moved),
     )
     for alias, url in placement.map.urls.items():
         if alias not in connections.settings:
@@ -178,6 +180,11 @@ def _register(alias: str, url: str) -> None:
     config = connections.configure_settings(databases)[alias]
     settings.DATABASES[alias] = config
     connections.settings[alias] = config
+
+
+def ever_moved() -> bool:
+    """Whether any shard has been moved or is moving (its old database then holds a guard)."""
+    return _placement is not None and (_placement.relocated or bool(_placement.moving))
 
 
 def moving() -> frozenset[int]:

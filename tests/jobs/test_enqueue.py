@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -11,7 +12,10 @@ from django.db import connections
 from apps.audit.models import AuditEvent
 from apps.audit.record import Actor
 from apps.jobs.enqueue import Wanted, enqueue_many
+from apps.runs import shards
 from apps.runs.models import PRIORITIES, Run
+from apps.runs.shards import MOVED_GUARD_PREFIX
+from apps.scheduler.moves import ADD_GUARD, DROP_GUARD
 from tests.conftest import db_now, make_definition, stored, stored_one
 
 
@@ -151,3 +155,40 @@ def test_an_item_whose_job_is_deleted_under_the_insert_is_a_404_not_a_failed_bat
     making.join(10)
     connections.close_all()
     assert [answer.status for answer in answers] == [404, 201]
+
+
+@pytest.fixture
+def guarded_shard(team_a, jobs) -> Iterator[int]:
+    """A move's guard on the control database for billing.remind's shard (as `moveshard`
+    leaves on the database a shard leaves), which this process's map does not know of yet."""
+    shard = jobs[1].shard
+    assert jobs[0].shard != shard
+    name = f"{MOVED_GUARD_PREFIX}{shard}"
+    with connections["default"].cursor() as cursor:
+        cursor.execute(ADD_GUARD.format(name=name, table="runs_run", shard=shard))
+    yield shard
+    with connections["default"].cursor() as cursor:
+        cursor.execute(DROP_GUARD.format(name=name, table="runs_run"))
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("known", [True, False], ids=["moves-known", "first-move"])
+def test_a_moving_shards_guard_in_the_control_database_refuses_its_runs_only(
+    team_a, jobs, guarded_shard, monkeypatch, known
+):
+    """Once a move is known, the insert runs in a savepoint of the audit event's transaction:
+    the guarded shard's item is a 503 and the others are created, with their audit event.
+    Before any move is known (a map a second late at the very first move), the request is a
+    503 whole and nothing is written (the transaction was spoilt: it was a 500)."""
+    monkeypatch.setattr(shards, "refresh", lambda force=False: None)
+    monkeypatch.setattr(shards, "ever_moved", lambda: known)
+    items = [Wanted("billing.send-invoice", "i-1"), Wanted("billing.remind", "r-1")]
+    if not known:
+        with pytest.raises(shards.Moving, match=f"shard {guarded_shard} is moving"):
+            enqueue_many([team_a.pk], items, Actor.system())
+        assert not stored(Run)
+        return
+    answers = enqueue_many([team_a.pk], items, Actor.system()).answers
+    assert [answer.status for answer in answers] == [201, 503]
+    assert stored_one(Run).idempotency_key == "i-1"
+    assert AuditEvent.objects.filter(action="run.create").count() == 1

@@ -163,7 +163,7 @@ def test_a_shard_moves_under_load_with_nothing_lost_duplicated_or_left_behind(
 
 
 def test_during_a_move_leased_runs_finish_and_the_databases_other_shards_lease_as_usual(
-    layout: Layout, team_a, placement_reset
+    layout: Layout, team_a, placement_reset, monkeypatch
 ):
     """The move waits for the shard's leased runs: heartbeating, completing and failing them
     must work meanwhile, and claims on the same database must lease its other shards' runs
@@ -206,6 +206,16 @@ def test_during_a_move_leased_runs_finish_and_the_databases_other_shards_lease_a
         assert [o.status for o in beats + done + failed] == [200, 200, 200]
         taken = claim(queues=["q"], max_runs=10, worker_id="w", lease_seconds=60, team_ids=team)
         assert sorted(lease.id for lease in taken) == sorted(staying)
+        # A process whose map is up to a second late to know of the move: its insert meets the
+        # guard, and only the moving shard's item is refused; before, every item of the
+        # batch bound for that database was.
+        with monkeypatch.context() as late:
+            late.setattr(shards, "moving", frozenset)
+            late.setattr(shards, "refresh", lambda force=False: None)
+            items = [Wanted(moving_job.name, "late-1"), Wanted(staying_job.name, "late-2")]
+            answers = enqueue_many(team, items, Actor.system()).answers
+        assert [answer.status for answer in answers] == [503, 201]
+        assert f"shard {shard} is moving" in answers[0].detail
         (last,) = store.complete([(held[2].id, held[2].fencing_token, None)], team_ids=team)
         assert last.status == 200
     finally:
