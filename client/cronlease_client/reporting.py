@@ -259,8 +259,9 @@ def read_answers(
 
 
 # Outcomes answered 503 (their shard's database unreachable) are sent again this many times,
-# after growing pauses (0.5 s up to 8 s, about 20 s in all): a database restart or a failover
-# is over by then; past it the lease expires and the scheduler retries the run.
+# after growing pauses (0.5 s up to 8 s, half of each random: 8 to 16 s in all): a database
+# restart or a failover is over by then; past it the lease expires and the scheduler retries
+# the run.
 UNAVAILABLE_RETRIES = 5
 
 
