@@ -143,7 +143,8 @@ class BatchOverRate(exceptions.APIException):
 
 def charge_enqueue(token, runs: int) -> Callable[[int], None]:
     """Count `runs` against the token's enqueue budget (SCHEDULER_API_RATE_ENQUEUE, runs per
-    period); past it, 429 with the seconds to the next period, and nothing is created.
+    period); past it, 429 with the seconds until they fit, and nothing is created. More runs
+    than a whole period allows could never fit: a 400 (batch-over-rate).
 
     Producers create runs by the thousand in one request, so the budget counts runs, not
     requests. Items are charged before they are tried, so a request cannot create past the
