@@ -161,6 +161,9 @@ def test_start_and_end_are_saved_in_the_schedule_and_shown_on_the_job_page(edito
         ({"start_at": "2030-01-01T00:00:00"}, "start_at", "no UTC offset"),
         ({"start_at": "2030-02-01T00:00:00Z", "end_at": "2030-01-01T00:00:00Z"}, "end_at",
          "must be after startAt"),
+        ({"cron": "0\t2 * * *"}, "cron", "separate the fields with spaces, not U+0009"),
+        ({"cron": "0 0 1 1 *", "start_at": "2030-01-02T00:00:00Z",
+          "end_at": "2030-01-03T00:00:00Z"}, "end_at", "would never run"),
     ],
 )  # fmt: skip
 def test_bad_cron_and_bounds_are_form_errors_beside_their_fields(editor_a, fields, field, says):
