@@ -467,7 +467,9 @@ class Worker(Daemon):
     def _dispatch(self, lease: Mapping[str, Any]) -> bool:
         run = _Run(lease, self._new_flag(), self._new_flag())
         with self._lock:
-            if self._abandoning:
+            # A stop that lands while a batch is handed out gives the rest back (a process
+            # pool's slots took them up to a second after it).
+            if self._abandoning or self.shutdown.is_set():
                 return False
             self._inflight[run.run_id] = run
             self._busy += 1
@@ -515,11 +517,24 @@ class Worker(Daemon):
 
     def _slot_loop(self) -> None:
         while (run := self._tasks.get()) is not None:
+            if self.shutdown.is_set():
+                # Handed to the slots before the stop, not started: given back, not run (it
+                # would likely be cut off by the grace period).
+                self._finish(run, self._not_started)
+                continue
             try:
                 report = self._execute(run)
             except BaseException as exc:  # the slot must survive whatever happens
                 report = describe_failure(exc)
             self._finish(run, report)
+
+    @property
+    def _not_started(self) -> Report:
+        return Report(
+            "failed",
+            error_type=SHUTDOWN_ERROR,
+            message=f"worker {self.worker_id} was stopping before this run started",
+        )
 
     def _execute(self, run: _Run) -> Report:
         spec = self.handlers.get(run.job)

@@ -660,6 +660,38 @@ def test_runs_that_arrive_after_the_stop_are_given_back_not_started(
     assert {(run.attempt, run.last_error["type"]) for run in runs} == {(1, "WorkerShutdown")}
 
 
+def test_a_stop_while_a_batch_is_handed_out_starts_none_of_the_rest(
+    team_a, make_worker, monkeypatch
+):
+    """A stop that lands while the runs of one answer are handed to the slots: the rest are
+    given back, not started (a process pool's slots started them up to a second after the
+    stop, and a long one was then cut off by the grace period)."""
+    definition = make_definition(team_a, "demo.batch", queue="batch", retry_base_seconds=60)
+    ids = add_ready_runs(definition, 3)
+    called: list[str] = []
+    worker = make_worker(
+        ["batch"],
+        handlers={"demo.batch": lambda ctx: called.append(ctx.run_id)},
+        concurrency=3,
+        batch_size=3,
+    )
+    real_dispatch = Worker._dispatch
+
+    def dispatch_then_stop(self: Worker, lease: Any) -> bool:
+        handed = real_dispatch(self, lease)
+        self._on_signal(signal.SIGTERM, None)  # SIGTERM after the first run is handed out
+        return handed
+
+    monkeypatch.setattr(Worker, "_dispatch", dispatch_then_stop)
+    worker.start()
+    assert worker.join(10)
+
+    runs = wait_for(runs_when(ids, "retrying", "succeeded"), what="every run settled")
+    given_back = [run for run in runs if run.state == "retrying"]
+    assert len(called) <= 1 and len(given_back) == 3 - len(called)
+    assert {(run.attempt, run.last_error["type"]) for run in given_back} == {(1, "WorkerShutdown")}
+
+
 def test_runs_whose_answer_was_still_arriving_at_the_stop_are_given_back(
     live_server, team_a, make_worker, serve
 ):
