@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from cronlease_client.errors import ApiError
@@ -91,7 +93,24 @@ def _import_error(module: str, exc: ModuleNotFoundError) -> bool:
     return exc.name is not None and (module + ".").startswith(exc.name + ".")
 
 
+def _exit_before_start(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        # A SIGTERM before the worker or bridge takes over its signals (while the handlers'
+        # module imports, say) finds nothing leased: exit 0 at once, not killed by it (-15).
+        previous = signal.signal(signal.SIGTERM, _exit_before_start)
+    try:
+        return _main(argv, prog)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Sequence[str] | None, prog: str | None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if not args.url:

@@ -272,3 +272,29 @@ def test_the_cli_needs_a_url_and_a_token(monkeypatch, capsys):
         main(["run", "examples.plain_worker.handlers", "--queue", "q"])
     assert caught.value.code == 2
     assert "CRONLEASE_URL" in capsys.readouterr().err
+
+
+def test_a_sigterm_while_the_handlers_import_exits_0_at_once(tmp_path):
+    """Nothing is leased before the worker starts: a SIGTERM then (a slow handlers module, a
+    supervisor stopping it early) exits 0 at once rather than killing it (-15)."""
+    (tmp_path / "slow_handlers.py").write_text(
+        "import sys, time\nprint('importing', flush=True)\ntime.sleep(30)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(CLIENT_DIR)]),
+        "CRONLEASE_URL": "http://127.0.0.1:9",
+        "CRONLEASE_TOKEN": "jst_unused",
+    }
+    command = [sys.executable, "-m", "cronlease_client", "run", "slow_handlers", "--queue", "q"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "importing\n"
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+        assert time.monotonic() - started < 5
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
