@@ -304,7 +304,10 @@ def _refused(run_id: str, outcome: store.Outcome | None) -> shape.ItemRefused:
     status = 404 if outcome is None else outcome.status
     detail = (outcome.detail if outcome is not None else "") or "No such run."
     code = (outcome.code if outcome is not None else "") or ITEM_CODES[status]
-    return shape.ItemRefused(runId=run_id, **problem(status, detail, code=code))
+    refused = shape.ItemRefused(runId=run_id, **problem(status, detail, code=code))
+    if outcome is not None and outcome.ended and outcome.state:
+        refused["state"] = outcome.state
+    return refused
 
 
 def _parsed(

@@ -1299,12 +1299,21 @@ class Outcome(NamedTuple):
     detail: str = ""
     denied_team_id: int | None = None  # set when the run exists but belongs to another team
     code: str = ""  # the problem type of a 409: "cancelled" when a cancel was asked for
+    # A 409 for the run's current token on a run whose lease its worker's outcome ended: the
+    # holder may learn the state it ended in (an outcome sent again after it was recorded).
+    ended: bool = False
 
 
-# Only for the items a batch did not change: tell "not yours" (404) from "not any more" (409).
+# Only for the items a batch did not change: tell "not yours" (404) from "not any more" (409),
+# and whether the run's current attempt was ended by its worker's outcome (attempt_run_number:
+# a run's few attempts).
 DIAGNOSE = """
-SELECT id, team_id, state, fencing_token, lease_expires_at <= now() AS expired, cancel_requested
-FROM runs_run WHERE id = ANY(%(ids)s::bigint[])
+SELECT r.id, r.team_id, r.state, r.fencing_token, r.lease_expires_at <= now() AS expired,
+       r.cancel_requested,
+       EXISTS (SELECT 1 FROM runs_attempt a
+               WHERE a.run_id = r.id AND a.fencing_token = r.fencing_token
+                 AND a.outcome IN ('succeeded', 'failed', 'cancelled')) AS reported
+FROM runs_run r WHERE r.id = ANY(%(ids)s::bigint[])
 """
 
 
@@ -1320,7 +1329,7 @@ def _diagnose(
             denied = row[1] if row is not None else None
             outcomes[run_id] = Outcome(run_id, 404, detail="no such run", denied_team_id=denied)
             continue
-        _, _, state, current, expired, cancel_requested = row
+        _, _, state, current, expired, cancel_requested, reported = row
         code = ""
         # The current token is never disclosed: it is what a lease holder proves itself with.
         if state == "leased" and token == current and cancel_requested:
@@ -1338,7 +1347,8 @@ def _diagnose(
             detail = "the lease has expired"
         else:
             detail = "the lease could not be updated"
-        outcomes[run_id] = Outcome(run_id, 409, state=state, detail=detail, code=code)
+        ended = token == current and state != "leased" and reported
+        outcomes[run_id] = Outcome(run_id, 409, state, detail=detail, code=code, ended=ended)
     return outcomes
 
 

@@ -234,6 +234,16 @@ def read_answers(
                 item.get("detail", ""),
                 extra=run.fields(),
             )
+        elif _recorded_before(report, item):
+            # This outcome was recorded before: a lease request carrying it was cut off by a
+            # stop after the scheduler had taken it, and it was sent again.
+            states[run.run_id] = str(item["state"])
+            logger.info(
+                "result already recorded run_id=%s state=%s",
+                run.run_id,
+                item["state"],
+                extra=run.fields(),
+            )
         elif item.get("status") == 200:
             states[run.run_id] = str(item.get("state", ""))
             if not logger.isEnabledFor(logging.DEBUG):
@@ -256,6 +266,16 @@ def read_answers(
                 extra=run.fields(),
             )
     return states, again
+
+
+# The states an outcome leaves a run in (`cancelled` when a cancel was asked for meanwhile).
+ENDS = {"succeeded": ("succeeded", "cancelled"), "failed": ("retrying", "dead", "cancelled")}
+
+
+def _recorded_before(report: Report, item: dict[str, Any]) -> bool:
+    """A 409 that names the state this lease's run ended in (the scheduler says it only for
+    the run's current fencing token), and it is the state this outcome leaves."""
+    return item.get("status") == 409 and item.get("state") in ENDS[report.outcome]
 
 
 # Outcomes answered 503 (their shard's database unreachable) are sent again this many times,

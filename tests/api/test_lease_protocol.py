@@ -9,7 +9,7 @@ import pytest
 from django.db import connections
 
 from apps.runs import shards, store
-from apps.runs.ids import public_run_id
+from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import Attempt, Run
 from tests.conftest import (
     add_ready_runs,
@@ -250,6 +250,37 @@ def test_batch_endpoints_answer_per_item(api_a, team_a):
     states = {run.pk: run.state for run in stored(Run)}
     assert sorted(states.values()) == ["dead", "leased", "succeeded"]
     assert public_run_id(next(pk for pk, s in states.items() if s == "leased")) == c["runId"]
+
+
+def test_an_outcome_sent_again_learns_the_state_it_left_and_no_other_does(api_a, team_a):
+    definition = make_definition(team_a, "jobs.again", queue="q", retry_max_attempts=3)
+    add_ready_runs(definition, 3)
+    done, failed, expired = api_a.lease(["q"], 3)
+
+    def report(lease: dict, outcome: str, token: int | None = None) -> dict:
+        item = {"runId": lease["runId"], "fencingToken": token or lease["fencingToken"]}
+        item["outcome"] = outcome
+        if outcome == "failed":
+            item |= {"error": {"message": "boom", "type": "ValueError"}, "retryable": True}
+        answer = api_a.post("/api/v1/results", {"results": [item]})
+        assert answer.status_code == 200
+        return answer.json()["results"][0]
+
+    assert report(done, "succeeded")["status"] == 200
+    assert report(failed, "failed")["state"] == "retrying"
+    again = report(done, "succeeded")
+    assert (again["status"], again["state"]) == (409, "succeeded")
+    assert "not leased" in again["detail"]
+    again = report(failed, "failed")
+    assert (again["status"], again["state"]) == (409, "retrying")
+    # A token that is not the run's current one learns nothing of the run.
+    stale = report(done, "succeeded", token=done["fencingToken"] - 1)
+    assert stale["status"] == 409 and "state" not in stale
+    # A lease that expired was ended by the reaper, not by an outcome: nothing was recorded.
+    expire_lease(parse_run_id(expired["runId"]))
+    assert [r.outcome for r in store.reap()] == ["lease_expired"]
+    late = report(expired, "succeeded")
+    assert late["status"] == 409 and "state" not in late
 
 
 @pytest.mark.parametrize("stranger", ["run_8000000000000", "run_ZZZZZZZZZZZZZZZZ"])

@@ -103,6 +103,39 @@ def test_an_outcome_the_scheduler_refuses_has_no_new_state(scheduler):
     assert send_results(http, [(run(1), Report("succeeded"))]) == {}
 
 
+@pytest.mark.parametrize(
+    ("outcome", "state", "recorded"),
+    [
+        ("succeeded", "succeeded", True),
+        ("failed", "retrying", True),
+        ("failed", "dead", True),
+        ("succeeded", "cancelled", True),
+        ("succeeded", "retrying", False),  # not what this outcome leaves
+        ("failed", "succeeded", False),
+        ("succeeded", None, False),  # a stale token: no state named
+    ],
+)
+def test_an_outcome_recorded_before_is_taken_and_not_warned_of(
+    scheduler, caplog, outcome, state, recorded
+):
+    item = {"runId": "run_1", "status": 409, "detail": "the run is not leased"}
+    if state:
+        item["state"] = state
+    http, _ = scheduler(lambda items: json_response(200, {"results": [item]}))
+    report = Report("succeeded") if outcome == "succeeded" else Report("failed", message="x")
+
+    with caplog.at_level("INFO", logger="cronlease_client"):
+        states = send_results(http, [(run(1), report)])
+
+    assert states == ({"run_1": state} if recorded else {})
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert [r.getMessage().split(" run_id")[0] for r in warned] == (
+        [] if recorded else ["result refused"]
+    )
+    if recorded:
+        assert "result already recorded run_id=run_1" in caplog.text
+
+
 def test_an_item_answered_503_is_sent_again_alone_until_it_is_taken(scheduler):
     answers = iter(["down", "down", "up"])
 

@@ -277,6 +277,16 @@ class ItemRefused(TypedDict):
         ItemStatus, Field(description="404, 409, or 503 when the run's shard is unavailable.")
     ]
     detail: str
+    state: NotRequired[
+        Annotated[
+            RunState,
+            Field(
+                description="On a 409 for the run's current fencing token whose lease a "
+                "reported outcome ended: the state it ended in (`succeeded` when a success was "
+                "recorded before, say). Absent otherwise (a stale token, an expired lease)."
+            ),
+        ]
+    ]
 
 
 @typed_config(ANSWER)
