@@ -208,10 +208,6 @@ class JobBackfillView(ManageView):
                 plan, created = backfill.plan(definition, args.from_, args.to), 0
         except backfill.BackfillError as exc:
             raise ValidationError({key: [reason] for key, reason in exc.errors.items()}) from exc
-        except OverflowError as exc:  # a bound at the very ends of datetime's range
-            raise ValidationError(
-                {"from": ["The range reaches past the years 1 to 9999."]}
-            ) from exc
         return Response(backfill_json(plan, created, args.confirm))
 
 

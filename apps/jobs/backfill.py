@@ -56,7 +56,12 @@ def plan(definition: JobDefinition, start: datetime, end: datetime) -> BackfillP
         raise BackfillError({"from": "A backfill is for the past: from must not be ahead."})
     end = min(end, now)
     cap = settings.SCHEDULER_BACKFILL_CAP
-    times = firetimes.fire_times_between(schedule, start - timedelta(microseconds=1), end, cap + 1)
+    try:
+        times = firetimes.fire_times_between(
+            schedule, start - timedelta(microseconds=1), end, cap + 1
+        )
+    except OverflowError as exc:  # a bound at the very ends of datetime's range
+        raise BackfillError({"from": "The range reaches past the years 1 to 9999."}) from exc
     capped = len(times) > cap
     times = times[:cap]
     # The trigger filter lets the partial unique index on (definition, due time) answer this.

@@ -86,6 +86,12 @@ def test_backfill_refuses_bad_ranges_and_non_cron_jobs(api_a):
         {"from": "2999-01-01T00:00:00Z", "to": "2999-01-02T00:00:00Z"},
     )
     assert ahead.status_code == 400 and "from" in ahead.json()["errors"], ahead.text
+    for start in ("0001-01-01T00:00:00Z", "0001-01-01T00:00:00+01:00"):
+        ends = api_a.post(
+            "/api/v1/jobs/etl.cron/backfill", {"from": start, "to": "9999-12-31T23:59:00Z"}
+        )
+        assert ends.status_code == 400, ends.text
+        assert ends.json()["errors"] == {"from": ["The range reaches past the years 1 to 9999."]}
     now = db_now()
     across = api_a.post(
         "/api/v1/jobs/etl.cron/backfill",

@@ -245,6 +245,15 @@ def test_backfill_mistakes_are_shown_beside_the_form(operator_a, team_a):
     assert (
         "Enter a valid date/time" in client.post(url, {"start": "soon", "end": ""}).content.decode()
     )
+    # A range at the ends of the calendar is a mistake beside the form, as in the API.
+    for start, end in [
+        ("0001-01-01T00:00", "9999-12-31T23:59"),
+        ("0001-01-01T00:00", "0001-01-01T00:01"),
+    ]:
+        for confirm in ("", "yes"):
+            ends = client.post(url, {"start": start, "end": end, "confirm": confirm})
+            assert ends.status_code == 200
+            assert "From: The range reaches past the years 1 to 9999." in ends.content.decode()
     # A job without a cron schedule has no backfill form, and the domain refuses it by hand too.
     manual = make_definition(team_a, "billing.manual", queue="billing")
     assert "Preview backfill" not in client.get(f"/jobs/{manual.name}").content.decode()
