@@ -29,11 +29,11 @@ GROUPS_SHOWN = 100
 # (run_team_state, then the heap) read 8 530 buffers in 93 ms. The pages (`bench dashboard`):
 # grouped failures 92 ms median for a superuser of the five teams, 24 ms for one team.
 GROUPS = """
-SELECT r.error_fingerprint AS fingerprint, r.definition_id, count(*) AS n,
+SELECT r.error_fingerprint AS fingerprint, r.definition_id, r.state, count(*) AS n,
        min(r.failed_at) AS first_at, max(r.failed_at) AS last_at, max(r.id) AS latest
 FROM runs_run r
 WHERE r.team_id = ANY(%(teams)s::bigint[]) AND r.state = ANY(%(states)s::text[]) AND {where}
-GROUP BY r.error_fingerprint, r.definition_id
+GROUP BY r.error_fingerprint, r.definition_id, r.state
 """
 
 
@@ -47,12 +47,19 @@ class Group:
     last_at: datetime | None = None
     latest: int = 0  # the newest run's id
     jobs: dict[str, int] = field(default_factory=dict)  # job name → runs
-    teams: dict[int, int] = field(default_factory=dict)  # team id → runs
+    # (team id, state) → runs: what an action may change is counted by team and state.
+    shares: dict[tuple[int, str], int] = field(default_factory=dict)
     sample: Run | None = None
 
-    def count_in(self, team_ids: Iterable[int]) -> int:
-        """The group's runs that belong to `team_ids` (those a user may act on, say)."""
-        return sum(self.teams.get(team_id, 0) for team_id in team_ids)
+    def count_in(self, team_ids: Iterable[int], states: Iterable[str] | None = None) -> int:
+        """The group's runs that belong to `team_ids` (those a user may act on, say), and
+        are in `states` when given (those an action accepts)."""
+        teams, wanted = set(team_ids), None if states is None else set(states)
+        return sum(
+            n
+            for (team_id, state), n in self.shares.items()
+            if team_id in teams and (wanted is None or state in wanted)
+        )
 
     @property
     def key(self) -> str:
@@ -91,7 +98,7 @@ def _latest(a: datetime | None, b: datetime | None) -> datetime | None:
 
 def _here(
     params: dict[str, Any], sql: str | None
-) -> tuple[list[tuple[Any, str, int, int, Any, Any, int]], datetime | None]:
+) -> tuple[list[tuple[Any, str, int, str, int, Any, Any, int]], datetime | None]:
     """This shard database's rows, each with its definition's name and team, and when they were
     counted if not now. Without `sql` (no filter), from the census when it stands in for a
     count (apps.runs.census)."""
@@ -109,8 +116,8 @@ def _here(
         ).values_list("pk", "name", "team_id")
     }
     return [
-        (fingerprint, *owners.get(definition, ("?", 0)), n, first, last, latest)
-        for fingerprint, definition, n, first, last, latest in rows
+        (fingerprint, *owners.get(definition, ("?", 0)), state, n, first, last, latest)
+        for fingerprint, definition, state, n, first, last, latest in rows
     ], taken_at
 
 
@@ -126,12 +133,12 @@ def groups(
     sql = None if flt.everything else GROUPS.format(where=where)
     parts, _ = shards.gather(lambda: _here(params, sql))
     by_key: dict[int | None, Group] = {}
-    for fingerprint, job, team_id, n, first, last, latest in (
+    for fingerprint, job, team_id, state, n, first, last, latest in (
         row for part, _ in parts for row in part
     ):
         group = by_key.setdefault(fingerprint, Group(fingerprint))
         group.count += n
-        group.teams[team_id] = group.teams.get(team_id, 0) + n
+        group.shares[team_id, state] = group.shares.get((team_id, state), 0) + n
         group.first_at = _earliest(group.first_at, first)
         group.last_at = _latest(group.last_at, last)
         group.latest = max(group.latest, latest)

@@ -91,16 +91,16 @@ FROM runs_census
 """
 
 
-# The same for the failed runs in some states, by failure_census_team (team_id), summed over
-# the states per (fingerprint, definition) as the live count groups them. The census's time as
-# a number: each timestamp read costs the page ~10 µs, and there is a row per group and job.
+# The same for the failed runs in some states, by failure_census_team (team_id), summed per
+# (fingerprint, definition, state) as the live count groups them. The census's time as a
+# number: each timestamp read costs the page ~10 µs, and there is a row per group and job.
 READ_FAILURES = """
-SELECT fingerprint, definition_id, sum(n)::bigint, min(first_at), max(last_at), max(latest),
-       extract(epoch FROM min(taken_at))::float8, max(seconds),
+SELECT fingerprint, definition_id, state, sum(n)::bigint, min(first_at), max(last_at),
+       max(latest), extract(epoch FROM min(taken_at))::float8, max(seconds),
        extract(epoch FROM now() - min(taken_at))::float8 AS age
 FROM runs_failurecensus
 WHERE team_id = ANY(%(teams)s::bigint[]) AND state = ANY(%(states)s::text[])
-GROUP BY fingerprint, definition_id
+GROUP BY fingerprint, definition_id, state
 """
 
 
@@ -201,11 +201,12 @@ def failure_groups_here(
     team_ids: list[int], states: list[str]
 ) -> tuple[list[tuple], datetime] | None:
     """The failed runs of these teams in these states on the current shard database, per
-    (fingerprint, definition): (fingerprint, definition_id, n, first_at, last_at, latest), and
-    when they were counted; None when a page should count them itself (few, or no fresh census)."""
+    (fingerprint, definition, state): (fingerprint, definition_id, state, n, first_at, last_at,
+    latest), and when they were counted; None when a page should count them itself (few, or
+    no fresh census)."""
     with shards.cursor() as cursor:
         cursor.execute(READ_FAILURES, {"teams": team_ids, "states": states})
         rows = cursor.fetchall()
-    if not _usable(rows, sum(row[2] for row in rows)):
+    if not _usable(rows, sum(row[3] for row in rows)):
         return None
-    return [row[:6] for row in rows], datetime.fromtimestamp(rows[0][6], UTC)
+    return [row[:7] for row in rows], datetime.fromtimestamp(rows[0][7], UTC)

@@ -50,7 +50,10 @@ def test_failures_grouped_by_error_show_counts_times_jobs_and_act_per_group(oper
     assert ">30</a>" in row and "billing.charge</a>, <a" in row and "billing.refund" in row
     assert row.count("<time") == 2  # first and last seen
     assert f'name="group" value="{key}"' in row
-    assert "Retry 30…" in row and "Cancel 30…" in row
+    # Every run of the group is dead: retried, never cancelled (the confirmation would say 0).
+    assert "Retry 30…" in row and "Cancel" not in row
+    timeouts = body.split('id="group-')[2].split("</tr>")[0]
+    assert "Retry 3…" in timeouts and "Cancel 3…" in timeouts
     # The group's count links to its runs: the list of that group alone.
     runs = client.get(f"/failures?group={key}").content.decode()
     assert runs.count('id="run-row-') == 30
@@ -78,6 +81,21 @@ def test_a_groups_buttons_count_the_runs_the_user_may_act_on(operator, team_a, t
     only_b = client.get("/dlq?view=groups&team=team-b").content.decode()
     row_b = only_b.split(f'id="group-{key}"')[1].split("</tr>")[0]
     assert ">3</a>" in row_b and "Requeue" not in row_b
+
+
+def test_a_groups_buttons_count_the_runs_each_action_accepts(operator, team_a):
+    job = make_definition(team_a, "billing.charge", queue="billing")
+    keyed = insert_failed(job, 6)
+    insert_failed(job, 4, state="retrying", prefix="r-")
+    client = client_for(operator)
+    key = fingerprints.to_hex(keyed)
+
+    body = client.get("/failures?view=groups").content.decode()
+    row = body.split(f'id="group-{key}"')[1].split("</tr>")[0]
+    assert ">10</a>" in row and "Retry 10…" in row and "Cancel 4…" in row
+    ask = {"mode": "failures", "action": "cancel", "group": key, "next": "/failures"}
+    confirm = client.post("/runs/matching", ask, HTTP_HX_REQUEST="true").content.decode()
+    assert "Cancel 4 runs?" in confirm
 
 
 def test_a_group_action_shows_the_count_then_changes_it_in_one_audited_step(operator, team_a):

@@ -172,7 +172,7 @@ def test_failures_grouped_without_a_filter_read_the_census_above_the_limit(
 
     def shown(grouping: triage.Grouping) -> list[tuple]:
         return [
-            (g.fingerprint, g.count, g.jobs, g.teams, g.first_at, g.last_at, g.latest)
+            (g.fingerprint, g.count, g.jobs, g.shares, g.first_at, g.last_at, g.latest)
             for g in grouping.groups
         ]
 
@@ -215,7 +215,7 @@ def test_two_nodes_taking_a_census_at_once_leave_one(team_a, settings):
         groups = census.failure_groups_here([team_a.pk], ["dead"])
     assert counted.taken_at is not None
     assert sum(c.due for c in counted.counts if c.queue == "twice") == 5
-    assert groups is not None and [row[2] for row in groups[0]] == [2]
+    assert groups is not None and [row[2:4] for row in groups[0]] == [("dead", 2)]
 
 
 @pytest.mark.shards

@@ -133,6 +133,7 @@ def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
             )
             page = runlist.run_page(flt, now, before=cursor)
     acting = [t.pk for t in teams if access.has_role(request.user, t, Role.OPERATOR)]
+    actions = [ACTIONS[name] for name in mode.actions]
     context = {
         "now": now,
         "mode": mode,
@@ -143,11 +144,18 @@ def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
         "cursor": cursor,
         "search_scan": f"{runlist.SEARCH_SCAN:,}",
         "census_seconds": settings.SCHEDULER_CENSUS_SECONDS,
-        "actions": [ACTIONS[name] for name in mode.actions],
+        "actions": actions,
         "can_act": bool(acting),
-        # Each group with the runs of it the user may act on: its buttons count those, as the
-        # confirmation does, not the runs of teams the user only views.
-        "group_rows": [(g, g.count_in(acting)) for g in grouping.groups] if grouping else [],
+        # Each group with the runs of it the user may act on and, per action, those of them
+        # it accepts: its buttons count those, as the confirmation does, not the runs of teams
+        # the user only views nor those in a state the action leaves alone (a dead run is not
+        # cancelled).
+        "group_rows": [
+            (g, g.count_in(acting), [(a, g.count_in(acting, a.applies_to)) for a in actions])
+            for g in grouping.groups
+        ]
+        if grouping
+        else [],
         # The filter as the page was asked for it, for the actions on everything it selects.
         "carry": [(key, request.GET[key]) for key in FILTER_FIELDS if request.GET.get(key)],
         "live": True,
