@@ -30,10 +30,11 @@ from django.db.models import Count
 
 from apps.jobs import alerts
 from apps.jobs.models import JobDefinition, database_of
-from apps.notify import incidents
+from apps.notify import incidents, messages
 from apps.notify.incidents import Occurrence
 from apps.notify.models import Channel, Event, Incident, Watermark
 from apps.runs import shards
+from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run
 from apps.teams.models import Team
@@ -65,7 +66,7 @@ SETTLED_NOW = "SELECT now() - make_interval(secs => %s)"
 # reaps them. The table is the scheduler's (apps/scheduler/models.py); read here by name, as
 # `runs` reads the tables of `jobs`, so the scheduler can run this room's steps.
 UNOWNED_SHARDS = """
-SELECT shard FROM scheduler_shardlease
+SELECT shard, expires_at FROM scheduler_shardlease
 WHERE shard < %(count)s
   AND (expires_at IS NULL OR expires_at < now() - make_interval(secs => %(grace)s))
 ORDER BY shard
@@ -271,7 +272,8 @@ def shards_unowned(now: datetime, team_ids: set[int], teams: dict, channels) -> 
                 "grace": settings.SCHEDULER_NOTIFY_SHARD_UNOWNED_SECONDS,
             },
         )
-        unowned = [row[0] for row in cursor.fetchall()]
+        since = dict(cursor.fetchall())  # shard → when its lease expired (None: never taken)
+    unowned = list(since)
     if not unowned:
         return
     found, _ = shards.gather(
@@ -289,6 +291,14 @@ def shards_unowned(now: datetime, team_ids: set[int], teams: dict, channels) -> 
     for team_id, held in affected.items():
         names = ", ".join(str(shard) for shard in sorted(held))
         plural = "s" if len(held) > 1 else ""
+        # Since when, so that the page and its resolution tell the whole gap: the first
+        # scheduler back after an outage is the one that sees it.
+        expired = [since[shard] for shard in held if since[shard] is not None]
+        gap = (
+            f"since {format_utc(min(expired))} ({messages.age(now - min(expired))})"
+            if len(expired) == len(held)
+            else f"for over {grace} s"
+        )
         incidents.occurred(
             Occurrence(
                 team=teams[team_id],
@@ -297,8 +307,8 @@ def shards_unowned(now: datetime, team_ids: set[int], teams: dict, channels) -> 
                 at=now,
                 summary=(
                     f"Shard{plural} {names} of the team's jobs ha{'ve' if plural else 's'} had no "
-                    f"scheduler for over {grace} s: their cron runs are not created and their "
-                    "expired leases are not reaped."
+                    f"scheduler {gap}: their cron runs are not created and their expired "
+                    "leases are not reaped."
                 ),
                 condition=True,
             ),

@@ -153,7 +153,11 @@ def test_team_wide_conditions_page_once_are_reminded_and_resolve(
     assert [r.path for r in receiver.requests] == ["/hooks/cronlease?a"]
     page = orjson.loads(receiver.requests[0].body)
     assert page["event"] == "scheduler.shard_unowned"
-    assert page["summary"].startswith(f"Shard {job.shard} of the team's jobs has had no scheduler")
+    # Since when: the lease expired an hour ago, long before this look.
+    assert page["summary"].startswith(
+        f"Shard {job.shard} of the team's jobs has had no scheduler since 20"
+    )
+    assert "(1 h): their cron runs are not created" in page["summary"]
     assert elsewhere.shard != job.shard
 
     with connection.cursor() as cursor:
@@ -162,6 +166,7 @@ def test_team_wide_conditions_page_once_are_reminded_and_resolve(
     notifier.handle_one_detection(force=True)
     drain(notifier)
     assert messages_of(receiver)[-1] == ("scheduler.shard_unowned", "resolved")
+    assert "has had no scheduler since 20" in orjson.loads(receiver.requests[-1].body)["summary"]
 
 
 def test_a_scheduler_starting_after_an_outage_pages_the_shards_nobody_held(
