@@ -29,6 +29,7 @@ class Alert:
     due_at: datetime
     run_id: str | None = None
     late_by: float | None = None
+    state: str = ""  # a missed time's run's state, when it has one
 
     @property
     def message(self) -> str:
@@ -36,7 +37,8 @@ class Alert:
         slo = self.definition.lateness_slo_seconds
         if self.kind == "late":
             return f"{self.run_id} started {self.late_by:.1f} s after it was due (SLO {slo} s)."
-        return f"No successful run for the cron time {format_utc(self.due_at)}."
+        why = f" ({self.run_id} is {self.state})" if self.run_id else " (no run was made)"
+        return f"No successful run for the cron time {format_utc(self.due_at)}{why}."
 
     def as_json(self) -> dict[str, str]:
         """What the alerts page shows beside the alert's own fields: the words, whom to tell, and
@@ -81,12 +83,20 @@ def _missed(definition: JobDefinition, since: datetime, now: datetime) -> list[A
     times = firetimes.fire_times_between(schedule, start, now - grace, MAX_TIMES_PER_DEFINITION)
     if not times:
         return []
-    succeeded = set(
-        Run.objects.filter(
+    # A cron time has one run at most ((definition, due time) is unique): the one a missed
+    # time names, when it was made but failed or still waits.
+    made = {
+        due: (pk, state)
+        for due, pk, state in Run.objects.filter(
             definition=definition,
             trigger__in=SCHEDULED_TRIGGERS,
             due_at__in=[t.utc for t in times],
-            state="succeeded",
-        ).values_list("due_at", flat=True)
-    )
-    return [Alert("missed", definition, t.utc) for t in times if t.utc not in succeeded]
+        ).values_list("due_at", "id", "state")
+    }
+    missed = []
+    for t in times:
+        pk, state = made.get(t.utc, (None, ""))
+        if state != "succeeded":
+            run_id = public_run_id(pk) if pk is not None else None
+            missed.append(Alert("missed", definition, t.utc, run_id, state=state))
+    return missed

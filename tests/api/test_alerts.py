@@ -8,6 +8,7 @@ import pytest
 from django.db import connection
 
 from apps.jobs.models import JobDefinition
+from apps.runs.ids import public_run_id
 from apps.runs.models import Run
 from tests.conftest import add_ready_runs, db_now, make_definition
 
@@ -88,6 +89,27 @@ def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
         a["dueAt"] for a in api_a.get("/api/v1/alerts").json()["results"] if a["kind"] == "missed"
     ]
     assert latest not in again and len(again) == len(missed) - 1
+    assert all(a["runId"] is None and "(no run was made)" in a["message"] for a in missed)
+    # A run made for a time that still waits is named: on call looks at it, not at the scheduler.
+    waiting = parse_datetime(min(again))
+    run = Run.objects.create(
+        definition=definition,
+        team=team_a,
+        queue="slo",
+        priority=1,
+        shard=definition.shard,
+        state="ready",
+        trigger="cron",
+        due_at=waiting,
+        available_at=waiting,
+        max_attempts=3,
+        idempotency_key=f"k@{min(again)}",
+    )
+    named = next(
+        a for a in api_a.get("/api/v1/alerts").json()["results"] if a["dueAt"] == min(again)
+    )
+    assert (named["kind"], named["runId"]) == ("missed", public_run_id(run.pk))
+    assert named["message"].endswith(f"({public_run_id(run.pk)} is ready).")
 
 
 def test_definitions_without_an_slo_are_not_watched(api_a, team_a):

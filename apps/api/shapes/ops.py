@@ -140,7 +140,13 @@ class Alert(TypedDict):
 
     kind: AlertKind
     job: str
-    runId: Annotated[str | None, Field(description="The late run; null for a missed time.")]
+    runId: Annotated[
+        str | None,
+        Field(
+            description="The late run; for a missed time, its run that failed or still "
+            "waits, null when none was made."
+        ),
+    ]
     dueAt: Instant
     lateBySeconds: Annotated[float | None, Field(description="null for a missed time.")]
     sloSeconds: int
