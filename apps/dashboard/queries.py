@@ -256,6 +256,15 @@ def queues(teams: list[Any], now: datetime) -> tuple[list[QueueRow], datetime | 
     return sorted(rows.values(), key=lambda r: (r.team.slug, r.name)), counted.taken_at
 
 
+def queue_known(team: Any, name: str) -> bool:
+    """Whether the team has a queue of that name: one a definition names, or one leased from or
+    paused before (what the queues page lists, runs aside: a run's queue is its definition's)."""
+    if Queue.objects.filter(team=team, name=name).exists():
+        return True
+    named, _ = shards.gather(lambda: JobDefinition.objects.filter(team=team, queue=name).exists())
+    return any(named)
+
+
 # --- definitions ----------------------------------------------------------------------------
 
 # For each definition on the page: its newest finished run, from run_definition_recent

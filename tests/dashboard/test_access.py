@@ -136,6 +136,7 @@ def test_an_operator_of_team_a_cannot_see_team_b_runs(operator_a, job_a, job_b):
         ("team-b", "job", job_b.name, "dashboard"),
         ("team-b", "run", theirs.run_id, "dashboard"),
         ("team-b", "job", job_b.name, "dashboard"),
+        ("team-b", "queue", "search", "dashboard"),
         ("team-b", "run", theirs.run_id, "dashboard"),
     ]
     assert denied.last().after["attempted"] == "POST /runs/bulk"
@@ -240,10 +241,13 @@ def test_names_no_job_or_queue_can_have_are_not_found(operator_a, job_a):
         page = viewer.get(f"/jobs?{query}")
         assert page.status_code == 200 and job_a.name not in page.content.decode(), query
     assert job_a.name in viewer.get("/jobs?q=billing").content.decode()
-    for queue in ("bad%20queue!", "%00", "q" * 300):
+    # Nor one the team has not (a name typed by hand would make a new queue, paused).
+    for queue in ("bad%20queue!", "%00", "q" * 300, "billing-typo"):
         assert viewer.post(f"/queues/team-a/{queue}/pause").status_code == 404, queue
     assert not Queue.objects.exists()
     assert not AuditEvent.objects.filter(action="queue.pause").exists()
+    assert viewer.post(f"/queues/team-a/{job_a.queue}/pause").status_code == 302
+    assert Queue.objects.get().paused
 
 
 def test_a_filter_no_run_can_match_is_said_to_be_wrong(viewer_a, job_a):

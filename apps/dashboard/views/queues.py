@@ -8,7 +8,14 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from apps.dashboard import queries
-from apps.dashboard.http import HtmxHttpRequest, actor, done, render_page, signed_in
+from apps.dashboard.http import (
+    HtmxHttpRequest,
+    actor,
+    done,
+    record_refused,
+    render_page,
+    signed_in,
+)
 from apps.jobs import services
 from apps.runs import limits
 from apps.teams import access
@@ -38,11 +45,14 @@ def queues(request: HtmxHttpRequest) -> HttpResponse:
 @require_POST
 @signed_in
 def queue_pause(request: HtmxHttpRequest, team: str, queue: str, paused: bool) -> HttpResponse:
-    owner = Team.objects.filter(slug=team, id__in=access.visible_team_ids(request.user)).first()
-    if owner is None:
+    owner = Team.objects.filter(slug=team).first()
+    if owner is None or owner.pk not in access.visible_team_ids(request.user):
+        if owner is not None:
+            record_refused(request, owner, "queue", queue)
         raise Http404("No such team.")
     access.require_role(request.user, owner, Role.OPERATOR)
-    if limits.queue_name_problem(queue) is not None:
+    # A name the team has no queue of (typed by hand) would make a new queue, paused.
+    if limits.queue_name_problem(queue) is not None or not queries.queue_known(owner, queue):
         raise Http404("No such queue.")
     services.set_queue_paused(owner, queue, paused, actor(request))
     verb = "Paused" if paused else "Resumed"
