@@ -22,8 +22,9 @@ app = Celery(
     include=["examples.celery_worker.tasks"],
 )
 app.conf.update(
-    # One message reserved per worker process: a message a busy worker holds back is a lease the
-    # bridge extends for nothing, and is lost with the worker if it dies.
+    # As few messages held back as Celery allows: one per slot besides those running (each is
+    # acknowledged when its task starts). A message a busy worker holds is a lease the bridge
+    # extends for nothing, until the worker falls silent if it dies.
     worker_prefetch_multiplier=1,
     # Acknowledged on receipt (the cronlease tasks insist on it): the scheduler's lease expiry,
     # not a broker redelivery, recovers the runs of a Celery worker that died.

@@ -114,7 +114,9 @@ def spawn(
         processes.append((name, process))
         return process
 
-    def celery_worker(name: str = "w1") -> Process:
+    def celery_worker(name: str = "w1", heartbeat: bool = False) -> Process:
+        # Celery's worker heartbeats are off unless a test is about them: less broker traffic.
+        beats = ["--heartbeat-interval=1"] if heartbeat else ["--without-heartbeat"]
         return start(
             f"celery-{name}",
             [
@@ -131,7 +133,7 @@ def spawn(
                 "--loglevel=INFO",
                 "--without-gossip",
                 "--without-mingle",
-                "--without-heartbeat",
+                *beats,
                 "-n",
                 f"{name}@%h",
             ],
@@ -345,6 +347,54 @@ def test_a_crashed_celery_worker_is_recovered_by_lease_expiry_alone(team_a, spaw
         (2, run.fencing_token),
     ]
     assert received(replacement, "send_invoice") == [f"cronlease-{run_id}-{run.fencing_token}"]
+
+
+@e2e
+def test_a_run_waiting_in_a_killed_celery_worker_is_let_go_within_a_few_heartbeats(
+    team_a, spawn, ledger, broker
+):
+    definition = make_definition(
+        team_a,
+        "billing.send-invoice",
+        queue="celery-held",
+        payload={"workSeconds": 60},
+        retry_base_seconds=0,
+    )
+    pks = add_ready_runs(definition, 2)
+    worker = spawn["celery_worker"]("w1", heartbeat=True)
+    bridge = spawn["bridge"]("celery-held", "--prefetch", "2", "--lease-seconds", "2")
+    # One slot: the worker runs one task and holds the other message until the slot frees.
+    ((started, _, _, _),) = wait_for(lambda: read_calls(ledger), what="the task to start")
+    (held,) = [pk for pk in pks if public_run_id(pk) != started]
+    wait_for(lambda: len(received(worker, "send_invoice")) == 2, what="the second message")
+    assert broker.llen(CELERY_QUEUE) == 0
+    time.sleep(3)  # past the 2 s lease: the bridge extends the held run's lease
+    assert store.reap() == []
+
+    worker.kill()
+    Run.objects.filter(pk__in=pks).update(payload={})  # the retries need not dawdle
+    # Silent for three heartbeats (at least 5 s): the bridge stops extending the held run's
+    # lease, which then expires; it waited --max-queued-seconds (600 s) before. (A message in
+    # the broker has no holder, and a worker under --without-heartbeat is never judged: both
+    # stay extended, as the prefetch test shows.)
+    reaped = wait_for(
+        lambda: {r.id: r.outcome for r in store.reap() if r.id == held},
+        timeout=20,
+        what="the held run's lease to expire",
+    )
+    assert reaped == {held: "lease_expired"}
+    assert "was received by Celery worker w1@" in bridge.output()
+
+    spawn["celery_worker"]("w2", heartbeat=True)
+    # The reaper's part too: the started run's lease expired with its task.
+    done = wait_for(
+        lambda: store.reap() is None or runs_when(pks, "succeeded")(),
+        timeout=60,
+        what="both runs to succeed",
+    )
+    assert sorted(run.pk for run in done) == sorted(pks)
+    for pk in pks:
+        assert [outcome for _, outcome, _ in attempts(pk)] == ["lease_expired", "succeeded"]
 
 
 @e2e

@@ -6,6 +6,9 @@ The other way, a lease long enough to cover the broker wait, was not taken: hear
 lease by the length it was leased for, so a long lease would also be the time a dead Celery
 worker keeps a run hostage. Short leases find a dead worker within `lease_seconds`, and the wait
 in the broker is bounded separately (`max_queued_seconds`, also the messages' Celery `expires`).
+A message a Celery worker received but has not started dies with the worker: the workers say
+which they hold and that they are alive (with Celery's worker heartbeats), and the bridge stops
+extending the leases a silent worker holds.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from cronlease_client.celery.tasks import (
+    ALIVE_EVENT,
     HANDOFF_EVENT,
     HANDOFF_ROUTING_KEY,
+    LEAVING_EVENT,
+    RECEIVED_EVENT,
     TaskSpec,
     registered_tasks,
 )
@@ -38,6 +44,12 @@ from cronlease_client.transport import backoff_delay, lease_answer
 logger = logging.getLogger("cronlease_client")
 
 
+# A Celery worker that has sent no heartbeat for this many of its intervals (2 s by default:
+# 6 s) is taken for dead, as Celery's own monitors take one after two; at least this long.
+SILENT_BEATS = 3
+SILENT_MIN_SECONDS = 5.0
+
+
 class BridgeFailed(RuntimeError):
     """A part of the bridge stopped on an unexpected error (say, the broker was unreachable)."""
 
@@ -51,6 +63,7 @@ class _Pending(LeasedRun):
     """A lease sent to Celery whose task has not started yet: the bridge keeps it alive."""
 
     sent_at: float  # time.monotonic()
+    holder: str = ""  # the Celery worker that received its message, once it has said so
 
 
 def _leased(lease: Mapping[str, Any]) -> LeasedRun:
@@ -123,6 +136,10 @@ class Bridge(Daemon):
         # the next lease request; the lease loop's alone.
         self._unanswered: list[tuple[Mapping[str, Any], Report]] = []
         self._receiver: Any = None
+        # Celery workers heard to send heartbeats: hostname → (last heard, their interval), by
+        # time.monotonic(). Only those are judged: one under --without-heartbeat never is.
+        self._heard: dict[str, tuple[float, float]] = {}
+        self._listening_since: float | None = None  # the event subscription's last (re)start
 
     def pending(self) -> list[str]:
         """The run ids sent to Celery whose task has not started yet."""
@@ -176,12 +193,18 @@ class Bridge(Daemon):
             with self.app.connection_for_read() as connection:
                 receiver = self.app.events.Receiver(
                     connection,
-                    handlers={HANDOFF_EVENT: self._on_handoff},
+                    handlers={
+                        HANDOFF_EVENT: self._on_handoff,
+                        RECEIVED_EVENT: self._on_received,
+                        ALIVE_EVENT: self._on_alive,
+                        LEAVING_EVENT: self._on_leaving,
+                    },
                     routing_key=HANDOFF_ROUTING_KEY,
                     node_id=f"cronlease-bridge-{self.instance}",
                 )
-                # No wake-up broadcast to the workers (Celery's default for event monitors).
-                receiver.on_consume_ready = lambda *args, **kwargs: None
+                # No wake-up broadcast to the workers (Celery's default for event monitors);
+                # the time, since a worker's silence counts only while the bridge listens.
+                receiver.on_consume_ready = self._on_listening
                 receiver.on_iteration = on_iteration
                 self._receiver = receiver
                 if self._threads_stop.is_set():
@@ -193,6 +216,47 @@ class Bridge(Daemon):
             logger.exception("the event receiver stopped; stopping the bridge")
             self.failure = f"cannot receive Celery events from the broker: {exc}"
             self.shutdown.set()
+
+    def _on_listening(self, *args: Any, **kwargs: Any) -> None:
+        with self._lock:
+            self._listening_since = time.monotonic()
+
+    def _on_received(self, event: Mapping[str, Any]) -> None:
+        if event.get("bridge") != self.instance:
+            return
+        with self._lock:
+            pending = self._pending.get(event.get("runId"))  # type: ignore[arg-type]
+            if pending is not None and pending.token == event.get("fencingToken"):
+                pending.holder = str(event.get("hostname") or "")
+
+    def _on_alive(self, event: Mapping[str, Any]) -> None:
+        hostname = str(event.get("hostname") or "")
+        try:
+            interval = float(event.get("interval") or 2.0)
+        except (TypeError, ValueError):
+            interval = 2.0
+        with self._lock:
+            self._heard[hostname] = (time.monotonic(), interval)
+
+    def _on_leaving(self, event: Mapping[str, Any]) -> None:
+        hostname = str(event.get("hostname") or "")
+        with self._lock:
+            self._heard.pop(hostname, None)
+            for pending in self._pending.values():
+                if pending.holder == hostname:
+                    pending.holder = ""  # back in the broker, for another worker
+
+    def _silent_holder(self, pending: _Pending, now: float) -> str | None:
+        """The worker holding the run's message, when it has fallen silent while the bridge
+        was listening the whole time (a bridge cut off from the broker judges no one)."""
+        heard = self._heard.get(pending.holder) if pending.holder else None
+        if heard is None or self._listening_since is None:
+            return None
+        last, interval = heard
+        silence = max(SILENT_MIN_SECONDS, SILENT_BEATS * interval)
+        if now - last <= silence or now - self._listening_since <= silence:
+            return None
+        return pending.holder
 
     def _on_handoff(self, event: Mapping[str, Any]) -> None:
         if event.get("bridge") != self.instance:
@@ -230,11 +294,26 @@ class Bridge(Daemon):
             overdue = [
                 p for p in self._pending.values() if now - p.sent_at > self.max_queued_seconds
             ]
-            for pending in overdue:
+            stranded = [
+                (p, holder)
+                for p in self._pending.values()
+                if p not in overdue and (holder := self._silent_holder(p, now)) is not None
+            ]
+            for pending in overdue + [p for p, _ in stranded]:
                 del self._pending[pending.run_id]
             runs = list(self._pending.values())
-            if overdue:
+            if overdue or stranded:
                 self._lock.notify_all()
+        for pending, holder in stranded:
+            logger.warning(
+                "run_id=%s job=%s attempt=%s was received by Celery worker %s, silent since: "
+                "no longer extending its lease (the scheduler retries it when it expires)",
+                pending.run_id,
+                pending.job,
+                pending.attempt,
+                holder,
+                extra=pending.fields(),
+            )
         for pending in overdue:
             logger.warning(
                 "run_id=%s job=%s attempt=%s not started by Celery within %ss: no longer "

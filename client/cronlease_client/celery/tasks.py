@@ -39,6 +39,15 @@ logger = logging.getLogger("cronlease_client")
 # events a monitored Celery cluster may be emitting by the thousand.
 HANDOFF_EVENT = "cronlease-handoff"
 HANDOFF_ROUTING_KEY = "cronlease.#"
+# A Celery worker also says which bridge messages it has received (a message may wait in the
+# worker for a free slot, and dies with it), and that it is alive, with each of Celery's own
+# heartbeats (every 2 s by default; none under --without-heartbeat), and that it left (its
+# waiting messages went back to the broker). A bridge stops extending the leases of the runs a
+# worker holds once the worker falls silent: killed, it is noticed within a few heartbeats and
+# a lease, not after max_queued_seconds.
+RECEIVED_EVENT = "cronlease-received"
+ALIVE_EVENT = "cronlease-alive"
+LEAVING_EVENT = "cronlease-leaving"
 
 # Celery's own retry machinery: accepted so existing tasks move over unchanged, but dropped,
 # since the job definition's retry policy is the only one (see cronlease_client.celery).
@@ -247,19 +256,64 @@ def _tell_bridge(
 ) -> None:
     if not bridge.get("id"):
         return
+    # Best effort: a bridge that misses it sees a 409 once the run ends, or stops after
+    # max_queued_seconds, and the task's own heartbeats keep the lease meanwhile.
+    _send_event(
+        app,
+        hostname,
+        HANDOFF_EVENT,
+        bridge=bridge["id"],
+        runId=lease["runId"],
+        fencingToken=lease["fencingToken"],
+        outcome=outcome,
+    )
+
+
+def _send_event(app: celery.Celery, hostname: str | None, event: str, **fields: Any) -> None:
+    """Send an event to the bridges, best effort (what each event's loss costs is said where
+    it is sent)."""
     try:
         with app.events.default_dispatcher(hostname=hostname) as dispatcher:
-            dispatcher.send(
-                HANDOFF_EVENT,
-                bridge=bridge["id"],
-                runId=lease["runId"],
-                fencingToken=lease["fencingToken"],
-                outcome=outcome,
-            )
+            dispatcher.send(event, **fields)
     except Exception:
-        # Best effort: a bridge that misses it sees a 409 once the run ends, or stops after
-        # max_queued_seconds, and the task's own heartbeats keep the lease meanwhile.
-        logger.debug("could not send the handoff event run_id=%s", lease["runId"], exc_info=True)
+        logger.debug("could not send the %s event", event, exc_info=True)
+
+
+@signals.task_received.connect
+def announce_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """Tell the bridge that this worker holds its message (it may wait here for a free slot).
+    Lost, the bridge does not know the holder: it extends the lease until the task starts, or
+    for max_queued_seconds."""
+    try:
+        kwargs = request.kwargs
+        lease, bridge = kwargs["lease"], kwargs.get("bridge") or {}
+        run_id, token = lease["runId"], lease["fencingToken"]
+    except Exception:  # noqa: BLE001 - not a bridge's message (another app's task)
+        return
+    if bridge.get("id"):
+        _send_event(
+            sender.app,
+            request.hostname,
+            RECEIVED_EVENT,
+            bridge=bridge["id"],
+            runId=run_id,
+            fencingToken=token,
+        )
+
+
+@signals.heartbeat_sent.connect
+def announce_alive(sender: Any = None, **_: Any) -> None:
+    """With each of Celery's worker heartbeats (`sender` is celery.worker.heartbeat.Heart).
+    Lost now and then, it costs nothing: a bridge waits several heartbeats."""
+    eventer = sender.eventer
+    _send_event(eventer.app, eventer.hostname, ALIVE_EVENT, interval=sender.interval)
+
+
+@signals.worker_shutdown.connect
+def announce_leaving(sender: Any = None, **_: Any) -> None:
+    """A worker that stops cleanly gives its waiting messages back to the broker, where
+    another worker takes them: the bridges keep extending their leases meanwhile."""
+    _send_event(sender.app, sender.hostname, LEAVING_EVENT)
 
 
 @signals.task_unknown.connect
