@@ -1338,7 +1338,8 @@ def _diagnose(
         elif current is None:
             detail = f"fencing token {token} is stale; the run is not leased"
         elif token < current:
-            detail = f"fencing token {token} is stale; the run has been leased again since"
+            # Not "leased again since": the token may never have been this run's at all.
+            detail = f"fencing token {token} is stale: the run's current lease is newer"
         elif token > current:
             detail = f"fencing token {token} is not this run's current token"
         elif state != "leased":

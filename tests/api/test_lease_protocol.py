@@ -276,6 +276,8 @@ def test_an_outcome_sent_again_learns_the_state_it_left_and_no_other_does(api_a,
     # A token that is not the run's current one learns nothing of the run.
     stale = report(done, "succeeded", token=done["fencingToken"] - 1)
     assert stale["status"] == 409 and "state" not in stale
+    # That token may never have been this run's: the detail does not say it was.
+    assert stale["detail"].endswith("is stale: the run's current lease is newer")
     # A lease that expired was ended by the reaper, not by an outcome: nothing was recorded.
     expire_lease(parse_run_id(expired["runId"]))
     assert [r.outcome for r in store.reap()] == ["lease_expired"]
