@@ -254,11 +254,13 @@ def test_batch_endpoints_answer_per_item(api_a, team_a):
 
 def test_an_outcome_sent_again_learns_the_state_it_left_and_no_other_does(api_a, team_a):
     definition = make_definition(team_a, "jobs.again", queue="q", retry_max_attempts=3)
-    add_ready_runs(definition, 3)
-    done, failed, expired = api_a.lease(["q"], 3)
+    add_ready_runs(definition, 4)
+    other, done, failed, expired = sorted(api_a.lease(["q"], 4), key=lambda l: l["fencingToken"])
 
     def report(lease: dict, outcome: str, token: int | None = None) -> dict:
-        item = {"runId": lease["runId"], "fencingToken": token or lease["fencingToken"]}
+        item = {"runId": lease["runId"], "fencingToken": lease["fencingToken"]}
+        if token is not None:
+            item["fencingToken"] = token
         item["outcome"] = outcome
         if outcome == "failed":
             item |= {"error": {"message": "boom", "type": "ValueError"}, "retryable": True}
@@ -274,9 +276,9 @@ def test_an_outcome_sent_again_learns_the_state_it_left_and_no_other_does(api_a,
     again = report(failed, "failed")
     assert (again["status"], again["state"]) == (409, "retrying")
     # A token that is not the run's current one learns nothing of the run.
-    stale = report(done, "succeeded", token=done["fencingToken"] - 1)
+    stale = report(done, "succeeded", token=other["fencingToken"])
     assert stale["status"] == 409 and "state" not in stale
-    # That token may never have been this run's: the detail does not say it was.
+    # That token was another run's: the detail does not say this run was leased again.
     assert stale["detail"].endswith("is stale: the run's current lease is newer")
     # A lease that expired was ended by the reaper, not by an outcome: nothing was recorded.
     expire_lease(parse_run_id(expired["runId"]))
