@@ -255,7 +255,9 @@ def test_batch_endpoints_answer_per_item(api_a, team_a):
 def test_an_outcome_sent_again_learns_the_state_it_left_and_no_other_does(api_a, team_a):
     definition = make_definition(team_a, "jobs.again", queue="q", retry_max_attempts=3)
     add_ready_runs(definition, 4)
-    other, done, failed, expired = sorted(api_a.lease(["q"], 4), key=lambda l: l["fencingToken"])
+    other, done, failed, expired = sorted(
+        api_a.lease(["q"], 4), key=lambda lease: lease["fencingToken"]
+    )
 
     def report(lease: dict, outcome: str, token: int | None = None) -> dict:
         item = {"runId": lease["runId"], "fencingToken": lease["fencingToken"]}
