@@ -70,41 +70,31 @@ def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
     latest = max(a["dueAt"] for a in missed)
     from django.utils.dateparse import parse_datetime
 
-    due = parse_datetime(latest)
-    Run.objects.create(
-        definition=definition,
-        team=team_a,
-        queue="slo",
-        priority=1,
-        shard=definition.shard,
-        state="succeeded",
-        trigger="cron",
-        due_at=due,
-        available_at=due,
-        max_attempts=3,
-        idempotency_key=f"k@{latest}",
-        finished_at=db_now() - timedelta(minutes=1),
-    )
+    def cron_run(due_at: str, state: str, **fields) -> Run:
+        due = parse_datetime(due_at)
+        return Run.objects.create(
+            definition=definition,
+            team=team_a,
+            queue="slo",
+            priority=1,
+            shard=definition.shard,
+            state=state,
+            trigger="cron",
+            due_at=due,
+            available_at=due,
+            max_attempts=3,
+            idempotency_key=f"k@{due_at}",
+            **fields,
+        )
+
+    cron_run(latest, "succeeded", finished_at=db_now() - timedelta(minutes=1))
     again = [
         a["dueAt"] for a in api_a.get("/api/v1/alerts").json()["results"] if a["kind"] == "missed"
     ]
     assert latest not in again and len(again) == len(missed) - 1
     assert all(a["runId"] is None and "(no run was made)" in a["message"] for a in missed)
     # A run made for a time that still waits is named: on call looks at it, not at the scheduler.
-    waiting = parse_datetime(min(again))
-    run = Run.objects.create(
-        definition=definition,
-        team=team_a,
-        queue="slo",
-        priority=1,
-        shard=definition.shard,
-        state="ready",
-        trigger="cron",
-        due_at=waiting,
-        available_at=waiting,
-        max_attempts=3,
-        idempotency_key=f"k@{min(again)}",
-    )
+    run = cron_run(min(again), "ready")
     named = next(
         a for a in api_a.get("/api/v1/alerts").json()["results"] if a["dueAt"] == min(again)
     )

@@ -209,6 +209,18 @@ def attempts(pk: int) -> list[tuple[int, str, int]]:
     ]
 
 
+def dawdling_runs(team, queue: str, count: int) -> list[int]:
+    """Ready runs whose tasks take a minute (long enough to kill their worker), retried at once."""
+    definition = make_definition(
+        team,
+        "billing.send-invoice",
+        queue=queue,
+        payload={"workSeconds": 60},
+        retry_base_seconds=0,
+    )
+    return add_ready_runs(definition, count)
+
+
 @e2e
 def test_a_scheduled_run_executes_on_a_celery_worker_and_succeeds(team_a, spawn, ledger, broker):
     definition = make_definition(team_a, "billing.send-invoice", queue="celery-ok")
@@ -314,14 +326,7 @@ def test_a_task_whose_lease_was_lost_before_it_started_does_not_run(team_a, spaw
 
 @e2e
 def test_a_crashed_celery_worker_is_recovered_by_lease_expiry_alone(team_a, spawn, ledger, broker):
-    definition = make_definition(
-        team_a,
-        "billing.send-invoice",
-        queue="celery-crash",
-        payload={"workSeconds": 60},
-        retry_base_seconds=0,
-    )
-    (pk,) = add_ready_runs(definition, 1)
+    (pk,) = dawdling_runs(team_a, "celery-crash", 1)
     worker = spawn["celery_worker"]("w1")
     spawn["bridge"]("celery-crash", "--lease-seconds", "2")
     ((_, _, _, first_token),) = wait_for(lambda: read_calls(ledger), what="the task to start")
@@ -353,14 +358,7 @@ def test_a_crashed_celery_worker_is_recovered_by_lease_expiry_alone(team_a, spaw
 def test_a_run_waiting_in_a_killed_celery_worker_is_let_go_within_a_few_heartbeats(
     team_a, spawn, ledger, broker
 ):
-    definition = make_definition(
-        team_a,
-        "billing.send-invoice",
-        queue="celery-held",
-        payload={"workSeconds": 60},
-        retry_base_seconds=0,
-    )
-    pks = add_ready_runs(definition, 2)
+    pks = dawdling_runs(team_a, "celery-held", 2)
     worker = spawn["celery_worker"]("w1", heartbeat=True)
     bridge = spawn["bridge"]("celery-held", "--prefetch", "2", "--lease-seconds", "2")
     # One slot: the worker runs one task and holds the other message until the slot frees.
