@@ -622,11 +622,17 @@ def record_queue_starts(queue_ids: Sequence[int]) -> None:
 # A definition's limits came or went: its unfinished runs' `limited` follows, in the transaction
 # that changed the definition (its row locked: inserts of its runs wait, FOR SHARE above). Dead
 # runs too, so that a requeued one is taken by the right part of the claim. Served by
-# run_definition_recent (definition_id, -id).
+# run_definition_recent (definition_id, -id). Locked in id order first, as a batch of results
+# or heartbeats locks its runs (leased_targets): in any other order, a worker's batch and the
+# edit could each hold a run the other waits for.
 MARK_LIMITED = """
 UPDATE runs_run SET limited = %(limited)s
-WHERE definition_id = %(definition)s AND limited <> %(limited)s
-  AND state IN ('scheduled', 'ready', 'retrying', 'leased', 'dead')
+WHERE id IN (
+    SELECT id FROM runs_run
+    WHERE definition_id = %(definition)s AND limited <> %(limited)s
+      AND state IN ('scheduled', 'ready', 'retrying', 'leased', 'dead')
+    ORDER BY id FOR UPDATE
+)
 """
 
 
@@ -636,14 +642,24 @@ def mark_limited(definition_id: int, limited: bool) -> None:
         cursor.execute(MARK_LIMITED, {"definition": definition_id, "limited": limited})
 
 
-# Claim, step 2, only when a candidate's definition has a limit: lock those definitions (in id
-# order, so claimers cannot deadlock), then count in new statements, whose snapshots see every
-# lease committed before the lock was granted: their leased runs (the partial index
-# run_leased_by_def), the leased runs of each candidate's key (run_leased_by_key), and the
-# leases started within each rate window (runs_ratestart, by ratestart_window; the starts past
-# the window go first).
-LOCK_LIMITED_DEFINITIONS = """
-SELECT id FROM jobs_jobdefinition WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE
+# Claim, step 2, only when a candidate's definition has a limit: take those definitions' claim
+# locks (in key order, so claimers cannot deadlock), then count in new statements, whose
+# snapshots see every lease committed before the lock was granted: their leased runs (the
+# partial index run_leased_by_def), the leased runs of each candidate's key (run_leased_by_key),
+# and the leases started within each rate window (runs_ratestart, by ratestart_window; the
+# starts past the window go first).
+# An advisory lock per definition, not its row: an edit of the definition locks the row and
+# then rewrites its runs' `limited` (MARK_LIMITED), while the claim has locked some of those
+# runs (step 1) when it takes this lock. With the row, each waited for the other until the
+# deadlock detector failed one (a 503 to the edit or to the worker). The claims only need to
+# exclude each other: the limits they apply are the ones step 1 read, as before. Two
+# definitions may share a key (the id modulo 2^31 - 1): they are then counted one claim at a
+# time, which costs a wait, never a wrong count.
+CLAIM_LOCKS = 0x636C6D  # "clm": the lock space of these keys (two-key advisory locks)
+LOCK_LIMITED_DEFINITIONS = f"""
+SELECT pg_advisory_xact_lock({CLAIM_LOCKS}, k)
+FROM (SELECT DISTINCT (id %% 2147483647)::int AS k FROM unnest(%(ids)s::bigint[]) AS id) AS keys
+ORDER BY k
 """
 COUNT_LEASED = """
 SELECT definition_id, count(*) FROM runs_run
@@ -659,11 +675,14 @@ GROUP BY r.definition_id, r.concurrency_key
 """
 COUNT_RATE_WINDOW = _COUNT_WINDOW.format(starts="runs_ratestart", key="definition_id")
 # A window this claim fills (or found full): no claim looks at the definition again before its
-# oldest start leaves the window (the definition is locked by this claim).
+# oldest start leaves the window (its claim lock is this claim's). A hint, so a row an edit has
+# locked is left as it is: waiting for it while holding runs would be the deadlock above.
 BLOCK_RATE = """
 UPDATE jobs_jobdefinition d SET rate_blocked_until = b.until
 FROM unnest(%(ids)s::bigint[], %(untils)s::timestamptz[]) AS b(id, until)
 WHERE d.id = b.id
+  AND d.id IN (SELECT id FROM jobs_jobdefinition WHERE id = ANY(%(ids)s::bigint[])
+               FOR NO KEY UPDATE SKIP LOCKED)
 """
 # After the lease: one start per leased run of a rate-limited definition.
 RECORD_RATE_STARTS = """
@@ -1132,8 +1151,10 @@ def _lanes(queues: Sequence[str], team_ids: Sequence[int] | None) -> dict[str, A
 # run_leased_expiry), read whole: they keep the entries of every lease taken while an old
 # transaction stays open, so every completion read more of them (the soak, bench/README.md).
 def leased_targets(extra: str = "") -> str:
+    # Locked in id order, as MARK_LIMITED locks a definition's runs: two statements that lock
+    # some of the same runs in different orders deadlock.
     return f"""target AS (
-    SELECT i.* FROM input i
+    SELECT i.* FROM (SELECT * FROM input ORDER BY id) AS i
     CROSS JOIN LATERAL (
         -- OFFSET 0 keeps the state and token tests below out of this scan, so the primary key
         -- is the only index that can serve it.

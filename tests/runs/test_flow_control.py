@@ -4,6 +4,7 @@ own database connection, in both layouts."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import Counter
 
@@ -270,6 +271,46 @@ def test_a_limit_given_or_lifted_after_runs_exist_holds_their_runs_or_frees_them
     services.update_definition(limited, dataclasses.replace(spec, concurrency=None), Actor.system())
     assert {run.limited for run in stored(Run, definition_id=definition.pk)} == {False}
     assert len(claim_all(team_a, "late")) == 4  # the rest, now taken as anyone's runs
+
+
+def test_a_limit_lifted_and_given_again_while_claimers_lease_deadlocks_no_one(team_a):
+    """An edit locks the definition, then rewrites its runs' `limited`; a claim has locked
+    some of those runs and then counts the definition's leases under its own lock. When that
+    lock was the definition's row, each waited for the other until PostgreSQL's deadlock
+    detector failed one of them (503s to the edit and to workers)."""
+    from apps.audit.record import Actor
+    from apps.jobs import services
+
+    definition = make_definition(team_a, "busy.limit", queue="busy", concurrency=3)
+    add_ready_runs(definition, 2000)
+    lifted = threading.Event()
+
+    def work(index: int) -> int:
+        if index == 0:
+            current = definition
+            try:
+                for turn in range(8):
+                    spec = dataclasses.replace(
+                        services.spec_of(current), concurrency=None if turn % 2 == 0 else 3
+                    )
+                    current = services.update_definition(current, spec, Actor.system())
+                    time.sleep(0.05)
+            finally:
+                lifted.set()
+            return 0
+        done = 0
+        while not lifted.is_set():
+            batch = claim(queues=["busy"], max_runs=2, worker_id=f"w{index}", team_ids=[team_a.pk])
+            items = [(lease.id, lease.fencing_token, None) for lease in batch]
+            time.sleep(0.01)  # the work
+            store.complete(items, team_ids=[team_a.pk])
+            done += len(batch)
+        return done
+
+    assert sum(run_in_threads(5, work)) > 0  # a deadlock is raised in its thread, and re-raised
+    # The last edit gave the limit back: every unfinished run is marked so.
+    waiting = stored(Run, definition_id=definition.pk, state="scheduled")
+    assert waiting and {run.limited for run in waiting} == {True}
 
 
 def test_a_free_key_past_a_long_stretch_of_full_ones_is_reached(team_a):
