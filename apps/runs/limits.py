@@ -104,12 +104,22 @@ def too_deep_at(value: Any, limit: int | None = None) -> list[str | int] | None:
     return list(reversed(_deeper(value, limit) or []))
 
 
+# The fields whose insides are the client's own JSON: a path stops at them (what is under them
+# names nothing the client's schema has), and at this many keys (a path down a deep nest).
+FREE_FORM_FIELDS = frozenset({"payload", "result"})
+FIELD_PATH_KEYS = 4
+
+
 def field_path(keys: list[str | int]) -> str:
-    """The field a client names for the value at `keys` (outermost first): "payload"; in a
-    batch, "results[3].result"; "body" for the body itself."""
-    shown = keys[:1]
-    if len(keys) > 1 and isinstance(keys[1], int):
-        shown = keys[:3] if len(keys) > 2 and isinstance(keys[2], str) else keys[:2]
+    """The field a client names for the value at `keys` (outermost first): "payload",
+    "rateLimit.periodSeconds"; in a batch, "results[3].result"; "body" for the body itself."""
+    shown: list[str | int] = []
+    for key in keys:
+        if shown and isinstance(key, str) and not (key.isascii() and key.isidentifier()):
+            break  # a key no schema has (a NUL in it, say): the path stops at its object
+        shown.append(key)
+        if key in FREE_FORM_FIELDS or len(shown) == FIELD_PATH_KEYS:
+            break
     path = ""
     for key in shown:
         if isinstance(key, int):

@@ -104,6 +104,10 @@ def test_an_integer_past_64_bits_is_refused_not_rounded(api_a, team_a, number):
     answer = api_a.post("/api/v1/jobs/wide.job/runs", {"payload": {"n": number}})
     assert "outside 64 bits" in str(assert_problem(answer, 400)["errors"]["payload"])
     assert not Run.objects.exists()
+    # A setting's own field is named down to the field, not its object.
+    settings = {"queue": "wide", "rateLimit": {"count": 5, "periodSeconds": number}}
+    named = assert_problem(api_a.put("/api/v1/jobs/wide.job", settings), 400)
+    assert list(named["errors"]) == ["rateLimit.periodSeconds"]
     add_ready_runs(definition, 1)
     (lease,) = leased(api_a, "wide")
     body = {"fencingToken": lease["fencingToken"], "result": {"n": number}}
@@ -140,9 +144,12 @@ def test_a_batch_item_holding_a_value_no_body_may_is_refused_alone(api_a, team_a
     assert list(bad["errors"]) == ["payload"]
     assert reason in bad["errors"]["payload"][0]
     assert sorted(Run.objects.values_list("idempotency_key", flat=True)) == ["after", "before"]
-    # Outside the items, the body is refused whole, naming where.
+    # Outside the items, the body is refused whole, naming where (down to the key, when it is
+    # a name a schema could have: "note.n").
     wrong = {"runs": [{"job": "mixed.job", "idempotencyKey": "k"}], "note": value}
-    assert_problem(api_a.post("/api/v1/runs", wrong), 400, "note")
+    problem = assert_problem(api_a.post("/api/v1/runs", wrong), 400)
+    (where,) = problem["errors"]
+    assert where.split(".")[0].split("[")[0] == "note" and "\x00" not in where
     assert Run.objects.count() == 2
 
 
