@@ -656,11 +656,21 @@ def mark_limited(definition_id: int, limited: bool) -> None:
 # definitions may share a key (the id modulo 2^31 - 1): they are then counted one claim at a
 # time, which costs a wait, never a wrong count.
 CLAIM_LOCKS = 0x636C6D  # "clm": the lock space of these keys (two-key advisory locks)
+CLAIM_LOCK_KEYS = 2147483647
 LOCK_LIMITED_DEFINITIONS = f"""
 SELECT pg_advisory_xact_lock({CLAIM_LOCKS}, k)
-FROM (SELECT DISTINCT (id %% 2147483647)::int AS k FROM unnest(%(ids)s::bigint[]) AS id) AS keys
+FROM (SELECT DISTINCT (id %% {CLAIM_LOCK_KEYS})::int AS k
+      FROM unnest(%(ids)s::bigint[]) AS id) AS keys
 ORDER BY k
 """
+
+
+def claim_lock_key(definition_id: int) -> tuple[int, int]:
+    """The two keys of a definition's claim lock (LOCK_LIMITED_DEFINITIONS), for whatever must
+    hold it from outside a claim."""
+    return CLAIM_LOCKS, definition_id % CLAIM_LOCK_KEYS
+
+
 COUNT_LEASED = """
 SELECT definition_id, count(*) FROM runs_run
 WHERE state = 'leased' AND definition_id = ANY(%(ids)s::bigint[])

@@ -143,7 +143,7 @@ def waiting_statement(db, application_name: str) -> tuple[int, Any] | None:
 def test_terminated_connections_give_retryable_errors_and_retries_duplicate_nothing(harness):
     h = harness
     api_pid = h.services.api.pid
-    # A limited definition: the claim locks its row, which the test can hold.
+    # A limited definition: the claim takes its claim lock, which the test can hold.
     definition = h.definition("faults.work", "cut", concurrency=5, retry_max_attempts=3)
     ids = h.add_runs(definition, [{}] * 3)
     home = h.database_of(definition)
@@ -161,8 +161,8 @@ def test_terminated_connections_give_retryable_errors_and_retries_duplicate_noth
         claim = cut_while_waiting(
             h,
             home,
-            "SELECT 1 FROM jobs_jobdefinition WHERE id = %s FOR UPDATE",
-            [definition.pk],
+            "SELECT pg_advisory_xact_lock(%s, %s)",
+            list(store.claim_lock_key(definition.pk)),
             "/api/v1/leases",
             lease_call,
         )
