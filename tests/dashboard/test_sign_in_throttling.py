@@ -115,6 +115,15 @@ def test_failed_sign_ins_and_the_lockout_are_audited(db):
     assert locked.after["lockedFor"] == "username" and locked.after["failures"] == 5
 
 
+@pytest.mark.parametrize("path", [LOGIN, "/admin/login/"])
+def test_a_name_longer_than_the_audit_holds_is_refused_as_any_wrong_name(db, path):
+    name = "A" * 10_000
+    answer = Client().post(path, {"username": name, "password": "x"})
+    assert answer.status_code == 200  # the form again: it was a 500
+    (event,) = AuditEvent.objects.filter(action="auth.login_failed")
+    assert len(event.target) == 300 and event.target == "A" * 299 + "…"
+
+
 def test_staff_find_failed_sign_ins_by_their_action_in_the_audit_trail(db):
     make_user("pat")
     sign_in(Client(), "pat", "wrong", "203.0.113.9")
