@@ -70,6 +70,13 @@ def _other_admins(team: Team, user) -> bool:
     return Membership.objects.filter(team=team, role=Role.ADMIN).exclude(user=user).exists()
 
 
+def _lock_members(team: Team) -> None:
+    """Lock the team's row: its membership changes one at a time, each counting the admins
+    the one before left. Locking only the changed membership let two admins demote each
+    other at once, each counting the other, and leave the team with none."""
+    Team.objects.select_for_update().filter(pk=team.pk).exists()
+
+
 def set_member(team: Team, username: str, role: str, actor: Actor) -> Membership:
     """Add a user to the team or change their role."""
     if role not in Role.values:
@@ -78,7 +85,8 @@ def set_member(team: Team, username: str, role: str, actor: Actor) -> Membership
     if user is None:
         raise TeamChangeError(f"No user named '{username.strip()}'.")
     with transaction.atomic():
-        existing = Membership.objects.select_for_update().filter(team=team, user=user).first()
+        _lock_members(team)
+        existing = Membership.objects.filter(team=team, user=user).first()
         before = {"role": existing.role} if existing else None
         if existing and existing.role == role:
             return existing
@@ -101,6 +109,11 @@ def set_member(team: Team, username: str, role: str, actor: Actor) -> Membership
 
 def remove_member(membership: Membership, actor: Actor) -> None:
     with transaction.atomic():
+        _lock_members(membership.team)
+        current = Membership.objects.filter(pk=membership.pk).first()
+        if current is None:
+            return  # removed meanwhile
+        membership = current
         if membership.role == Role.ADMIN and not _other_admins(membership.team, membership.user):
             raise TeamChangeError("A team keeps at least one admin.")
         record(

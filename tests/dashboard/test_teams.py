@@ -28,6 +28,40 @@ def test_a_new_token_is_shown_once_and_only_its_hash_is_kept(admin_a, team_a):
     assert raw not in str(event.after)
 
 
+def test_a_new_token_is_shown_only_on_its_own_teams_page(admin_a, team_a, team_b):
+    Membership.objects.create(user=admin_a, team=team_b, role="viewer")
+    client = client_for(admin_a)
+    form = {"name": "alpha-ci", "scopes": ["worker"], "next": "/teams/team-b"}
+    assert client.post("/teams/team-a/tokens", form)["Location"] == "/teams/team-b"
+    (token,) = ApiToken.objects.filter(team=team_a)
+    assert token.prefix not in client.get("/teams/team-b").content.decode()
+    mine = client.get("/teams/team-a").content.decode()
+    assert "New token alpha-ci" in mine and token.matches(mine.split("<code>")[1].split("<")[0])
+
+
+def test_two_admins_demoting_each_other_at_once_leave_one_admin(admin_a, team_a):
+    from apps.audit.record import Actor
+    from apps.teams import services
+    from tests.runs.test_claim_concurrency import run_in_threads
+
+    other = make_user("other-admin")
+    pairs = [(admin_a, other), (other, admin_a)]
+
+    def demote(index: int) -> bool:
+        by, whom = pairs[index]
+        try:
+            services.set_member(team_a, whom.username, "viewer", Actor.for_user(by))
+        except services.TeamChangeError:
+            return False
+        return True
+
+    for _ in range(10):
+        Membership.objects.update_or_create(team=team_a, user=other, defaults={"role": "admin"})
+        Membership.objects.filter(team=team_a, user=admin_a).update(role="admin")
+        assert sorted(run_in_threads(2, demote)) == [False, True]
+        assert Membership.objects.filter(team=team_a, role="admin").count() == 1
+
+
 def test_a_token_form_error_names_the_field_that_is_wrong(admin_a, team_a):
     client = client_for(admin_a)
     long_name = client.post(

@@ -57,11 +57,19 @@ def team_detail_page(request: HtmxHttpRequest, team: Team, *, channel_form=None)
         "member_form": MemberForm(),
         "token_form": TokenForm(),
         "roles": Role.choices,
-        # Shown once: taken out of the session by the first page that displays it.
-        "new_token": request.session.pop(NEW_TOKEN_KEY, None),
+        # Shown once: taken out of the session by the first page of its team that displays
+        # it (another team's page, opened first, leaves it there).
+        "new_token": _new_token(request, team),
         **channel_views.team_context(request, team, channel_form),
     }
     return render_page(request, "dashboard/team_detail.html", context)
+
+
+def _new_token(request: HtmxHttpRequest, team: Team) -> dict | None:
+    new = request.session.get(NEW_TOKEN_KEY)
+    if not isinstance(new, dict) or new.get("team") != team.pk:
+        return None
+    return request.session.pop(NEW_TOKEN_KEY)
 
 
 def _back(slug: str) -> str:
@@ -115,7 +123,12 @@ def token_create(request: HtmxHttpRequest, slug: str) -> HttpResponse:
     token, raw = services.issue_token(
         team, form.cleaned_data["scopes"], actor(request), name=form.cleaned_data["name"]
     )
-    request.session[NEW_TOKEN_KEY] = {"raw": raw, "prefix": token.prefix, "name": token.name}
+    request.session[NEW_TOKEN_KEY] = {
+        "team": team.pk,
+        "raw": raw,
+        "prefix": token.prefix,
+        "name": token.name,
+    }
     return done(request, _back(slug))
 
 
