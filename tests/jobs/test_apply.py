@@ -136,3 +136,52 @@ def test_a_file_and_put_jobs_take_the_same_nesting(api_a, tmp_path, team_a):
         except CommandError:
             by_file = 400
         assert by_api == by_file == (200 if depth == 61 else 400), depth
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        ("123456789012345678901234567890", "outside 64 bits"),
+        (".nan", "which JSON has no number for"),
+        (".inf", "which JSON has no number for"),
+        ('"a\\0b"', "NUL character"),
+        ('{"k\\0": 1}', "NUL character"),
+        ("!!set {a, b}", "set"),
+        ("!!binary aGVsbG8=", "bytes"),
+    ],
+    ids=["wide-integer", "nan", "inf", "nul", "nul-key", "set", "binary"],
+)
+def test_a_value_no_api_body_may_hold_is_refused_before_anything_changes(
+    tmp_path, team_a, payload, reason
+):
+    text = f"team: team-a\njobs:\n  - name: odd.job\n    queue: q\n    payload: {payload}\n"
+    for args in (["--dry-run"], []):
+        with pytest.raises(CommandError, match=reason):
+            apply(tmp_path, text, *args)
+    assert not JobDefinition.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"\xff\xfe\x00garbage", "not UTF-8"),
+        (b"jobs: &a [{name: a.r, queue: q, payload: *a}]\nteam: team-a\n", "contains itself"),
+        (b"team: team-a\nteam: team-b\njobs: []\n", "given twice"),
+        (
+            b"team: team-a\na: &a [x, x, x, x, x, x, x, x, x, x]\n"
+            + b"".join(
+                f"{chr(98 + n)}: &{chr(98 + n)} [{', '.join(['*' + chr(97 + n)] * 10)}]\n".encode()
+                for n in range(8)
+            )
+            + b"jobs: [{name: a.r, queue: q, payload: *i}]\n",
+            "more than 2000000 values",
+        ),
+    ],
+    ids=["not-utf8", "self-reference", "duplicate-key", "billion-laughs"],
+)
+def test_a_hostile_file_is_an_error_not_a_traceback(tmp_path, team_a, content, reason):
+    path = tmp_path / "jobs.yaml"
+    path.write_bytes(content)
+    with pytest.raises(CommandError, match=reason):
+        call_command("apply", str(path), stdout=StringIO(), stderr=StringIO())
+    assert not JobDefinition.objects.exists()

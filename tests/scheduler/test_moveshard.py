@@ -267,7 +267,9 @@ def test_a_move_refuses_a_target_that_holds_the_shard_and_a_shard_that_stays_lea
         call_command("moveshard", str(shard), "--to", layout.servers[1].url)
 
 
-def test_a_shard_moves_to_a_database_outside_the_map(layout: Layout, team_a, placement_reset):
+def test_a_shard_moves_to_a_database_outside_the_map(
+    layout: Layout, team_a, placement_reset, tmp_path
+):
     """A new database (here on the second server), migrated by the move: `manage.py moveshard`
     as an operator runs it, in a process of its own (this one's test may not open a connection
     to a database it did not start with)."""
@@ -303,6 +305,21 @@ def test_a_shard_moves_to_a_database_outside_the_map(layout: Layout, team_a, pla
         assert not Run.objects.using(source).filter(shard=shard).exists()
         placement = ShardPlacement.objects.using(shards.CONTROL).get(shard=shard)
         assert placement.url == new_url
+
+        # A command reads the moved shard where it went: `apply` finds the job there (it
+        # planned to create it in the old database, which refuses the shard's rows).
+        jobs_file = tmp_path / "jobs.yaml"
+        jobs_file.write_text(f"team: {team_a.slug}\njobs: [{{name: {job.name}, queue: q}}]\n")
+        planned = subprocess.run(
+            [sys.executable, "manage.py", "apply", str(jobs_file), "--dry-run"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert planned.returncode == 0, planned.stdout + planned.stderr
+        assert "0 create" in planned.stdout and f"+ {job.name}" not in planned.stdout
     finally:
         ShardPlacement.objects.using(shards.CONTROL).all().delete()
         with psycopg.connect(server, autocommit=True) as conn:

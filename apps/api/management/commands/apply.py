@@ -9,15 +9,21 @@ The file is `{"team": "billing", "jobs": [{...definition as in the API...}]}` (t
 from __future__ import annotations
 
 import json
+import math
+from datetime import date, datetime
 from pathlib import Path
+from typing import Any
 
 import yaml
 from django.core.management.base import BaseCommand, CommandError
+from rest_framework.exceptions import ValidationError
 
+from apps.api.errors import PayloadTooLarge
+from apps.api.parsers import parse_json
 from apps.api.shapes.jobs import parse_definition
 from apps.audit.record import Actor
 from apps.jobs import sync
-from apps.runs import limits
+from apps.runs import shards
 from apps.teams.models import Team
 
 
@@ -38,34 +44,31 @@ class Command(BaseCommand):
         self, *args, file: str, team: str | None, dry_run: bool, prune: bool, **options
     ) -> None:
         path = Path(file)
-        try:
-            document = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise CommandError(f"Cannot read {file}: {exc}") from exc
-        except RecursionError as exc:  # nested far past the limit the definitions state
-            raise CommandError(f"{file} nests objects and lists too deeply.") from exc
+        # Where the shards are now (`manage.py moveshard`): a command reads the map as a web
+        # process does at each request.
+        shards.refresh(force=True)
+        document = read_document(path)
         if not isinstance(document, dict):
             raise CommandError(f"{file} must hold a mapping with a `jobs` list.")
         slug = team or document.get("team")
-        owner = Team.objects.filter(slug=slug).first() if slug else None
+        owner = Team.objects.filter(slug=slug).first() if isinstance(slug, str) else None
         if owner is None:
             raise CommandError(f"Unknown team {slug!r}: give --team or a `team:` key.")
+        # The entries go through what every JSON body goes through (`PUT /api/v1/jobs` takes
+        # the same ones): integers past 64 bits, NUL, nesting past the limit, counted from the
+        # file's own level (a payload the file took at 64 levels of its own could not be sent
+        # back through the API).
         try:
-            # YAML reads timestamps as datetimes; a JSON round trip gives the API's strings back.
-            entries = json.loads(json.dumps(document.get("jobs"), default=str))
-        except RecursionError as exc:
-            raise CommandError(f"{file} nests objects and lists too deeply.") from exc
-        # Counted from the file's own level, as `PUT /api/v1/jobs` counts its body's: the same
-        # entries pass or fail both ways (a payload the file took at 64 levels of its own could
-        # not be sent back through the API).
-        where = limits.json_too_deep({"jobs": entries})
-        if where is not None:
-            raise CommandError(
-                f"{file}: {where} nests objects and lists deeper than "
-                f"{limits.json_max_depth()} levels, counted from the file's own."
+            entries = parse_json(json.dumps({"jobs": document.get("jobs")}).encode())["jobs"]
+        except ValidationError as exc:
+            found = "; ".join(
+                f"{where}: {' '.join(map(str, reasons))}" for where, reasons in exc.detail.items()
             )
+            raise CommandError(f"{file} is not valid ({found}); nothing was changed.") from exc
         try:
             plan = sync.plan_sync(owner, sync.validate(entries, parse_definition), prune=prune)
+        except PayloadTooLarge as exc:
+            raise CommandError(f"{file}: {exc.detail}") from exc
         except sync.SyncError as exc:
             for where, reasons in exc.errors.items():
                 self.stderr.write(f"{where}: {'; '.join(reasons)}")
@@ -93,3 +96,83 @@ class Command(BaseCommand):
         return ", ".join(
             f"{counts[key]} {key}" for key in ("create", "update", "delete", "unchanged")
         )
+
+
+# A file this large is no jobs file (the API takes a body of the same size).
+MAX_FILE_BYTES = 64 * 1024 * 1024
+# Values a file may expand to through YAML aliases: a small file of aliases of aliases ("a
+# billion laughs") would otherwise fill the memory before any check.
+MAX_VALUES = 2_000_000
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML as jobs files use it: a key given twice in a mapping is a mistake, not the last
+    one winning (`team: alpha` then `team: beta` applied to beta)."""
+
+    def construct_mapping(self, node, deep=False):  # noqa: ANN001 - PyYAML's signature
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_document(path: Path) -> Any:
+    """The file's YAML (or JSON) as JSON values: YAML's timestamps as their ISO text; a file
+    that is not UTF-8, not YAML, or holds what JSON cannot (sets, bytes, NaN, a reference to
+    itself, more than MAX_VALUES values once its aliases are expanded) is a CommandError."""
+    try:
+        raw = path.read_bytes()
+        if len(raw) > MAX_FILE_BYTES:
+            raise CommandError(f"{path} is larger than {MAX_FILE_BYTES} bytes.")
+        text = raw.decode("utf-8")
+        document = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader
+    except OSError as exc:
+        raise CommandError(f"Cannot read {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise CommandError(f"{path} is not UTF-8 text: {exc}") from exc
+    except yaml.YAMLError as exc:
+        message = f"Cannot read {path}: {exc}".replace("<unicode string>", str(path))
+        raise CommandError(message) from exc
+    except RecursionError as exc:  # nested far past the limit the definitions state
+        raise CommandError(f"{path} nests objects and lists too deeply.") from exc
+    return _as_json(document, path)
+
+
+def _as_json(document: Any, path: Path) -> Any:
+    """`document` with YAML's dates as text; CommandError for what no JSON value is. Iterative,
+    counting every value it visits, so aliases cannot expand it without bound."""
+    root: list[Any] = [document]
+    pending: list[tuple[Any, Any, Any, tuple[int, ...]]] = [(document, root, 0, ())]
+    visited = 0
+    while pending:
+        value, parent, key, above = pending.pop()
+        visited += 1
+        if visited > MAX_VALUES:
+            raise CommandError(
+                f"{path} holds more than {MAX_VALUES} values once its YAML aliases are expanded."
+            )
+        if isinstance(value, dict | list):
+            if id(value) in above:
+                raise CommandError(f"{path} holds a value that contains itself (a YAML alias).")
+            copy: Any = {} if isinstance(value, dict) else [None] * len(value)
+            parent[key] = copy
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for child_key, child in items:
+                if isinstance(value, dict) and not isinstance(child_key, str):
+                    raise CommandError(f"{path}: the key {child_key!r} is not text.")
+                pending.append((child, copy, child_key, (*above, id(value))))
+        elif isinstance(value, datetime | date):
+            parent[key] = value.isoformat()
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise CommandError(f"{path} holds {value!r}, which JSON has no number for.")
+        elif value is None or isinstance(value, str | int | float | bool):
+            parent[key] = value
+        else:
+            kind = type(value).__name__
+            raise CommandError(f"{path} holds a {kind} ({value!r:.40}), which is no JSON value.")
+    return root[0]
