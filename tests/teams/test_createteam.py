@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from io import StringIO
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,6 @@ def test_a_weak_admin_password_is_refused_with_the_rule_it_breaks(db, password, 
 
 
 def test_a_password_without_an_admin_is_refused_and_one_for_an_existing_user_said_ignored(db):
-    from io import StringIO
-
     from django.contrib.auth import get_user_model
     from django.core.management import CommandError, call_command
 
@@ -110,9 +109,32 @@ def test_a_password_without_an_admin_is_refused_and_one_for_an_existing_user_sai
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
+        (["a" * 65], "longer than 64 characters"),
+        (["ops", "--name", "n" * 201], "--name is longer than 200 characters"),
+        (["ops", "--admin", "a" * 151], "--admin is longer than 150 characters"),
+        (["ops", "--admin", "bad user!"], "--admin: Enter a valid username"),
+    ],
+)
+def test_createteam_refuses_what_its_columns_cannot_hold_before_writing(db, argv, says):
+    from django.core.management import CommandError, call_command
+
+    said = StringIO()
+    with pytest.raises(CommandError, match=says):
+        call_command("createteam", *argv, stderr=said, stdout=StringIO())
+    assert "Created" not in said.getvalue()
+    assert not Team.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
         (["web", "--port", "99999"], "a whole number from 0 to 65535"),
         (["web", "--workers", "0"], "a whole number from 1 to 256"),
         (["scheduler", "--tick", "-1"], "--tick must be a number of seconds above 0"),
+        (["scheduler", "--once", "--node-id", "n" * 201], "--node-id must be 1 to 200"),
+        (["web", "--log-level", "loud"], "invalid choice: 'loud'"),
+        (["reaper", "--interval", "nan"], "--interval must be a number of seconds above 0"),
+        (["moveshard", "0", "--to", "postgresql://h/db", "--wait", "-5"], "--wait must be"),
     ],
 )
 def test_a_process_given_an_impossible_argument_says_so_and_does_not_start(argv, says):

@@ -71,7 +71,7 @@ class Command(BaseCommand):
             raise CommandError(f"{file}: {exc.detail}") from exc
         except sync.SyncError as exc:
             for where, reasons in exc.errors.items():
-                self.stderr.write(f"{where}: {'; '.join(reasons)}")
+                self.stderr.write(f"{where}: {' '.join(reasons)}")
             raise CommandError(f"{file} is not valid; nothing was changed.") from exc
         self._print(plan)
         if dry_run:

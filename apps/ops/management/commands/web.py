@@ -55,7 +55,11 @@ class Command(BaseCommand):
         parser.add_argument(
             "--workers", type=_bounded(1, 256), default=1, help="processes (default 1)"
         )
-        parser.add_argument("--log-level", default="info")
+        parser.add_argument(
+            "--log-level",
+            default="info",
+            choices=["critical", "error", "warning", "info", "debug", "trace"],
+        )
         parser.add_argument("--no-access-log", action="store_true")
 
     def handle(self, *, host: str, port: int, workers: int, **options) -> None:

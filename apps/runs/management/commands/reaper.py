@@ -7,7 +7,7 @@ import signal
 import time
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections, connection
 
 from apps.runs import shards, store
@@ -25,6 +25,8 @@ class Command(BaseCommand):
         parser.add_argument("--interval", type=float, default=1.0)
 
     def handle(self, *args, once: bool, interval: float, **options) -> None:
+        if not 0 < interval <= 3600:  # NaN too
+            raise CommandError("--interval must be a number of seconds above 0 and at most 3600.")
         self.shutdown = False
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)

@@ -29,10 +29,14 @@ class Command(BaseCommand):
     def handle(self, *args, shard: int, to: str, wait: float, **options) -> None:
         if not to.startswith(("postgresql://", "postgres://")):
             raise CommandError("--to must be a postgresql:// URL.")
+        if not 0 <= wait <= 86_400:  # NaN too
+            raise CommandError("--wait must be a number of seconds from 0 to 86400.")
         try:
             moved = moves.move(shard, to, wait=wait, say=self.stdout.write)
         except moves.MoveError as exc:
             raise CommandError(str(exc)) from exc
+        except ValueError as exc:  # a URL that does not parse (postgresql://[bad)
+            raise CommandError(f"--to is not a URL this can read: {exc}") from exc
         except DatabaseError as exc:  # a URL the server refuses (a bad option, a wrong password)
             raise CommandError(f"The move failed and was undone: {exc}".strip()) from exc
         if moved.finished_only:

@@ -41,19 +41,32 @@ class Command(BaseCommand):
     ) -> None:
         if slugify(slug) != slug:
             raise CommandError(f"'{slug}' is not a slug: use lowercase letters, digits and '-'.")
+        # Checked before anything is written: a refusal leaves no team behind, and no value
+        # reaches a column too narrow for it (a traceback, and "Created team" printed first).
+        user_model = get_user_model()
+        for what, value, field in (
+            ("The slug", slug, Team._meta.get_field("slug")),
+            ("--name", name, Team._meta.get_field("name")),
+            ("--admin", admin or "", user_model._meta.get_field(user_model.USERNAME_FIELD)),
+        ):
+            if len(value) > field.max_length:
+                raise CommandError(f"{what} is longer than {field.max_length} characters.")
+        if admin and not user_model.objects.filter(username=admin).exists():
+            try:
+                user_model.username_validator(admin)
+            except ValidationError as exc:
+                raise CommandError(f"--admin: {' '.join(exc.messages)}") from exc
         if password is not None and not admin:
             raise CommandError("--password is the admin's: give --admin USERNAME with it.")
         wanted = [scope.strip() for scope in scopes.split(",") if scope.strip()]
         unknown = set(wanted) - set(Scope.values)
         if unknown or not wanted:
             raise CommandError(f"Unknown scopes {sorted(unknown)}; use worker and/or manage.")
-        user_model = get_user_model()
         if (
             admin
             and password is not None
             and not user_model.objects.filter(username=admin).exists()
         ):
-            # Checked before anything is written: a refusal leaves no team behind.
             try:
                 validate_password(password, user_model(username=admin))
             except ValidationError as exc:
