@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -43,6 +45,28 @@ def test_https_without_a_secret_key_refuses_to_start():
     env = {"SCHEDULER_HTTPS": "true", "SECRET_KEY": ""}
     done = manage("check", **env)
     assert done.returncode != 0 and "SECRET_KEY must be set" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "says"),
+    [
+        ("SCHEDULER_API_RATE_MANAGE", "fast", "must be a rate such as 20/s"),
+        ("SCHEDULER_TICK_SECONDS", "-1", "must be from 0.01 to 3600"),
+        ("SCHEDULER_TICK_SECONDS", "nan", "must be a finite number"),
+        ("SCHEDULER_MAX_CLAIM", "0", "must be at least 1"),
+        ("SCHEDULER_RETENTION_DAYS", "-3", "must be at least 1"),
+        ("SCHEDULER_SHARD_COUNT", "abc", "must be an integer"),
+        ("LOG_LEVEL", "LOUD", "must be one of DEBUG"),
+        ("DEBUG", "maybe", "must be true or false"),
+    ],
+)
+def test_a_bad_setting_refuses_to_start_naming_it(setting, value, says):
+    """Each was taken before, and then failed every call (a rate), busy-looped (a negative
+    tick), or ended in a traceback."""
+    done = manage("check", **{setting: value})
+    assert done.returncode != 0
+    assert f"Configuration error: {setting} {says}" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_sessions_expire_and_cookies_are_locked_down(settings):

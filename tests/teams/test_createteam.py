@@ -133,6 +133,7 @@ def test_createteam_refuses_what_its_columns_cannot_hold_before_writing(db, argv
         (["scheduler", "--tick", "-1"], "--tick must be a number of seconds above 0"),
         (["scheduler", "--once", "--node-id", "n" * 201], "--node-id must be 1 to 200"),
         (["web", "--log-level", "loud"], "invalid choice: 'loud'"),
+        (["dev", "--port", "99999", "--no-worker"], "--port must be a whole number"),
         (["reaper", "--interval", "nan"], "--interval must be a number of seconds above 0"),
         (["moveshard", "0", "--to", "postgresql://h/db", "--wait", "-5"], "--wait must be"),
     ],

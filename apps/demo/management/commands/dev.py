@@ -49,6 +49,8 @@ class Command(BaseCommand):
     def handle(
         self, *args, host: str, port: int, no_worker: bool, shard_databases: int, **options
     ) -> None:
+        if not 0 <= port <= 65535:  # before the migration and the demo data, not after
+            raise CommandError("--port must be a whole number from 0 to 65535.")
         if shard_databases:
             self._restart_on_shard_servers(shard_databases, host, port, no_worker)
         self.shutdown = threading.Event()
@@ -114,15 +116,18 @@ class Command(BaseCommand):
         }
         signal.signal(signal.SIGINT, lambda *_: self.shutdown.set())
         signal.signal(signal.SIGTERM, lambda *_: self.shutdown.set())
+        failed = None
         while not self.shutdown.is_set():
             for name, process in processes.items():
-                if process.poll() is not None:
-                    self.stderr.write(
-                        f"{name} exited with {process.returncode}; stopping the rest."
-                    )
+                # A Ctrl-C reaches the parts too: one that stops for it is no failure.
+                if process.poll() is not None and not self.shutdown.is_set():
+                    failed = f"{name} exited with {process.returncode}; stopping the rest."
+                    self.stderr.write(failed)
                     self.shutdown.set()
             self.shutdown.wait(0.5)
         self._stop(processes)
+        if failed is not None:  # not a Ctrl-C: the command failed (exit 1), as its part did
+            raise CommandError(failed)
 
     def _restart_on_shard_servers(self, count: int, host: str, port: int, no_worker: bool) -> None:
         """Start `count` embedded servers, then run this command again in this process with the
