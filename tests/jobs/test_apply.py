@@ -161,6 +161,12 @@ def test_a_value_no_api_body_may_hold_is_refused_before_anything_changes(
     assert not JobDefinition.objects.exists()
 
 
+def test_yaml_keys_that_are_not_text_are_written_as_json_writes_them(tmp_path, team_a):
+    text = "team: team-a\njobs:\n  - name: keys.job\n    queue: q\n    payload: {on: 1, 2: b}\n"
+    apply(tmp_path, text)
+    assert JobDefinition.objects.get().payload == {"true": 1, "2": "b"}
+
+
 @pytest.mark.parametrize(
     ("content", "reason"),
     [

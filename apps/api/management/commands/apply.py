@@ -98,7 +98,7 @@ class Command(BaseCommand):
         )
 
 
-# A file this large is no jobs file (the API takes a body of the same size).
+# A file this large is no jobs file: refused before it is decoded and read.
 MAX_FILE_BYTES = 64 * 1024 * 1024
 # Values a file may expand to through YAML aliases: a small file of aliases of aliases ("a
 # billion laughs") would otherwise fill the memory before any check.
@@ -109,7 +109,7 @@ class _Loader(yaml.SafeLoader):
     """YAML as jobs files use it: a key given twice in a mapping is a mistake, not the last
     one winning (`team: alpha` then `team: beta` applied to beta)."""
 
-    def construct_mapping(self, node, deep=False):  # noqa: ANN001 - PyYAML's signature
+    def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
@@ -163,8 +163,8 @@ def _as_json(document: Any, path: Path) -> Any:
             parent[key] = copy
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for child_key, child in items:
-                if isinstance(value, dict) and not isinstance(child_key, str):
-                    raise CommandError(f"{path}: the key {child_key!r} is not text.")
+                if isinstance(value, dict):
+                    child_key = _key_text(child_key, path)
                 pending.append((child, copy, child_key, (*above, id(value))))
         elif isinstance(value, datetime | date):
             parent[key] = value.isoformat()
@@ -176,3 +176,16 @@ def _as_json(document: Any, path: Path) -> Any:
             kind = type(value).__name__
             raise CommandError(f"{path} holds a {kind} ({value!r:.40}), which is no JSON value.")
     return root[0]
+
+
+def _key_text(key: Any, path: Path) -> str:
+    """A mapping key as JSON writes it: YAML reads `on:` as true and `1:` as 1."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, bool) or key is None:
+        return json.dumps(key)
+    if isinstance(key, int | float) and math.isfinite(key):
+        return json.dumps(key)
+    if isinstance(key, datetime | date):
+        return key.isoformat()
+    raise CommandError(f"{path}: the key {key!r:.40} is no JSON key.")
