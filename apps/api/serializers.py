@@ -11,7 +11,7 @@ from apps.jobs.services import snapshot
 from apps.runs import limits, payloads
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
-from apps.runs.models import PRIORITY_NAMES, reported_state
+from apps.runs.models import PRIORITY_NAMES, Outcome, reported_state
 
 NAME_RE = limits.JOB_NAME_RE
 QUEUE_RE = limits.QUEUE_NAME_RE
@@ -88,9 +88,11 @@ def run_detail_json(run, now: datetime) -> run_shape.RunDetail:
 
 
 def attempt_json(attempt) -> run_shape.Attempt:
+    # A failed attempt has an error even when its worker gave none (`{"message": "", "type":
+    # ""}`, as the run's `lastError` keeps it); another outcome has one only when it says why.
     error = (
         run_shape.RunError(message=attempt.error_message, type=attempt.error_type)
-        if attempt.error_message or attempt.error_type
+        if attempt.outcome == Outcome.FAILED or attempt.error_message or attempt.error_type
         else None
     )
     if error is not None and attempt.error_stack:

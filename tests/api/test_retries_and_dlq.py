@@ -67,6 +67,26 @@ def test_not_retryable_goes_straight_to_dead(api_a, team_a):
     assert stored_run().state == "dead"
 
 
+def test_a_failure_reported_without_an_error_reads_the_same_on_the_run_and_its_attempt(
+    api_a, team_a
+):
+    definition = make_definition(team_a, "jobs.quiet", queue="q", retry_max_attempts=5)
+    add_ready_runs(definition, 2)
+    single, batched = api_a.lease(["q"], 2)
+    answer = api_a.post(
+        f"/api/v1/runs/{single['runId']}/fail",
+        {"fencingToken": single["fencingToken"], "retryable": False},
+    )
+    assert answer.status_code == 200
+    item = {"runId": batched["runId"], "fencingToken": batched["fencingToken"]}
+    answer = api_a.post("/api/v1/results", {"results": [{**item, "outcome": "failed"}]})
+    assert answer.status_code == 200
+    for lease in (single, batched):
+        detail = api_a.get(f"/api/v1/runs/{lease['runId']}").json()
+        assert detail["lastError"] == {"message": "", "type": ""}
+        assert [attempt["error"] for attempt in detail["attempts"]] == [detail["lastError"]]
+
+
 def test_discard_by_filter_empties_the_dlq(api_a, team_a):
     definition = make_definition(team_a, "jobs.discard", queue="q", retry_max_attempts=1)
     add_ready_runs(definition, 3)

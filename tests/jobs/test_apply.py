@@ -79,7 +79,9 @@ def test_an_invalid_entry_changes_nothing(tmp_path, team_a):
     path.write_text(bad)
     with pytest.raises(CommandError):
         call_command("apply", str(path), stdout=StringIO(), stderr=err)
-    assert "jobs[2].schedule.cron" in err.getvalue() and "jobs[2].priority" in err.getvalue()
+    # Each error names the field and the line it was written on.
+    assert "jobs[2].schedule.cron (line 12):" in err.getvalue()
+    assert "jobs[2].priority (line 13):" in err.getvalue()
     assert JobDefinition.objects.count() == 0
 
 
@@ -156,8 +158,10 @@ def test_a_value_no_api_body_may_hold_is_refused_before_anything_changes(
 ):
     text = f"team: team-a\njobs:\n  - name: odd.job\n    queue: q\n    payload: {payload}\n"
     for args in (["--dry-run"], []):
-        with pytest.raises(CommandError, match=reason):
+        with pytest.raises(CommandError, match=reason) as refused:
             apply(tmp_path, text, *args)
+        if reason in ("outside 64 bits", "NUL character"):  # as an API body would be, named so
+            assert "jobs[0].payload (line 5):" in str(refused.value)
     assert not JobDefinition.objects.exists()
 
 

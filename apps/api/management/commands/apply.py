@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from datetime import date, datetime
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ class Command(BaseCommand):
         # Where the shards are now (`manage.py moveshard`): a command reads the map as a web
         # process does at each request.
         shards.refresh(force=True)
-        document = read_document(path)
+        document, node = read_document(path)
         if not isinstance(document, dict):
             raise CommandError(f"{file} must hold a mapping with a `jobs` list.")
         slug = team or document.get("team")
@@ -62,7 +63,8 @@ class Command(BaseCommand):
             entries = parse_json(json.dumps({"jobs": document.get("jobs")}).encode())["jobs"]
         except ValidationError as exc:
             found = "; ".join(
-                f"{where}: {' '.join(map(str, reasons))}" for where, reasons in exc.detail.items()
+                f"{_at(node, where)}: {' '.join(map(str, reasons))}"
+                for where, reasons in exc.detail.items()
             )
             raise CommandError(f"{file} is not valid ({found}); nothing was changed.") from exc
         try:
@@ -71,7 +73,7 @@ class Command(BaseCommand):
             raise CommandError(f"{file}: {exc.detail}") from exc
         except sync.SyncError as exc:
             for where, reasons in exc.errors.items():
-                self.stderr.write(f"{where}: {' '.join(reasons)}")
+                self.stderr.write(f"{_at(node, where)}: {' '.join(reasons)}")
             raise CommandError(f"{file} is not valid; nothing was changed.") from exc
         self._print(plan)
         if dry_run:
@@ -121,16 +123,22 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def read_document(path: Path) -> Any:
+def read_document(path: Path) -> tuple[Any, yaml.Node | None]:
     """The file's YAML (or JSON) as JSON values: YAML's timestamps as their ISO text; a file
     that is not UTF-8, not YAML, or holds what JSON cannot (sets, bytes, NaN, a reference to
-    itself, more than MAX_VALUES values once its aliases are expanded) is a CommandError."""
+    itself, more than MAX_VALUES values once its aliases are expanded) is a CommandError. With
+    it, the file's node tree, which knows where each value was written (`_at`)."""
     try:
         raw = path.read_bytes()
         if len(raw) > MAX_FILE_BYTES:
             raise CommandError(f"{path} is larger than {MAX_FILE_BYTES} bytes.")
         text = raw.decode("utf-8")
-        document = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader
+        loader = _Loader(text)
+        try:
+            node = loader.get_single_node()
+            document = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except OSError as exc:
         raise CommandError(f"Cannot read {path}: {exc}") from exc
     except UnicodeDecodeError as exc:
@@ -140,7 +148,29 @@ def read_document(path: Path) -> Any:
         raise CommandError(message) from exc
     except RecursionError as exc:  # nested far past the limit the definitions state
         raise CommandError(f"{path} nests objects and lists too deeply.") from exc
-    return _as_json(document, path)
+    return _as_json(document, path), node
+
+
+_STEP = re.compile(r"\[(\d+)\]|\.?([^.\[]+)")
+
+
+def _at(node: yaml.Node | None, where: str) -> str:
+    """`where` ("jobs[2].rateLimit.periodSeconds") with the line of the file it was written on:
+    the field's own line, or its nearest enclosing one the file has (a missing field)."""
+    line = None
+    for index, key in _STEP.findall(where):
+        if isinstance(node, yaml.SequenceNode) and index and int(index) < len(node.value):
+            node = node.value[int(index)]
+            written = node
+        elif isinstance(node, yaml.MappingNode) and key:
+            pair = next(((k, v) for k, v in node.value if k.value == key), None)
+            if pair is None:
+                break
+            written, node = pair  # the key's line: a block mapping's value starts below it
+        else:
+            break
+        line = written.start_mark.line + 1
+    return f"{where} (line {line})" if line else where
 
 
 def _as_json(document: Any, path: Path) -> Any:
