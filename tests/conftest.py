@@ -91,6 +91,23 @@ def child_shard_env() -> dict[str, str]:
     return {"SCHEDULER_SHARD_DATABASES": shardmap.render(aliases, urls)}
 
 
+def manage(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    """`manage.py` in a process of its own, as an operator runs it: on this test's databases
+    (`env` sets more variables, or others), its output captured."""
+    # The browser tests allow sync ORM calls in their event loop; a deployment must not.
+    environment = {k: v for k, v in os.environ.items() if k != "DJANGO_ALLOW_ASYNC_UNSAFE"}
+    environment.update(DATABASE_URL=child_database_url(), **child_shard_env())
+    environment.update(env)
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def other_session(**options) -> psycopg.Connection:
     """A session of its own on the test database, as another client's would be."""
     return psycopg.connect(child_database_url(), **options)

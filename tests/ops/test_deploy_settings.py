@@ -2,30 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import secrets
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
-    # The browser tests allow sync ORM calls in their event loop; a deployment must not.
-    environment = {k: v for k, v in os.environ.items() if k != "DJANGO_ALLOW_ASYNC_UNSAFE"}
-    environment.update(env)
-    environment.setdefault("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-    return subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+from tests.conftest import manage
 
 
 def test_check_deploy_is_clean_over_https():

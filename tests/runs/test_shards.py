@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import psycopg
 import pytest
 
@@ -14,9 +10,8 @@ from apps.jobs.schedule import shard_for
 from apps.runs import shards
 from apps.runs.models import Run
 from apps.runs.store import NewRun, insert_runs
-from scheduler_site.settings import BASE_DIR
 from scheduler_site.shardmap import ShardMapError, parse, render
-from tests.conftest import child_database_url, make_definition
+from tests.conftest import child_database_url, make_definition, manage
 from tests.servers import postgres_servers
 
 CONTROL = "postgresql://control/db"
@@ -65,11 +60,7 @@ def test_shards_are_named_by_the_ranges_they_make_gaps_and_all():
 
 
 def test_a_bad_map_stops_the_process_at_start_with_the_settings_name():
-    env = {**os.environ, "SCHEDULER_SHARD_DATABASES": f"0-7={A}"}
-    out = subprocess.run(
-        [sys.executable, "manage.py", "check"], cwd=BASE_DIR, env=env, capture_output=True,
-        text=True, timeout=60,
-    )  # fmt: skip
+    out = manage("check", SCHEDULER_SHARD_DATABASES=f"0-7={A}")
     assert out.returncode != 0
     assert "SCHEDULER_SHARD_DATABASES: Shards 8-15 are on no database" in out.stderr
 
@@ -113,15 +104,8 @@ def test_migrate_prepares_the_control_database_and_every_shard_database(team_a):
     with postgres_servers(2) as servers:
         a, b = (server.url for server in servers)
         control = child_database_url()
-        env = {
-            **os.environ,
-            "DATABASE_URL": control,
-            "SCHEDULER_SHARD_DATABASES": f"0-5={a};6-10={control};11-15={b}",
-        }
-        out = subprocess.run(
-            [sys.executable, "manage.py", "migrate", "--no-input"], cwd=BASE_DIR, env=env,
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        shard_map = f"0-5={a};6-10={control};11-15={b}"
+        out = manage("migrate", "--no-input", timeout=300, SCHEDULER_SHARD_DATABASES=shard_map)
         assert out.returncode == 0, out.stderr
         assert "Shard database shards_1:" in out.stdout
         assert "Shard database shards_2:" in out.stdout

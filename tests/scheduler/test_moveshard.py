@@ -3,9 +3,6 @@ enqueue, and nothing is lost, duplicated or left behind."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,13 +23,12 @@ from apps.runs.models import RateStart, Run, ShardPlacement
 from apps.runs.shards import MOVED_GUARD_PREFIX
 from apps.scheduler import moves
 from tests.conftest import (
-    REPO,
     Drain,
     Layout,
     assert_invariants_everywhere,
     child_database_url,
-    child_shard_env,
     claim,
+    manage,
 )
 from tests.waiting import wait_for
 
@@ -267,20 +263,6 @@ def test_a_move_refuses_a_target_that_holds_the_shard_and_a_shard_that_stays_lea
         call_command("moveshard", str(shard), "--to", layout.servers[1].url)
 
 
-def _manage(*args: str) -> subprocess.CompletedProcess:
-    """`manage.py` in a process of its own, as an operator runs it (this one's test may not open
-    a connection to a database it did not start with)."""
-    env = {**os.environ, "DATABASE_URL": child_database_url(), **child_shard_env()}
-    return subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def test_a_shard_moves_to_a_database_outside_the_map(
     layout: Layout, team_a, placement_reset, tmp_path
 ):
@@ -300,7 +282,7 @@ def test_a_shard_moves_to_a_database_outside_the_map(
                 team=team_a, name=_names_of_shard(shard, 1)[0], queue="q", timeout_seconds=60
             )
         made = layout.new_runs(job, 5, "before")
-        moved = _manage("moveshard", str(shard), "--to", new_url)
+        moved = manage("moveshard", str(shard), "--to", new_url, timeout=300)
         assert moved.returncode == 0, moved.stdout + moved.stderr
 
         # Every run of the shard is in the new database, none left behind, and the control
@@ -316,7 +298,7 @@ def test_a_shard_moves_to_a_database_outside_the_map(
         # planned to create it in the old database, which refuses the shard's rows).
         jobs_file = tmp_path / "jobs.yaml"
         jobs_file.write_text(f"team: {team_a.slug}\njobs: [{{name: {job.name}, queue: q}}]\n")
-        planned = _manage("apply", str(jobs_file), "--dry-run")
+        planned = manage("apply", str(jobs_file), "--dry-run")
         assert planned.returncode == 0, planned.stdout + planned.stderr
         assert "0 create" in planned.stdout and f"+ {job.name}" not in planned.stdout
     finally:
@@ -337,7 +319,7 @@ def test_a_move_refuses_the_shards_own_database_a_url_without_one_and_a_second_m
 ):
     source, _ = layout.aliases
     shard = shards.shards_on(source)[0]
-    same = _manage("moveshard", str(shard), "--to", _another_url(child_database_url(source)))
+    same = manage("moveshard", str(shard), "--to", _another_url(child_database_url(source)))
     assert same.returncode == 1
     assert f"The target is the database shard {shard} lives in, under another URL" in same.stderr
     assert "Traceback" not in same.stderr

@@ -2,47 +2,22 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from io import StringIO
-from pathlib import Path
 
 import pytest
 
 from apps.teams.models import ApiToken, Membership, Team
-from tests.conftest import child_database_url
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import manage
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def test_token_is_the_last_line_and_works(live_server):
-    env = {
-        **os.environ,
-        "DATABASE_URL": child_database_url(),
-    }
-    done = subprocess.run(
-        [
-            sys.executable,
-            "manage.py",
-            "createteam",
-            "payments",
-            "--admin",
-            "pat",
-            "--password",
-            "s3cret-pass",
-            "--scopes",
-            "worker,manage",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    done = manage(
+        "createteam", "payments", "--admin", "pat", "--password", "s3cret-pass",
+        "--scopes", "worker,manage",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
     token = done.stdout.strip().splitlines()[-1]
     assert token.startswith("jst_")
     team = Team.objects.get(slug="payments")
@@ -139,10 +114,6 @@ def test_createteam_refuses_what_its_columns_cannot_hold_before_writing(db, argv
     ],
 )
 def test_a_process_given_an_impossible_argument_says_so_and_does_not_start(argv, says):
-    env = {**os.environ, "DATABASE_URL": child_database_url()}
-    done = subprocess.run(
-        [sys.executable, "manage.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=60,
-    )  # fmt: skip
+    done = manage(*argv)
     assert done.returncode != 0 and says in done.stderr
     assert "Traceback" not in done.stderr
