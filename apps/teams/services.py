@@ -10,6 +10,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.audit.record import Actor, record
+from apps.teams import access
 from apps.teams.models import ApiToken, Membership, Role, Scope, Team
 from apps.teams.signals import token_revoked
 
@@ -30,6 +31,7 @@ def issue_token(
     if not wanted or set(wanted) - set(Scope.values):
         raise TeamChangeError("Choose the worker and/or manage scope.")
     with transaction.atomic():
+        _lock_members(team, actor)
         token, raw = ApiToken.issue(team, wanted, name=name.strip()[:100], created_by=actor.user)
         record(
             actor,
@@ -49,6 +51,7 @@ def revoke_token(token: ApiToken, actor: Actor) -> bool:
     the others when their cache of it expires (apps/api/auth.py, CACHE_SECONDS).
     """
     with transaction.atomic():
+        _lock_members(token.team, actor)
         changed = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(
             revoked_at=timezone.now()
         )
@@ -70,11 +73,17 @@ def _other_admins(team: Team, user) -> bool:
     return Membership.objects.filter(team=team, role=Role.ADMIN).exclude(user=user).exists()
 
 
-def _lock_members(team: Team) -> None:
-    """Lock the team's row: its membership changes one at a time, each counting the admins
-    the one before left. Locking only the changed membership let two admins demote each
-    other at once, each counting the other, and leave the team with none."""
+def _lock_members(team: Team, actor: Actor) -> None:
+    """Lock the team's row: its membership and tokens change one at a time, each counting the
+    admins the one before left. Locking only the changed membership let two admins demote each
+    other at once, each counting the other, and leave the team with none. Then the person
+    asking must still be an admin: their request was let in before another's change (their
+    demotion) committed."""
     Team.objects.select_for_update().filter(pk=team.pk).exists()
+    if actor.user is not None:
+        access.forget(actor.user)
+        if not access.has_role(actor.user, team, Role.ADMIN):
+            raise TeamChangeError("You are no longer an admin of this team.")
 
 
 def set_member(team: Team, username: str, role: str, actor: Actor) -> Membership:
@@ -85,7 +94,7 @@ def set_member(team: Team, username: str, role: str, actor: Actor) -> Membership
     if user is None:
         raise TeamChangeError(f"No user named '{username.strip()}'.")
     with transaction.atomic():
-        _lock_members(team)
+        _lock_members(team, actor)
         existing = Membership.objects.filter(team=team, user=user).first()
         before = {"role": existing.role} if existing else None
         if existing and existing.role == role:
@@ -109,7 +118,7 @@ def set_member(team: Team, username: str, role: str, actor: Actor) -> Membership
 
 def remove_member(membership: Membership, actor: Actor) -> None:
     with transaction.atomic():
-        _lock_members(membership.team)
+        _lock_members(membership.team, actor)
         current = Membership.objects.filter(pk=membership.pk).first()
         if current is None:
             return  # removed meanwhile

@@ -62,6 +62,30 @@ def test_two_admins_demoting_each_other_at_once_leave_one_admin(admin_a, team_a)
         assert Membership.objects.filter(team=team_a, role="admin").count() == 1
 
 
+def test_an_admin_demoted_while_their_request_was_on_its_way_changes_nothing(admin_a, team_a):
+    """The view let the request in as an admin's; another admin's change committed first."""
+    from apps.audit.record import Actor
+    from apps.teams import services
+
+    other = make_user("other-admin")
+    Membership.objects.create(user=other, team=team_a, role="admin")
+    by = Actor.for_user(admin_a)
+    assert services.issue_token(team_a, ["worker"], by)  # as an admin, before the demotion
+    (token,) = ApiToken.objects.filter(team=team_a)
+    services.set_member(team_a, admin_a.username, "viewer", Actor.for_user(other))
+    changes = [
+        lambda: services.issue_token(team_a, ["worker"], by),
+        lambda: services.revoke_token(token, by),
+        lambda: services.set_member(team_a, other.username, "viewer", by),
+        lambda: services.remove_member(Membership.objects.get(user=other), by),
+    ]
+    for change in changes:
+        with pytest.raises(services.TeamChangeError, match="no longer an admin"):
+            change()
+    assert ApiToken.objects.filter(team=team_a, revoked_at__isnull=True).count() == 1
+    assert Membership.objects.get(user=other).role == "admin"
+
+
 def test_a_token_form_error_names_the_field_that_is_wrong(admin_a, team_a):
     client = client_for(admin_a)
     long_name = client.post(

@@ -120,9 +120,12 @@ def token_create(request: HtmxHttpRequest, slug: str) -> HttpResponse:
             for field, errors in form.errors.items()
         )
         return done(request, _back(slug), said, messages.ERROR)
-    token, raw = services.issue_token(
-        team, form.cleaned_data["scopes"], actor(request), name=form.cleaned_data["name"]
-    )
+    try:
+        token, raw = services.issue_token(
+            team, form.cleaned_data["scopes"], actor(request), name=form.cleaned_data["name"]
+        )
+    except services.TeamChangeError as exc:
+        return done(request, _back(slug), str(exc), messages.ERROR)
     request.session[NEW_TOKEN_KEY] = {
         "team": team.pk,
         "raw": raw,
@@ -139,5 +142,8 @@ def token_revoke(request: HtmxHttpRequest, slug: str, token_id: int) -> HttpResp
     token = ApiToken.objects.filter(team=team, pk=token_id).select_related("team").first()
     if token is None:
         raise Http404("No such token.")
-    services.revoke_token(token, actor(request))
+    try:
+        services.revoke_token(token, actor(request))
+    except services.TeamChangeError as exc:
+        return done(request, _back(slug), str(exc), messages.ERROR)
     return done(request, _back(slug), f"Revoked token {token.prefix}….")
