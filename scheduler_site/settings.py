@@ -220,7 +220,11 @@ CHANNEL_LAYERS = {
     "default": (
         {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
+            # A socket's consumer waits for its next message with a blocking pop of 5 s
+            # (RedisChannelLayer.brpop_timeout); redis-py 8 gives up on any read after 5 s by
+            # default, so an idle page's wait ended in a TimeoutError, a traceback and a
+            # reconnect every 5-10 s. Reads here may wait longer than the pop.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}]},
         }
         if REDIS_URL
         else {"BACKEND": "channels.layers.InMemoryChannelLayer"}

@@ -4,6 +4,7 @@ users on live pages, and what it sends is the page's own region, filtered by the
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -18,7 +19,8 @@ from apps.dashboard import live
 from apps.jobs import services
 from apps.runs import store
 from apps.runs.models import Run
-from tests.conftest import add_ready_runs
+from tests.api.test_throttling import REDIS_URL, in_a_process_with_redis
+from tests.conftest import add_ready_runs, flushed_redis
 from tests.dashboard.conftest import failed_runs, live_scope
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -219,3 +221,29 @@ def test_a_request_cannot_ask_for_a_partial_its_page_does_not_have(operator_a, j
     # A page that names its regions still answers the one asked for, alone.
     region = client.get("/failures", HTTP_HX_REQUEST="true", HTTP_HX_TARGET="results")
     assert region.status_code == 200 and "<html" not in region.content.decode()
+
+
+LAYERS = "import json; from django.conf import settings; print(json.dumps(settings.CHANNEL_LAYERS))"
+
+
+@pytest.mark.django_db(transaction=False)
+def test_an_idle_socket_waits_on_redis_past_its_blocking_pop():
+    """The layer REDIS_URL configures, waiting for a message that does not come: past one
+    blocking pop (5 s) it keeps waiting. Under redis-py's default read timeout (5 s) the
+    wait raised redis's TimeoutError, and every idle page's socket was closed with it."""
+    from channels_redis.core import RedisChannelLayer
+
+    layer_settings = json.loads(in_a_process_with_redis(LAYERS))["default"]
+    assert layer_settings["BACKEND"] == "channels_redis.core.RedisChannelLayer"
+
+    async def wait() -> None:
+        layer = RedisChannelLayer(**layer_settings["CONFIG"])
+        try:
+            channel = await layer.new_channel()
+            with pytest.raises(TimeoutError):  # asyncio's: nothing came, nothing failed
+                await asyncio.wait_for(layer.receive(channel), RedisChannelLayer.brpop_timeout + 2)
+        finally:
+            await layer.close_pools()
+
+    with flushed_redis(REDIS_URL):
+        asyncio.run(wait())
