@@ -16,7 +16,10 @@ Threads, each with its own HTTP connection:
   retryable `WorkerShutdown`, flushes the reporter and closes everything.
 
 A run stays in `_inflight` (and keeps being heartbeated) from its lease until the scheduler has
-answered its result, so a slow report cannot let the lease expire under it.
+answered its result, so a slow report cannot let the lease expire under it. When the scheduler
+leases this worker a newer attempt of a run it still holds (the older lease expired while its
+handler ran on), the older attempt moves to `_superseded`: its `lease_lost` is set and its
+outcome dropped, and it is no longer heartbeated; a batch names each run once.
 """
 
 from __future__ import annotations
@@ -235,7 +238,10 @@ class Worker(Daemon):
         for job, func in (handlers or {}).items():
             self.add_handler(job, func)
 
-        self._inflight: dict[str, _Run] = {}
+        self._inflight: dict[str, _Run] = {}  # the newest attempt of each run held
+        # Older attempts of runs leased again while their handlers still ran (or their results
+        # were on their way), by (run id, fencing token): they hold a slot until they end.
+        self._superseded: dict[tuple[str, int], _Run] = {}
         self._busy = 0  # leases handed to the slots whose handler has not returned
         self._abandoning = False
         self._tasks: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
@@ -379,7 +385,7 @@ class Worker(Daemon):
         scheduler slower to take results than to hand out runs would see this worker lease
         without bound, its memory and heartbeats growing with the unreported pile."""
         running = self.concurrency - self._busy
-        unreported = 2 * self.concurrency - len(self._inflight)
+        unreported = 2 * self.concurrency - len(self._inflight) - len(self._superseded)
         return min(running, unreported)
 
     def _lease_loop(self) -> None:
@@ -471,8 +477,11 @@ class Worker(Daemon):
             # pool's slots took them up to a second after it).
             if self._abandoning or self.shutdown.is_set():
                 return False
+            older = self._inflight.get(run.run_id)
             self._inflight[run.run_id] = run
             self._busy += 1
+            if older is not None:
+                self._supersede(older, run)
         if logger.isEnabledFor(logging.DEBUG):  # per run: skip building the fields
             logger.debug(
                 "leased run_id=%s job=%s attempt=%s fencing_token=%s",
@@ -484,6 +493,46 @@ class Worker(Daemon):
             )
         self._tasks.put(run)
         return True
+
+    def _supersede(self, older: _Run, newer: _Run) -> None:
+        """`newer` is a later attempt of `older`'s run: the scheduler gave up `older`'s lease
+        (it expired) and leased the run again, to this worker. Call with the lock held.
+
+        Keyed by run, the newer attempt replaced the older's entry, and the older's end then
+        removed the newer's: its heartbeats stopped, its lease expired in turn, and one web
+        outage ran a healthy run up to its `maxAttempts` and left it dead. The older attempt is
+        kept apart now; its handler is told (`lease_lost`) and its outcome, which the scheduler
+        would refuse as stale, is not sent."""
+        older.lost = True
+        unsent = any(run is older for run, _ in self._unsent)
+        if unsent:
+            self._unsent = [item for item in self._unsent if item[0] is not older]
+        elif older.finished:
+            # Its result is on its way: the scheduler's answer settles it (taken before the new
+            # lease, or 409), and releases it from here.
+            self._superseded[(older.run_id, older.token)] = older
+            return
+        else:
+            self._superseded[(older.run_id, older.token)] = older
+            older.set_flag()
+        logger.warning(
+            "lease lost run_id=%s job=%s attempt=%s fencing_token=%s: the run was leased again "
+            "(attempt %s); %s",
+            older.run_id,
+            older.job,
+            older.attempt,
+            older.token,
+            newer.attempt,
+            "its result is not sent" if unsent else "what its handler returns will not be sent",
+            extra=older.fields(),
+        )
+
+    def _release(self, run: _Run) -> None:
+        """The worker is done with `run`'s lease; call with the lock held."""
+        if self._inflight.get(run.run_id) is run:
+            del self._inflight[run.run_id]
+        else:
+            self._superseded.pop((run.run_id, run.token), None)
 
     def _send_apart(self, batch: list[tuple[_Run, Report]]) -> None:
         """Hand outcomes to the reporter, to send on its own connection."""
@@ -587,7 +636,7 @@ class Worker(Daemon):
                 run.finished = True
                 self._queue_outcome(run, report)
             if dropped:
-                self._inflight.pop(run.run_id, None)
+                self._release(run)
             self._lock.notify_all()
         if dropped:
             logger.warning(
@@ -744,7 +793,7 @@ class Worker(Daemon):
     def _forget(self, batch: Batch) -> None:
         with self._lock:
             for run, _ in batch:
-                self._inflight.pop(run.run_id, None)
+                self._release(cast("_Run", run))
             self._lock.notify_all()
 
     # -- shutdown ---------------------------------------------------------------------------

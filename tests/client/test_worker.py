@@ -179,6 +179,53 @@ def test_a_lost_lease_is_signalled_and_the_late_result_not_sent(
     assert outcomes == {1: "lease_expired", 2: ""}
 
 
+def test_a_run_leased_again_to_the_same_worker_keeps_its_new_lease(team_a, make_worker):
+    """The older attempt's handler runs on past its lease and this worker, with a free slot,
+    leases the retry. The newer attempt is heartbeated and its result taken; the older is told
+    its lease is gone and its outcome dropped. Keyed by run, the older's end stopped the newer's
+    heartbeats: a web outage ran a healthy run up to its maxAttempts and left it dead."""
+    definition = make_definition(team_a, "demo.twice", queue="again", retry_base_seconds=0)
+    (pk,) = add_ready_runs(definition, 1)
+    seen: dict[int, Any] = {}
+    first_returned = threading.Event()
+
+    def twice(ctx: Context) -> dict[str, int]:
+        seen[ctx.attempt] = None
+        if ctx.attempt == 1:
+            seen[1] = ctx.lease_lost.wait(5)
+            first_returned.set()
+        else:
+            first_returned.wait(10)
+            time.sleep(3)  # past its 2 s lease: it lives on heartbeats alone
+        return {"attempt": ctx.attempt}
+
+    worker = make_worker(
+        ["again"],
+        handlers={"demo.twice": twice},
+        concurrency=2,
+        lease_seconds=2,
+        heartbeat_interval=0.2,
+    )
+    # Heartbeats are held back (a web outage) until the run has been leased again.
+    heartbeats_on = threading.Event()
+    real_heartbeat = worker.heartbeat_once
+    worker.heartbeat_once = lambda: real_heartbeat() if heartbeats_on.is_set() else None
+    worker.start()
+
+    wait_for(lambda: 1 in seen, what="the first attempt to start")
+    expire_lease(pk)
+    assert [reaped.id for reaped in store.reap()] == [pk]
+    wait_for(lambda: 2 in seen, what="the worker to lease the run again")
+    heartbeats_on.set()
+
+    run = wait_for(lambda: (r := Run.objects.get(pk=pk)).state == "succeeded" and r, timeout=20)
+    assert seen[1] is True, "the older attempt was never told its lease was gone"
+    assert run.result == {"attempt": 2}
+    outcomes = dict(Attempt.objects.filter(run_id=pk).values_list("number", "outcome"))
+    assert outcomes == {1: "lease_expired", 2: "succeeded"}
+    assert worker.stop(timeout=15)
+
+
 def test_dry_runs_skip_handlers_that_did_not_opt_in(team_a, make_worker, ledger):
     sleeper = make_definition(team_a, "demo.sleep", queue="dry", dry_run=True)
     charge = make_definition(
