@@ -1,5 +1,6 @@
 // The dashboard's only script of its own (the CSP allows no inline script). Everything works
-// without it; it adds "select all", closing the confirmation dialog, and the live indicator.
+// without it; it adds "select all", closing the confirmation dialog, resting a form's buttons
+// while it is sent, showing a refused action's reason, and the live indicator.
 (function () {
   "use strict";
 
@@ -38,6 +39,62 @@
       dot.title = state === "open" ? "Updates arrive without reloading" : "Live updates paused; reconnecting";
     }
   }
+  // A form's buttons rest while its request is on its way: a double click sent two requests
+  // (and "Trigger now" made two runs).
+  // Only for actions (POST): a form's own previews (GET, as one types) leave them be.
+  function posting(event) {
+    var form = event.detail.elt, config = event.detail.requestConfig || {};
+    return form && form.tagName === "FORM" && String(config.verb).toLowerCase() === "post" ? form : null;
+  }
+  document.addEventListener("htmx:beforeRequest", function (event) {
+    var form = posting(event);
+    if (!form) return;
+    form.querySelectorAll("button:not([type=button]):not(:disabled)").forEach(function (button) {
+      button.disabled = true;
+      button.dataset.busy = "true";
+    });
+  });
+  document.addEventListener("htmx:afterRequest", function (event) {
+    var form = posting(event);
+    if (!form) return;
+    form.querySelectorAll("button[data-busy]").forEach(function (button) {
+      button.disabled = false;
+      delete button.dataset.busy;
+    });
+  });
+
+  // htmx swaps nothing for an error answer: without this, a refused action (403, 404, 409, a
+  // 500) looked like a click that did nothing. The error page's own words are shown instead.
+  function say(text) {
+    var list = document.getElementById("messages");
+    if (!list) {
+      list = document.createElement("ul");
+      list.className = "messages";
+      list.id = "messages";
+      var main = document.querySelector("main");
+      if (!main) return;
+      main.insertBefore(list, main.firstChild);
+    }
+    var item = document.createElement("li");
+    item.className = "error";
+    item.setAttribute("role", "alert");
+    item.textContent = text;
+    list.appendChild(item);
+  }
+  document.addEventListener("htmx:responseError", function (event) {
+    var xhr = event.detail.xhr;
+    var page = new DOMParser().parseFromString(xhr.responseText || "", "text/html");
+    var title = page.querySelector("main h1, h1");
+    var why = page.querySelector("main h1 + p, h1 + p");
+    var text = [title && title.textContent.trim(), why && why.textContent.trim()].filter(Boolean).join(": ");
+    say(text || "The request failed (" + xhr.status + "); nothing was changed.");
+    var dialog = document.getElementById("dialog");
+    if (dialog) dialog.innerHTML = "";
+  });
+  document.addEventListener("htmx:sendError", function () {
+    say("The dashboard could not be reached; try again.");
+  });
+
   document.addEventListener("htmx:wsOpen", function () { liveStatus("open"); });
   document.addEventListener("htmx:wsClose", function () { liveStatus("closed"); });
   document.addEventListener("htmx:wsAfterMessage", function () {

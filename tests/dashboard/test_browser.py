@@ -210,3 +210,39 @@ def test_a_viewer_sees_the_pages_without_any_action(web, viewer_a, job_a):
     web.goto(f"/jobs/{job_a.name}")
     expect(page.get_by_role("button", name="Pause")).to_have_count(0)
     web.screenshot("viewer-job-detail")
+
+
+def test_a_double_click_on_an_action_sends_it_once(web, operator_a, job_a):
+    web.sign_in(operator_a)
+    page = web.page
+    web.goto(f"/jobs/{job_a.name}")
+    page.get_by_role("button", name="Trigger now").dblclick()
+    expect(page.locator(".messages")).to_contain_text(f"Triggered {job_a.name}")
+    assert Run.objects.filter(definition=job_a, trigger="manual").count() == 1
+
+
+def test_an_action_refused_by_the_server_says_why(web, operator_a, job_a, job_b):
+    from apps.teams.models import Membership
+
+    # The page is open; another job of the team is deleted elsewhere before its button is
+    # clicked (its page as it was).
+    other = make_definition(job_a.team, "billing.other", queue="billing")
+    web.sign_in(operator_a)
+    page = web.page
+    web.goto(f"/jobs/{other.name}")
+    JobDefinition.objects.filter(pk=other.pk).delete()
+    page.get_by_role("button", name="Pause").click()
+    expect(page.locator("#messages [role=alert]")).to_contain_text(
+        "Not found: There is nothing here"
+    )
+
+    # A list filtered to a team the user only views offers no actions; their own team's does.
+    Membership.objects.create(user=operator_a, team=job_b.team, role="viewer")
+    (mine,) = failed_runs(job_a)
+    (theirs,) = failed_runs(job_b)
+    web.goto(f"/dlq?team={job_b.team.slug}")
+    expect(page.locator(f"#run-row-{theirs.pk}")).to_be_visible()
+    expect(page.locator(f"#run-row-{mine.pk}")).to_have_count(0)
+    expect(page.get_by_role("button", name=re.compile("Requeue"))).to_have_count(0)
+    web.goto(f"/dlq?team={job_a.team.slug}")
+    expect(page.get_by_role("button", name="Requeue all matching…")).to_have_count(1)

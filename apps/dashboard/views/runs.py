@@ -112,10 +112,12 @@ def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
     page = runlist.RunPage([], None)
     grouping = None
     cursor = None
+    shown = teams
     if form.is_valid():
         data = form.cleaned_data
         cursor = data["cursor"]
-        team_ids = [t.pk for t in teams if not data["team"] or t.slug == data["team"]]
+        shown = [t for t in teams if not data["team"] or t.slug == data["team"]]
+        team_ids = [t.pk for t in shown]
         if mode.grouped and data["view"] == "groups":
             states = _stored_states(mode_name, data["state"])
             grouping = triage.groups(team_ids, states, form.bulk_filter(now))
@@ -132,7 +134,9 @@ def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
                 fingerprint=data["group"],
             )
             page = runlist.run_page(flt, now, before=cursor)
-    acting = [t.pk for t in teams if access.has_role(request.user, t, Role.OPERATOR)]
+    # The teams whose runs the page shows and the user may act on: none, and no buttons, on a
+    # page filtered to a team the user only views (its actions would be refused).
+    acting = [t.pk for t in shown if access.has_role(request.user, t, Role.OPERATOR)]
     actions = [ACTIONS[name] for name in mode.actions]
     context = {
         "now": now,
