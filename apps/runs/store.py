@@ -152,17 +152,23 @@ SELECT nextval('runs_run_id_seq') * {space} + d.shard, i.definition_id, d.team_i
        60, '', d.dry_run,
        CASE WHEN i.own THEN i.payload ELSE d.payload END,
        CASE WHEN i.own THEN i.payload_key ELSE d.payload_key END, now(), {limited}
-FROM json_to_recordset(%(rows)s::json)
-     AS i(definition_id bigint, trigger text, due_at timestamptz, available_at timestamptz,
-          idempotency_key text, concurrency_key text, own boolean, payload jsonb,
-          payload_key text, priority smallint)
+FROM ROWS FROM (
+         json_to_recordset(%(rows)s::json)
+         AS (definition_id bigint, trigger text, due_at timestamptz, available_at timestamptz,
+             idempotency_key text, concurrency_key text, own boolean, payload jsonb,
+             payload_key text, priority smallint)
+     ) WITH ORDINALITY
+     AS i(definition_id, trigger, due_at, available_at, idempotency_key, concurrency_key, own,
+          payload, payload_key, priority, n)
 JOIN jobs_jobdefinition d ON d.id = i.definition_id
 -- Repeating the ids as a filter lets the planner probe the definitions' primary key instead of
 -- walking the whole index.
 WHERE d.id = ANY(%(definition_ids)s::bigint[])
 -- One order for every inserter: two batches naming the same keys in different orders would
--- otherwise each wait on the other's uncommitted row (a deadlock).
-ORDER BY i.definition_id, i.idempotency_key
+-- otherwise each wait on the other's uncommitted row (a deadlock). A key given twice in one
+-- batch is its first item's run (`n`, the item's place): PostgreSQL's sort keeps no order
+-- among equal keys, and the later item's payload was stored in some batches of 7 to 12.
+ORDER BY i.definition_id, i.idempotency_key, i.n
 -- The key-share lock makes `limited` exact: a change of the definition's limits (under the
 -- edit's FOR UPDATE, which rewrites its runs' flags: MARK_LIMITED) waits for this insert to
 -- commit, or this insert for it, and then reads the definition as changed. The scheduler's own

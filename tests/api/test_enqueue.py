@@ -69,6 +69,24 @@ def test_each_item_is_answered_in_order_and_nothing_half_written(api_a, jobs):
     assert not stored(Run, definition__name="other.secret")
 
 
+@pytest.mark.parametrize("others", [0, 4, 5, 6, 8, 10, 20])
+def test_a_key_given_twice_in_one_batch_is_the_first_items_run(api_a, jobs, others):
+    """The later item asks for the run the earlier one made: 409 with another payload. The
+    insert sorts its rows by key; PostgreSQL's sort does not keep the order of equal keys, and
+    with some neighbours (7 to 12 items in all) the later item's payload was stored instead."""
+    key = f"twice-{others}"
+    items = [
+        {"job": "billing.remind", "idempotencyKey": key, "payload": {"i": 1}},
+        {"job": "billing.remind", "idempotencyKey": key, "payload": {"i": 99}},
+    ] + [{"job": "billing.remind"}] * others
+    answer = api_a.post("/api/v1/runs", {"runs": items})
+    assert answer.status_code == 200, answer.text
+    first, other = answer.json()["runs"][:2]
+    assert (first["status"], first["run"]["payload"]) == (201, {"i": 1})
+    assert other["status"] == 409 and other["type"].endswith("/idempotency-conflict")
+    assert stored_one(Run, idempotency_key=key).payload == {"i": 1}
+
+
 def test_the_single_create_is_a_batch_of_one(api_a, jobs):
     first = api_a.post("/api/v1/jobs/billing.remind/runs", {"idempotencyKey": "k"})
     again = api_a.post("/api/v1/jobs/billing.remind/runs", {"idempotencyKey": "k"})
