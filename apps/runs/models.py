@@ -318,6 +318,19 @@ class ShardPlacement(models.Model):
         return f"shard {self.shard}{' (moving)' if self.moving else ''}"
 
 
+class PayloadBlob(models.Model):
+    """A payload kept in storage (apps/runs/payloads.py), by its key (control database). A
+    writer about to refer to the blob and the deletion of unreferenced blobs both lock its row,
+    so that neither misses the other: the writer's lock is held until its rows commit, and the
+    deletion looks for rows referring to the blob only under its own."""
+
+    key = models.CharField(max_length=100, primary_key=True)
+    placed_at = models.DateTimeField()  # the last time a writer referred to it
+
+    def __str__(self) -> str:
+        return self.key
+
+
 class RateStart(models.Model):
     """One lease started of a rate-limited definition: the sliding window of its `rateLimit`
     counts these (claim, step 2, apps/runs/store.py) and drops those older than the window.

@@ -4,6 +4,14 @@ Storage goes through Django's storage API (the file system by default, an S3-com
 when django-storages is configured as the `payloads` storage). Keys are the SHA-256 of the JSON,
 so a definition's large payload is stored once however many runs it has; a blob is deleted when
 no run or definition refers to it any more (see `delete_unreferenced`).
+
+A blob is shared by content, so a writer may find it stored and skip writing it just as the
+last row referring to it is deleted: the deletion, not seeing the writer's uncommitted row, took
+the blob away, and the run committed a moment later (answered 201) could never be leased. Both
+now lock the blob's row in `runs_payloadblob` (control database) in key order: a writer from
+before it looks until its transaction ends (its rows are then committed, and seen), the
+deletion from before it looks for references until the blob is gone (the writer then finds it
+missing and stores it again).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import orjson
 from django.conf import settings
 from django.core.files.base import ContentFile
 from django.core.files.storage import storages
+from django.db import connections, transaction
 
 from apps.runs import shards
 
@@ -44,18 +53,55 @@ def _size(value: Any) -> int:
         return len(encode(value))
 
 
+# A writer's hold on its blobs, until the caller's transaction on the control database ends
+# (enqueue and definition changes write inside one: apps.runs.shards.writing).
+HOLD = """
+INSERT INTO runs_payloadblob (key, placed_at)
+SELECT k, now() FROM unnest(%(keys)s::text[]) AS k ORDER BY k
+ON CONFLICT (key) DO UPDATE SET placed_at = excluded.placed_at
+"""
+# The deletion's: every candidate gets a row (blobs stored before rows were kept had none),
+# then the rows are locked, waiting for the writers that hold them.
+CLAIM_FOR_DELETION = """
+INSERT INTO runs_payloadblob (key, placed_at)
+SELECT k, now() FROM unnest(%(keys)s::text[]) AS k ORDER BY k
+ON CONFLICT (key) DO NOTHING
+"""
+LOCK_FOR_DELETION = """
+SELECT key FROM runs_payloadblob WHERE key = ANY(%(keys)s::text[]) ORDER BY key FOR UPDATE
+"""
+FORGET = "DELETE FROM runs_payloadblob WHERE key = ANY(%(keys)s::text[])"
+
+
 def place(value: Any) -> tuple[Any, str]:
     """Return (inline value, "") for a small payload, (None, key) once a large one is stored."""
-    if value is None:
-        return None, ""
-    if _size(value) <= INLINE_LIMIT:
-        return value, ""
-    data = encode(value)
-    key = PREFIX + hashlib.sha256(data).hexdigest() + ".json"
-    storage = _storage()
-    if not storage.exists(key):
-        storage.save(key, ContentFile(data))
-    return None, key
+    return place_all([value])[0]
+
+
+def place_all(values: Iterable[Any]) -> list[tuple[Any, str]]:
+    """`place` for each value. The blobs of the large ones are held (HOLD, one statement in key
+    order) before they are looked for and stored: call inside the transaction on the control
+    database whose rows will refer to them."""
+    placed: list[tuple[Any, str]] = []
+    blobs: dict[str, bytes] = {}
+    for value in values:
+        if value is None:
+            placed.append((None, ""))
+        elif _size(value) <= INLINE_LIMIT:
+            placed.append((value, ""))
+        else:
+            data = encode(value)
+            key = PREFIX + hashlib.sha256(data).hexdigest() + ".json"
+            blobs[key] = data
+            placed.append((None, key))
+    if blobs:
+        with connections[shards.CONTROL].cursor() as cursor:
+            cursor.execute(HOLD, {"keys": sorted(blobs)})
+        storage = _storage()
+        for key, data in blobs.items():
+            if not storage.exists(key):
+                storage.save(key, ContentFile(data))
+    return placed
 
 
 class Unavailable(Exception):
@@ -125,12 +171,18 @@ def delete_unreferenced(keys: Iterable[str]) -> int:
             )
             return {row[0] for row in cursor.fetchall()}
 
-    found, unavailable = shards.gather(referenced)
-    if unavailable:
-        return 0
-    used = set().union(*found)
-    orphans = [key for key in candidates if key not in used]
-    storage = _storage()
-    for key in orphans:
-        storage.delete(key)
+    with transaction.atomic(using=shards.CONTROL):
+        with connections[shards.CONTROL].cursor() as cursor:
+            cursor.execute(CLAIM_FOR_DELETION, {"keys": candidates})
+            cursor.execute(LOCK_FOR_DELETION, {"keys": candidates})
+        found, unavailable = shards.gather(referenced)
+        if unavailable:
+            return 0
+        used = set().union(*found)
+        orphans = [key for key in candidates if key not in used]
+        storage = _storage()
+        for key in orphans:
+            storage.delete(key)
+        with connections[shards.CONTROL].cursor() as cursor:
+            cursor.execute(FORGET, {"keys": orphans})
     return len(orphans)

@@ -246,8 +246,9 @@ def insert_keyed(runs: Sequence[NewRun], *, full: bool = False) -> dict[tuple[in
         return formatted
 
     rows = []
-    for run in runs:
-        inline, key = payloads.place(run.payload)
+    for run, (inline, key) in zip(
+        runs, payloads.place_all(run.payload for run in runs), strict=True
+    ):
         rows.append(
             {
                 "definition_id": run.definition_id,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.db import connection
+from django.db import connection, connections
 
 from apps.audit.models import AuditEvent
 from apps.runs import retention, store
@@ -116,3 +116,75 @@ def test_workers_keep_claiming_while_retention_runs(team_a):
     claimed = [run_id for taken in results[1:] for run_id in taken]
     assert sorted(claimed) == sorted(ids)
     assert Run.objects.filter(definition=live, state="succeeded").count() == 600
+
+
+@pytest.fixture
+def payload_folder(settings, tmp_path):
+    """Payloads kept in storage go to `tmp_path`."""
+    from django.core.files.storage import storages
+
+    storages._storages.pop("payloads", None)
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "payloads": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(tmp_path)},
+        },
+    }
+    yield tmp_path
+    storages._storages.pop("payloads", None)
+
+
+def test_a_blob_a_new_run_is_about_to_use_is_not_deleted_as_unreferenced(team_a, payload_folder):
+    """A run asked for with the payload of runs just deleted finds the blob stored and skips
+    writing it; the deletion of unreferenced blobs, looking before the run commits, took it
+    away, and the run (answered 201) could never be leased: its payload was gone."""
+    from apps.audit.record import Actor
+    from apps.jobs.enqueue import Wanted, enqueue_many
+    from apps.runs import payloads
+    from tests.conftest import other_session
+    from tests.waiting import wait_for
+
+    definition = make_definition(team_a, "big.job", queue="big")
+    payload = {"rows": ["x" * 100 for _ in range(100)]}  # 10 KB: kept in storage
+    _, key = payloads.place(payload)  # as runs deleted since had stored it
+    assert (payload_folder / key).exists()
+    answers: dict[str, object] = {}
+
+    def enqueue() -> None:
+        try:
+            batch = enqueue_many([team_a.pk], [Wanted("big.job", payload=payload)], Actor.cli())
+            answers["enqueue"] = batch.answers[0].status
+        finally:
+            connections.close_all()
+
+    def delete() -> None:
+        try:
+            answers["deleted"] = payloads.delete_unreferenced([key])
+        finally:
+            connections.close_all()
+
+    # The definition's row, as an edit holds it (pg_stat_activity is read from a session of its
+    # own: inside a transaction it is a snapshot).
+    with other_session() as held, other_session(autocommit=True) as watching:
+        held.execute("SELECT 1 FROM jobs_jobdefinition WHERE id = %s FOR UPDATE", [definition.pk])
+        inserting = threading.Thread(target=enqueue)
+        inserting.start()
+        # The insert waits for the definition (FOR KEY SHARE), its blob found stored.
+        wait_for(
+            lambda: watching.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE '%INSERT INTO runs_run %'"
+            ).fetchone(),
+            what="the insert to wait",
+        )
+        deleting = threading.Thread(target=delete)
+        deleting.start()
+        deleting.join(1.0)
+        held.commit()
+    inserting.join(10)
+    deleting.join(10)
+    assert answers == {"enqueue": 201, "deleted": 0}
+    assert (payload_folder / key).exists()
+    (run,) = Run.objects.filter(definition=definition)
+    assert run.payload_key == key and payloads.load(None, key) == payload
