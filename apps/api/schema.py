@@ -7,6 +7,8 @@ and the parameters, and wraps answers with their problems. Imported from `ApiCon
 
 from __future__ import annotations
 
+from typing import Any
+
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.plumbing import build_bearer_security_scheme_object
 from drf_spectacular.types import OpenApiTypes
@@ -94,6 +96,37 @@ BODY_PROBLEMS = (400, 413, 415)
 
 
 SUCCESS_DESCRIPTIONS = {200: "OK", 201: "Created", 202: "Accepted", 204: "No content"}
+
+# What any call may be refused with though its declaration does not say so: added to every
+# operation by `declare_refusals` (SPECTACULAR_SETTINGS' POSTPROCESSING_HOOKS).
+NOT_ACCEPTABLE = "The `Accept` header (or `?format=`) asks for a format other than JSON."
+BODY_REFUSED = {
+    "400": "A body was sent: this call takes none (an empty object `{}` is accepted).",
+    "415": "A body was sent, and not as `application/json`.",
+}
+
+
+def declare_refusals(result: dict, generator: Any, request: Any, public: bool) -> dict:
+    """Every operation answers 406 to an `Accept` the API does not serve; a call that takes no
+    body (its view's `bodyless` methods) answers 400 or 415 to one sent all the same."""
+    bodyless = {
+        (path, method.lower())
+        for path, _, method, view in generator.endpoints
+        if method in getattr(getattr(view, "cls", None), "bodyless", ())
+    }
+    refused = {"$ref": "#/components/schemas/ProblemDetails"}
+
+    def problem(description: str) -> dict:
+        return {"content": {PROBLEM_MEDIA_TYPE: {"schema": refused}}, "description": description}
+
+    for path, operations in result.get("paths", {}).items():
+        for method, operation in operations.items():
+            answers = operation.setdefault("responses", {})
+            answers.setdefault("406", problem(NOT_ACCEPTABLE))
+            if (path, method) in bodyless:
+                for code, description in BODY_REFUSED.items():
+                    answers.setdefault(code, problem(description))
+    return result
 
 
 def responses(ok: dict, *codes: int, **descriptions: str) -> dict:

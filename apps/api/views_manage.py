@@ -562,6 +562,23 @@ def _parse_count(raw: Any) -> int:
     return count
 
 
+def _preview_query(params: Any) -> tuple[int, datetime]:
+    """`count` and `from` of a preview's query string; a 400 names every one that is wrong."""
+    errors: dict[str, Any] = {}
+    count, after = 10, None
+    try:
+        count = _parse_count(params.get("count"))
+    except ValidationError as exc:
+        errors.update(exc.detail)  # type: ignore[arg-type]
+    try:
+        after = _parse_from(params.get("from"))
+    except ValidationError as exc:
+        errors.update(exc.detail)  # type: ignore[arg-type]
+    if errors or after is None:
+        raise ValidationError(errors)
+    return count, after
+
+
 class JobPreviewView(ManageView):
     @extend_schema(
         operation_id="previewJob",
@@ -577,8 +594,7 @@ class JobPreviewView(ManageView):
     )
     def get(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
-        count = _parse_count(request.query_params.get("count"))
-        after = _parse_from(request.query_params.get("from"))
+        count, after = _preview_query(request.query_params)
         schedule = sched.parse_schedule(definition.schedule)
         times = sched.saved_preview(definition, schedule, after, count)
         return Response(preview_json(times))

@@ -149,6 +149,10 @@ def test_a_call_that_takes_no_body_refuses_any_but_an_empty_object(api_a, team_a
         assert assert_problem(answer, 400, {"body"})["errors"]["body"] == [
             "This call takes no body."
         ]
+    typed = {"Content-Type": "text/plain"}  # as its schema declares: 415
+    assert_problem(
+        api_a.http.post(f"/api/v1/runs/{run_id}/cancel", content="x", headers=typed), 415
+    )
     assert Run.objects.get(pk=pk).state != "cancelled"
     assert api_a.post(f"/api/v1/runs/{run_id}/cancel", {}).status_code == 200
     assert Run.objects.get(pk=pk).state == "cancelled"
@@ -159,6 +163,8 @@ def test_bad_filters_and_counts(api_a):
     assert_problem(api_a.get("/api/v1/runs", params={"since": "yesterday"}), 400, {"since"})
     api_a.post("/api/v1/jobs", {"name": "p.q", "schedule": {"cron": "* * * * *"}})
     assert_problem(api_a.get("/api/v1/jobs/p.q/preview", params={"count": 5000}), 400, {"count"})
+    both = api_a.get("/api/v1/jobs/p.q/preview", params={"count": "abc", "from": "xyz"})
+    assert set(assert_problem(both, 400)["errors"]) == {"count", "from"}
 
 
 def test_a_preview_from_the_calendars_edge_is_refused_not_answered_empty(api_a):

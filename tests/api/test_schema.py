@@ -157,6 +157,21 @@ def test_the_contract_codes_are_declared(schema):
     assert "201" in paths["/api/v1/jobs"]["post"]["responses"]
 
 
+def test_refusals_any_call_may_meet_are_declared(schema):
+    """406 everywhere; 400 and 415 where a call takes no body and gets one all the same."""
+    for path, method, operation in operations(schema):
+        assert "406" in operation["responses"], (path, method)
+    for path, method in [
+        ("/api/v1/runs/{run_id}/cancel", "post"),
+        ("/api/v1/runs/{run_id}/retry", "post"),
+        ("/api/v1/jobs/{name}/pause", "post"),
+        ("/api/v1/jobs/{name}/resume", "post"),
+        ("/api/v1/jobs/{name}", "delete"),
+    ]:
+        assert {"400", "415"} <= set(schema["paths"][path][method]["responses"]), (path, method)
+    assert "415" not in schema["paths"]["/api/v1/jobs/{name}"]["get"]["responses"]
+
+
 def test_parameters_are_typed(schema):
     paths = schema["paths"]
     preview = {p["name"]: p for p in paths["/api/v1/jobs/{name}/preview"]["get"]["parameters"]}
