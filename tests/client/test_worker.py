@@ -124,6 +124,14 @@ def test_a_non_retryable_failure_goes_straight_to_dead(team_a, make_worker, hand
     assert run.last_error == error
 
 
+def held_heartbeats(worker: Worker) -> threading.Event:
+    """Hold the worker's heartbeats back until the event returned is set."""
+    heartbeats_on = threading.Event()
+    real_heartbeat = worker.heartbeat_once
+    worker.heartbeat_once = lambda: real_heartbeat() if heartbeats_on.is_set() else None
+    return heartbeats_on
+
+
 def test_a_lost_lease_is_signalled_and_the_late_result_not_sent(
     live_server, team_a, worker_token_a, make_worker
 ):
@@ -147,9 +155,7 @@ def test_a_lost_lease_is_signalled_and_the_late_result_not_sent(
         heartbeat_interval=0.2,
     )
     # Heartbeats are held back (a stalled worker) until another claimer has the run.
-    heartbeats_on = threading.Event()
-    real_heartbeat = worker.heartbeat_once
-    worker.heartbeat_once = lambda: real_heartbeat() if heartbeats_on.is_set() else None
+    heartbeats_on = held_heartbeats(worker)
     sent: list[str] = []
     real_send = worker._send_results
     worker._send_results = lambda batch: (sent.extend(r.run_id for r, _ in batch), real_send(batch))
@@ -207,9 +213,7 @@ def test_a_run_leased_again_to_the_same_worker_keeps_its_new_lease(team_a, make_
         heartbeat_interval=0.2,
     )
     # Heartbeats are held back (a web outage) until the run has been leased again.
-    heartbeats_on = threading.Event()
-    real_heartbeat = worker.heartbeat_once
-    worker.heartbeat_once = lambda: real_heartbeat() if heartbeats_on.is_set() else None
+    heartbeats_on = held_heartbeats(worker)
     worker.start()
 
     wait_for(lambda: 1 in seen, what="the first attempt to start")
