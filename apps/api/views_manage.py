@@ -282,7 +282,7 @@ class JobDetailView(ManageView):
             *doc.BODY_PROBLEMS,
             409,
             e403="The token lacks the `manage` scope, or the name belongs to another team.",
-            e409="A job with this name was created concurrently.",
+            e409="A job with this name was created and deleted again while this call ran.",
         ),
     )
     def put(self, request: Request, name: str) -> Response:
@@ -301,8 +301,15 @@ class JobDetailView(ManageView):
             try:
                 definition = services.create_definition(team, spec, self.actor(request))
             except IntegrityError as exc:
-                raise Conflict(f"A job named '{name}' was created concurrently.") from exc
-            return Response(definition_json(definition), status=status.HTTP_201_CREATED)
+                # Another PUT of the name created it first: this one replaces it, as a PUT of
+                # a name that exists does (two deploys applying the same file at once).
+                self._refuse_taken(request, name, team)
+                with shards.reaching(database_of(name)):
+                    existing = JobDefinition.objects.named(name).filter(team=team).first()
+                if existing is None:
+                    raise Conflict(f"The job '{name}' was created and deleted meanwhile.") from exc
+            else:
+                return Response(definition_json(definition), status=status.HTTP_201_CREATED)
         definition = services.update_definition(existing, spec, self.actor(request))
         return Response(definition_json(definition))
 

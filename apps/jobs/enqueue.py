@@ -22,7 +22,7 @@ import orjson
 from django.db import IntegrityError, InterfaceError, OperationalError, transaction
 
 from apps.audit.record import TARGETS_SHOWN, Actor, record, record_denied
-from apps.jobs.models import JobDefinition, database_of
+from apps.jobs.models import DefinitionGone, JobDefinition, database_of
 from apps.jobs.schedule import shard_for
 from apps.runs import payloads, shards
 from apps.runs.clock import format_utc
@@ -567,4 +567,8 @@ def create_run(
     (answer,) = enqueue_many([definition.team_id], [wanted], actor, trigger=trigger).answers
     if answer.status == 409:
         raise IdempotencyConflict(answer.run, list(answer.fields))
+    if answer.status == 404:  # deleted by another client since it was read
+        raise DefinitionGone(definition.name)
+    if answer.status == 503:
+        raise shards.Unavailable([str(definition.shard)])
     return Created(answer.run, answer.status == 201)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.db import models
+from django.http import Http404
 
 from apps.runs import shards
 from apps.runs.models import PRIORITIES, PRIORITY_NAMES
@@ -19,6 +20,14 @@ def database_to_write(name: str) -> str:
     from apps.jobs.schedule import shard_for
 
     return shards.writable(shard_for(name))
+
+
+class DefinitionGone(Http404):
+    """The definition was deleted while a change or a new run waited for it (another client's
+    delete committed first): a 404 wherever it was asked for, the API's and the dashboard's."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"No job named '{name}': it was deleted meanwhile.")
 
 
 class JobDefinitionQuerySet(models.QuerySet):

@@ -14,7 +14,7 @@ from django.db import transaction
 from apps.audit.record import Actor, record
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
-from apps.jobs.models import JobDefinition, Queue, QueueStart, database_to_write
+from apps.jobs.models import DefinitionGone, JobDefinition, Queue, QueueStart, database_to_write
 from apps.runs import leasing, payloads, retention, shards
 from apps.runs.clock import database_now
 from apps.runs.models import PRIORITY_NAMES
@@ -154,6 +154,15 @@ def _apply_spec(definition: JobDefinition, spec: DefinitionSpec, now: datetime) 
         definition.next_due_at = initial_next_due_at(spec.schedule, now)
 
 
+def _locked(definition: JobDefinition) -> JobDefinition:
+    """The definition's row, locked until the transaction ends; DefinitionGone once another
+    client has deleted it."""
+    locked = JobDefinition.objects.select_for_update().filter(pk=definition.pk).first()
+    if locked is None:
+        raise DefinitionGone(definition.name)
+    return locked
+
+
 def create_definition(team, spec: DefinitionSpec, actor: Actor) -> JobDefinition:
     with shards.writing(database_to_write(spec.name)):
         definition = JobDefinition(team=team)
@@ -177,7 +186,7 @@ def update_definition(
     and the runs made ahead of time by the old one that nobody has claimed are deleted."""
     made_ahead: list[str] = []
     with shards.writing(database_to_write(definition.name)):
-        locked = JobDefinition.objects.select_for_update().get(pk=definition.pk)
+        locked = _locked(definition)
         before = snapshot(locked)
         was_paused, was_limited = locked.paused, locked.limited
         spec = as_stored(spec, locked.schedule)
@@ -221,7 +230,7 @@ def delete_definition(definition: JobDefinition, actor: Actor) -> None:
         # No insert of its runs from here on: they take the definition FOR KEY SHARE, which
         # waits for this lock, then finds no row once it is gone. Runs have no foreign key in
         # the database to refuse one (apps/runs/models.py).
-        JobDefinition.objects.select_for_update().filter(pk=definition.pk).exists()
+        _locked(definition)
         record(
             actor,
             "job.delete",
@@ -241,7 +250,7 @@ def set_paused(definition: JobDefinition, paused: bool, actor: Actor) -> JobDefi
     time that nobody has claimed; resuming restarts from the next fire time: no back-fill."""
     made_ahead: list[str] = []
     with shards.writing(database_to_write(definition.name)):
-        locked = JobDefinition.objects.select_for_update().get(pk=definition.pk)
+        locked = _locked(definition)
         if locked.paused == paused:
             return locked
         locked.paused = paused

@@ -527,3 +527,65 @@ def test_a_changed_schedule_drops_the_runs_made_ahead_by_the_old_one(api_a):
     # Nor is it a change: the stored JSON stays as it was and no update is audited.
     assert JobDefinition.objects.get(pk=job.pk).schedule == terse
     assert AuditEvent.objects.filter(action="job.update").count() == updates
+
+
+@pytest.mark.parametrize(
+    ("method", "suffix", "body"),
+    [
+        ("PATCH", "", {"concurrency": 2}),
+        ("POST", "/pause", None),
+        ("POST", "/trigger", None),
+        ("DELETE", "", None),
+    ],
+    ids=["patch", "pause", "trigger", "delete"],
+)
+def test_a_change_waiting_on_a_job_deleted_meanwhile_is_a_404(api_a, method, suffix, body):
+    """Another client's delete commits while the call waits for the job's row: 404, never a
+    500 (the call had read the job before the delete; its lock then found no row)."""
+    import threading
+
+    from tests.conftest import other_session
+    from tests.waiting import wait_for
+
+    assert api_a.put("/api/v1/jobs/gone.soon", {"queue": "q"}).status_code == 201
+    pk = JobDefinition.objects.get(name="gone.soon").pk
+    answers = []
+    call = threading.Thread(
+        target=lambda: answers.append(
+            api_a.http.request(method, f"/api/v1/jobs/gone.soon{suffix}", json=body)
+        )
+    )
+    with other_session() as deleting, other_session(autocommit=True) as watching:
+        deleting.execute("SELECT 1 FROM jobs_jobdefinition WHERE id = %s FOR UPDATE", [pk])
+        holder = deleting.info.backend_pid
+        call.start()
+        wait_for(
+            lambda: watching.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
+            ).fetchone(),
+            what="the call to wait for the job's row",
+        )
+        deleting.execute("DELETE FROM jobs_jobdefinition WHERE id = %s", [pk])
+        deleting.commit()
+    call.join(10)
+    (answer,) = answers
+    assert answer.status_code == 404, answer.text
+    assert "deleted meanwhile" in answer.json()["detail"]
+
+
+def test_the_same_new_job_put_at_once_is_created_once_and_replaced_by_the_rest(api_a):
+    """Two deploys applying the same file: one 201, the others 200 (the last one's fields)."""
+    from tests.runs.test_claim_concurrency import run_in_threads
+
+    for round_ in range(5):
+        name = f"both.deploy{round_}"
+        statuses = run_in_threads(
+            4,
+            lambda i, name=name: (
+                api_a.http.put(
+                    f"/api/v1/jobs/{name}", json={"queue": "q", "priority": "critical"}
+                ).status_code
+            ),
+        )
+        assert sorted(statuses) == [200, 200, 200, 201], statuses
+        assert JobDefinition.objects.filter(name=name).count() == 1
