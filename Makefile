@@ -31,4 +31,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 stop-db: $(STAMP)
-	$(BIN)/python -c "from pathlib import Path; from scheduler_site import embedded_db; stopped = embedded_db.stop_all(Path('.data')); print('stopped ' + ', '.join(stopped) if stopped else 'not running')"
+	$(BIN)/python -c "import os; from pathlib import Path; from scheduler_site import embedded_db; stopped = embedded_db.stop_all(Path(os.environ.get('SCHEDULER_DATA_DIR', '.data'))); print('stopped ' + ', '.join(stopped) if stopped else 'not running')"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import warnings
 from ipaddress import ip_network
@@ -167,6 +168,11 @@ MEDIA_ROOT = Path(env_str("MEDIA_ROOT", str(DATA_DIR / "media")))
 # bucket through django-storages when SCHEDULER_PAYLOAD_BUCKET is set (credentials and endpoint
 # from the usual AWS_* variables).
 _PAYLOAD_BUCKET = env_str("SCHEDULER_PAYLOAD_BUCKET")
+if _PAYLOAD_BUCKET and importlib.util.find_spec("storages") is None:
+    # Checked now, not at the first large payload (a 500 then, on every one).
+    raise ImproperlyConfigured(
+        'SCHEDULER_PAYLOAD_BUCKET needs django-storages: pip install -e ".[s3]".'
+    )
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},

@@ -108,7 +108,8 @@ def sleep(ctx: Context) -> dict[str, Any]:
 def steps(ctx: Context) -> dict[str, Any]:
     """Work in `steps` steps (default 10) of `stepSeconds` (default 0.5), checking in with
     `ctx.heartbeat()` between them: a cancel from the dashboard or the API raises RunCancelled
-    there, and the run ends cancelled instead of running to the end."""
+    there once the worker's heartbeats (every third of its lease) have learned of it, and the
+    run ends cancelled instead of running to the end."""
     payload = ctx.payload or {}
     count, pause = int(payload.get("steps", 10)), float(payload.get("stepSeconds", 0.5))
     for _ in range(count):

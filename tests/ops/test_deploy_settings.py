@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import secrets
 
 import pytest
@@ -48,6 +49,16 @@ def test_a_bad_setting_refuses_to_start_naming_it(setting, value, says):
     assert done.returncode != 0
     assert f"Configuration error: {setting} {says}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("storages") is not None, reason="the s3 extra is installed"
+)
+def test_a_payload_bucket_without_its_storage_library_refuses_to_start():
+    """Before, the first payload over 4 KB failed (a 500), and every one after it."""
+    done = manage("check", SCHEDULER_PAYLOAD_BUCKET="payloads")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "Configuration error: SCHEDULER_PAYLOAD_BUCKET needs django-storages" in done.stderr
 
 
 def test_sessions_expire_and_cookies_are_locked_down(settings):
