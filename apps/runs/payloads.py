@@ -54,7 +54,10 @@ def _size(value: Any) -> int:
 
 
 # A writer's hold on its blobs, until the caller's transaction on the control database ends
-# (enqueue and definition changes write inside one: apps.runs.shards.writing).
+# (enqueue and definition changes write inside one: apps.runs.shards.writing). One statement,
+# in key order, per insert: a batch spread over two shard databases holds its blobs in two, so
+# two such batches naming the same two blobs the other way round can deadlock; PostgreSQL
+# then fails one (a 503, retried by the SDK), nothing half-written.
 HOLD = """
 INSERT INTO runs_payloadblob (key, placed_at)
 SELECT k, now() FROM unnest(%(keys)s::text[]) AS k ORDER BY k
