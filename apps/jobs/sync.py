@@ -11,7 +11,7 @@ from typing import Any
 
 from apps.audit.record import Actor
 from apps.jobs import services
-from apps.jobs.models import JobDefinition
+from apps.jobs.models import DefinitionGone, JobDefinition
 from apps.runs import shards
 
 
@@ -141,7 +141,9 @@ def apply_sync(plan: SyncPlan, actor: Actor) -> None:
             if change.action == "create":
                 services.create_definition(plan.team, plan.specs[change.name], actor)
                 continue
-            definition = JobDefinition.objects.named(change.name).get(team=plan.team)
+            definition = JobDefinition.objects.named(change.name).filter(team=plan.team).first()
+            if definition is None:  # deleted by another client since the plan was made
+                raise DefinitionGone(change.name)
             if change.action == "update":
                 services.update_definition(definition, plan.specs[change.name], actor)
             else:

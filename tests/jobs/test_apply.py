@@ -195,3 +195,24 @@ def test_a_hostile_file_is_an_error_not_a_traceback(tmp_path, team_a, content, r
     with pytest.raises(CommandError, match=reason):
         call_command("apply", str(path), stdout=StringIO(), stderr=StringIO())
     assert not JobDefinition.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_deleted_after_the_plan_was_made_changes_nothing(team_a):
+    """Another client deletes a job the plan updates: the sync stops with a 404's error (it
+    was a DoesNotExist, a 500 through PUT /api/v1/jobs), and nothing of it is applied."""
+    from apps.api.shapes.jobs import parse_definition
+    from apps.audit.record import Actor
+    from apps.jobs import sync
+    from apps.jobs.models import DefinitionGone
+
+    make_definition(team_a, "billing.reminders", queue="billing")
+    entries = [
+        {"name": "billing.reminders", "queue": "billing", "priority": "critical"},
+        {"name": "billing.new", "queue": "billing"},
+    ]
+    plan = sync.plan_sync(team_a, sync.validate(entries, parse_definition), prune=False)
+    JobDefinition.objects.filter(name="billing.reminders").delete()
+    with pytest.raises(DefinitionGone):
+        sync.apply_sync(plan, Actor.cli())
+    assert not JobDefinition.objects.exists()

@@ -24,6 +24,7 @@ from apps.api.parsers import parse_json
 from apps.api.shapes.jobs import parse_definition
 from apps.audit.record import Actor
 from apps.jobs import sync
+from apps.jobs.models import DefinitionGone
 from apps.runs import shards
 from apps.teams.models import Team
 
@@ -79,7 +80,10 @@ class Command(BaseCommand):
         if dry_run:
             self.stdout.write("Dry run: nothing was changed.")
             return
-        sync.apply_sync(plan, Actor.cli(f"apply {path.name}"))
+        try:
+            sync.apply_sync(plan, Actor.cli(f"apply {path.name}"))
+        except DefinitionGone as exc:
+            raise CommandError(f"{exc} Nothing was changed: run apply again.") from exc
         self.stdout.write(f"Applied: {self._counts(plan)}.")
 
     def _print(self, plan: sync.SyncPlan) -> None:
