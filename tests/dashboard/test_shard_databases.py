@@ -57,3 +57,27 @@ def test_every_page_shows_each_database_and_names_one_that_is_down(
         assert answer.status_code == 503
         assert f"Shards {span} are unavailable" in answer.content.decode()
     assert other_run.status_code == 200
+
+
+def test_a_job_saved_on_a_database_that_is_down_keeps_the_form_and_says_why(
+    layout: Layout, team_a, editor_a
+):
+    from apps.jobs.models import JobDefinition
+    from apps.jobs.schedule import shard_for
+    from tests.dashboard.test_job_form import FORM
+
+    down = layout.aliases[1]
+    name = next(
+        f"down.job{n}"
+        for n in range(1000)
+        if shards.alias_of_shard(shard_for(f"down.job{n}")) == down
+    )
+    client = client_for(editor_a)
+    with layout.down(1):
+        answer = client.post("/jobs/new", {**FORM, "name": name, "owner": "kept@example.com"})
+    assert answer.status_code == 200  # the form again, not the page of a job
+    text = answer.content.decode()
+    assert f"Not saved: shards {shards.span(down)} are unavailable" in text
+    assert 'value="kept@example.com"' in text
+    with shards.using(down):
+        assert not JobDefinition.objects.filter(name=name).exists()

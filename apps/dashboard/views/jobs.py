@@ -237,15 +237,20 @@ def job_new(request: HtmxHttpRequest) -> HttpResponse:
         return _form_page(request, form)
     team = next(t for t in teams if t.slug == form.cleaned_data["team"])
     access.require_role(request.user, team, Role.EDITOR)
-    with shards.reaching(database_of(form.spec.name)):
-        exists = JobDefinition.objects.named(form.spec.name).exists()
-    if exists:
-        form.add_error("name", "A job with this name exists.")
-        return _form_page(request, form)
     try:
+        with shards.reaching(database_of(form.spec.name)):
+            exists = JobDefinition.objects.named(form.spec.name).exists()
+        if exists:
+            form.add_error("name", "A job with this name exists.")
+            return _form_page(request, form)
         definition = services.create_definition(team, form.spec, actor(request))
     except IntegrityError:
         form.add_error("name", "A job with this name was just created.")
+        return _form_page(request, form)
+    except shards.Unavailable as exc:
+        # The name's shard lives on a database that is down: the form stays, with what was
+        # typed, rather than the page of a job that cannot be shown.
+        form.add_error(None, f"Not saved: {exc}. Try again once it is back.")
         return _form_page(request, form)
     return done(
         request, reverse("dashboard:job", args=[definition.name]), f"Created {definition.name}."
@@ -262,7 +267,11 @@ def job_edit(request: HtmxHttpRequest, name: str) -> HttpResponse:
     form = DefinitionForm(request.POST, teams=teams, instance=definition)
     if not form.is_valid():
         return _form_page(request, form, definition)
-    services.update_definition(definition, form.spec, actor(request))
+    try:
+        services.update_definition(definition, form.spec, actor(request))
+    except shards.Unavailable as exc:
+        form.add_error(None, f"Not saved: {exc}. Try again once it is back.")
+        return _form_page(request, form, definition)
     return done(request, reverse("dashboard:job", args=[name]), f"Saved {name}.")
 
 
