@@ -60,11 +60,17 @@ def _declared_length(scope) -> int | None:
     return None
 
 
-def body_too_large() -> HttpResponse:
+def body_too_large(path: str) -> HttpResponse:
+    """The answer to a body over the limit: problem details for the API, a page for a form (a
+    browser showed the API's JSON in place of the dashboard)."""
+    from django.template import loader
+
     from apps.api.errors import json_problem  # after django.setup(), below
 
     limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-    return json_problem(413, f"The request body is larger than {limit} bytes.")
+    if path.startswith("/api/"):
+        return json_problem(413, f"The request body is larger than {limit} bytes.")
+    return HttpResponse(loader.get_template("413.html").render({"limit": limit}), status=413)
 
 
 class SyncChainASGIHandler(ASGIHandler):
@@ -103,7 +109,7 @@ class SyncChainASGIHandler(ASGIHandler):
         except RequestAborted:
             return
         except BodyTooLarge:
-            await self.send_response(body_too_large(), send)
+            await self.send_response(body_too_large(scope.get("path", "")), send)
             return
         if size and declared is None:
             # A chunked body has no Content-Length, and DRF reads a request without one as

@@ -96,6 +96,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "apps.dashboard.context.unavailable_shards",
+                "apps.dashboard.context.request_limits",
             ],
         },
     },

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.http import HttpRequest
 
 from apps.runs import shards
@@ -13,3 +14,9 @@ def unavailable_shards(request: HttpRequest) -> dict[str, Any]:
     """The shards this page could not read (its banner); lazy, so that reads made while the page
     renders count too."""
     return {"unavailable_shards": shards.noted}
+
+
+def request_limits(request: HttpRequest) -> dict[str, Any]:
+    """The largest body the server reads: the page's script stops a form larger than that
+    before it is sent (the server would refuse it unread, and the input be lost)."""
+    return {"max_body": settings.DATA_UPLOAD_MAX_MEMORY_SIZE}

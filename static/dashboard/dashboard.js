@@ -14,20 +14,32 @@
     });
   });
 
+  // The element that opened the confirmation dialog gets the focus back when it closes (a
+  // keyboard user was sent to the top of the page).
+  var opener = null;
+  document.addEventListener("htmx:beforeRequest", function (event) {
+    var target = event.detail.target, elt = event.detail.elt;
+    if (!target || target.id !== "dialog" || !elt || elt.closest("#dialog")) return;
+    var active = document.activeElement;  // the button pressed, focused by the press
+    opener = active && active !== document.body && elt.contains(active) ? active
+      : elt.tagName === "FORM" ? elt.querySelector("button:not([type=button])") : elt;
+  });
+  function closeDialog() {
+    var dialog = document.getElementById("dialog");
+    if (!dialog || !dialog.innerHTML) return false;
+    dialog.innerHTML = "";
+    if (opener && document.body.contains(opener)) opener.focus();
+    opener = null;
+    return true;
+  }
+
   document.addEventListener("click", function (event) {
     var close = event.target.closest && event.target.closest("[data-close-dialog]");
-    if (!close) return;
-    var dialog = document.getElementById("dialog");
-    if (dialog) {
-      event.preventDefault();
-      dialog.innerHTML = "";
-    }
+    if (close && closeDialog()) event.preventDefault();
   });
 
   document.addEventListener("keydown", function (event) {
-    if (event.key !== "Escape") return;
-    var dialog = document.getElementById("dialog");
-    if (dialog) dialog.innerHTML = "";
+    if (event.key === "Escape") closeDialog();
   });
 
   function liveStatus(state) {
@@ -81,6 +93,19 @@
     item.textContent = text;
     list.appendChild(item);
   }
+  // A form larger than the server reads is refused unread (413), and a plain form's input
+  // lost with the page: it is stopped here, its input kept. Captured before htmx sees it.
+  document.addEventListener("submit", function (event) {
+    var form = event.target, limit = Number(document.body.dataset.maxBody || 0);
+    if (!limit || !form || form.tagName !== "FORM" || form.method.toLowerCase() !== "post") return;
+    var size = new URLSearchParams(new FormData(form)).toString().length;
+    if (size <= limit) return;
+    event.preventDefault();
+    event.stopPropagation();
+    say("Not sent: the form is " + size + " bytes, more than the " + limit + " the server " +
+        "takes. What you typed is kept.");
+  }, true);
+
   document.addEventListener("htmx:responseError", function (event) {
     var xhr = event.detail.xhr;
     var page = new DOMParser().parseFromString(xhr.responseText || "", "text/html");

@@ -246,3 +246,44 @@ def test_an_action_refused_by_the_server_says_why(web, operator_a, job_a, job_b)
     expect(page.get_by_role("button", name=re.compile("Requeue"))).to_have_count(0)
     web.goto(f"/dlq?team={job_a.team.slug}")
     expect(page.get_by_role("button", name="Requeue all matching…")).to_have_count(1)
+
+
+def test_a_form_larger_than_the_server_reads_is_stopped_with_its_input_kept(
+    web, editor_a, job_a, asgi_server
+):
+    """Past the body limit the server answers unread (413), and a plain form's page with it:
+    the browser showed the API's JSON and every field typed was lost."""
+    web.sign_in(editor_a)
+    page = web.page
+    web.goto(f"/jobs/{job_a.name}/edit")
+    page.fill("#id_owner", "kept@example.com")
+    huge = '{"a": "' + "x" * 2_000_000 + '"}'
+    page.evaluate("(value) => { document.getElementById('id_payload').value = value; }", huge)
+    page.get_by_role("button", name="Save changes").click()
+    expect(page.locator("#messages [role=alert]")).to_contain_text("Not sent: the form is")
+    assert page.url.endswith(f"/jobs/{job_a.name}/edit")
+    expect(page.locator("#id_owner")).to_have_value("kept@example.com")
+    assert JobDefinition.objects.get(pk=job_a.pk).owner != "kept@example.com"
+
+    # Without the page's script (or past it), the server's answer is a page, not the API's JSON.
+    sent = httpx.post(f"{asgi_server.url}/jobs/new", content=b"x" * 2_000_000)
+    assert sent.status_code == 413 and sent.headers["content-type"].startswith("text/html")
+    assert "Too large" in sent.text
+    api = httpx.post(f"{asgi_server.url}/api/v1/runs", content=b"x" * 2_000_000)
+    assert api.status_code == 413 and api.headers["content-type"] == "application/problem+json"
+
+
+def test_escape_closes_a_confirmation_and_gives_the_focus_back(web, operator_a, job_a):
+    (run,) = failed_runs(job_a, 1)
+    web.sign_in(operator_a)
+    page = web.page
+    web.goto("/dlq")
+    page.check(f"#pick-{run.pk}")
+    opener = page.get_by_role("button", name="Discard selected…")
+    opener.focus()
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("dialog")).to_contain_text("Discard 1 run?")
+    page.keyboard.press("Escape")
+    expect(page.get_by_role("dialog")).to_have_count(0)
+    expect(opener).to_be_focused()
+    assert Run.objects.get(pk=run.pk).state == "dead"
