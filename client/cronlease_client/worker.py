@@ -70,6 +70,9 @@ CARRY_WAIT_SECONDS = 0.25
 # for half the slots to free: fewer, fuller requests instead of one per freed slot.
 FILL_WAIT_SECONDS = 0.05
 SHUTDOWN_ERROR = "WorkerShutdown"
+# The error of a lease the worker could not read (a field damaged on its way): retried, the
+# handler never having run.
+UNREADABLE_LEASE = "UnreadableLease"
 # The most job names one lease request may filter on (the scheduler's `jobs` limit).
 MAX_JOBS = 1000
 
@@ -85,9 +88,17 @@ def invoke(
 
     Module-level so the process pool can pickle it.
     """
-    ctx = Context.from_lease(
-        lease, lease_lost=lease_lost, worker_id=worker_id, cancel_flag=cancel_flag
-    )
+    try:
+        ctx = Context.from_lease(
+            lease, lease_lost=lease_lost, worker_id=worker_id, cancel_flag=cancel_flag
+        )
+    except Exception as exc:  # a lease answer damaged on its way, past the shape check
+        # Not the handler's failure (it never ran), which its error had read as: said so.
+        return Report(
+            "failed",
+            error_type=UNREADABLE_LEASE,
+            message=f"the worker could not read its lease, and did not run the handler: {exc}",
+        )
     try:
         value = func(ctx)
         if inspect.iscoroutine(value):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import threading
 import time
@@ -642,6 +643,41 @@ def test_a_garbled_lease_answer_is_retried_and_the_worker_keeps_running(
     assert garbling == [0]
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(message.startswith("leasing failed; retrying") for message in warned), warned
+
+
+def test_a_lease_damaged_past_the_shape_check_is_failed_as_unreadable_not_run(
+    live_server, team_a, make_worker, serve
+):
+    """A lease whose time a middlebox damaged (its shape intact): the handler is not run, and
+    the attempt fails as UnreadableLease, retried; it read as the handler's ValueError."""
+    definition = make_definition(team_a, "demo.damaged", queue="damaged", retry_base_seconds=0)
+    (pk,) = add_ready_runs(definition, 1)
+    damaged = [1]
+    ran: list[int] = []
+
+    def relay(request: Request) -> Response:
+        answer = relayed(live_server.url, request)
+        if (
+            request.path == "/api/v1/leases"
+            and b'"leaseExpiresAt"' in answer.content
+            and damaged[0]
+        ):
+            damaged[0] -= 1
+            content = answer.content.replace(b'"leaseExpiresAt":"2', b'"leaseExpiresAt":"x')
+            return dataclasses.replace(answer, content=content)
+        return answer
+
+    proxy = serve(relay)
+    worker = make_worker(
+        ["damaged"], handlers={"demo.damaged": lambda ctx: ran.append(ctx.attempt)}
+    )
+    worker.base_url = proxy.url
+    worker.start()
+    wait_for(runs_when([pk], "succeeded"), what="the retry to succeed")
+    assert ran == [2]
+    first = Attempt.objects.get(run_id=pk, number=1)
+    assert (first.outcome, first.error_type) == ("failed", "UnreadableLease")
+    assert "did not run the handler" in first.error_message
 
 
 def lease_requests(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> list[float]:
