@@ -1,6 +1,8 @@
 """Lateness and missed runs, for definitions that set a lateness SLO.
 
-- late: a run whose first lease came more than `latenessSloSeconds` after its availableAt;
+- late: a run whose first lease came more than `latenessSloSeconds` after its availableAt, or
+  that has not started that long after it (no worker for its queue, a paused queue: a run stuck
+  waiting is news before its lease would have said so);
 - missed: a cron time of the window with no successful run by `due + SLO + timeoutSeconds`
   (no run at all, because the scheduler was down, or runs that failed or are still waiting).
 """
@@ -29,12 +31,14 @@ class Alert:
     due_at: datetime
     run_id: str | None = None
     late_by: float | None = None
-    state: str = ""  # a missed time's run's state, when it has one
+    state: str = ""  # a missed time's run's state, or "scheduled" for a late run still waiting
 
     @property
     def message(self) -> str:
         """The alert in plain words."""
         slo = self.definition.lateness_slo_seconds
+        if self.kind == "late" and self.state:
+            return f"{self.run_id} has not started {self.late_by:.1f} s after it was due (SLO {slo} s)."
         if self.kind == "late":
             return f"{self.run_id} started {self.late_by:.1f} s after it was due (SLO {slo} s)."
         why = f" ({self.run_id} is {self.state})" if self.run_id else " (no run was made)"
@@ -69,7 +73,22 @@ def _alerts_here(team, now: datetime, window: timedelta) -> list[Alert]:
         found += [
             Alert("late", definition, due, public_run_id(pk), late_by) for pk, due, late_by in late
         ]
-        found += _missed(definition, since, now)
+        missed = _missed(definition, since, now)
+        named = {alert.run_id for alert in missed}
+        # Not started yet, its SLO passed: late already (a missed time naming it says so).
+        waiting = Run.objects.filter(
+            definition=definition,
+            state="scheduled",
+            started_at__isnull=True,
+            available_at__gte=since,
+            available_at__lt=now - timedelta(seconds=slo),
+        ).values_list("pk", "due_at", "available_at")
+        found += [
+            Alert("late", definition, due, run_id, (now - at).total_seconds(), state="scheduled")
+            for pk, due, at in waiting
+            if (run_id := public_run_id(pk)) not in named
+        ]
+        found += missed
     return found
 
 

@@ -48,6 +48,17 @@ def test_a_run_started_ten_seconds_late_with_a_five_second_slo_is_flagged(api_a,
     assert late_count(after) - late_count(before) == 1
 
 
+def test_a_run_still_waiting_past_its_slo_is_late_before_it_starts(api_a, team_a):
+    """No worker takes it (a paused queue, none running): late now, not once it starts."""
+    definition = make_definition(team_a, "slo.stuck", queue="stuck", lateness_slo_seconds=5)
+    (stuck,) = add_ready_runs(definition, 1, age_seconds=30)
+    add_ready_runs(definition, 1, age_seconds=1, prefix="fresh")  # within its SLO: not late
+    (alert,) = api_a.get("/api/v1/alerts").json()["results"]
+    assert (alert["kind"], alert["runId"]) == ("late", public_run_id(stuck))
+    assert alert["lateBySeconds"] >= 30
+    assert "has not started" in alert["message"]
+
+
 def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
     api_a.post(
         "/api/v1/jobs",
