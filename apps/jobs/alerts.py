@@ -76,6 +76,7 @@ def _alerts_here(team, now: datetime, window: timedelta) -> list[Alert]:
         missed = _missed(definition, since, now)
         named = {alert.run_id for alert in missed}
         # Not started yet, its SLO passed: late already (a missed time naming it says so).
+        # Index run_waiting_by_def (definition, available_at) WHERE waiting.
         waiting = Run.objects.filter(
             definition=definition,
             state="scheduled",
