@@ -402,6 +402,7 @@ DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "cronlease@localhost")
 
 # JSON lines by default (one run can be followed across processes by its run_id); LOG_FORMAT=plain
 # for a terminal.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -417,10 +418,10 @@ LOGGING = {
     },
     "root": {
         "handlers": ["console"],
-        "level": env_choice("LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")),
+        "level": env_choice("LOG_LEVEL", "INFO", LOG_LEVELS),
     },
     "loggers": {
         "django.db.backends": {"level": "WARNING"},
-        "scheduler.runs": {"level": env_str("LOG_RUNS_LEVEL", "INFO")},
+        "scheduler.runs": {"level": env_choice("LOG_RUNS_LEVEL", "INFO", LOG_LEVELS)},
     },
 }

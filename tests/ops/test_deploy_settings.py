@@ -39,6 +39,7 @@ def test_https_without_a_secret_key_refuses_to_start():
         ("SCHEDULER_RETENTION_DAYS", "-3", "must be at least 1"),
         ("SCHEDULER_SHARD_COUNT", "abc", "must be an integer"),
         ("LOG_LEVEL", "LOUD", "must be one of DEBUG"),
+        ("LOG_RUNS_LEVEL", "loud", "must be one of DEBUG"),
         ("DEBUG", "maybe", "must be true or false"),
     ],
 )
