@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -43,7 +44,12 @@ def test_serves_with_several_workers_and_stops_on_sigterm():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     # Only 10.0.0.0/8 may read /metrics: this test, on 127.0.0.1, may not.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SCHEDULER_OPS_ALLOWED_NETWORKS": "10.0.0.0/8"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "SCHEDULER_OPS_ALLOWED_NETWORKS": "10.0.0.0/8",
+        "LOG_FORMAT": "json",
+    }
     env.pop("SCHEDULER_BEHIND_PROXY", None)
     env.setdefault("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     web = subprocess.Popen(
@@ -73,6 +79,9 @@ def test_serves_with_several_workers_and_stops_on_sigterm():
         assert web.returncode == 0, output
         # Two worker processes served and were stopped.
         assert output.count("Finished server process") == 2, output
+        # Every line JSON, uvicorn's own (access, start, stop) included.
+        lines = [json.loads(line) for line in output.splitlines() if line.strip()]
+        assert any('"GET /healthz HTTP/1.1" 200' in line["msg"] for line in lines), output
     finally:
         if web.poll() is None:
             web.kill()

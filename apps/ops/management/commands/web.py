@@ -78,5 +78,8 @@ class Command(BaseCommand):
             proxy_headers=False,
             log_level=options["log_level"],
             access_log=not options["no_access_log"],
+            # uvicorn's own lines (access, start, stop) through the application's logging, so
+            # LOG_FORMAT=json is JSON lines throughout; its default config wrote them as text.
+            log_config=None,
         )
         Multiprocess(config, sockets=[listening_socket(config)]).run()
