@@ -86,3 +86,66 @@ def test_serves_with_several_workers_and_stops_on_sigterm():
         if web.poll() is None:
             web.kill()
             web.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_several_workers_add_up_their_counters_without_a_folder_given(
+    tmp_path, team_a, worker_token_a
+):
+    """Without PROMETHEUS_MULTIPROC_DIR each worker counted apart, and /metrics (served by one
+    of them) jumped between their counts from scrape to scrape."""
+    from tests.conftest import add_ready_runs, child_database_url, make_definition
+
+    (pk,) = add_ready_runs(make_definition(team_a, "count.me", queue="count"), 1)
+    with closing(socket.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "DATABASE_URL": child_database_url(),
+        "SCHEDULER_DATA_DIR": str(tmp_path),
+        "SCHEDULER_API_RATE_WORKER": "",
+    }
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    web = subprocess.Popen(
+        [sys.executable, "manage.py", "web", "--port", str(port), "--workers", "2"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {worker_token_a}"}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{url}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the web process never answered"
+                time.sleep(0.2)
+        lease = {"queues": ["count"], "max": 1, "workerId": "w", "waitSeconds": 0}
+        (leased,) = httpx.post(f"{url}/api/v1/leases", json=lease, headers=headers).json()["leases"]
+        stale = {"fencingToken": leased["fencingToken"] + 1000}  # never this run's
+        for _ in range(20):  # each on a connection of its own: spread over the two workers
+            refused = httpx.post(
+                f"{url}/api/v1/runs/{leased['runId']}/heartbeat", json=stale, headers=headers
+            )
+            assert refused.status_code == 409
+        seen = set()
+        for _ in range(6):
+            text = httpx.get(f"{url}/metrics").text
+            (line,) = [
+                line
+                for line in text.splitlines()
+                if line.startswith('scheduler_stale_token_rejections_total{call="heartbeat"}')
+            ]
+            seen.add(float(line.split()[-1]))
+        assert seen == {20.0}
+        assert (tmp_path / "prometheus" / f"web-{port}").is_dir()
+    finally:
+        web.send_signal(signal.SIGTERM)
+        web.wait(30)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
+from pathlib import Path
 
 import uvicorn
+from django.conf import settings
 from django.core.management.base import BaseCommand
 from uvicorn.supervisors import Multiprocess
 
@@ -65,6 +68,14 @@ class Command(BaseCommand):
     def handle(self, *, host: str, port: int, workers: int, **options) -> None:
         # The worker processes load the application afresh; this one only supervises them.
         os.environ.setdefault("SCHEDULER_DB_POOL", "true")
+        if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            # Each worker counts apart: /metrics, served by one of them, jumped between their
+            # counts from scrape to scrape (read as counter resets). A folder of their own adds
+            # them up (a host's scheduler joins only through a folder given to both).
+            folder = Path(settings.DATA_DIR) / "prometheus" / f"web-{port}"
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
         config = uvicorn.Config(
             APPLICATION,
             host=host,
