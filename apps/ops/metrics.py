@@ -6,20 +6,31 @@ With PROMETHEUS_MULTIPROC_DIR set, the counters of every process of the host are
 
 from __future__ import annotations
 
+import logging
 import os
 
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 
 from apps.ops import gauges
+from apps.runs import shards
 from apps.runs.models import PRIORITY_NAMES
+
+logger = logging.getLogger(__name__)
 
 
 class DatabaseCollector:
     """Gauges that are facts of the database, read when Prometheus scrapes."""
 
     def collect(self):
-        snapshot = gauges.read()
+        try:
+            snapshot = gauges.read()
+        except shards.UNREADABLE as exc:
+            # The control database cannot be read (down, or not migrated): the counters are
+            # still served, with the database's gauges saying so, not a 500 (an operator lost
+            # every counter during the very incident they were needed for).
+            logger.warning("/metrics without the database's gauges: %s", exc)
+            return self._readable(False)
         depth = GaugeMetricFamily(
             "scheduler_queue_depth", "Claimable runs.", labels=["team", "queue", "priority"]
         )
@@ -137,7 +148,28 @@ class DatabaseCollector:
             rate_count,
             queue_used,
             queue_count,
+            *self._readable(True),
         ]
+
+    @staticmethod
+    def _readable(readable: bool) -> list[GaugeMetricFamily]:
+        """Whether the gauges could be read; when not, the control database (if it holds
+        shards) reported down."""
+        gauge = GaugeMetricFamily(
+            "scheduler_database_gauges_readable",
+            "1 when /metrics could read the database's gauges, 0 when it could not.",
+        )
+        gauge.add_metric([], 1 if readable else 0)
+        if readable:
+            return [gauge]
+        up = GaugeMetricFamily(
+            "scheduler_shard_database_up",
+            "1 when the database of these shards answers, 0 while it cannot be reached.",
+            labels=["shards"],
+        )
+        if shards.CONTROL in shards.databases():
+            up.add_metric([shards.span(shards.CONTROL)], 0)
+        return [gauge, up]
 
 
 def render() -> bytes:

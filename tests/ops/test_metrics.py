@@ -156,3 +156,23 @@ def test_a_rate_limited_jobs_window_is_a_gauge(api_a, team_a):
     assert len(api_a.lease(["mail"], 5)) == 3
     after = scrape(api_a)
     assert value(after, "scheduler_rate_limit_used", job="mail.limited") == 3
+
+
+def test_with_the_database_unreadable_the_counters_are_still_served(api_a, team_a):
+    """The gauges' tables unreadable (a database not migrated, or down): /metrics was a 500,
+    and an operator lost the counters during the very incident. Now the counters, and the
+    gauges saying they could not be read."""
+    from django.db import connection
+
+    definition = make_definition(team_a, "m.kept", queue="kept")
+    add_ready_runs(definition, 1)
+    api_a.lease(["kept"], 1)
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE teams_team RENAME TO teams_team_away")
+        try:
+            samples = scrape(api_a)
+        finally:
+            cursor.execute("ALTER TABLE teams_team_away RENAME TO teams_team")
+    assert value(samples, "scheduler_database_gauges_readable") == 0
+    assert value(samples, "scheduler_runs_started_total", queue="kept", priority="default") >= 1
+    assert value(scrape(api_a), "scheduler_database_gauges_readable") == 1
