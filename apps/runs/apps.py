@@ -1,10 +1,18 @@
 from django.apps import AppConfig
 from django.core.signals import request_started
 
+# Answered without a database: the liveness probe (which must answer at once while the database
+# is down: its first request waited 10-12 s on the map's read, for a server that never answers)
+# and the dashboard's static files.
+NO_DATABASE_PATHS = ("/healthz", "/static/")
 
-def _refresh_shard_map(**kwargs) -> None:
+
+def _refresh_shard_map(*, scope=None, environ=None, **kwargs) -> None:
     from apps.runs import shards
 
+    path = (scope or {}).get("path") or (environ or {}).get("PATH_INFO") or ""
+    if path.startswith(NO_DATABASE_PATHS):
+        return
     shards.refresh()
 
 

@@ -149,3 +149,49 @@ def test_several_workers_add_up_their_counters_without_a_folder_given(
     finally:
         web.send_signal(signal.SIGTERM)
         web.wait(30)
+
+
+@pytest.mark.slow
+def test_the_liveness_probe_answers_at_once_while_the_database_hangs(tmp_path):
+    """A database server that accepts connections and never answers: /healthz, the first
+    request included, answers at once (it waited 10-12 s on the shard map's read)."""
+    import threading
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    held: list[socket.socket] = []
+    threading.Thread(
+        target=lambda: held.extend(iter(lambda: silent.accept()[0], None)), daemon=True
+    ).start()
+    with closing(socket.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{silent.getsockname()[1]}/none",
+        "SCHEDULER_DATA_DIR": str(tmp_path),
+    }
+    web = subprocess.Popen(
+        [sys.executable, "manage.py", "web", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with closing(socket.create_connection(("127.0.0.1", port), timeout=1)):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the web process never listened"
+                time.sleep(0.2)
+        answer = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+        assert answer.status_code == 200
+    finally:
+        web.send_signal(signal.SIGTERM)
+        web.wait(30)
+        silent.close()
