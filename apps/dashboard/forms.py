@@ -532,7 +532,7 @@ CHANNEL_KINDS = [
 ]
 CHANNEL_EVENTS = [
     ("run.dead", "run.dead — a run reached the DLQ"),
-    ("job.late", "job.late — a run started later than its SLO"),
+    ("job.late", "job.late — a run started, or has not started, later than its SLO"),
     ("job.missed", "job.missed — a cron time had no successful run"),
     ("dlq.threshold", "dlq.threshold — the DLQ is over its threshold"),
     ("scheduler.shard_unowned", "scheduler.shard_unowned — shards without a scheduler"),

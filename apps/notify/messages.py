@@ -20,7 +20,7 @@ PHASES = ("open", "reminder", "resolved", "test")
 
 TITLES = {
     "run.dead": "a run is dead",
-    "job.late": "a run started late",
+    "job.late": "a run is late",
     "job.missed": "a cron time was missed",
     "dlq.threshold": "the dead-letter queue is over its threshold",
     "scheduler.shard_unowned": "shards have no scheduler",

@@ -247,3 +247,35 @@ def test_a_missed_time_recovers_when_that_time_has_run_not_an_earlier_one(
     drain(notifier)
     assert Incident.objects.get(pk=missed.pk).closed_at is not None
     assert messages_of(receiver) == [("job.missed", "open"), ("job.recovered", "resolved")]
+
+
+def test_a_run_late_while_it_waits_keeps_its_incident_open_until_it_stops_waiting(
+    team_a, receiver, notifier, settings
+):
+    """A run no worker takes is late for as long as it waits: its incident's quiet time counts
+    from the last look that found it waiting, not from when it was due (a recovery came 3 s
+    after the run started 41 s late, saying "no job.late for 36 s")."""
+    job = make_definition(team_a, "billing.stuck", queue="stuck", lateness_slo_seconds=60)
+    make_channel(team_a, receiver.url, events=["job.late", "job.recovered"])
+    add_ready_runs(job, 1, age_seconds=300)
+    notifier.handle_one_detection(force=True)
+    late = Incident.objects.get(event="job.late")
+    assert "has not started" in late.summary
+    # A minute passes, the run still waiting.
+    Incident.objects.filter(pk=late.pk).update(
+        opened_at=F("opened_at") - timedelta(minutes=1),
+        last_seen_at=F("last_seen_at") - timedelta(minutes=1),
+    )
+    notifier.handle_one_detection(force=True)
+    (lease,) = claim(queues=["stuck"], max_runs=1, worker_id="w", team_ids=[team_a.pk])
+    store.complete([(lease.id, lease.fencing_token, None)], team_ids=[team_a.pk])
+    settings.SCHEDULER_NOTIFY_RECOVERY_SECONDS = 30
+    notifier.handle_one_detection(force=True)
+    assert Incident.objects.get(pk=late.pk).closed_at is None  # waiting a moment ago
+    Incident.objects.filter(pk=late.pk).update(
+        last_seen_at=F("last_seen_at") - timedelta(minutes=1)
+    )
+    notifier.handle_one_detection(force=True)
+    drain(notifier)
+    assert Incident.objects.get(pk=late.pk).closed_at is not None
+    assert messages_of(receiver) == [("job.late", "open"), ("job.recovered", "resolved")]
