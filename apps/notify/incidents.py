@@ -178,7 +178,13 @@ def remind(incident: Incident, channels: list[Channel], now: datetime) -> int:
         ]
         since = messages.age(now - incident.opened_at)
         seen = messages.age(now - incident.last_seen_at)
-        summary = f"Still open after {since} (last seen {seen} ago): {incident.summary}"
+        # The count of the whole incident: its summary is its latest occurrence's ("run X is
+        # dead" after "3 runs died"), which read as if the incident had shrunk to one.
+        times = incident.occurrences
+        summary = (
+            f"Still open after {since}, {times} occurrence{'s' if times != 1 else ''} "
+            f"(last seen {seen} ago): {incident.summary}"
+        )
         outbox.enqueue(
             wanted,
             event=incident.event,

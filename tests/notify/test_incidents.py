@@ -279,3 +279,22 @@ def test_a_run_late_while_it_waits_keeps_its_incident_open_until_it_stops_waitin
     drain(notifier)
     assert Incident.objects.get(pk=late.pk).closed_at is not None
     assert messages_of(receiver) == [("job.late", "open"), ("job.recovered", "resolved")]
+
+
+def test_a_reminder_counts_every_occurrence_of_its_incident(team_a, receiver, notifier, settings):
+    job = make_definition(team_a, "billing.flaky", queue="billing", retry_max_attempts=1)
+    make_channel(team_a, receiver.url, events=["run.dead"])
+    for key in ("a", "b", "c"):
+        die(job, key)
+    notifier.handle_one_detection(force=True)
+    die(job, "d")
+    notifier.handle_one_detection(force=True)
+    settings.SCHEDULER_NOTIFY_REMINDER_SECONDS = 60
+    Incident.objects.update(last_notified_at=F("last_notified_at") - timedelta(minutes=2))
+    notifier.handle_one_detection(force=True)
+    drain(notifier)
+    assert messages_of(receiver) == [("run.dead", "open"), ("run.dead", "reminder")]
+    opened, reminder = (orjson.loads(r.body)["summary"] for r in receiver.requests)
+    assert "3 runs died" in opened
+    # The latest occurrence is one death; the incident's count is all four.
+    assert ", 4 occurrences (last seen" in reminder and "is dead after" in reminder
