@@ -9,7 +9,8 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import closing
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import httpx
@@ -38,25 +39,23 @@ def test_accepted_connections_inherit_tcp_nodelay():
         assert not accepted_nodelay(plain)
 
 
-@pytest.mark.slow
-def test_serves_with_several_workers_and_stops_on_sigterm():
+@contextmanager
+def web_process(
+    *args: str, output: int = subprocess.DEVNULL, **env: str
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`manage.py web` on a free port with `env` over this process's environment, once it
+    listens: the process and its URL. Stopped (SIGTERM) at the end unless the test did."""
     with closing(socket.socket()) as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    # Only 10.0.0.0/8 may read /metrics: this test, on 127.0.0.1, may not.
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "SCHEDULER_OPS_ALLOWED_NETWORKS": "10.0.0.0/8",
-        "LOG_FORMAT": "json",
-    }
-    env.pop("SCHEDULER_BEHIND_PROXY", None)
-    env.setdefault("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    environment.pop("SCHEDULER_BEHIND_PROXY", None)
+    environment.setdefault("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     web = subprocess.Popen(
-        [sys.executable, "manage.py", "web", "--port", str(port), "--workers", "2"],
+        [sys.executable, "manage.py", "web", "--port", str(port), *args],
         cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
+        env=environment,
+        stdout=output,
         stderr=subprocess.STDOUT,
         text=True,
     )
@@ -65,68 +64,59 @@ def test_serves_with_several_workers_and_stops_on_sigterm():
         while True:
             assert web.poll() is None, web.communicate()[0]
             try:
-                answer = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the web process never answered"
+                with closing(socket.create_connection(("127.0.0.1", port), timeout=1)):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the web process never listened"
                 time.sleep(0.2)
-        assert answer.status_code == 200
-        # Not behind a proxy, a caller's X-Forwarded-For is not its address.
-        url = f"http://127.0.0.1:{port}/metrics"
-        assert httpx.get(url, headers={"X-Forwarded-For": "10.1.1.1"}).status_code == 403
-        web.send_signal(signal.SIGTERM)
-        output, _ = web.communicate(timeout=30)
-        assert web.returncode == 0, output
-        # Two worker processes served and were stopped.
-        assert output.count("Finished server process") == 2, output
-        # Every line JSON, uvicorn's own (access, start, stop) included.
-        lines = [json.loads(line) for line in output.splitlines() if line.strip()]
-        assert any('"GET /healthz HTTP/1.1" 200' in line["msg"] for line in lines), output
+        yield web, f"http://127.0.0.1:{port}"
     finally:
         if web.poll() is None:
-            web.kill()
-            web.wait()
+            web.send_signal(signal.SIGTERM)
+            try:
+                web.wait(30)
+            except subprocess.TimeoutExpired:
+                web.kill()
+                web.wait()
+
+
+@pytest.mark.slow
+def test_serves_with_several_workers_and_stops_on_sigterm():
+    # Only 10.0.0.0/8 may read /metrics: this test, on 127.0.0.1, may not.
+    with web_process(
+        "--workers", "2", output=subprocess.PIPE,
+        SCHEDULER_OPS_ALLOWED_NETWORKS="10.0.0.0/8", LOG_FORMAT="json",
+    ) as (web, url):  # fmt: skip
+        assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+        # Not behind a proxy, a caller's X-Forwarded-For is not its address.
+        metrics = httpx.get(f"{url}/metrics", headers={"X-Forwarded-For": "10.1.1.1"})
+        assert metrics.status_code == 403
+        web.send_signal(signal.SIGTERM)
+        output, _ = web.communicate(timeout=30)
+    assert web.returncode == 0, output
+    # Two worker processes served and were stopped.
+    assert output.count("Finished server process") == 2, output
+    # Every line JSON, uvicorn's own (access, start, stop) included.
+    lines = [json.loads(line) for line in output.splitlines() if line.strip()]
+    assert any('"GET /healthz HTTP/1.1" 200' in line["msg"] for line in lines), output
 
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_several_workers_add_up_their_counters_without_a_folder_given(
-    tmp_path, team_a, worker_token_a
+    tmp_path, team_a, worker_token_a, monkeypatch
 ):
     """Without PROMETHEUS_MULTIPROC_DIR each worker counted apart, and /metrics (served by one
     of them) jumped between their counts from scrape to scrape."""
     from tests.conftest import add_ready_runs, child_database_url, make_definition
 
-    (pk,) = add_ready_runs(make_definition(team_a, "count.me", queue="count"), 1)
-    with closing(socket.socket()) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "DATABASE_URL": child_database_url(),
-        "SCHEDULER_DATA_DIR": str(tmp_path),
-        "SCHEDULER_API_RATE_WORKER": "",
-    }
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    web = subprocess.Popen(
-        [sys.executable, "manage.py", "web", "--port", str(port), "--workers", "2"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+    add_ready_runs(make_definition(team_a, "count.me", queue="count"), 1)
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     headers = {"Authorization": f"Bearer {worker_token_a}"}
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"{url}/healthz", timeout=2)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the web process never answered"
-                time.sleep(0.2)
+    with web_process(
+        "--workers", "2", DATABASE_URL=child_database_url(), SCHEDULER_DATA_DIR=str(tmp_path),
+        SCHEDULER_API_RATE_WORKER="",
+    ) as (_, url):  # fmt: skip
         lease = {"queues": ["count"], "max": 1, "workerId": "w", "waitSeconds": 0}
         (leased,) = httpx.post(f"{url}/api/v1/leases", json=lease, headers=headers).json()["leases"]
         stale = {"fencingToken": leased["fencingToken"] + 1000}  # never this run's
@@ -145,10 +135,8 @@ def test_several_workers_add_up_their_counters_without_a_folder_given(
             ]
             seen.add(float(line.split()[-1]))
         assert seen == {20.0}
+        port = url.rsplit(":", 1)[1]
         assert (tmp_path / "prometheus" / f"web-{port}").is_dir()
-    finally:
-        web.send_signal(signal.SIGTERM)
-        web.wait(30)
 
 
 @pytest.mark.slow
@@ -164,34 +152,9 @@ def test_the_liveness_probe_answers_at_once_while_the_database_hangs(tmp_path):
     threading.Thread(
         target=lambda: held.extend(iter(lambda: silent.accept()[0], None)), daemon=True
     ).start()
-    with closing(socket.socket()) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{silent.getsockname()[1]}/none",
-        "SCHEDULER_DATA_DIR": str(tmp_path),
-    }
-    web = subprocess.Popen(
-        [sys.executable, "manage.py", "web", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    database = f"postgresql://postgres@127.0.0.1:{silent.getsockname()[1]}/none"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with closing(socket.create_connection(("127.0.0.1", port), timeout=1)):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the web process never listened"
-                time.sleep(0.2)
-        answer = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
-        assert answer.status_code == 200
+        with web_process(DATABASE_URL=database, SCHEDULER_DATA_DIR=str(tmp_path)) as (_, url):
+            assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
     finally:
-        web.send_signal(signal.SIGTERM)
-        web.wait(30)
         silent.close()
