@@ -178,7 +178,17 @@ def delete_unreferenced(keys: Iterable[str]) -> int:
         with connections[shards.CONTROL].cursor() as cursor:
             cursor.execute(CLAIM_FOR_DELETION, {"keys": candidates})
             cursor.execute(LOCK_FOR_DELETION, {"keys": candidates})
-        found, unavailable = shards.gather(referenced)
+        # Read where the shards are now, and again after: a shard moved meanwhile (its rows
+        # copied to a database this process's map, a second old, did not name, then deleted
+        # from the one it did) is looked for again. Seen unchanged after the look, any move
+        # switches after it, while its rows were still where they were looked for.
+        while True:
+            shards.refresh(force=True)
+            placed = shards.current_map()
+            found, unavailable = shards.gather(referenced)
+            shards.refresh(force=True)
+            if shards.current_map() == placed:
+                break
         if unavailable:
             return 0
         used = set().union(*found)

@@ -212,6 +212,11 @@ def alias_of_shard(shard: int) -> str:
     return _current_map().aliases[shard]
 
 
+def current_map() -> ShardMap:
+    """Where each shard is, as this process last read it (`refresh`)."""
+    return _current_map()
+
+
 def databases() -> list[str]:
     """Every database that holds shards, in the order of their first shard."""
     return list(dict.fromkeys(_current_map().aliases))

@@ -28,6 +28,7 @@ from tests.conftest import (
     assert_invariants_everywhere,
     child_database_url,
     claim,
+    db_now,
     manage,
 )
 from tests.waiting import wait_for
@@ -372,3 +373,43 @@ def test_a_move_whose_source_is_down_fails_clearly_and_is_released_afterwards(
     assert shards.alias_of_shard(shard) == source and shard not in shards.moving()
     job = _job_of_shard(team_a, source, shard)
     assert layout.new_runs(job, 1, "after")
+
+
+def test_a_blob_of_a_shard_just_moved_is_kept_by_a_process_whose_map_is_behind(
+    layout: Layout, team_a, placement_reset, settings, tmp_path, monkeypatch
+):
+    """The shard's runs were copied to a database this process's map (a second old) did not
+    name, then deleted where it looked: the blob they share was deleted as unreferenced."""
+    from django.core.files.storage import storages
+
+    from apps.runs import payloads
+    from scheduler_site.shardmap import ShardMap
+
+    storages._storages.pop("payloads", None)
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "payloads": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(tmp_path)},
+        },
+    }
+    source, _ = layout.aliases
+    shard = shards.shards_on(source)[0]
+    job = _job_of_shard(team_a, source, shard)
+    payload = {"rows": ["x" * 100 for _ in range(100)]}  # kept in storage
+    with shards.using(source):
+        now = db_now()
+        store.insert_runs([store.NewRun(job.pk, "api", now, now, "shared", payload)])
+    key = Run.objects.using(source).get(definition_id=job.pk).payload_key
+    call_command("moveshard", str(shard), "--to", layout.servers[1].url)
+    # This process has not read the move: every shard where the settings put the source's.
+    urls = {alias: url for alias, url in shards.current_map().urls.items() if alias == source}
+    behind = ShardMap(aliases=(source,) * settings.SCHEDULER_SHARD_COUNT, urls=urls)
+    monkeypatch.setattr(shards, "_placement", shards._Placement(behind))
+    monkeypatch.setattr(shards, "_checked_at", time.monotonic())
+    try:
+        assert payloads.delete_unreferenced([key]) == 0
+        assert (tmp_path / key).exists()
+    finally:
+        monkeypatch.undo()
+        storages._storages.pop("payloads", None)
