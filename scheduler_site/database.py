@@ -8,9 +8,16 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 
 def config_from_url(
-    url: str, *, application_name: str, pool_size: int | None = None
+    url: str,
+    *,
+    application_name: str,
+    pool_size: int | None = None,
+    lock_timeout: int = 0,
+    statement_timeout: int = 0,
 ) -> dict[str, Any]:
     """Django's DATABASES entry; with `pool_size`, connections come from a psycopg pool.
+    `lock_timeout` and `statement_timeout` (seconds, 0 for none) bound each statement's wait
+    for a lock and its whole run.
 
     The web process runs under ASGI, where Django's per-thread persistent connections are never
     reused (each request runs in a thread context of its own), so without a pool every request
@@ -30,10 +37,15 @@ def config_from_url(
     # planning cost twice what executing it did. Only prepared statements are affected.
     # No JIT: once the backlog passed about 50 000 runs the claim's estimated cost crossed
     # jit_above_cost and every claim spent 34 ms compiling for 1 ms of execution.
+    settings = "-c plan_cache_mode=force_generic_plan -c jit=off"
+    if lock_timeout:
+        settings += f" -c lock_timeout={lock_timeout}s"
+    if statement_timeout:
+        settings += f" -c statement_timeout={statement_timeout}s"
     options: dict[str, Any] = {
         "application_name": application_name,
         "prepare_threshold": 5,
-        "options": "-c plan_cache_mode=force_generic_plan -c jit=off",
+        "options": settings,
     }
     if "options" in query:
         query["options"] = f"{options['options']} {query['options']}"
@@ -59,3 +71,22 @@ def config_from_url(
         # Parallel test sessions on one server each name their own test database.
         "TEST": {"NAME": os.environ.get("TEST_DATABASE_NAME") or None},
     }
+
+
+def failure_words(exc: BaseException) -> str:
+    """What a database error that ended a request (its transaction rolled back) means to
+    whoever sent it: the API's problem detail and the dashboard's page say it."""
+    from django.conf import settings
+
+    state = getattr(exc.__cause__, "sqlstate", None) or getattr(exc, "sqlstate", None)
+    if state == "55P03":  # lock_not_available
+        return (
+            "another session held a lock this request needs for over "
+            f"{settings.DB_LOCK_TIMEOUT} s (SCHEDULER_DB_LOCK_TIMEOUT); nothing was changed"
+        )
+    if state == "57014":  # query_canceled: the statement timeout, or an operator's cancel
+        return (
+            f"the database statement ran past {settings.DB_STATEMENT_TIMEOUT} s "
+            "(SCHEDULER_DB_STATEMENT_TIMEOUT) or was cancelled; nothing was changed"
+        )
+    return f"the database failed this request ({type(exc).__name__})"

@@ -121,10 +121,19 @@ if EMBEDDED_DATABASE:
 DB_POOL_SIZE = (
     env_int("SCHEDULER_DB_POOL_SIZE", 20, low=1) if env_bool("SCHEDULER_DB_POOL", False) else None
 )
+# The web process's statements wait at most DB_LOCK_TIMEOUT seconds for a lock and run at most
+# DB_STATEMENT_TIMEOUT: a request behind another session's lock (a psql transaction left open)
+# held a pooled connection, and the process's stop, for as long as that session lived.
+# Daemons are not bounded: retention and materialisation batches may rightly take longer.
+DB_LOCK_TIMEOUT = env_int("SCHEDULER_DB_LOCK_TIMEOUT", 10, low=0) if DB_POOL_SIZE else 0
+DB_STATEMENT_TIMEOUT = env_int("SCHEDULER_DB_STATEMENT_TIMEOUT", 60, low=0) if DB_POOL_SIZE else 0
+DB_CONNECTION = {
+    "pool_size": DB_POOL_SIZE,
+    "lock_timeout": DB_LOCK_TIMEOUT,
+    "statement_timeout": DB_STATEMENT_TIMEOUT,
+}
 DATABASES = {
-    "default": config_from_url(
-        DATABASE_URL, application_name=_application_name(), pool_size=DB_POOL_SIZE
-    )
+    "default": config_from_url(DATABASE_URL, application_name=_application_name(), **DB_CONNECTION)
 }
 # Shards on databases of their own (scheduler_site/shardmap.py; routed by apps/runs/shards.py).
 SCHEDULER_SHARD_COUNT = env_int("SCHEDULER_SHARD_COUNT", 16)
@@ -137,9 +146,7 @@ try:
 except shardmap.ShardMapError as exc:
     raise ImproperlyConfigured(f"SCHEDULER_SHARD_DATABASES: {exc}") from exc
 for _alias, _url in SHARD_MAP.urls.items():
-    DATABASES[_alias] = config_from_url(
-        _url, application_name=_application_name(), pool_size=DB_POOL_SIZE
-    )
+    DATABASES[_alias] = config_from_url(_url, application_name=_application_name(), **DB_CONNECTION)
 DATABASE_ROUTERS = ["apps.runs.shards.ShardRouter"]
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

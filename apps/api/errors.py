@@ -9,11 +9,13 @@ from django.conf import settings
 from django.core.exceptions import DisallowedHost, RequestDataTooBig, TooManyFieldsSent
 from django.db import InterfaceError, OperationalError
 from django.http import JsonResponse
+from django.utils.text import capfirst
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
 from apps.runs import payloads, shards
+from scheduler_site.database import failure_words
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +127,7 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
         exc = PayloadUnavailable(f"{exc}; try again.")
     elif isinstance(exc, OperationalError | InterfaceError):
         logger.error("database failure answered 503", exc_info=exc)
-        exc = DatabaseFailed(f"The database failed this request ({type(exc).__name__}); try again.")
+        exc = DatabaseFailed(f"{capfirst(failure_words(exc))}; try again.")
     elif isinstance(exc, exceptions.UnsupportedMediaType):
         # DRF's own words for a body without a Content-Type were: Unsupported media type "".
         request = context.get("request")

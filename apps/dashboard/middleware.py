@@ -3,15 +3,20 @@ the shards whose database could not be read."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from django.conf import settings
 from django.contrib.auth.middleware import LoginRequiredMiddleware
+from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django_htmx.http import HttpResponseClientRedirect
 
 from apps.runs import shards
+from scheduler_site.database import failure_words
+
+logger = logging.getLogger(__name__)
 
 # The API's own docs page (Swagger UI) and Django's admin bring their own scripts.
 EXEMPT_PREFIXES = ("/api/", "/admin/")
@@ -59,6 +64,14 @@ class UnavailableShardsMiddleware:
             return self.get_response(request)
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
-        if request.path.startswith("/api/") or not isinstance(exception, shards.Unavailable):
+        if request.path.startswith("/api/"):
             return None
-        return render(request, "shard_unavailable.html", {"spans": exception.spans}, status=503)
+        if isinstance(exception, shards.Unavailable):
+            return render(request, "shard_unavailable.html", {"spans": exception.spans}, status=503)
+        if isinstance(exception, OperationalError | InterfaceError):
+            # A lock wait or a statement past its timeout, a dropped connection: the request's
+            # transaction was rolled back, and the page says so rather than "server error".
+            logger.error("database failure answered 503", exc_info=exception)
+            words = failure_words(exception)
+            return render(request, "database_failed.html", {"words": words}, status=503)
+        return None

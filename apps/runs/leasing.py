@@ -155,6 +155,7 @@ def claim_or_wait(
        connected (`gone` unset), else roll back and answer no leases.
     3. Nothing claimed and time left: give the pooled connection back, wait for a NOTIFY on the
        asked queues or the next run's availableAt (at most RECHECK_SECONDS), then go to 2.
+       A process that is stopping (`listener.close_waits`) answers at once instead.
     """
     note_lease_activity(request.team_id, request.queues, request.worker_id)
     deadline = time.monotonic() + request.wait_seconds
@@ -185,7 +186,7 @@ def claim_or_wait(
         if leases and isinstance(gone, Hangup):
             gone.undelivered = functools.partial(give_back, leases)
         left = deadline - time.monotonic()
-        if leases or left <= 0:
+        if leases or left <= 0 or listener.closing.is_set():
             return answer
         alarm = min(left, _until_next_available(request, lanes))
         _release_pooled_connections()

@@ -172,7 +172,7 @@ def _register(alias: str, url: str) -> None:
     config = config_from_url(
         url,
         application_name=template["OPTIONS"].get("application_name", "scheduler"),
-        pool_size=settings.DB_POOL_SIZE,
+        **settings.DB_CONNECTION,
     )
     # Django fills in the defaults of a set of databases that holds `default` (5.2 refuses one
     # without it, which made every move to a database outside the map fail).

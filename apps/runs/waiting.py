@@ -30,6 +30,8 @@ class ReadyListener:
         self._start_lock = threading.Lock()
         self._connected: dict[str, threading.Event] = {}
         self._stopping = threading.Event()
+        # The process is stopping: long polls answer what they have instead of waiting on.
+        self.closing = threading.Event()
 
     @property
     def generation(self) -> int:
@@ -78,6 +80,13 @@ class ReadyListener:
                     return False
                 self._condition.wait(left)
             return True
+
+    def close_waits(self) -> None:
+        """End every long poll's wait, now and from now on: the process is stopping, and
+        uvicorn stops only once every request has been answered (a deploy waited out each
+        worker's `waitSeconds`)."""
+        self.closing.set()
+        self._wake()
 
     def _wake(self) -> None:
         with self._condition:

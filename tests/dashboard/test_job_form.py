@@ -303,3 +303,38 @@ def test_a_payload_the_api_refuses_is_a_form_error_too(editor_a, payload, reason
     assert response.status_code == 200
     assert reason in " ".join(response.context["form"].errors["payload"])
     assert not JobDefinition.objects.exists()
+
+
+def test_a_job_saved_while_another_session_holds_its_row_keeps_the_form_and_says_why(
+    editor_a, settings
+):
+    """The web process's statements wait at most SCHEDULER_DB_LOCK_TIMEOUT for a lock: the
+    save is rolled back and the form stays, saying so (it waited as long as the lock lived)."""
+    import psycopg
+    from django.db import connection
+
+    client = client_for(editor_a)
+    assert client.post("/jobs/new", FORM).status_code == 302
+    settings.DB_LOCK_TIMEOUT = 1
+    with connection.cursor() as cursor:  # the test client's requests use this session
+        cursor.execute("SET lock_timeout = '300ms'")
+    params = connection.get_connection_params()
+    with psycopg.connect(**params) as holder:
+        holder.execute(
+            "SELECT 1 FROM jobs_jobdefinition WHERE name = %s FOR UPDATE", [FORM["name"]]
+        )
+        answer = client.post(
+            f"/jobs/{FORM['name']}/edit", {**FORM, "timeout_seconds": "77", "owner": "k@x.io"}
+        )
+        page = client.post(f"/jobs/{FORM['name']}/pause")
+    with connection.cursor() as cursor:
+        cursor.execute("RESET lock_timeout")
+    assert answer.status_code == 200, answer.content[:300]
+    text = answer.content.decode()
+    assert "Another session held a lock this request needs for over 1 s" in text
+    assert 'value="k@x.io"' in text
+    # An action without a form: a page that says what happened, not "server error".
+    assert page.status_code == 503
+    assert "Another session held a lock this request needs" in page.content.decode()
+    job = JobDefinition.objects.get(name=FORM["name"])
+    assert (job.timeout_seconds, job.paused) == (900, False)

@@ -31,7 +31,7 @@ def accepted_nodelay(listener: socket.socket) -> int:
 
 
 def test_accepted_connections_inherit_tcp_nodelay():
-    config = uvicorn.Config(APPLICATION, host="127.0.0.1", port=0)
+    config = uvicorn.Config(APPLICATION, factory=True, host="127.0.0.1", port=0)
     with closing(listening_socket(config)) as ours:
         assert accepted_nodelay(ours)
     # Why the command makes its own: uvicorn's socket leaves Nagle on for every connection.
@@ -158,3 +158,97 @@ def test_the_liveness_probe_answers_at_once_while_the_database_hangs(tmp_path):
             assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
     finally:
         silent.close()
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_stop_answers_the_long_polls_at_once(tmp_path, team_a, worker_token_a):
+    """uvicorn stops once every request is answered: a stop (a deploy) waited out each
+    worker's long poll, up to its waitSeconds. The polls now answer at the stop."""
+    import threading
+
+    from tests.conftest import child_database_url
+
+    headers = {"Authorization": f"Bearer {worker_token_a}"}
+    answers: list[tuple[int, dict, float]] = []
+
+    def poll(url: str) -> None:
+        lease = {"queues": ["nothing"], "max": 1, "workerId": "w", "waitSeconds": 30}
+        started = time.monotonic()
+        answer = httpx.post(f"{url}/api/v1/leases", json=lease, headers=headers, timeout=60)
+        answers.append((answer.status_code, answer.json(), time.monotonic() - started))
+
+    with web_process(
+        "--workers", "2", DATABASE_URL=child_database_url(), SCHEDULER_DATA_DIR=str(tmp_path),
+        SCHEDULER_API_RATE_WORKER="",
+    ) as (web, url):  # fmt: skip
+        polls = [threading.Thread(target=poll, args=(url,)) for _ in range(4)]
+        for thread in polls:
+            thread.start()
+        time.sleep(2)  # each is waiting by now
+        stopped = time.monotonic()
+        web.send_signal(signal.SIGTERM)
+        web.wait(20)
+        took = time.monotonic() - stopped
+        for thread in polls:
+            thread.join(5)
+    assert took < 10, took  # before: ~28 s, the polls' waits
+    assert [(status, body) for status, body, _ in answers] == [(200, {"leases": []})] * 4
+    assert all(waited < 10 for _, _, waited in answers), answers
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_request_behind_a_held_lock_is_answered_503_and_does_not_hold_the_stop(
+    tmp_path, team_a, token_a
+):
+    """A PATCH waiting on a job row another session holds (a psql transaction left open)
+    waited as long as that session lived, and held the web process's stop as long."""
+    import threading
+
+    import psycopg
+
+    from tests.conftest import child_database_url, make_definition
+
+    make_definition(team_a, "held.job", queue="held", timeout_seconds=900)
+    headers = {"Authorization": f"Bearer {token_a}"}
+    answers: list[httpx.Response] = []
+
+    def patch(url: str) -> None:
+        change = {"timeoutSeconds": 77}
+        answers.append(httpx.patch(f"{url}/api/v1/jobs/held.job", json=change, headers=headers))
+
+    with (
+        web_process(
+            DATABASE_URL=child_database_url(), SCHEDULER_DATA_DIR=str(tmp_path),
+            SCHEDULER_DB_LOCK_TIMEOUT="2",
+        ) as (web, url),
+        psycopg.connect(child_database_url()) as holder,
+    ):  # fmt: skip
+        holder.execute("SELECT 1 FROM jobs_jobdefinition WHERE name = 'held.job' FOR UPDATE")
+        first = threading.Thread(target=patch, args=(url,))
+        first.start()
+        first.join(15)
+        (refused,) = answers
+        second = threading.Thread(target=patch, args=(url,))
+        second.start()
+        time.sleep(0.5)  # waiting on the lock
+        stopped = time.monotonic()
+        web.send_signal(signal.SIGTERM)
+        web.wait(30)
+        took = time.monotonic() - stopped
+        second.join(5)
+        holder.rollback()
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["Retry-After"] == "1"
+    assert refused.json()["detail"] == (
+        "Another session held a lock this request needs for over 2 s "
+        "(SCHEDULER_DB_LOCK_TIMEOUT); nothing was changed; try again."
+    )
+    assert took < 10, took  # before: as long as the lock was held
+    assert answers[1].status_code == 503
+    with psycopg.connect(child_database_url()) as check:
+        (timeout,) = check.execute(
+            "SELECT timeout_seconds FROM jobs_jobdefinition WHERE name = 'held.job'"
+        ).fetchone()
+    assert timeout == 900

@@ -7,10 +7,11 @@ from datetime import UTC, date, datetime, time, timedelta
 
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
-from django.db import IntegrityError
+from django.db import IntegrityError, InterfaceError, OperationalError
 from django.http import Http404, HttpResponse
 from django.shortcuts import redirect
 from django.urls import reverse
+from django.utils.text import capfirst
 from django.views.decorators.http import require_POST
 
 from apps.api.shapes.jobs import parse_definition
@@ -42,6 +43,7 @@ from apps.runs.clock import database_now
 from apps.runs.models import Trigger
 from apps.teams import access
 from apps.teams.models import Role
+from scheduler_site.database import failure_words
 
 PREVIEW_COUNT = 10
 # The backfill preview lists the first few cron times of the range.
@@ -252,6 +254,10 @@ def job_new(request: HtmxHttpRequest) -> HttpResponse:
         # typed, rather than the page of a job that cannot be shown.
         form.add_error(None, f"Not saved: {exc}. Try again once it is back.")
         return _form_page(request, form)
+    except (OperationalError, InterfaceError) as exc:
+        # A lock held past SCHEDULER_DB_LOCK_TIMEOUT, a dropped connection: rolled back.
+        form.add_error(None, f"{capfirst(failure_words(exc))}. Try again.")
+        return _form_page(request, form)
     return done(
         request, reverse("dashboard:job", args=[definition.name]), f"Created {definition.name}."
     )
@@ -271,6 +277,9 @@ def job_edit(request: HtmxHttpRequest, name: str) -> HttpResponse:
         services.update_definition(definition, form.spec, actor(request))
     except shards.Unavailable as exc:
         form.add_error(None, f"Not saved: {exc}. Try again once it is back.")
+        return _form_page(request, form, definition)
+    except (OperationalError, InterfaceError) as exc:
+        form.add_error(None, f"{capfirst(failure_words(exc))}. Try again.")
         return _form_page(request, form, definition)
     return done(request, reverse("dashboard:job", args=[name]), f"Saved {name}.")
 

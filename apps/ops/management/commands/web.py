@@ -10,17 +10,27 @@ its headers, 40 ms on every request.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
+import signal
 import socket
+import threading
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import uvicorn
 from django.conf import settings
 from django.core.management.base import BaseCommand
 from uvicorn.supervisors import Multiprocess
 
-APPLICATION = "scheduler_site.asgi:application"
+# uvicorn calls this factory in each worker process (below).
+APPLICATION = "apps.ops.management.commands.web:application"
+# A stop cancels what is still running this long after SIGTERM. What could hold it longer is
+# bounded apart: long polls answer at the stop, statements wait at most SCHEDULER_DB_LOCK_TIMEOUT
+# for a lock and run at most SCHEDULER_DB_STATEMENT_TIMEOUT.
+GRACEFUL_STOP_SECONDS = 30
 
 
 def _bounded(low: int, high: int):
@@ -47,6 +57,30 @@ def listening_socket(config: uvicorn.Config) -> socket.socket:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
+
+
+def application() -> Any:
+    """The site's ASGI application, with a stop that ends the long polls.
+
+    uvicorn calls this in each worker process once its own SIGTERM and SIGINT handlers are set
+    (it loads the application inside them), and stops only once every request has been
+    answered: a stop (a deploy) waited out every worker's long poll, up to its `waitSeconds`.
+    Each handler now first tells the long polls to answer what they have."""
+    from scheduler_site.asgi import application as site
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        stop = signal.getsignal(sig)
+        if callable(stop):
+            signal.signal(sig, functools.partial(_stopping, stop))
+    return site
+
+
+def _stopping(stop: Any, signum: int, frame: FrameType | None) -> None:
+    from apps.runs.waiting import listener
+
+    # From a thread: this handler may have interrupted one holding the listener's lock.
+    threading.Thread(target=listener.close_waits, name="close-long-polls", daemon=True).start()
+    stop(signum, frame)
 
 
 class Command(BaseCommand):
@@ -78,6 +112,8 @@ class Command(BaseCommand):
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
         config = uvicorn.Config(
             APPLICATION,
+            factory=True,
+            timeout_graceful_shutdown=GRACEFUL_STOP_SECONDS,
             host=host,
             port=port,
             workers=max(1, workers),
