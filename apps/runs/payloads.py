@@ -55,9 +55,9 @@ def _size(value: Any) -> int:
 
 # A writer's hold on its blobs, until the caller's transaction on the control database ends
 # (enqueue and definition changes write inside one: apps.runs.shards.writing). One statement,
-# in key order, per insert: a batch spread over two shard databases holds its blobs in two, so
-# two such batches naming the same two blobs the other way round can deadlock; PostgreSQL
-# then fails one (a 503, retried by the SDK), nothing half-written.
+# in key order: a batch spread over several shard databases holds all its blobs first
+# (`hold_all`), since one hold per database's insert let two batches naming the same two blobs
+# the other way round deadlock.
 HOLD = """
 INSERT INTO runs_payloadblob (key, placed_at)
 SELECT k, now() FROM unnest(%(keys)s::text[]) AS k ORDER BY k
@@ -88,23 +88,41 @@ def place_all(values: Iterable[Any]) -> list[tuple[Any, str]]:
     placed: list[tuple[Any, str]] = []
     blobs: dict[str, bytes] = {}
     for value in values:
-        if value is None:
-            placed.append((None, ""))
-        elif _size(value) <= INLINE_LIMIT:
-            placed.append((value, ""))
-        else:
-            data = encode(value)
-            key = PREFIX + hashlib.sha256(data).hexdigest() + ".json"
+        inline, key, data = _split(value)
+        placed.append((inline, key))
+        if key:
             blobs[key] = data
-            placed.append((None, key))
     if blobs:
-        with connections[shards.CONTROL].cursor() as cursor:
-            cursor.execute(HOLD, {"keys": sorted(blobs)})
+        _hold(blobs)
         storage = _storage()
         for key, data in blobs.items():
             if not storage.exists(key):
                 storage.save(key, ContentFile(data))
     return placed
+
+
+def hold_all(values: Iterable[Any]) -> None:
+    """Hold the blobs of the large ones of `values` in one statement, in key order, inside the
+    caller's transaction on the control database: a batch that then places them database by
+    database takes no hold in an order of its own."""
+    blobs = {key: data for _, key, data in map(_split, values) if key}
+    if blobs:
+        _hold(blobs)
+
+
+def _split(value: Any) -> tuple[Any, str, bytes]:
+    """(inline value, "", b"") for a small payload or none; (None, key, document) for a large."""
+    if value is None:
+        return None, "", b""
+    if _size(value) <= INLINE_LIMIT:
+        return value, "", b""
+    data = encode(value)
+    return None, PREFIX + hashlib.sha256(data).hexdigest() + ".json", data
+
+
+def _hold(blobs: dict[str, bytes]) -> None:
+    with connections[shards.CONTROL].cursor() as cursor:
+        cursor.execute(HOLD, {"keys": sorted(blobs)})
 
 
 class Unavailable(Exception):

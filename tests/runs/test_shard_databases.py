@@ -10,7 +10,7 @@ from functools import partial
 
 import httpx
 import pytest
-from django.db import connections
+from django.db import connections, transaction
 
 from apps.audit.record import Actor
 from apps.jobs import services
@@ -557,3 +557,65 @@ def test_readyz_is_503_naming_a_shard_database_left_unmigrated(layout, live_serv
         assert f"shards {held} has migrations pending" in answer.json()["detail"]
     assert metrics.status_code == 200
     assert ready().json()["status"] == "ok"
+
+
+def test_two_batches_naming_the_same_large_payloads_over_two_databases_do_not_deadlock(
+    layout: Layout, team_a, settings, tmp_path
+):
+    """Each database's insert held its own runs' blobs: batch A held X (first database) and
+    then waited for Y, which batch B (Y on the first database, X on the second) held, while B
+    waited for X. PostgreSQL failed one of them (a deadlock, answered 503)."""
+    from django.core.files.storage import storages
+
+    from apps.jobs.enqueue import Wanted, enqueue_many
+
+    storages._storages.pop("payloads", None)
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "payloads": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(tmp_path)},
+        },
+    }
+    first, second = layout.aliases
+    here, there = layout.job_on(first, team_a, "here"), layout.job_on(second, team_a, "there")
+    x, y = {"x": "x" * 5000}, {"y": "y" * 5000}  # each kept in storage
+    batches = [
+        [Wanted(here.name, "a1", payload=x), Wanted(there.name, "a2", payload=y)],
+        [Wanted(here.name, "b1", payload=y), Wanted(there.name, "b2", payload=x)],
+    ]
+    actor = Actor.system("test")
+    # Both batches wait on the first database's insert (its definition's row held: the insert's
+    # foreign-key check), each having held the blob of its run there.
+    with connections[first].cursor() as holder, transaction.atomic(using=first):
+        holder.execute("SELECT 1 FROM jobs_jobdefinition WHERE id = %s FOR UPDATE", [here.pk])
+        answers: list = []
+        threads = [
+            threading.Thread(
+                target=lambda batch=batch: answers.append(
+                    _enqueue_closing(enqueue_many, [team_a.pk], batch, actor)
+                )
+            )
+            for batch in batches
+        ]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.5)
+    for thread in threads:
+        thread.join(30)
+    assert len(answers) == 2
+    for answer in answers:
+        assert not isinstance(answer, Exception), answer
+        assert [item.status for item in answer.answers] == [201, 201]
+    for alias, definition in ((first, here), (second, there)):
+        assert Run.objects.using(alias).filter(definition_id=definition.pk).count() == 2
+    storages._storages.pop("payloads", None)
+
+
+def _enqueue_closing(enqueue, *args):
+    try:
+        return enqueue(*args)
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        return exc
+    finally:
+        connections.close_all()
