@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
@@ -73,12 +74,29 @@ def config_from_url(
     }
 
 
+# lock_not_available, query_canceled: the bounds the web process sets on its statements.
+TIMED_OUT = frozenset({"55P03", "57014"})
+
+
+def log_failure(exc: BaseException, logger: logging.Logger) -> None:
+    """Log a database error that ended a request: a statement past the web process's bounds as
+    a warning (the README's documented answer, no fault here), anything else with its trace."""
+    if _sqlstate(exc) in TIMED_OUT:
+        logger.warning("database wait answered 503: %s", failure_words(exc))
+    else:
+        logger.error("database failure answered 503", exc_info=exc)
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    return getattr(exc.__cause__, "sqlstate", None) or getattr(exc, "sqlstate", None)
+
+
 def failure_words(exc: BaseException) -> str:
     """What a database error that ended a request (its transaction rolled back) means to
     whoever sent it: the API's problem detail and the dashboard's page say it."""
     from django.conf import settings
 
-    state = getattr(exc.__cause__, "sqlstate", None) or getattr(exc, "sqlstate", None)
+    state = _sqlstate(exc)
     if state == "55P03":  # lock_not_available
         return (
             "another session held a lock this request needs for over "

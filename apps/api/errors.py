@@ -15,7 +15,7 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
 from apps.runs import payloads, shards
-from scheduler_site.database import failure_words
+from scheduler_site.database import failure_words, log_failure
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
         logger.error("payload storage failure answered 503", exc_info=exc)
         exc = PayloadUnavailable(f"{exc}; try again.")
     elif isinstance(exc, OperationalError | InterfaceError):
-        logger.error("database failure answered 503", exc_info=exc)
+        log_failure(exc, logger)
         exc = DatabaseFailed(f"{capfirst(failure_words(exc))}; try again.")
     elif isinstance(exc, exceptions.UnsupportedMediaType):
         # DRF's own words for a body without a Content-Type were: Unsupported media type "".

@@ -14,7 +14,7 @@ from django.shortcuts import render
 from django_htmx.http import HttpResponseClientRedirect
 
 from apps.runs import shards
-from scheduler_site.database import failure_words
+from scheduler_site.database import failure_words, log_failure
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class UnavailableShardsMiddleware:
         if isinstance(exception, OperationalError | InterfaceError):
             # A lock wait or a statement past its timeout, a dropped connection: the request's
             # transaction was rolled back, and the page says so rather than "server error".
-            logger.error("database failure answered 503", exc_info=exception)
+            log_failure(exception, logger)
             words = failure_words(exception)
             return render(request, "database_failed.html", {"words": words}, status=503)
         return None

@@ -306,7 +306,7 @@ def test_a_payload_the_api_refuses_is_a_form_error_too(editor_a, payload, reason
 
 
 def test_a_job_saved_while_another_session_holds_its_row_keeps_the_form_and_says_why(
-    editor_a, settings
+    editor_a, settings, caplog
 ):
     """The web process's statements wait at most SCHEDULER_DB_LOCK_TIMEOUT for a lock: the
     save is rolled back and the form stays, saying so (it waited as long as the lock lived)."""
@@ -338,3 +338,7 @@ def test_a_job_saved_while_another_session_holds_its_row_keeps_the_form_and_says
     assert "Another session held a lock this request needs" in page.content.decode()
     job = JobDefinition.objects.get(name=FORM["name"])
     assert (job.timeout_seconds, job.paused) == (900, False)
+    # The documented answer to a bound this process sets: a warning, not an error's trace.
+    waits = [r for r in caplog.records if r.getMessage().startswith("database wait answered")]
+    assert [r.levelname for r in waits] == ["WARNING", "WARNING"]
+    assert not [r for r in caplog.records if r.exc_info]

@@ -3,6 +3,7 @@ resume, trigger now, dry-run, delete. Every change goes through apps.jobs.servic
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, date, datetime, time, timedelta
 
 from django.contrib import messages
@@ -43,7 +44,9 @@ from apps.runs.clock import database_now
 from apps.runs.models import Trigger
 from apps.teams import access
 from apps.teams.models import Role
-from scheduler_site.database import failure_words
+from scheduler_site.database import failure_words, log_failure
+
+logger = logging.getLogger(__name__)
 
 PREVIEW_COUNT = 10
 # The backfill preview lists the first few cron times of the range.
@@ -255,8 +258,7 @@ def job_new(request: HtmxHttpRequest) -> HttpResponse:
         form.add_error(None, f"Not saved: {exc}. Try again once it is back.")
         return _form_page(request, form)
     except (OperationalError, InterfaceError) as exc:
-        # A lock held past SCHEDULER_DB_LOCK_TIMEOUT, a dropped connection: rolled back.
-        form.add_error(None, f"{capfirst(failure_words(exc))}. Try again.")
+        _not_saved(form, exc)
         return _form_page(request, form)
     return done(
         request, reverse("dashboard:job", args=[definition.name]), f"Created {definition.name}."
@@ -279,9 +281,16 @@ def job_edit(request: HtmxHttpRequest, name: str) -> HttpResponse:
         form.add_error(None, f"Not saved: {exc}. Try again once it is back.")
         return _form_page(request, form, definition)
     except (OperationalError, InterfaceError) as exc:
-        form.add_error(None, f"{capfirst(failure_words(exc))}. Try again.")
+        _not_saved(form, exc)
         return _form_page(request, form, definition)
     return done(request, reverse("dashboard:job", args=[name]), f"Saved {name}.")
+
+
+def _not_saved(form: DefinitionForm, exc: Exception) -> None:
+    """A lock held past SCHEDULER_DB_LOCK_TIMEOUT, a dropped connection: the save was rolled
+    back, and the form stays, with what was typed and why."""
+    log_failure(exc, logger)
+    form.add_error(None, f"{capfirst(failure_words(exc))}. Try again.")
 
 
 @signed_in
