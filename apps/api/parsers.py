@@ -97,7 +97,7 @@ def read_huge_numbers(raw: bytes) -> Any:
         raise ValueError(f"{name} is not JSON")
 
     try:
-        return json.loads(raw, parse_constant=constant)
+        return json.loads(raw, parse_constant=constant, parse_int=limits.read_integer)
     except RecursionError:
         raise ParseError("The body is nested too deeply to be read.") from None
     except ValueError as exc:
@@ -144,7 +144,3 @@ def refuse(data: Any, problems: list[tuple[list[str | int], str]], items: str | 
         within[index] = RefusedItem(
             {where: sorted(set(reasons)) for where, reasons in errors.items()}
         )
-
-
-def payload_size(value) -> int:
-    return len(json.dumps(value, separators=(",", ":")).encode())

@@ -75,6 +75,8 @@ def read_iso(raw: object, *, plus_as_space: bool = False) -> datetime | None:
         return None
     if not (raw.isascii() and raw.isprintable()):
         return None
+    if raw.endswith("z"):  # RFC 3339 allows "t" and "z" in lower case; the parser only "t"
+        raw = raw[:-1] + "Z"
     try:
         value = parse_datetime(raw.replace(" ", "+") if plus_as_space else raw)
     except ValueError:  # well formed but not a time, e.g. 12:99

@@ -172,6 +172,17 @@ _DIGIT_BYTES = bytes(0x31 if 0x30 <= byte <= 0x39 else 0x30 for byte in range(25
 _NINETEEN_DIGITS = b"1" * 19
 
 
+class LongInteger(str):
+    """An integer literal too long to be one of 64 bits, kept as its text: Python refuses to
+    convert one of more than 4 300 digits, and the whole batch was refused with its words."""
+
+
+def read_integer(literal: str) -> int | LongInteger:
+    """`json.loads`'s `parse_int`: a JSON integer has no leading zeros, so one of more than 21
+    characters is past 64 bits, whatever it is."""
+    return int(literal) if len(literal) <= 21 else LongInteger(literal)
+
+
 def inexact_integers(text: str | bytes) -> list[tuple[list[str | int], str]]:
     """Where a valid JSON text holds an integer past 64 bits (nothing here carries one exactly
     everywhere it goes: JSON answers, jsonb, the workers' languages), each with why it is
@@ -181,7 +192,7 @@ def inexact_integers(text: str | bytes) -> list[tuple[list[str | int], str]]:
     if raw.translate(_DIGIT_BYTES).find(_NINETEEN_DIGITS) < 0:
         return []
     try:
-        exact = json.loads(raw)
+        exact = json.loads(raw, parse_int=read_integer)
     except RecursionError:
         # Nested some thousand levels deep (orjson reads up to 1 024): far past the depth
         # limit, which refuses it. A 500 before.
@@ -189,7 +200,7 @@ def inexact_integers(text: str | bytes) -> list[tuple[list[str | int], str]]:
     return [
         (keys, inexact_reason(value))
         for keys, value in walk(exact)
-        if type(value) is int and value not in EXACT_INTEGERS
+        if (type(value) is int and value not in EXACT_INTEGERS) or type(value) is LongInteger
     ]
 
 

@@ -50,11 +50,17 @@ def test_each_item_is_answered_in_order_and_nothing_half_written(api_a, jobs):
         {"job": "other.secret"},  # another team's
         {"job": "billing.remind", "priority": "critical", "unknown": 1},  # unknown field
         {"job": "billing.remind", "priority": "critical"},
+        5,  # not an object
+        {"job": "billing.remind", "runAt": "2099-01-01t00:00:00z"},  # RFC 3339's lower case
     ]  # fmt: skip
     answer = api_a.post("/api/v1/runs", {"runs": items})
     assert answer.status_code == 200, answer.text
     runs = answer.json()["runs"]
-    assert [item["status"] for item in runs] == [201, 200, 409, 400, 400, 404, 404, 400, 201]
+    assert [item["status"] for item in runs] == [
+        201, 200, 409, 400, 400, 404, 404, 400, 201, 400, 201
+    ]  # fmt: skip
+    assert runs[9]["errors"] == {"body": ["Expected a JSON object."]}
+    assert runs[10]["run"]["dueAt"] == "2099-01-01T00:00:00Z"
     assert (
         runs[0]["run"]["job"] == "billing.send-invoice" and runs[0]["run"]["state"] == "scheduled"
     )
@@ -65,7 +71,7 @@ def test_each_item_is_answered_in_order_and_nothing_half_written(api_a, jobs):
     assert runs[8]["run"]["priority"] == "critical"
     for refused in (runs[3], runs[5]):
         assert {"type", "title", "status", "detail"} <= set(refused)
-    assert len(stored(Run)) == 3
+    assert len(stored(Run)) == 4
     assert not stored(Run, definition__name="other.secret")
 
 

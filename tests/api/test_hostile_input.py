@@ -166,6 +166,50 @@ def test_a_float_past_a_doubles_range_is_refused_in_its_item_alone(api_a, team_a
     assert Run.objects.count() == 1
 
 
+@pytest.mark.parametrize("digits", [4301, 20000])
+def test_an_integer_past_pythons_conversion_limit_is_refused_in_its_item_alone(
+    api_a, team_a, digits
+):
+    """Past 4 300 digits Python refuses to convert an integer: the whole batch was refused
+    with its words ("use sys.set_int_max_str_digits() to increase the limit")."""
+    make_definition(team_a, "mixed.job", queue="mixed")
+    number = "9" * digits
+    body = b'{"runs": [{"job": "mixed.job"}, {"job": "mixed.job", "payload": {"x": %s}}]}'
+    answer = api_a.http.post(
+        "/api/v1/runs", content=body % number.encode(), headers={"Content-Type": "application/json"}
+    )
+    assert answer.status_code == 200, answer.text
+    first, second = answer.json()["runs"]
+    assert (first["status"], second["status"]) == (201, 400)
+    assert second["errors"]["payload"] == [
+        f"The integer {'9' * 30}… is outside 64 bits and would lose digits: send it as a string."
+    ]
+    assert Run.objects.count() == 1
+    # Outside an item, the body is refused naming where, in the same words.
+    whole = api_a.http.post(
+        "/api/v1/jobs/mixed.job/runs",
+        content=b'{"payload": {"x": -%s}}' % number.encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    assert "outside 64 bits" in assert_problem(whole, 400)["errors"]["payload"][0]
+
+
+def test_a_payload_under_the_cap_in_a_body_over_it_is_counted_as_utf8(api_a, team_a, settings):
+    """A body past the payload cap has each payload measured: counted as ASCII JSON (an "é"
+    six bytes, \\u00e9), three payloads of a third of the cap each were refused as 413."""
+    settings.SCHEDULER_PAYLOAD_MAX_BYTES = 30_000
+    make_definition(team_a, "accents.job", queue="accents")
+    accents = {"s": "é" * 6_000}  # 12 008 bytes as UTF-8 JSON, 36 008 as ASCII
+    bulk = {"runs": [{"job": "accents.job", "payload": accents} for _ in range(3)]}
+    answer = api_a.post("/api/v1/runs", bulk)
+    assert answer.status_code == 200, answer.text
+    assert [item["status"] for item in answer.json()["runs"]] == [201, 201, 201]
+    over = {"runs": [{"job": "accents.job", "payload": {"s": "é" * 15_000}}] * 2}
+    (refused, _) = api_a.post("/api/v1/runs", over).json()["runs"]
+    assert refused["status"] == 413
+    assert refused["detail"] == "The payload is 30008 bytes; the limit is 30000."
+
+
 @pytest.mark.parametrize("offset", ["+16:00", "-23:59", "+15:59"])
 def test_a_run_time_offset_postgresql_does_not_take_is_read_in_utc(api_a, team_a, offset):
     """Python reads offsets up to ±23:59, PostgreSQL only to ±15:59: such a runAt was a 500."""

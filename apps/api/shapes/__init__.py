@@ -27,8 +27,8 @@ from pydantic_core import PydanticCustomError
 from rest_framework.exceptions import ValidationError
 
 from apps.api.errors import PayloadTooLarge
-from apps.api.parsers import RefusedItem, payload_size
-from apps.runs import limits
+from apps.api.parsers import RefusedItem
+from apps.runs import limits, payloads
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 # An instant as the API writes it (apps.runs.clock.format_utc): ISO 8601 in UTC with a Z, to
@@ -137,6 +137,8 @@ def message(error: dict) -> str:
         return "Unknown field."
     if error["type"] == "missing":
         return "This field is required."
+    if error["type"] == "model_type":  # pydantic names the model class: "…instance of Retry"
+        return "Expected a JSON object."
     return error["msg"]
 
 
@@ -164,7 +166,9 @@ def json_value(value: Any, info) -> Any:
     body_size = (info.context or {}).get("body_size", 0)
     cap = settings.SCHEDULER_PAYLOAD_MAX_BYTES
     if body_size > cap:
-        size = payload_size(value)
+        # Counted as UTF-8: counted as ASCII JSON ("é" six bytes), a payload of a third of the
+        # cap was refused once the body passed it.
+        size = payloads.size(value)
         if size > cap:
             raise PayloadTooLarge(f"The {info.field_name} is {size} bytes; the limit is {cap}.")
     reason = limits.json_depth_problem(value)
