@@ -257,3 +257,16 @@ def test_many_small_enqueues_are_not_held_to_the_management_rate(api_a, jobs):
     # enqueue budget (runs per second), so none is refused.
     codes = [api_a.post("/api/v1/jobs/billing.remind/runs", {}).status_code for _ in range(40)]
     assert codes == [201] * 40
+
+
+def test_a_run_enqueued_for_a_paused_job_is_created_and_held_until_the_resume(api_a, jobs):
+    assert api_a.post("/api/v1/jobs/billing.remind/pause").status_code == 200
+    answer = api_a.post("/api/v1/runs", {"runs": [{"job": "billing.remind"}]})
+    (item,) = answer.json()["runs"]
+    assert (item["status"], item["run"]["state"]) == (201, "ready")
+    assert api_a.lease(["billing"], 10) == []
+    why = api_a.get(f"/api/v1/runs/{item['run']['runId']}/why").json()
+    assert "paused" in str(why).lower()
+    assert api_a.post("/api/v1/jobs/billing.remind/resume").status_code == 200
+    (lease,) = api_a.lease(["billing"], 10)
+    assert lease["runId"] == item["run"]["runId"]
