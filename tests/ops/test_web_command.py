@@ -185,7 +185,7 @@ def test_a_stop_answers_the_long_polls_at_once(tmp_path, team_a, worker_token_a)
         polls = [threading.Thread(target=poll, args=(url,)) for _ in range(4)]
         for thread in polls:
             thread.start()
-        time.sleep(2)  # each is waiting by now
+        time.sleep(1)  # each is waiting by now
         stopped = time.monotonic()
         web.send_signal(signal.SIGTERM)
         web.wait(20)
@@ -221,7 +221,7 @@ def test_a_request_behind_a_held_lock_is_answered_503_and_does_not_hold_the_stop
     with (
         web_process(
             DATABASE_URL=child_database_url(), SCHEDULER_DATA_DIR=str(tmp_path),
-            SCHEDULER_DB_LOCK_TIMEOUT="2",
+            SCHEDULER_DB_LOCK_TIMEOUT="1",
         ) as (web, url),
         psycopg.connect(child_database_url()) as holder,
     ):  # fmt: skip
@@ -242,7 +242,7 @@ def test_a_request_behind_a_held_lock_is_answered_503_and_does_not_hold_the_stop
     assert refused.status_code == 503, refused.text
     assert refused.headers["Retry-After"] == "1"
     assert refused.json()["detail"] == (
-        "Another session held a lock this request needs for over 2 s "
+        "Another session held a lock this request needs for over 1 s "
         "(SCHEDULER_DB_LOCK_TIMEOUT); nothing was changed; try again."
     )
     assert took < 10, took  # before: as long as the lock was held
