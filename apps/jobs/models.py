@@ -103,6 +103,13 @@ class JobDefinition(models.Model):
                 condition=models.Q(paused=False, next_due_at__isnull=False),
             ),
             models.Index(fields=["team", "name"], name="job_team_name"),
+            # The long poll's alarm for a rate window a claim found full (store._NEXT_RATE_SLOT):
+            # the few rate-limited definitions only.
+            models.Index(
+                fields=["queue", "rate_blocked_until"],
+                name="job_rate_blocked",
+                condition=models.Q(rate_limit_count__isnull=False),
+            ),
         ]
 
     def __str__(self) -> str:

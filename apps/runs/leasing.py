@@ -188,7 +188,7 @@ def claim_or_wait(
         left = deadline - time.monotonic()
         if leases or left <= 0 or listener.closing.is_set():
             return answer
-        alarm = min(left, _until_next_available(request, lanes))
+        alarm = min(left, _until_next_available(request, lanes, held.reopens_in))
         _release_pooled_connections()
         listener.wait(seen, alarm)
 
@@ -201,6 +201,8 @@ class _Held(dict[str, ExitStack]):
     database's holds the starts of rate-limited queues (it was opened first: it commits first)."""
 
     rated = False
+    # Seconds until the first full window of a rate-limited queue asked has room again.
+    reopens_in: float | None = None
 
 
 def _finish(held: _Held, error: BaseException | None) -> list[str]:
@@ -285,6 +287,8 @@ def _queue_rooms(request: LeaseRequest, held: _Held) -> dict[tuple[int, str], tu
         return {(queue.team_id, queue.name): (queue.id, 0) for queue in asked}
     held[shards.CONTROL] = stack
     held.rated = True
+    full = [frees_in for room, frees_in in found.values() if room <= 0 and frees_in is not None]
+    held.reopens_in = min(full, default=None)
     return {(queue.team_id, queue.name): (queue.id, found[queue.id][0]) for queue in asked}
 
 
@@ -343,9 +347,12 @@ def _claim_on(
             logger.warning("shard database %s unavailable for a claim", alias, exc_info=True)
 
 
-def _until_next_available(request: LeaseRequest, lanes: store.Lanes | None) -> float:
-    """Seconds until the earliest waiting run of these queues becomes claimable by the clock."""
-    found = []
+def _until_next_available(
+    request: LeaseRequest, lanes: store.Lanes | None, reopens_in: float | None = None
+) -> float:
+    """Seconds until the earliest waiting run of these queues becomes claimable by the clock,
+    or a full rate window (a definition's, or a queue's: `reopens_in`) has room again."""
+    found = [reopens_in]
     for alias in shards.databases():
         try:
             with shards.using(alias):

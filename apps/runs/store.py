@@ -562,8 +562,9 @@ SELECT id, team_id, name, rate_limit_count, rate_limit_period_seconds FROM jobs_
 WHERE rate_limit_count IS NOT NULL
 """
 LOCK_QUEUES = "SELECT id FROM jobs_queue WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE"
-# The starts within each window of these (definitions or queues), and when the oldest leaves it;
-# the starts past the window are deleted first.
+# The starts within each window of these (definitions or queues), and when the oldest leaves it
+# (an instant, and seconds from now() on this server's clock); the starts past the window are
+# deleted first.
 _COUNT_WINDOW = """
 WITH window_of AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(periods)s::int[]) AS w({key}, period)
@@ -571,7 +572,8 @@ WITH window_of AS (
     DELETE FROM {starts} s USING window_of w
     WHERE s.{key} = w.{key} AND s.started_at <= now() - make_interval(secs => w.period)
 )
-SELECT w.{key}, count(s.id), min(s.started_at) + make_interval(secs => w.period)
+SELECT w.{key}, count(s.id), min(s.started_at) + make_interval(secs => w.period),
+       extract(epoch FROM min(s.started_at) + make_interval(secs => w.period) - now())::float8
 FROM window_of w
 LEFT JOIN {starts} s ON s.{key} = w.{key}
  AND s.started_at > now() - make_interval(secs => w.period)
@@ -601,10 +603,11 @@ def limited_queues() -> list[LimitedQueue]:
         return [LimitedQueue(*row) for row in cursor.fetchall()]
 
 
-def queue_rooms(queues: Sequence[LimitedQueue]) -> dict[int, tuple[int, datetime | None]]:
+def queue_rooms(queues: Sequence[LimitedQueue]) -> dict[int, tuple[int, float | None]]:
     """Lock these queues' rows and answer, by queue id, the leases each may still start in its
-    window and when its oldest start leaves it. In the caller's control-database transaction,
-    which must record the starts (`record_queue_starts`) and commit before the claims do."""
+    window and in how many seconds its oldest start leaves it. In the caller's control-database
+    transaction, which must record the starts (`record_queue_starts`) and commit before the
+    claims do."""
     ids = sorted(queue.id for queue in queues)
     periods = {queue.id: queue.period_seconds for queue in queues}
     with placement.using(placement.CONTROL), server_cursor() as cursor:
@@ -613,7 +616,7 @@ def queue_rooms(queues: Sequence[LimitedQueue]) -> dict[int, tuple[int, datetime
             COUNT_QUEUE_WINDOW,
             {"ids": _bigints(ids), "periods": _bigints(periods[i] for i in ids)},
         )
-        started = {i: (n, frees_at) for i, n, frees_at in cursor.fetchall()}
+        started = {i: (n, frees_in) for i, n, _, frees_in in cursor.fetchall()}
     return {
         queue.id: (queue.count - started[queue.id][0], started[queue.id][1]) for queue in queues
     }
@@ -858,7 +861,7 @@ def _room_of_limited(cursor: CursorWrapper, candidates: list[dict[str, Any]]) ->
     if rated:
         periods = [limited[i]["rate_period"] for i in rated]
         cursor.execute(COUNT_RATE_WINDOW, {"ids": _bigints(rated), "periods": _bigints(periods)})
-        started = {i: (n, frees_at) for i, n, frees_at in cursor.fetchall()}
+        started = {i: (n, frees_at) for i, n, frees_at, _ in cursor.fetchall()}
         full = {}
         for i in rated:
             n, frees_at = started.get(i, (0, None))
@@ -1136,9 +1139,21 @@ def next_available_at(queues: Sequence[str], team_ids: Sequence[int] | None) -> 
         return cursor.fetchone()[0]
 
 
-SECONDS_UNTIL_AVAILABLE = f"SELECT extract(epoch FROM ({NEXT_AVAILABLE}) - now())::float8"
+# A definition whose rate window a claim found full is skipped until its oldest start leaves it
+# (`rate_blocked_until`, BLOCK_RATE): that moment wakes the waiter too. Left to the re-check, a
+# window of one second was looked at every two (half its rate). Served by job_rate_blocked.
+_NEXT_RATE_SLOT = """
+SELECT min(d.rate_blocked_until) FROM jobs_jobdefinition d
+WHERE d.rate_limit_count IS NOT NULL AND d.queue = ANY(%(queues)s::text[])
+  AND d.rate_blocked_until > now()
+  AND (%(team_ids)s::bigint[] IS NULL OR d.team_id = ANY(%(team_ids)s::bigint[]))
+"""
+SECONDS_UNTIL_AVAILABLE = (
+    f"SELECT extract(epoch FROM least(({NEXT_AVAILABLE}), ({_NEXT_RATE_SLOT})) - now())::float8"
+)
 SECONDS_UNTIL_AVAILABLE_GIVEN_TEAMS = (
-    f"SELECT extract(epoch FROM ({NEXT_AVAILABLE_GIVEN_TEAMS}) - now())::float8"
+    "SELECT extract(epoch FROM "
+    f"least(({NEXT_AVAILABLE_GIVEN_TEAMS}), ({_NEXT_RATE_SLOT})) - now())::float8"
 )
 
 
@@ -1146,7 +1161,8 @@ def seconds_until_available(
     queues: Sequence[str], team_ids: Sequence[int] | None, lanes: Lanes | None = None
 ) -> float | None:
     """Seconds from the current shard database's now() to its next available run of these
-    lanes, in one statement (on a database of its own, with the control database's `lanes`)."""
+    lanes, or to the next slot of a rate-limited definition's full window, in one statement (on
+    a database of its own, with the control database's `lanes`)."""
     with server_cursor() as cursor:
         if lanes is None:
             cursor.execute(SECONDS_UNTIL_AVAILABLE, _lanes(queues, team_ids))

@@ -57,3 +57,35 @@ def test_wait_wakes_for_a_run_whose_time_comes(api_a, team_a):
     leases = api_a.lease(["later"], 5, waitSeconds=5)
     assert len(leases) == 1
     assert time.monotonic() - started < 2.5
+
+
+@pytest.mark.parametrize("limited", ["job", "queue"])
+def test_a_long_poll_wakes_when_a_full_rate_window_has_room_again(
+    api_a, team_a, monkeypatch, limited
+):
+    """A backlog held by a spent rate window sends no NOTIFY when the window frees: the waiter
+    was woken by its re-check alone (every 2 s), so a window of a second ran at half its rate.
+    It now sets its alarm for the moment the window has room. The re-check is put out of reach
+    here, so only that alarm can answer the second call."""
+    from apps.jobs.models import Queue
+    from apps.runs import leasing
+    from tests.conftest import add_ready_runs
+
+    monkeypatch.setattr(leasing, "RECHECK_SECONDS", 60.0)
+    if limited == "job":
+        definition = make_definition(
+            team_a, "rated.job", queue="rated", rate_limit_count=2, rate_limit_period_seconds=1
+        )
+    else:
+        Queue.objects.create(
+            team=team_a, name="rated", rate_limit_count=2, rate_limit_period_seconds=1
+        )
+        leasing.control_state.forget()
+        definition = make_definition(team_a, "rated.job", queue="rated")
+    add_ready_runs(definition, 6)
+    assert len(api_a.lease(["rated"], 10)) == 2  # the window is full now
+    started = time.monotonic()
+    second = api_a.lease(["rated"], 10, waitSeconds=20)
+    waited = time.monotonic() - started
+    assert len(second) == 2, waited
+    assert waited < 10, waited  # before: the whole wait (20 s), then the claim
