@@ -6,10 +6,10 @@ in a folder of its own, so a fresh machine and CI need nothing more than `make t
 
 from __future__ import annotations
 
-import os
+import contextlib
 import shutil
-import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,12 +35,30 @@ class Server:
         return self.url
 
     def kill(self) -> None:
-        """SIGKILL the postmaster, as a crashed server would go, and wait for its backends to
-        notice and exit (the next start needs their shared memory)."""
-        pid = int((embedded_db.pg_dir(self.folder) / "postmaster.pid").read_text().split()[0])
-        backends = psutil.Process(pid).children()
-        os.kill(pid, signal.SIGKILL)
-        psutil.wait_procs([psutil.Process(pid), *backends], timeout=30)
+        """SIGKILL the server's processes, as a machine that died would take them, and wait
+        until they have exited (the next start needs their shared memory).
+
+        Exited, not reaped: adopted by the machine's first process, they stay zombies until it
+        reaps them, which took up to 30 s in the suite. A zombie's pid still answers, so the lock
+        files naming the postmaster go too: the next start would take it for a server running."""
+        folder = embedded_db.pg_dir(self.folder)
+        postmaster = psutil.Process(int((folder / "postmaster.pid").read_text().split()[0]))
+        processes = [postmaster, *postmaster.children()]
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        deadline = time.monotonic() + 30
+        while any(map(_running, processes)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for lock in [folder / "postmaster.pid", *folder.glob(".s.PGSQL.*.lock")]:
+            lock.unlink(missing_ok=True)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @contextmanager
