@@ -592,3 +592,20 @@ def asgi_server(django_db_setup, django_db_blocker) -> Iterator[LiveServer]:
         process.wait(10)
     except subprocess.TimeoutExpired:
         process.kill()
+
+
+@pytest.fixture
+def payload_folder(settings, tmp_path):
+    """Payloads kept in storage go to `tmp_path`."""
+    from django.core.files.storage import storages
+
+    storages._storages.pop("payloads", None)
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "payloads": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(tmp_path)},
+        },
+    }
+    yield tmp_path
+    storages._storages.pop("payloads", None)

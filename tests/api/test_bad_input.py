@@ -188,18 +188,7 @@ def test_never_firing_cron_is_400(api_a):
     )
 
 
-def test_large_payload_round_trips_through_storage(api_a, team_a, settings, tmp_path):
-    from django.core.files.storage import storages
-
-    storages._storages.pop("payloads", None)
-    settings.STORAGES = {
-        **settings.STORAGES,
-        "payloads": {
-            "BACKEND": "django.core.files.storage.FileSystemStorage",
-            "OPTIONS": {"location": str(tmp_path)},
-        },
-    }
-    storages._storages.pop("payloads", None)
+def test_large_payload_round_trips_through_storage(api_a, team_a, payload_folder):
     api_a.post("/api/v1/jobs", {"name": "big.job", "queue": "big"})
     payload = {"rows": ["x" * 100 for _ in range(1000)]}  # about 100 KB
     created = api_a.post("/api/v1/jobs/big.job/runs", {"payload": payload})
@@ -207,12 +196,11 @@ def test_large_payload_round_trips_through_storage(api_a, team_a, settings, tmp_
     assert created.json()["payload"] == payload
     run = Run.objects.get()
     assert run.payload is None and run.payload_key.startswith("payloads/")
-    assert (tmp_path / run.payload_key).exists()
+    assert (payload_folder / run.payload_key).exists()
     (lease,) = api_a.lease(["big"], 1)
     assert lease["payload"] == payload
     small = api_a.post("/api/v1/jobs/big.job/runs", {"payload": {"a": 1}}).json()
     assert Run.objects.get(pk__gt=run.pk).payload == {"a": 1} and small["payload"] == {"a": 1}
-    storages._storages.pop("payloads", None)
 
 
 @pytest.mark.parametrize(

@@ -118,23 +118,6 @@ def test_workers_keep_claiming_while_retention_runs(team_a):
     assert Run.objects.filter(definition=live, state="succeeded").count() == 600
 
 
-@pytest.fixture
-def payload_folder(settings, tmp_path):
-    """Payloads kept in storage go to `tmp_path`."""
-    from django.core.files.storage import storages
-
-    storages._storages.pop("payloads", None)
-    settings.STORAGES = {
-        **settings.STORAGES,
-        "payloads": {
-            "BACKEND": "django.core.files.storage.FileSystemStorage",
-            "OPTIONS": {"location": str(tmp_path)},
-        },
-    }
-    yield tmp_path
-    storages._storages.pop("payloads", None)
-
-
 def test_a_blob_a_new_run_is_about_to_use_is_not_deleted_as_unreferenced(team_a, payload_folder):
     """A run asked for with the payload of runs just deleted finds the blob stored and skips
     writing it; the deletion of unreferenced blobs, looking before the run commits, took it

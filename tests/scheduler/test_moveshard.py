@@ -376,23 +376,13 @@ def test_a_move_whose_source_is_down_fails_clearly_and_is_released_afterwards(
 
 
 def test_a_blob_of_a_shard_just_moved_is_kept_by_a_process_whose_map_is_behind(
-    layout: Layout, team_a, placement_reset, settings, tmp_path, monkeypatch
+    layout: Layout, team_a, placement_reset, settings, payload_folder, monkeypatch
 ):
     """The shard's runs were copied to a database this process's map (a second old) did not
     name, then deleted where it looked: the blob they share was deleted as unreferenced."""
-    from django.core.files.storage import storages
-
     from apps.runs import payloads
     from scheduler_site.shardmap import ShardMap
 
-    storages._storages.pop("payloads", None)
-    settings.STORAGES = {
-        **settings.STORAGES,
-        "payloads": {
-            "BACKEND": "django.core.files.storage.FileSystemStorage",
-            "OPTIONS": {"location": str(tmp_path)},
-        },
-    }
     source, _ = layout.aliases
     shard = shards.shards_on(source)[0]
     job = _job_of_shard(team_a, source, shard)
@@ -409,7 +399,6 @@ def test_a_blob_of_a_shard_just_moved_is_kept_by_a_process_whose_map_is_behind(
     monkeypatch.setattr(shards, "_checked_at", time.monotonic())
     try:
         assert payloads.delete_unreferenced([key]) == 0
-        assert (tmp_path / key).exists()
+        assert (payload_folder / key).exists()
     finally:
         monkeypatch.undo()
-        storages._storages.pop("payloads", None)
