@@ -331,25 +331,31 @@ class JobDetailView(ManageView):
         definition = self.definition(request, name)
         if not isinstance(request.data, dict):
             raise ValidationError({"body": ["Expected a JSON object."]})
-        merged = services.snapshot(definition)
-        # JSON merge patch: a null drops a field, which then takes its default (as in a PUT
-        # that leaves it out); `retry` merges field by field.
-        for key, value in request.data.items():
-            if value is None:
-                merged.pop(key, None)
-            elif key == "retry" and isinstance(value, dict):
-                amended = {**merged["retry"], **value}
-                merged["retry"] = {k: v for k, v in amended.items() if v is not None}
-            elif key == "schedule" and _amends_cron(merged["schedule"], value):
-                # A new cron expression keeps the job's time zone, jitter and policies; a null
-                # drops a field. Another kind of schedule replaces it whole.
-                amended = {**merged["schedule"], **value}
-                merged["schedule"] = {k: v for k, v in amended.items() if v is not None}
-            else:
-                merged[key] = value
-        spec = self.body(request, job_shape.Definition, _named(merged, name)).to_spec()
+        changes = request.data
+
+        def amended(current: dict[str, Any]) -> services.DefinitionSpec:
+            # Merged into the fields as they are under the row's lock (services), so a pause
+            # or another PATCH made meanwhile stays. JSON merge patch: a null drops a field,
+            # which then takes its default (as in a PUT that leaves it out); `retry` merges
+            # field by field.
+            merged = dict(current)
+            for key, value in changes.items():
+                if value is None:
+                    merged.pop(key, None)
+                elif key == "retry" and isinstance(value, dict):
+                    retry = {**merged["retry"], **value}
+                    merged["retry"] = {k: v for k, v in retry.items() if v is not None}
+                elif key == "schedule" and _amends_cron(merged["schedule"], value):
+                    # A new cron expression keeps the job's time zone, jitter and policies; a
+                    # null drops a field. Another kind of schedule replaces it whole.
+                    schedule = {**merged["schedule"], **value}
+                    merged["schedule"] = {k: v for k, v in schedule.items() if v is not None}
+                else:
+                    merged[key] = value
+            return self.body(request, job_shape.Definition, _named(merged, name)).to_spec()
+
         return Response(
-            definition_json(services.update_definition(definition, spec, self.actor(request)))
+            definition_json(services.update_definition(definition, amended, self.actor(request)))
         )
 
     @extend_schema(

@@ -5,6 +5,7 @@ The API and the dashboard both call these functions; none of this logic lives in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -180,14 +181,23 @@ def create_definition(team, spec: DefinitionSpec, actor: Actor) -> JobDefinition
 
 
 def update_definition(
-    definition: JobDefinition, spec: DefinitionSpec, actor: Actor
+    definition: JobDefinition,
+    spec: DefinitionSpec | Callable[[dict[str, Any]], DefinitionSpec],
+    actor: Actor,
 ) -> JobDefinition:
     """Replace a definition's fields; a changed schedule restarts from the next fire time,
-    and the runs made ahead of time by the old one that nobody has claimed are deleted."""
+    and the runs made ahead of time by the old one that nobody has claimed are deleted.
+
+    `spec` may be a function of the definition's fields (`snapshot`) as they are once its row
+    is locked: a change of some fields (a PATCH) is then made to what another client changed
+    meanwhile. Merged into fields read before the lock, it wrote the others back as they had
+    been read, undoing a pause made in between."""
     made_ahead: list[str] = []
     with shards.writing(database_to_write(definition.name)):
         locked = _locked(definition)
         before = snapshot(locked)
+        if callable(spec):
+            spec = spec(before)
         was_paused, was_limited = locked.paused, locked.limited
         spec = as_stored(spec, locked.schedule)
         schedule_changed = spec.schedule is not locked.schedule

@@ -589,3 +589,49 @@ def test_the_same_new_job_put_at_once_is_created_once_and_replaced_by_the_rest(a
         )
         assert sorted(statuses) == [200, 200, 200, 201], statuses
         assert JobDefinition.objects.filter(name=name).count() == 1
+
+
+@pytest.mark.parametrize(
+    ("meanwhile", "kept"),
+    [
+        ("paused = true", {"paused": True, "timeoutSeconds": 77}),
+        ("payload = '{\"v\": 2}'", {"payload": {"v": 2}, "timeoutSeconds": 77}),
+    ],
+    ids=["a-pause", "another-patch"],
+)
+def test_a_patch_waiting_on_the_job_keeps_what_another_client_changed_meanwhile(
+    api_a, meanwhile, kept
+):
+    """A PATCH merged its fields into the job as read before the row's lock, and wrote the
+    others back as read: a pause (or another PATCH's field) committed while it waited was
+    undone, though every call answered 200 and the pause was audited."""
+    import threading
+
+    from tests.conftest import other_session
+    from tests.waiting import wait_for
+
+    assert (
+        api_a.put("/api/v1/jobs/kept.job", {"queue": "q", "payload": {"v": 0}}).status_code == 201
+    )
+    pk = JobDefinition.objects.get(name="kept.job").pk
+    answers = []
+    call = threading.Thread(
+        target=lambda: answers.append(api_a.patch("/api/v1/jobs/kept.job", {"timeoutSeconds": 77}))
+    )
+    with other_session() as changing, other_session(autocommit=True) as watching:
+        changing.execute(f"UPDATE jobs_jobdefinition SET {meanwhile} WHERE id = %s", [pk])
+        holder = changing.info.backend_pid
+        call.start()
+        wait_for(
+            lambda: watching.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
+            ).fetchone(),
+            what="the PATCH to wait for the job's row",
+        )
+        changing.commit()
+    call.join(10)
+    (answer,) = answers
+    assert answer.status_code == 200, answer.text
+    for field, value in kept.items():
+        assert answer.json()[field] == value, field
+        assert api_a.get("/api/v1/jobs/kept.job").json()[field] == value, field
