@@ -554,3 +554,70 @@ def test_a_garbled_lease_answer_is_a_failure_that_may_pass_not_a_crash(
     with pytest.raises(BadAnswer) as raised:
         bridge.lease_once()
     assert raised.value.transient
+
+
+@e2e
+def test_a_tasks_result_is_held_through_a_web_restart_longer_than_the_transports_tries(
+    celery_installed, team_a, live_server, worker_token_a, serve, monkeypatch
+):
+    """The scheduler unreachable for longer than a report's tries (two here; ten, about 20 s,
+    by default) while the lease runs for 30: the task's outcome was dropped ("its lease will
+    expire and the scheduler retry it") and the finished work ran again. It is sent again,
+    the lease heartbeated meanwhile, and taken once the scheduler is back."""
+    import threading
+    from types import SimpleNamespace
+
+    from celery import Celery
+    from cronlease_client import transport
+    from cronlease_client.celery import tasks
+
+    from tests.client.scripted import Request, Response, json_response
+    from tests.client.test_worker import FORWARDED
+
+    monkeypatch.setattr(tasks, "REPORT_ATTEMPTS", 2, raising=False)
+    monkeypatch.setattr(transport, "backoff_delay", lambda failures, **cap: 0.2)
+    definition = make_definition(team_a, "demo.restart", queue="restart")
+    (pk,) = add_ready_runs(definition, 1)
+    down, finished = threading.Event(), threading.Event()
+
+    def web(request: Request) -> Response:
+        if down.is_set():
+            return json_response(503, {"status": 503, "detail": "restarting"})
+        answer = httpx.request(
+            request.method,
+            live_server.url + request.path,
+            content=request.content,
+            headers={k: v for k, v in request.headers.items() if k in FORWARDED},
+            timeout=30,
+        )
+        return Response(answer.status_code, answer.content, {"Content-Type": "application/json"})
+
+    proxy = serve(web)
+    (lease,) = httpx.post(
+        f"{live_server.url}/api/v1/leases",
+        json={"queues": ["restart"], "max": 1, "workerId": "w", "leaseSeconds": 30},
+        headers={"Authorization": f"Bearer {worker_token_a}"},
+    ).json()["leases"]
+
+    def work(ctx) -> dict:
+        down.set()  # the web process goes away while the task works
+        finished.set()
+        return {"done": ctx.attempt}
+
+    app = Celery("restart", broker="memory://")
+    app.conf.cronlease_url, app.conf.cronlease_token = proxy.url, worker_token_a
+    spec = tasks.TaskSpec("demo.restart", work, None, app)
+    task = SimpleNamespace(app=app, request=SimpleNamespace(hostname="w1@test"))
+    outcome: list[dict] = []
+    body = threading.Thread(
+        target=lambda: outcome.append(tasks.execute(task, spec, lease, {"leaseSeconds": 30}))
+    )
+    body.start()
+    assert finished.wait(20)
+    time.sleep(3)  # past the report's tries
+    assert Run.objects.get(pk=pk).state == "leased"
+    down.clear()
+    body.join(30)
+    assert outcome and outcome[0]["outcome"] == "succeeded", outcome
+    run = Run.objects.get(pk=pk)
+    assert (run.state, run.attempt, run.result) == ("succeeded", 1, {"done": 1})

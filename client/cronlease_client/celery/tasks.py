@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -37,6 +38,9 @@ logger = logging.getLogger("cronlease_client")
 # The event a task sends when it takes a run over from the bridge (or refuses it). Celery routes
 # events by type with "-" as ".", so a bridge subscribes to "cronlease.#" only, not to the task
 # events a monitored Celery cluster may be emitting by the thousand.
+# Tries of one report (about 20 s); one the scheduler could not be reached for is sent again
+# while the task still holds the lease (`_report`).
+REPORT_ATTEMPTS = 10
 HANDOFF_EVENT = "cronlease-handoff"
 HANDOFF_ROUTING_KEY = "cronlease.#"
 # A Celery worker also says which bridge messages it has received (a message may wait in the
@@ -360,6 +364,7 @@ class _LeaseKeeper(threading.Thread):
         self.lost = threading.Event()
         self.cancelled = threading.Event()
         self.done = threading.Event()
+        self.extended_at = time.monotonic()  # the last heartbeat the scheduler took
 
     def run(self) -> None:
         # Its own connection: the task's thread may be reporting at the same time. `done`
@@ -374,6 +379,7 @@ class _LeaseKeeper(threading.Thread):
                         {"fencingToken": self.fencing_token},
                         timeout=max(1.0, min(10.0, self.interval)),
                     )
+                    self.extended_at = time.monotonic()
                 except ApiError as exc:
                     if exc.status == 409 and exc.type.endswith("/cancelled"):
                         # The lease is not extended any more: the function has until it runs
@@ -489,19 +495,43 @@ def execute(
     ctx.task = task
     try:
         report, interrupted = _call(spec, task, ctx)
+        if keeper.lost.is_set():
+            logger.warning(
+                "result not sent run_id=%s outcome=%s: its lease was lost",
+                run_id,
+                report.outcome,
+                extra=fields,
+            )
+            return {**summary, "outcome": "lease_lost"}
+        if report.outcome == "failed":
+            log_failure(run, report)
+        state = _report(http, run, report, keeper, lease_seconds)
     finally:
         keeper.stop()
-    if keeper.lost.is_set():
-        logger.warning(
-            "result not sent run_id=%s outcome=%s: its lease was lost",
-            run_id,
-            report.outcome,
-            extra=fields,
-        )
-        return {**summary, "outcome": "lease_lost"}
-    if report.outcome == "failed":
-        log_failure(run, report)
-    state = send_results(http, [(run, report)], attempts=10).get(run_id, "")
     if interrupted is not None:
         raise interrupted
     return {**summary, "outcome": report.outcome, "state": state}
+
+
+def _report(
+    http: Transport, run: LeasedRun, report: Report, keeper: _LeaseKeeper, lease_seconds: float
+) -> str:
+    """Send the outcome; the run's new state, or "" when it was not taken.
+
+    One the scheduler could not be reached for (after REPORT_ATTEMPTS tries, about 20 s) is
+    sent again, its lease still heartbeated, until the scheduler answers or a lease's length
+    has passed since it last took a heartbeat (it has then reaped the run). Dropped, a web
+    restart of half a minute ran the finished task a second time."""
+    while True:
+        unreachable: list[Any] = []
+        state = send_results(
+            http, [(run, report)], attempts=REPORT_ATTEMPTS, unreachable=unreachable.extend
+        ).get(run.run_id, "")
+        held_for = time.monotonic() - keeper.extended_at
+        if not unreachable or keeper.lost.is_set() or held_for >= lease_seconds:
+            return state
+        logger.warning(
+            "could not reach the scheduler to report run_id=%s; sending it again",
+            run.run_id,
+            extra=run.fields(),
+        )
