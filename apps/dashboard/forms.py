@@ -366,6 +366,9 @@ class DefinitionForm(forms.Form):
         label="Lateness SLO (s)",
         help_text="Flag starts later than this; empty: not watched",
     )
+    # The version of the job the form was opened on (services.version_of): a save over a change
+    # made since (a pause during an incident) is refused, not written back over it.
+    seen = forms.CharField(required=False, widget=forms.HiddenInput, max_length=64)
 
     def __init__(
         self, data: Any = None, *, teams: list[Any], instance: JobDefinition | None = None
@@ -421,6 +424,7 @@ class DefinitionForm(forms.Form):
             "owner": snap.get("owner", ""),
             "runbook_url": snap.get("runbookUrl", ""),
             "lateness_slo_seconds": snap.get("latenessSloSeconds"),
+            "seen": services.version_of(snap),
         }
 
     def clean_payload(self) -> Any:

@@ -5,6 +5,8 @@ The API and the dashboard both call these functions; none of this logic lives in
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -93,6 +95,17 @@ def spec_of(definition: JobDefinition) -> DefinitionSpec:
 def snapshot(definition: JobDefinition) -> dict[str, Any]:
     """The audited view of a definition: what a person edits, in the API's names."""
     return spec_snapshot(spec_of(definition))
+
+
+def version_of(fields: dict[str, Any]) -> str:
+    """A short digest of a definition's fields (`snapshot`): what a form was opened on."""
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class ChangedMeanwhile(Exception):
+    """The definition is not as it was when the change was prepared (an edit form opened
+    before someone else's change): nothing is written."""
 
 
 def spec_snapshot(spec: DefinitionSpec) -> dict[str, Any]:

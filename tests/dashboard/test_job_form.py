@@ -342,3 +342,42 @@ def test_a_job_saved_while_another_session_holds_its_row_keeps_the_form_and_says
     waits = [r for r in caplog.records if r.getMessage().startswith("database wait answered")]
     assert [r.levelname for r in waits] == ["WARNING", "WARNING"]
     assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_a_save_over_a_change_made_since_the_form_was_opened_is_refused_and_kept(editor_a):
+    """An edit form opened before a pause (an incident's) and saved after it wrote the job
+    back as the form had read it: unpaused. The save is refused, with what was typed kept;
+    saving again, knowing, goes through."""
+    import re
+
+    from apps.audit.record import Actor
+    from apps.jobs import services
+
+    client = client_for(editor_a)
+    assert client.post("/jobs/new", FORM).status_code == 302
+    opened = client.get(f"/jobs/{FORM['name']}/edit").content.decode()
+    (seen,) = re.findall(r'name="seen" value="([0-9a-f]+)"', opened)
+    job = JobDefinition.objects.get(name=FORM["name"])
+    services.set_paused(job, True, Actor.system("incident"))
+
+    edit = {**FORM, "timeout_seconds": "77", "seen": seen}  # the form had it unpaused
+    refused = client.post(f"/jobs/{FORM['name']}/edit", edit)
+    assert refused.status_code == 200
+    assert "someone changed this job since this form was opened" in refused.content.decode()
+    assert 'value="77"' in refused.content.decode()
+    job.refresh_from_db()
+    assert (job.paused, job.timeout_seconds) == (True, 900)
+
+    (again,) = re.findall(r'name="seen" value="([0-9a-f]+)"', refused.content.decode())
+    assert again != seen
+    saved = client.post(f"/jobs/{FORM['name']}/edit", {**edit, "seen": again, "paused": "on"})
+    assert saved.status_code == 302
+    job.refresh_from_db()
+    assert (job.paused, job.timeout_seconds) == (True, 77)
+    # Without a change in between, a save goes through at once.
+    (fresh,) = re.findall(
+        r'name="seen" value="([0-9a-f]+)"',
+        client.get(f"/jobs/{FORM['name']}/edit").content.decode(),
+    )
+    assert client.post(f"/jobs/{FORM['name']}/edit", {**edit, "seen": fresh, "paused": "on",
+                       "timeout_seconds": "78"}).status_code == 302  # fmt: skip
