@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 import ssl
 import subprocess
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from cronlease_client import Client, Worker
 
 from apps.runs.models import Run
-from tests.client.scripted import Request, Response, ScriptedServer
+from tests.client.scripted import Request, Response, ScriptedServer, json_response
 from tests.waiting import wait_for  # noqa: F401 - shared by this package's tests
 
 
@@ -83,6 +84,29 @@ def serve() -> Iterator[Callable[..., ScriptedServer]]:
     yield start
     for server in servers:
         server.close()
+
+
+# The headers a forwarding proxy passes on.
+FORWARDED = ("authorization", "content-type", "accept")
+
+
+def forwarding(target: str, down: threading.Event) -> Callable[[Request], Response]:
+    """A scripted server's handler that passes each request on to `target`, or answers 503
+    while `down` is set: a web process restarting behind its load balancer."""
+
+    def web(request: Request) -> Response:
+        if down.is_set():
+            return json_response(503, {"status": 503, "detail": "restarting"})
+        answer = httpx.request(
+            request.method,
+            target + request.path,
+            content=request.content,
+            headers={k: v for k, v in request.headers.items() if k in FORWARDED},
+            timeout=30,
+        )
+        return Response(answer.status_code, answer.content, {"Content-Type": "application/json"})
+
+    return web
 
 
 @pytest.fixture

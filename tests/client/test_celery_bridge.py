@@ -571,28 +571,14 @@ def test_a_tasks_result_is_held_through_a_web_restart_longer_than_the_transports
     from cronlease_client import transport
     from cronlease_client.celery import tasks
 
-    from tests.client.scripted import Request, Response, json_response
-    from tests.client.test_worker import FORWARDED
+    from tests.client.conftest import forwarding
 
     monkeypatch.setattr(tasks, "REPORT_ATTEMPTS", 2, raising=False)
     monkeypatch.setattr(transport, "backoff_delay", lambda failures, **cap: 0.2)
     definition = make_definition(team_a, "demo.restart", queue="restart")
     (pk,) = add_ready_runs(definition, 1)
     down, finished = threading.Event(), threading.Event()
-
-    def web(request: Request) -> Response:
-        if down.is_set():
-            return json_response(503, {"status": 503, "detail": "restarting"})
-        answer = httpx.request(
-            request.method,
-            live_server.url + request.path,
-            content=request.content,
-            headers={k: v for k, v in request.headers.items() if k in FORWARDED},
-            timeout=30,
-        )
-        return Response(answer.status_code, answer.content, {"Content-Type": "application/json"})
-
-    proxy = serve(web)
+    proxy = serve(forwarding(live_server.url, down))
     (lease,) = httpx.post(
         f"{live_server.url}/api/v1/leases",
         json={"queues": ["restart"], "max": 1, "workerId": "w", "leaseSeconds": 30},

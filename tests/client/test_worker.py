@@ -19,7 +19,7 @@ from apps.runs import store
 from apps.runs.ids import public_run_id
 from apps.runs.models import Attempt, Run
 from tests.client import handlers_for_pools
-from tests.client.conftest import read_ledger, runs_when, wait_for
+from tests.client.conftest import forwarding, read_ledger, runs_when, wait_for
 from tests.client.scripted import Request, Response, json_response
 from tests.conftest import Api, add_ready_runs, expire_lease, make_definition
 
@@ -875,18 +875,7 @@ def test_a_result_is_held_through_a_web_restart_longer_than_the_transports_tries
     definition = make_definition(team_a, "demo.restart", queue="restart")
     (pk,) = add_ready_runs(definition, 1)
     down, finished = threading.Event(), threading.Event()
-
-    def web(request: Request) -> Response:
-        if down.is_set():
-            return json_response(503, {"status": 503, "detail": "restarting"})
-        answer = httpx.request(
-            request.method,
-            live_server.url + request.path,
-            content=request.content,
-            headers={k: v for k, v in request.headers.items() if k in FORWARDED},
-            timeout=30,
-        )
-        return Response(answer.status_code, answer.content, {"Content-Type": "application/json"})
+    web = forwarding(live_server.url, down)
 
     def handle(ctx: Context) -> dict:
         down.set()  # the web process goes away while the handler works
@@ -907,9 +896,6 @@ def test_a_result_is_held_through_a_web_restart_longer_than_the_transports_tries
         assert (run.attempt, run.result) == (1, {"done": 1})
     finally:
         worker.stop(timeout=15)
-
-
-FORWARDED = ("authorization", "content-type", "accept")
 
 
 def test_the_lease_loop_waits_what_retry_after_asks_between_its_rounds(serve, monkeypatch):
