@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from urllib.parse import parse_qs, urlsplit
 
@@ -11,6 +12,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 
 from apps.dashboard import live
 
+VOLATILE = re.compile(r'name="csrfmiddlewaretoken" value="[^"]*"|<span class="age">[^<]*</span>')
 CLOSE_UNAUTHORISED = 4401
 CLOSE_BAD_PAGE = 4400
 # The overview aggregates the most; on a busy system it need not redraw every second.
@@ -22,6 +24,7 @@ class LiveConsumer(AsyncWebsocketConsumer):
 
     subscribed = False
     last_render = 0.0
+    last_sent = ""
     pending: asyncio.Task | None = None
 
     async def connect(self) -> None:
@@ -79,5 +82,11 @@ class LiveConsumer(AsyncWebsocketConsumer):
         html = await database_sync_to_async(live.render)(self.scope, self.page)
         if html is None:  # signed out, or the page is no longer theirs to see
             await self.close(code=CLOSE_UNAUTHORISED)
-        elif html.strip():
+        elif html.strip() and (shown := VOLATILE.sub("", html)) != self.last_sent:
+            # What the page shows already is not sent again: every change anywhere re-renders
+            # the page, and a run that had not changed was swapped in again and again (47
+            # times in 30 s), closing its unfolded stack trace and moving the reader's place.
+            # Told apart without what differs at every render and changes nothing the reader
+            # sees: the CSRF token's mask, and ages, which the page's script counts on.
+            self.last_sent = shown
             await self.send(text_data=html)

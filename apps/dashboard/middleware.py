@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from urllib.parse import urlencode, urlsplit
 
 from django.conf import settings
+from django.contrib.auth import REDIRECT_FIELD_NAME
 from django.contrib.auth.middleware import LoginRequiredMiddleware
 from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse
@@ -47,7 +49,14 @@ class SignInRequiredMiddleware(LoginRequiredMiddleware):
 
     def handle_no_permission(self, request: HttpRequest, view_func) -> HttpResponse:
         if getattr(request, "htmx", False):
-            return HttpResponseClientRedirect(settings.LOGIN_URL)
+            # Back to the page the action was sent from once signed in (its filter in the
+            # query), not to the overview.
+            current = urlsplit(request.headers.get("HX-Current-URL", ""))
+            page = current.path + (f"?{current.query}" if current.query else "")
+            login = settings.LOGIN_URL
+            if page.startswith("/"):
+                login += "?" + urlencode({REDIRECT_FIELD_NAME: page})
+            return HttpResponseClientRedirect(login)
         return super().handle_no_permission(request, view_func)
 
 

@@ -47,8 +47,11 @@
     var dot = document.getElementById("live-status");
     if (dot) {
       dot.className = "live live-" + state;
-      dot.textContent = state === "open" ? "live" : state === "closed" ? "reconnecting" : "";
-      dot.title = state === "open" ? "Updates arrive without reloading" : "Live updates paused; reconnecting";
+      dot.textContent = state === "open" ? "live" : state === "closed" ? "reconnecting"
+        : state === "signed-out" ? "signed out: reload to sign in" : "";
+      dot.title = state === "open" ? "Updates arrive without reloading"
+        : state === "signed-out" ? "Your session ended; reloading this page signs you in again and brings you back here"
+        : "Live updates paused; reconnecting";
     }
   }
   // A form's buttons rest while its request is on its way: a double click sent two requests
@@ -121,7 +124,12 @@
   });
 
   document.addEventListener("htmx:wsOpen", function () { liveStatus("open"); });
-  document.addEventListener("htmx:wsClose", function () { liveStatus("closed"); });
+  // 4401: the server closed the socket because the session ended (apps/dashboard/consumers.py):
+  // "reconnecting" would never end.
+  document.addEventListener("htmx:wsClose", function (event) {
+    var code = event.detail && event.detail.event ? event.detail.event.code : 0;
+    liveStatus(code === 4401 ? "signed-out" : "closed");
+  });
   document.addEventListener("htmx:wsAfterMessage", function () {
     document.body.dataset.liveUpdates = String(Number(document.body.dataset.liveUpdates || 0) + 1);
   });

@@ -64,6 +64,22 @@ def test_an_htmx_request_signed_out_gets_a_client_redirect():
     assert response["HX-Redirect"] == "/accounts/login/"
 
 
+def test_an_action_sent_after_the_session_ended_signs_in_back_to_its_page():
+    """The sign-in page came back to the overview: the list, its filter and the ticked rows
+    the action was sent from were gone."""
+    page = "http://testserver/dlq?job=billing.export&since=24h"
+    response = Client().post("/runs/bulk", HTTP_HX_REQUEST="true", HTTP_HX_CURRENT_URL=page)
+    assert (
+        response["HX-Redirect"]
+        == "/accounts/login/?next=%2Fdlq%3Fjob%3Dbilling.export%26since%3D24h"
+    )
+    # Only a path of this site is carried.
+    elsewhere = Client().post(
+        "/runs/bulk", HTTP_HX_REQUEST="true", HTTP_HX_CURRENT_URL="javascript:alert(1)"
+    )
+    assert elsewhere["HX-Redirect"] == "/accounts/login/"
+
+
 def test_a_viewer_cannot_retry_pause_or_edit_even_by_hand(viewer_a, job_a):
     (run,) = failed_runs(job_a)
     client = client_for(viewer_a)

@@ -247,3 +247,35 @@ def test_an_idle_socket_waits_on_redis_past_its_blocking_pop():
 
     with flushed_redis(REDIS_URL):
         asyncio.run(wait())
+
+
+def test_a_region_that_has_not_changed_is_not_sent_again(operator_a, job_a):
+    """Every change anywhere re-renders an open page's regions: one that had not changed was
+    sent and swapped in again at each, closing a run's unfolded stack trace and moving the
+    reader's place (47 identical messages in 30 s on a dead run's page)."""
+    from scheduler_site.asgi import application
+
+    (run,) = failed_runs(job_a)
+    client = Client()
+    client.force_login(operator_a)
+    cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
+    sent: list[str] = []
+
+    async def scenario() -> bool:
+        socket = _socket(application, [(b"cookie", cookie)])
+        await socket.send_input({"type": "websocket.connect"})
+        assert (await socket.receive_output(timeout=5))["type"] == "websocket.accept"
+        # Changes the failures list does not show: ready runs of the job.
+        for round_ in range(3):
+            await sync_to_async(add_ready_runs)(job_a, 1, prefix=f"quiet{round_}-")
+            await asyncio.sleep(1.5)
+        while not await socket.receive_nothing(timeout=1):
+            sent.append((await socket.receive_output(timeout=1)).get("text", ""))
+        await socket.send_input({"type": "websocket.disconnect", "code": 1000})
+        await socket.wait(timeout=5)
+        await sync_to_async(connections.close_all)()
+        return True
+
+    assert in_own_thread(scenario)
+    # The first render after the socket opened may be sent (the page may be older); no other.
+    assert len(sent) <= 1, len(sent)
