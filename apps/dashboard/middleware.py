@@ -54,7 +54,7 @@ class SignInRequiredMiddleware(LoginRequiredMiddleware):
             current = urlsplit(request.headers.get("HX-Current-URL", ""))
             page = current.path + (f"?{current.query}" if current.query else "")
             login = settings.LOGIN_URL
-            if page.startswith("/"):
+            if page.startswith("/") and not page.startswith("//"):  # a path of this site
                 login += "?" + urlencode({REDIRECT_FIELD_NAME: page})
             return HttpResponseClientRedirect(login)
         return super().handle_no_permission(request, view_func)

@@ -78,6 +78,12 @@ def test_an_action_sent_after_the_session_ended_signs_in_back_to_its_page():
         "/runs/bulk", HTTP_HX_REQUEST="true", HTTP_HX_CURRENT_URL="javascript:alert(1)"
     )
     assert elsewhere["HX-Redirect"] == "/accounts/login/"
+    other_host = Client().post(
+        "/runs/bulk",
+        HTTP_HX_REQUEST="true",
+        HTTP_HX_CURRENT_URL="http://testserver//evil.example/x",
+    )
+    assert other_host["HX-Redirect"] == "/accounts/login/"
 
 
 def test_a_viewer_cannot_retry_pause_or_edit_even_by_hand(viewer_a, job_a):
