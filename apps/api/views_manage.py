@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from django.db import IntegrityError
 from django.http import HttpRequest
 from drf_spectacular.utils import (
     OpenApiParameter,
@@ -189,7 +188,7 @@ class JobsView(ManageView):
             *doc.BODY_PROBLEMS,
             409,
             e403="The token lacks the `manage` scope, or the name belongs to another team.",
-            e409="A job with this name exists.",
+            e409="A job with this name exists, or is still being deleted.",
         ),
     )
     def post(self, request: Request) -> Response:
@@ -202,8 +201,8 @@ class JobsView(ManageView):
             raise Conflict(f"A job named '{spec.name}' exists; use PUT to replace it.")
         try:
             definition = services.create_definition(team, spec, self.actor(request))
-        except IntegrityError as exc:
-            raise Conflict(f"A job named '{spec.name}' exists.") from exc
+        except services.NameTaken as exc:
+            raise Conflict(str(exc)) from exc
         return Response(definition_json(definition), status=status.HTTP_201_CREATED)
 
     @extend_schema(
@@ -216,7 +215,12 @@ class JobsView(ManageView):
         ),
         tags=["jobs"],
         request=job_shape.SyncRequest,
-        responses=doc.responses({200: job_shape.SyncAnswer}, *doc.BODY_PROBLEMS),
+        responses=doc.responses(
+            {200: job_shape.SyncAnswer},
+            *doc.BODY_PROBLEMS,
+            409,
+            e409="A job to create was created by another client meanwhile, or is being deleted.",
+        ),
     )
     def put(self, request: Request) -> Response:
         body = self.body(request, job_shape.SyncRequest)
@@ -235,7 +239,10 @@ class JobsView(ManageView):
         except sync.SyncError as exc:
             raise ValidationError(exc.errors) from exc
         if not body.dryRun:
-            sync.apply_sync(plan, self.actor(request))
+            try:
+                sync.apply_sync(plan, self.actor(request))
+            except services.NameTaken as exc:  # created (or not yet deleted) meanwhile
+                raise Conflict(f"Nothing was changed: {exc}") from exc
         return Response(
             job_shape.SyncAnswer(
                 changes=[sync_change_json(change) for change in plan.changes],
@@ -282,7 +289,10 @@ class JobDetailView(ManageView):
             *doc.BODY_PROBLEMS,
             409,
             e403="The token lacks the `manage` scope, or the name belongs to another team.",
-            e409="A job with this name was created and deleted again while this call ran.",
+            e409=(
+                "A job with this name is still being deleted, or was created and deleted again"
+                " while this call ran."
+            ),
         ),
     )
     def put(self, request: Request, name: str) -> Response:
@@ -300,7 +310,9 @@ class JobDetailView(ManageView):
         if existing is None:
             try:
                 definition = services.create_definition(team, spec, self.actor(request))
-            except IntegrityError as exc:
+            except services.NameTaken as exc:
+                if exc.deleting:
+                    raise Conflict(str(exc)) from exc
                 # Another PUT of the name created it first: this one replaces it, as a PUT of
                 # a name that exists does (two deploys applying the same file at once).
                 self._refuse_taken(request, name, team)

@@ -382,7 +382,7 @@ def _definitions_on_map(
 DEFINITIONS_NAMED = """
 SELECT d.id, d.name, d.team_id, d.shard, statement_timestamp(){teams}
 FROM jobs_jobdefinition d{join}
-WHERE d.name = ANY(%(names)s::text[])
+WHERE d.name = ANY(%(names)s::text[]) AND NOT d.deleting
 """
 DEFINITIONS_NAMED_ALONE = DEFINITIONS_NAMED.format(teams="", join="")
 DEFINITIONS_NAMED_WITH_TEAMS = DEFINITIONS_NAMED.format(

@@ -40,6 +40,15 @@ class JobDefinitionQuerySet(models.QuerySet):
         return self.using(database_of(name)).filter(name=name)
 
 
+class LiveDefinitions(models.Manager.from_queryset(JobDefinitionQuerySet)):  # type: ignore[misc]
+    """The definitions that are not being deleted: what every read and change sees. A deleted
+    definition is gone for everyone from the moment its delete begins, though its runs take a
+    while to go (JobDefinition.deleting)."""
+
+    def get_queryset(self) -> JobDefinitionQuerySet:
+        return super().get_queryset().filter(deleting=False)
+
+
 class JobDefinition(models.Model):
     name = models.CharField(max_length=200, unique=True)
     # No index of its own: job_team_name leads with the team. Every index here is written on
@@ -77,6 +86,10 @@ class JobDefinition(models.Model):
     payload = models.JSONField(null=True, blank=True, default=dict)
     payload_key = models.CharField(max_length=100, blank=True, default="")
     paused = models.BooleanField(default=False)
+    # Set, with the audit event, by the first step of a delete, before its runs go in batches:
+    # from then on no run of it is inserted (INSERT_RUNS) or claimed, and nothing reads it but
+    # the delete (and the retention round that finishes a delete its process did not).
+    deleting = models.BooleanField(default=False)
     dry_run = models.BooleanField(default=False)
     # A run that starts later than this after its availableAt is flagged, and a cron time with no
     # successful run this long after it (plus the timeout) counts as missed. None: not watched.
@@ -92,7 +105,9 @@ class JobDefinition(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
-    objects = JobDefinitionQuerySet.as_manager()
+    objects = LiveDefinitions()
+    # With the definitions being deleted: for the delete itself.
+    everything = JobDefinitionQuerySet.as_manager()
 
     class Meta:
         indexes = [

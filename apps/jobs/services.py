@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from apps.audit.record import Actor, record
 from apps.jobs import firetimes
@@ -177,19 +177,38 @@ def _locked(definition: JobDefinition) -> JobDefinition:
     return locked
 
 
-def create_definition(team, spec: DefinitionSpec, actor: Actor) -> JobDefinition:
-    with shards.writing(database_to_write(spec.name)):
-        definition = JobDefinition(team=team)
-        _apply_spec(definition, spec, database_now())
-        definition.save()
-        record(
-            actor,
-            "job.create",
-            team=team,
-            target_type="job",
-            target=spec.name,
-            after=snapshot(definition),
+class NameTaken(Exception):
+    """A definition of this name was created meanwhile, or is still being deleted."""
+
+    def __init__(self, name: str, *, deleting: bool) -> None:
+        self.name = name
+        self.deleting = deleting
+        super().__init__(
+            f"The job '{name}' is being deleted; create it again once it is gone."
+            if deleting
+            else f"A job named '{name}' exists."
         )
+
+
+def create_definition(team, spec: DefinitionSpec, actor: Actor) -> JobDefinition:
+    """Create a definition, audited; NameTaken when the name is (another client's create
+    committed first, or a delete of it has not finished)."""
+    try:
+        with shards.writing(database_to_write(spec.name)):
+            definition = JobDefinition(team=team)
+            _apply_spec(definition, spec, database_now())
+            definition.save()
+            record(
+                actor,
+                "job.create",
+                team=team,
+                target_type="job",
+                target=spec.name,
+                after=snapshot(definition),
+            )
+    except IntegrityError as exc:
+        deleting = JobDefinition.everything.named(spec.name).filter(deleting=True).exists()
+        raise NameTaken(spec.name, deleting=deleting) from exc
     return definition
 
 
@@ -243,29 +262,69 @@ def update_definition(
 def delete_definition(definition: JobDefinition, actor: Actor) -> None:
     """Delete a definition with its runs, attempts and payload files, audited.
 
-    The runs go first, in batches by SQL, so a definition with a million runs is neither loaded
-    into memory (as the ORM's cascade would) nor deleted in one long transaction.
+    First the definition is marked `deleting`, with the audit event, in one short transaction:
+    from its commit the job is gone for every reader and writer (404), and no run of it is
+    inserted or claimed. Its lock waits for the inserts that hold the definition FOR KEY SHARE
+    (apps/runs/store.py, INSERT_RUNS), so none commits after: an enqueue either made its run
+    before the delete began, or answers 404 (its key is never answered 201 twice). Then the runs
+    go in batches by SQL, each its own transaction, so a definition with a million runs is
+    neither loaded into memory (as the ORM's cascade would) nor deleted in one long transaction,
+    and the row goes last. A process stopped in between leaves the rest to retention
+    (finish_deletions).
     """
     alias = database_to_write(definition.name)
-    with shards.using(alias):
-        retention.delete_runs_of(definition.pk)
     with shards.writing(alias):
-        # No insert of its runs from here on: they take the definition FOR KEY SHARE, which
-        # waits for this lock, then finds no row once it is gone. Runs have no foreign key in
-        # the database to refuse one (apps/runs/models.py).
-        _locked(definition)
+        locked = _locked(definition)
+        locked.deleting = True
+        locked.next_due_at = None  # off the materialiser's index
+        locked.save(update_fields=["deleting", "next_due_at", "updated_at"])
         record(
             actor,
             "job.delete",
             team=definition.team,
             target_type="job",
             target=definition.name,
-            before=snapshot(definition),
+            before=snapshot(locked),
         )
-        key = definition.payload_key
-        retention.delete_runs_of(definition.pk)  # any inserted since the batches above
-        definition.delete()
-    payloads.delete_unreferenced([key])
+    _finish_delete(alias, locked.pk)
+
+
+def _finish_delete(alias: str, pk: int) -> None:
+    """Delete the runs of a definition marked `deleting`, then its row."""
+    with shards.using(alias):
+        retention.delete_runs_of(pk)
+    with shards.writing(alias):
+        gone = JobDefinition.everything.select_for_update().filter(pk=pk).first()
+        if gone is None:
+            return  # finished by another (retention, or a delete's process it took for stopped)
+        # Another deleter of it may still be at its batches.
+        retention.delete_runs_of(pk)
+        gone.delete()
+    payloads.delete_unreferenced([gone.payload_key])
+
+
+# A delete marked this long ago is taken for one its process left (were that process still at
+# the batches of a very large job, sharing the rest with it is harmless).
+LEFT_AFTER = timedelta(minutes=1)
+
+
+def finish_deletions() -> int:
+    """Finish the deletes that their process did not (stopped between marking the definition
+    and deleting its row), on every shard database that answers; return how many."""
+
+    def here() -> int:
+        alias = shards.current()
+        left = list(
+            JobDefinition.everything.using(alias)
+            .filter(deleting=True, updated_at__lt=database_now() - LEFT_AFTER)
+            .values_list("pk", flat=True)
+        )
+        for pk in left:
+            _finish_delete(alias, pk)
+        return len(left)
+
+    finished, _ = shards.gather(here)
+    return sum(finished)
 
 
 def set_paused(definition: JobDefinition, paused: bool, actor: Actor) -> JobDefinition:

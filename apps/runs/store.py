@@ -163,7 +163,7 @@ FROM ROWS FROM (
 JOIN jobs_jobdefinition d ON d.id = i.definition_id
 -- Repeating the ids as a filter lets the planner probe the definitions' primary key instead of
 -- walking the whole index.
-WHERE d.id = ANY(%(definition_ids)s::bigint[])
+WHERE d.id = ANY(%(definition_ids)s::bigint[]) AND NOT d.deleting
 -- One order for every inserter: two batches naming the same keys in different orders would
 -- otherwise each wait on the other's uncommitted row (a deadlock). A key given twice in one
 -- batch is its first item's run (`n`, the item's place): PostgreSQL's sort keeps no order
@@ -337,11 +337,12 @@ WITH lane AS ({{lanes}}
 ), candidate AS (
     -- Runs of definitions without a limit: the lane's oldest, up to max, read from the part of
     -- run_claimable where `limited` is false (runs of limited definitions are not in that range).
-    -- Runs of paused definitions are filtered out row by row, so a large backlog of theirs at
-    -- the head of the lane is scanned past on every claim (a known cost, see the README); so
-    -- are the runs inserted before their definition got a limit and not yet marked (none: the
-    -- change marks them in its transaction). A lane with a floor starts past it: a bound of
-    -- the index scan (row comparison on its last two columns), not a walk.
+    -- Runs of paused definitions (and of those being deleted) are filtered out row by row, so a
+    -- large backlog of theirs at the head of the lane is scanned past on every claim (a known
+    -- cost, see the README); so are the runs inserted before their definition got a limit and
+    -- not yet marked (none: the change marks them in its transaction). A lane with a floor
+    -- starts past it: a bound of the index scan (row comparison on its last two columns), not a
+    -- walk.
     SELECT c.* FROM lane
     CROSS JOIN LATERAL (
         SELECT r.id, r.team_id, r.queue, r.priority, r.definition_id, NULL::int AS concurrency,
@@ -353,7 +354,7 @@ WITH lane AS ({{lanes}}
           AND NOT r.limited AND r.state IN {WAITING} AND r.available_at <= now()
           AND (r.available_at, r.id)
               > (coalesce(lane.floor_at, '-infinity'), coalesce(lane.floor_id, 0))
-          AND NOT d.paused AND d.concurrency IS NULL AND d.concurrency_per_key IS NULL
+          AND NOT d.paused AND NOT d.deleting AND d.concurrency IS NULL AND d.concurrency_per_key IS NULL
           AND d.rate_limit_count IS NULL
           AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
         ORDER BY r.available_at, r.id
@@ -367,7 +368,8 @@ WITH lane AS ({{lanes}}
     -- index run_waiting_by_def.
     SELECT c.* FROM lane
     JOIN jobs_jobdefinition d
-      ON d.team_id = lane.team_id AND NOT d.paused AND d.concurrency_per_key IS NULL
+      ON d.team_id = lane.team_id AND NOT d.paused AND NOT d.deleting
+     AND d.concurrency_per_key IS NULL
      AND (d.concurrency IS NOT NULL OR d.rate_limit_count IS NOT NULL)
      -- A spent rate window (set by the claim that found it full) skips the definition whole.
      AND (d.rate_blocked_until IS NULL OR d.rate_blocked_until <= now())
@@ -473,7 +475,7 @@ WITH lane AS ({{lanes}}
                ((SELECT max(n) FROM visit) >= %(keys)s)::int, d.concurrency_per_key,
                (SELECT key FROM reached ORDER BY n DESC LIMIT 1), NULL, NULL, NULL
     ) AS c
-    WHERE d.team_id IN (SELECT team_id FROM lane) AND NOT d.paused
+    WHERE d.team_id IN (SELECT team_id FROM lane) AND NOT d.paused AND NOT d.deleting
       AND d.concurrency_per_key IS NOT NULL
       AND (d.rate_blocked_until IS NULL OR d.rate_blocked_until <= now())
       AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))

@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection, connections
 
+from apps.jobs import services
 from apps.notify import loop as notifier
 from apps.runs import census, retention, shards, store
 from apps.scheduler import leases
@@ -264,13 +265,16 @@ class Scheduler:
         connections[alias].close()
 
     def handle_one_retention(self) -> bool:
-        """Delete one round of old finished runs and audit events, on the owner of shard 0 only.
+        """Delete one round of old finished runs and audit events, and finish the job deletes
+        their process left, on the owner of shard 0 only.
 
         One node is enough, and the owner of shard 0 is exactly one node at a time. Return True
         when the round was full (more is waiting).
         """
         if RETENTION_SHARD not in self.held:
             return False
+        if services.finish_deletions():
+            log.info("finished the deletes of jobs their process left")
         batch = settings.SCHEDULER_RETENTION_BATCH
         return retention.handle_one_round(batch=batch) >= batch
 

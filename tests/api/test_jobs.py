@@ -92,6 +92,30 @@ def test_patch_merges_and_delete_removes(api_a):
     assert api_a.get("/api/v1/jobs/billing.export-invoices").status_code == 404
 
 
+def test_a_job_being_deleted_is_gone_and_its_name_not_yet_free(api_a):
+    """Between the start of a delete and its end (its runs going in batches) the job answers
+    404, and a create of its name, by any of the three calls that create, a 409 that says why;
+    nothing is created."""
+    api_a.post("/api/v1/jobs", EXPORT)
+    name = EXPORT["name"]
+    JobDefinition.objects.filter(name=name).update(deleting=True)  # the delete's first step
+    path = f"/api/v1/jobs/{name}"
+    assert api_a.get(path).status_code == 404
+    assert api_a.patch(path, {"priority": "bulk"}).status_code == 404
+    assert api_a.delete(path).status_code == 404
+    assert name not in [job["name"] for job in api_a.get("/api/v1/jobs").json()["results"]]
+    refusals = [
+        api_a.post("/api/v1/jobs", EXPORT),
+        api_a.put(path, EXPORT),
+        api_a.put("/api/v1/jobs", {"jobs": [EXPORT, {"name": "other.job", "queue": "q"}]}),
+    ]
+    for refused in refusals:
+        assert refused.status_code == 409, refused.text
+        assert "is being deleted; create it again once it is gone" in refused.json()["detail"]
+    assert not JobDefinition.objects.filter(name="other.job").exists()  # the sync changed nothing
+    assert AuditEvent.objects.filter(action="job.create").count() == 1
+
+
 def test_a_null_in_a_patch_drops_the_field_to_its_default_whatever_the_field(api_a):
     api_a.post("/api/v1/jobs", {**EXPORT, "owner": "ops", "priority": "bulk",
                                 "retry": {"maxAttempts": 9, "baseSeconds": 5, "maxSeconds": 60}})  # fmt: skip

@@ -51,6 +51,19 @@ def test_an_editor_creates_a_definition_from_the_form(editor_a):
     assert (event.source, event.actor) == ("dashboard", "erin-editor")
 
 
+def test_a_name_whose_job_is_still_being_deleted_is_a_form_error(editor_a):
+    client = client_for(editor_a)
+    client.post("/jobs/new", FORM)
+    JobDefinition.objects.filter(name=FORM["name"]).update(deleting=True)  # a delete under way
+    assert client.get(f"/jobs/{FORM['name']}").status_code == 404
+    response = client.post("/jobs/new", {**FORM, "queue": "other"})
+    assert response.status_code == 200
+    assert response.context["form"].errors["name"] == [
+        "A job with this name is still being deleted; create it again once it is gone."
+    ]
+    assert JobDefinition.everything.get(name=FORM["name"]).queue == "billing"
+
+
 def test_bad_input_is_refused_with_a_reason_beside_each_field(editor_a):
     bad = {**FORM, "name": "Bad Name", "cron": "0 25 * * *", "time_zone": "Mars/Olympus",
            "retry_base_seconds": "60", "retry_max_seconds": "10", "payload": "{nope"}  # fmt: skip

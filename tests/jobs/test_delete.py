@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
 
 import pytest
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
 
 from apps.audit.models import AuditEvent
 from apps.audit.record import Actor
 from apps.jobs import services
-from apps.jobs.models import JobDefinition
-from apps.runs import retention, store
+from apps.jobs.enqueue import Wanted, enqueue_many
+from apps.jobs.models import DefinitionGone, JobDefinition, database_of
+from apps.runs import retention, shards, store
 from apps.runs.models import Attempt, Run
-from tests.conftest import add_ready_runs, make_definition
+from apps.scheduler.daemon import Scheduler
+from tests.conftest import add_ready_runs, db_now, make_definition
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -94,3 +99,103 @@ def test_runs_leased_while_they_are_deleted_leave_no_attempt_behind(team_a):
     assert deleted == [4]
     assert not Run.objects.exists()
     assert not Attempt.objects.exists()
+
+
+def _named_on(alias: str, prefix: str) -> str:
+    return next(f"{prefix}.{n}" for n in range(1000) if database_of(f"{prefix}.{n}") == alias)
+
+
+@pytest.mark.shards
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_a_job_is_gone_for_everyone_from_the_start_of_its_delete(team_a):
+    """The delete's batches wait here on a run another session holds; meanwhile the job is
+    already gone: an enqueue answers 404 (before: 201 for a run the delete then removed, so a
+    key could be answered 201 twice), a claim leases none of its runs, a change finds no job and
+    a create of its name is told it is still being deleted. Nothing of it is left at the end."""
+    alias = shards.databases()[-1]  # with shards on servers of their own, not the control's
+    doomed_name, kept_name = _named_on(alias, "old"), _named_on(alias, "kept")
+    doomed = make_definition(team_a, doomed_name, queue="q")
+    doomed_id = doomed.pk
+    kept = make_definition(team_a, kept_name, queue="q")
+    with shards.using(alias):
+        held_run, *_ = add_ready_runs(doomed, 3)
+    enqueue_many([team_a.pk], [Wanted(doomed_name, "k-1")], Actor.cli("test"))
+    held, release, deleted = threading.Event(), threading.Event(), threading.Event()
+
+    def holding() -> None:
+        try:
+            with shards.using(alias), transaction.atomic(using=alias):
+                Run.objects.select_for_update().get(pk=held_run)
+                held.set()
+                release.wait(10)
+        finally:
+            connections.close_all()
+
+    def deleting() -> None:
+        try:
+            services.delete_definition(doomed, Actor.cli("test"))
+            deleted.set()
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=holding)
+    holder.start()
+    assert held.wait(10)
+    deleter = threading.Thread(target=deleting)
+    deleter.start()
+    everything = JobDefinition.everything.using(alias)
+    try:
+        wait_for(lambda: everything.get(pk=doomed_id).deleting, 10, "the mark")
+        assert not deleted.is_set()  # at its batches, behind the held run
+        answers = enqueue_many(
+            [team_a.pk],
+            [Wanted(doomed_name, "k-1"), Wanted(doomed_name, "k-2"), Wanted(kept_name, "k-3")],
+            Actor.cli("test"),
+        ).answers
+        assert [answer.status for answer in answers] == [404, 404, 201]
+        lanes = store.Lanes([team_a.pk], []) if shards.physical() else None
+        with shards.using(alias):
+            leases = store.claim(
+                queues=["q"], max_runs=10, worker_id="w", lease_seconds=60, lanes=lanes
+            )
+        assert [lease.job for lease in leases] == [kept_name]
+        assert not JobDefinition.objects.named(doomed_name).exists()
+        with pytest.raises(DefinitionGone):
+            services.set_paused(doomed, True, Actor.cli("test"))
+        spec = replace(services.spec_of(kept), name=doomed_name)
+        with pytest.raises(services.NameTaken, match="is being deleted"):
+            services.create_definition(team_a, spec, Actor.cli("test"))
+    finally:
+        release.set()
+        holder.join(10)
+        deleter.join(10)
+    assert deleted.is_set()
+    assert not everything.filter(pk=doomed_id).exists()
+    assert not Run.objects.using(alias).filter(definition_id=doomed_id).exists()
+    assert AuditEvent.objects.filter(action="job.delete").count() == 1
+    services.create_definition(team_a, spec, Actor.cli("test"))  # the name is free again
+
+
+@pytest.mark.shards
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_retention_finishes_a_delete_its_process_left(team_a):
+    """A delete whose process stopped after marking the job (its runs half gone) is finished by
+    the scheduler's retention round, once it has been left a minute."""
+    alias = shards.databases()[-1]
+    left = make_definition(team_a, _named_on(alias, "left"), queue="q")
+    recent = make_definition(team_a, _named_on(alias, "recent"), queue="q")
+    with shards.using(alias):
+        add_ready_runs(left, 4)
+        add_ready_runs(recent, 2)
+    everything = JobDefinition.everything.using(alias)
+    everything.filter(pk=left.pk).update(deleting=True, updated_at=db_now() - timedelta(minutes=2))
+    everything.filter(pk=recent.pk).update(deleting=True)  # its process is still at it
+    node = Scheduler(node_id="retention-node", lease_seconds=10)
+    try:
+        node.tick()
+    finally:
+        node.leave()
+    assert not everything.filter(pk=left.pk).exists()
+    assert not Run.objects.using(alias).filter(definition_id=left.pk).exists()
+    assert everything.filter(pk=recent.pk).exists()
+    assert Run.objects.using(alias).filter(definition_id=recent.pk).count() == 2

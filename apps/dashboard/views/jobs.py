@@ -8,7 +8,7 @@ from datetime import UTC, date, datetime, time, timedelta
 
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
-from django.db import IntegrityError, InterfaceError, OperationalError
+from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpResponse
 from django.shortcuts import redirect
 from django.urls import reverse
@@ -249,8 +249,13 @@ def job_new(request: HtmxHttpRequest) -> HttpResponse:
             form.add_error("name", "A job with this name exists.")
             return _form_page(request, form)
         definition = services.create_definition(team, form.spec, actor(request))
-    except IntegrityError:
-        form.add_error("name", "A job with this name was just created.")
+    except services.NameTaken as exc:
+        form.add_error(
+            "name",
+            "A job with this name is still being deleted; create it again once it is gone."
+            if exc.deleting
+            else "A job with this name was just created.",
+        )
         return _form_page(request, form)
     except shards.Unavailable as exc:
         # The name's shard lives on a database that is down: the form stays, with what was
