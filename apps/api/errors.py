@@ -14,6 +14,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
+from apps.jobs.services import ChangedMeanwhile
 from apps.runs import payloads, shards
 from scheduler_site.database import failure_words, log_failure
 
@@ -28,6 +29,7 @@ TITLES = {
     404: "Not found",
     405: "Method not allowed",
     409: "Conflict",
+    412: "Precondition failed",
     413: "Payload too large",
     406: "Not acceptable",
     415: "Unsupported media type",
@@ -41,6 +43,19 @@ class Conflict(exceptions.APIException):
     status_code = status.HTTP_409_CONFLICT
     default_detail = "The request conflicts with the current state."
     default_code = "conflict"
+
+
+class PreconditionFailed(exceptions.APIException):
+    """The job is not at the version an If-Match names (or exists, for If-None-Match: *):
+    nothing was changed. `etag`: the job's version now, sent back as its ETag."""
+
+    status_code = status.HTTP_412_PRECONDITION_FAILED
+    default_detail = "The job is not at the version the request names."
+    default_code = "precondition-failed"
+
+    def __init__(self, detail: str, etag: str | None = None) -> None:
+        super().__init__(detail)
+        self.etag = etag
 
 
 class ShardUnavailable(exceptions.APIException):
@@ -122,6 +137,12 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
         )
     elif isinstance(exc, shards.Unavailable):
         exc = ShardUnavailable(str(exc))
+    elif isinstance(exc, ChangedMeanwhile):
+        exc = PreconditionFailed(
+            "The job is not at the version If-Match names: another change was made since "
+            "(its audit trail says which). Nothing was changed; its ETag now is its version.",
+            f'"{exc.current}"',
+        )
     elif isinstance(exc, payloads.Unavailable):
         logger.error("payload storage failure answered 503", exc_info=exc)
         exc = PayloadUnavailable(f"{exc}; try again.")
@@ -164,6 +185,8 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
     response.content_type = "application/problem+json"
     if isinstance(exc, DatabaseFailed | ShardUnavailable | PayloadUnavailable):
         response["Retry-After"] = "1"
+    if isinstance(exc, PreconditionFailed) and exc.etag:
+        response["ETag"] = exc.etag
     return response
 
 

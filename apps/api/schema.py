@@ -72,6 +72,10 @@ PROBLEM_DESCRIPTIONS = {
     403: "The token lacks the scope this endpoint needs.",
     404: "No such resource for the token's team.",
     409: "Conflict with the current state.",
+    412: (
+        "The job is not at the version `If-Match` names (its `ETag` is the version now): "
+        "nothing was changed."
+    ),
     503: "The database of the run's shard cannot be reached; the detail names the shards.",
     413: "The payload (or the request body) is larger than the limit.",
     415: "The request body is not `application/json`.",
@@ -151,6 +155,32 @@ JOB_NAME = OpenApiParameter(
     description=(
         "The job's name: lowercase dotted words of letters, digits, `-` and `_`, "
         "e.g. `billing.export-invoices`."
+    ),
+)
+IF_MATCH = OpenApiParameter(
+    "If-Match",
+    str,
+    OpenApiParameter.HEADER,
+    description=(
+        "Change the job only if it is still at this version: the `ETag` a read or a change of "
+        "it answered (`*`: any version). Compared under the job's lock; otherwise 412 and "
+        "nothing is changed."
+    ),
+)
+IF_NONE_MATCH = OpenApiParameter(
+    "If-None-Match",
+    str,
+    OpenApiParameter.HEADER,
+    description="`*`: create the job only, never replace one (412 if it exists).",
+)
+ETAG = OpenApiParameter(
+    "ETag",
+    str,
+    OpenApiParameter.HEADER,
+    response=[200, 201, 412],
+    description=(
+        "The job's version (of its own fields: not of `nextDueAt`, which the scheduler moves): "
+        "what `If-Match` names to change only this version."
     ),
 )
 RUN_ID = OpenApiParameter(

@@ -23,6 +23,7 @@ from apps.api import schema as doc
 from apps.api.errors import (
     Conflict,
     PayloadTooLarge,
+    PreconditionFailed,
     ShardUnavailable,
     flatten_errors,
     problem,
@@ -90,6 +91,26 @@ class ManageView(APIView):
         if owner is not None:
             self._deny(request, owner.team, "job", name)
             raise PermissionDenied(f"The job name '{name}' belongs to another team.")
+
+    @staticmethod
+    def job_answer(definition: JobDefinition, code: int = status.HTTP_200_OK) -> Response:
+        """A job's representation, with its version as the ETag."""
+        return Response(definition_json(definition), status=code, headers=_etag(definition))
+
+    @staticmethod
+    def versions(request: Request) -> services.Versions:
+        """The versions an If-Match names, for a change made only to a job still at one of
+        them (compared under its lock); None without one, or with `*` (any version: the
+        lookup already requires the job). Strong comparison, as RFC 9110 has for If-Match: a
+        weak tag matches no version. A bare tag without its quotes is read as one (versions
+        hold no comma)."""
+        header = request.headers.get("If-Match")
+        if header is None:
+            return None
+        tags = [tag.strip() for tag in header.split(",")]
+        if tags == ["*"]:
+            return None
+        return {tag.strip('"') for tag in tags if not tag.startswith("W/")}
 
     def definition(self, request: Request, name: str) -> JobDefinition:
         """The job named in the path: 404 when there is none, 403 when it is another team's (a
@@ -182,6 +203,7 @@ class JobsView(ManageView):
             "Needs the `manage` scope."
         ),
         tags=["jobs"],
+        parameters=[doc.ETAG],
         request=job_shape.Definition,
         responses=doc.responses(
             {201: job_shape.DefinitionAnswer},
@@ -203,7 +225,7 @@ class JobsView(ManageView):
             definition = services.create_definition(team, spec, self.actor(request))
         except services.NameTaken as exc:
             raise Conflict(str(exc)) from exc
-        return Response(definition_json(definition), status=status.HTTP_201_CREATED)
+        return self.job_answer(definition, status.HTTP_201_CREATED)
 
     @extend_schema(
         operation_id="syncJobs",
@@ -252,6 +274,10 @@ class JobsView(ManageView):
         )
 
 
+def _etag(definition: JobDefinition) -> dict[str, str]:
+    return {"ETag": f'"{services.version(definition)}"'}
+
+
 def sync_change_json(change: sync.Change) -> job_shape.SyncChange:
     answer = job_shape.SyncChange(action=change.action, name=change.name)
     if change.action == "update":
@@ -268,27 +294,34 @@ class JobDetailView(ManageView):
         summary="Get a job definition",
         description="Needs the `manage` scope.",
         tags=["jobs"],
-        parameters=[doc.JOB_NAME],
+        parameters=[doc.JOB_NAME, doc.ETAG],
         responses=doc.responses({200: job_shape.DefinitionAnswer}, 404),
     )
     def get(self, request: Request, name: str) -> Response:
-        return Response(definition_json(self.definition(request, name)))
+        return self.job_answer(self.definition(request, name))
 
     @extend_schema(
         operation_id="replaceJob",
         summary="Create or replace a job definition",
         description=(
             "Jobs as code: create the definition named in the path (201) or replace it (200); "
-            "omitted fields take their defaults. Needs the `manage` scope."
+            "omitted fields take their defaults. With `If-Match`, only replace the job at that "
+            "version (412 otherwise, also when there is no job); with `If-None-Match: *`, only "
+            "create (412 when it exists). Needs the `manage` scope."
         ),
         tags=["jobs"],
-        parameters=[doc.JOB_NAME],
+        parameters=[doc.JOB_NAME, doc.IF_MATCH, doc.IF_NONE_MATCH, doc.ETAG],
         request=job_shape.DefinitionReplace,
         responses=doc.responses(
             {200: job_shape.DefinitionAnswer, 201: job_shape.DefinitionAnswer},
             *doc.BODY_PROBLEMS,
             409,
+            412,
             e403="The token lacks the `manage` scope, or the name belongs to another team.",
+            e412=(
+                "The job is not at the version `If-Match` names, or there is none to match; or it "
+                "exists and `If-None-Match: *` was sent: nothing was changed."
+            ),
             e409=(
                 "A job with this name is still being deleted, or was created and deleted again"
                 " while this call ran."
@@ -305,14 +338,27 @@ class JobDetailView(ManageView):
         # A replacement states its queue (DefinitionReplace): an empty body would otherwise
         # create (or reset a job to) every default, never what a jobs-as-code file means.
         spec = self.body(request, job_shape.DefinitionReplace, _named(request.data, name)).to_spec()
+        versions = self.versions(request)
+        create_only = request.headers.get("If-None-Match", "").strip() == "*"
         with shards.reaching(database_of(name)):
             existing = JobDefinition.objects.named(name).filter(team=team).first()
+        if existing is not None and create_only:
+            raise PreconditionFailed(
+                f"A job named '{name}' exists (If-None-Match: *): nothing was changed.",
+                _etag(existing)["ETag"],
+            )
         if existing is None:
+            if "If-Match" in request.headers:
+                raise PreconditionFailed(f"No job named '{name}' to match (If-Match).")
             try:
                 definition = services.create_definition(team, spec, self.actor(request))
             except services.NameTaken as exc:
                 if exc.deleting:
                     raise Conflict(str(exc)) from exc
+                if create_only:
+                    raise PreconditionFailed(
+                        f"A job named '{name}' was created meanwhile (If-None-Match: *)."
+                    ) from exc
                 # Another PUT of the name created it first: this one replaces it, as a PUT of
                 # a name that exists does (two deploys applying the same file at once).
                 self._refuse_taken(request, name, team)
@@ -321,9 +367,11 @@ class JobDetailView(ManageView):
                 if existing is None:
                     raise Conflict(f"The job '{name}' was created and deleted meanwhile.") from exc
             else:
-                return Response(definition_json(definition), status=status.HTTP_201_CREATED)
-        definition = services.update_definition(existing, spec, self.actor(request))
-        return Response(definition_json(definition))
+                return self.job_answer(definition, status.HTTP_201_CREATED)
+        definition = services.update_definition(
+            existing, spec, self.actor(request), versions=versions
+        )
+        return self.job_answer(definition)
 
     @extend_schema(
         operation_id="updateJob",
@@ -335,9 +383,9 @@ class JobDetailView(ManageView):
             "Needs the `manage` scope."
         ),
         tags=["jobs"],
-        parameters=[doc.JOB_NAME],
+        parameters=[doc.JOB_NAME, doc.IF_MATCH, doc.ETAG],
         request=job_shape.DefinitionPatch,
-        responses=doc.responses({200: job_shape.DefinitionAnswer}, *doc.BODY_PROBLEMS, 404),
+        responses=doc.responses({200: job_shape.DefinitionAnswer}, *doc.BODY_PROBLEMS, 404, 412),
     )
     def patch(self, request: Request, name: str) -> Response:
         definition = self.definition(request, name)
@@ -366,8 +414,10 @@ class JobDetailView(ManageView):
                     merged[key] = value
             return self.body(request, job_shape.Definition, _named(merged, name)).to_spec()
 
-        return Response(
-            definition_json(services.update_definition(definition, amended, self.actor(request)))
+        return self.job_answer(
+            services.update_definition(
+                definition, amended, self.actor(request), versions=self.versions(request)
+            )
         )
 
     @extend_schema(
@@ -375,12 +425,14 @@ class JobDetailView(ManageView):
         summary="Delete a job definition",
         description="Needs the `manage` scope.",
         tags=["jobs"],
-        parameters=[doc.JOB_NAME],
+        parameters=[doc.JOB_NAME, doc.IF_MATCH],
         request=None,
-        responses=doc.responses({204: None}, 404),
+        responses=doc.responses({204: None}, 404, 412),
     )
     def delete(self, request: Request, name: str) -> Response:
-        services.delete_definition(self.definition(request, name), self.actor(request))
+        services.delete_definition(
+            self.definition(request, name), self.actor(request), versions=self.versions(request)
+        )
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -396,15 +448,18 @@ class JobPauseView(ManageView):
             "Needs the `manage` scope."
         ),
         tags=["jobs"],
-        parameters=[doc.JOB_NAME],
+        parameters=[doc.JOB_NAME, doc.IF_MATCH, doc.ETAG],
         request=None,
-        responses=doc.responses({200: job_shape.DefinitionAnswer}, 404),
+        responses=doc.responses({200: job_shape.DefinitionAnswer}, 404, 412),
     )
     def post(self, request: Request, name: str) -> Response:
         definition = services.set_paused(
-            self.definition(request, name), self.paused, self.actor(request)
+            self.definition(request, name),
+            self.paused,
+            self.actor(request),
+            versions=self.versions(request),
         )
-        return Response(definition_json(definition))
+        return self.job_answer(definition)
 
 
 @extend_schema_view(
@@ -416,9 +471,9 @@ class JobPauseView(ManageView):
             "back-filled). Needs the `manage` scope."
         ),
         tags=["jobs"],
-        parameters=[doc.JOB_NAME],
+        parameters=[doc.JOB_NAME, doc.IF_MATCH, doc.ETAG],
         request=None,
-        responses=doc.responses({200: job_shape.DefinitionAnswer}, 404),
+        responses=doc.responses({200: job_shape.DefinitionAnswer}, 404, 412),
     )
 )
 class JobResumeView(JobPauseView):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -98,14 +98,28 @@ def snapshot(definition: JobDefinition) -> dict[str, Any]:
 
 
 def version_of(fields: dict[str, Any]) -> str:
-    """A short digest of a definition's fields (`snapshot`): what a form was opened on."""
+    """A short digest of a definition's fields (`snapshot`): what a form was opened on, the
+    API's ETag. The scheduler's own fields (the next fire time) are not in it."""
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def version(definition: JobDefinition) -> str:
+    return version_of(snapshot(definition))
+
+
+# The versions a change was prepared on (an edit form's, an If-Match's): the change is made
+# only to a definition still at one of them. None: to the definition as it is.
+Versions = Collection[str] | None
+
+
 class ChangedMeanwhile(Exception):
     """The definition is not as it was when the change was prepared (an edit form opened
-    before someone else's change): nothing is written."""
+    before someone else's change, an If-Match of an older version): nothing is written."""
+
+    def __init__(self, current: str) -> None:
+        self.current = current  # the definition's version now
+        super().__init__(f"The job is now at version {current}.")
 
 
 def spec_snapshot(spec: DefinitionSpec) -> dict[str, Any]:
@@ -168,12 +182,14 @@ def _apply_spec(definition: JobDefinition, spec: DefinitionSpec, now: datetime) 
         definition.next_due_at = initial_next_due_at(spec.schedule, now)
 
 
-def _locked(definition: JobDefinition) -> JobDefinition:
+def _locked(definition: JobDefinition, versions: Versions = None) -> JobDefinition:
     """The definition's row, locked until the transaction ends; DefinitionGone once another
-    client has deleted it."""
+    client has deleted it, ChangedMeanwhile when it is at none of `versions`."""
     locked = JobDefinition.objects.select_for_update().filter(pk=definition.pk).first()
     if locked is None:
         raise DefinitionGone(definition.name)
+    if versions is not None and (now := version(locked)) not in versions:
+        raise ChangedMeanwhile(now)
     return locked
 
 
@@ -216,6 +232,8 @@ def update_definition(
     definition: JobDefinition,
     spec: DefinitionSpec | Callable[[dict[str, Any]], DefinitionSpec],
     actor: Actor,
+    *,
+    versions: Versions = None,
 ) -> JobDefinition:
     """Replace a definition's fields; a changed schedule restarts from the next fire time,
     and the runs made ahead of time by the old one that nobody has claimed are deleted.
@@ -223,10 +241,11 @@ def update_definition(
     `spec` may be a function of the definition's fields (`snapshot`) as they are once its row
     is locked: a change of some fields (a PATCH) is then made to what another client changed
     meanwhile. Merged into fields read before the lock, it wrote the others back as they had
-    been read, undoing a pause made in between."""
+    been read, undoing a pause made in between. With `versions`, only a definition still at one
+    of them is changed (optimistic concurrency: ChangedMeanwhile otherwise)."""
     made_ahead: list[str] = []
     with shards.writing(database_to_write(definition.name)):
-        locked = _locked(definition)
+        locked = _locked(definition, versions)
         before = snapshot(locked)
         if callable(spec):
             spec = spec(before)
@@ -259,7 +278,9 @@ def update_definition(
     return locked
 
 
-def delete_definition(definition: JobDefinition, actor: Actor) -> None:
+def delete_definition(
+    definition: JobDefinition, actor: Actor, *, versions: Versions = None
+) -> None:
     """Delete a definition with its runs, attempts and payload files, audited.
 
     First the definition is marked `deleting`, with the audit event, in one short transaction:
@@ -270,11 +291,11 @@ def delete_definition(definition: JobDefinition, actor: Actor) -> None:
     go in batches by SQL, each its own transaction, so a definition with a million runs is
     neither loaded into memory (as the ORM's cascade would) nor deleted in one long transaction,
     and the row goes last. A process stopped in between leaves the rest to retention
-    (finish_deletions).
+    (finish_deletions). With `versions`, only a definition still at one of them is deleted.
     """
     alias = database_to_write(definition.name)
     with shards.writing(alias):
-        locked = _locked(definition)
+        locked = _locked(definition, versions)
         locked.deleting = True
         locked.next_due_at = None  # off the materialiser's index
         locked.save(update_fields=["deleting", "next_due_at", "updated_at"])
@@ -327,12 +348,15 @@ def finish_deletions() -> int:
     return sum(finished)
 
 
-def set_paused(definition: JobDefinition, paused: bool, actor: Actor) -> JobDefinition:
+def set_paused(
+    definition: JobDefinition, paused: bool, actor: Actor, *, versions: Versions = None
+) -> JobDefinition:
     """Pause or resume a definition. Pausing deletes the runs its schedule made ahead of their
-    time that nobody has claimed; resuming restarts from the next fire time: no back-fill."""
+    time that nobody has claimed; resuming restarts from the next fire time: no back-fill.
+    With `versions`, only a definition still at one of them is changed."""
     made_ahead: list[str] = []
     with shards.writing(database_to_write(definition.name)):
-        locked = _locked(definition)
+        locked = _locked(definition, versions)
         if locked.paused == paused:
             return locked
         locked.paused = paused

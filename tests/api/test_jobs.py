@@ -659,3 +659,90 @@ def test_a_patch_waiting_on_the_job_keeps_what_another_client_changed_meanwhile(
     for field, value in kept.items():
         assert answer.json()[field] == value, field
         assert api_a.get("/api/v1/jobs/kept.job").json()[field] == value, field
+
+
+def test_if_match_changes_only_the_version_the_client_read(api_a):
+    """Optimistic concurrency, opt-in: every answer of a job carries its version as the ETag;
+    a change naming an older one in If-Match is refused (412, the version now as the ETag) and
+    changes nothing; `*`, a current tag or no header goes through."""
+    path = f"/api/v1/jobs/{EXPORT['name']}"
+    created = api_a.post("/api/v1/jobs", EXPORT)
+    first = created.headers["ETag"]
+    assert first.startswith('"') and api_a.get(path).headers["ETag"] == first
+    patched = api_a.patch(path, {"timeoutSeconds": 60}, headers={"If-Match": first})
+    assert patched.status_code == 200, patched.text
+    second = patched.headers["ETag"]
+    assert second != first and api_a.get(path).headers["ETag"] == second
+    for refused in (
+        api_a.put(path, {**EXPORT, "timeoutSeconds": 5}, headers={"If-Match": first}),
+        api_a.patch(path, {"timeoutSeconds": 5}, headers={"If-Match": f"{first}, W/{second}"}),
+        api_a.post(f"{path}/pause", headers={"If-Match": first}),
+        api_a.delete(path, headers={"If-Match": first}),
+    ):
+        assert refused.status_code == 412, refused.text
+        assert refused.headers["ETag"] == second
+        assert refused.headers["Content-Type"] == "application/problem+json"
+        assert "Nothing was changed" in refused.json()["detail"]
+    job = api_a.get(path).json()
+    assert (job["timeoutSeconds"], job["paused"]) == (60, False)
+    assert AuditEvent.objects.filter(action__in=["job.update", "job.pause"]).count() == 1
+    bare = second.strip('"')  # a tag sent without its quotes is read as one
+    paused = api_a.post(f"{path}/pause", headers={"If-Match": f'"other", {bare}'})
+    assert paused.status_code == 200 and paused.headers["ETag"] not in (first, second)
+    assert api_a.patch(path, {"owner": "ops"}, headers={"If-Match": "*"}).status_code == 200
+    assert api_a.patch(path, {"owner": "oncall"}).status_code == 200
+    current = api_a.get(path).headers["ETag"]
+    assert api_a.delete(path, headers={"If-Match": current}).status_code == 204
+
+
+def test_put_with_preconditions_replaces_or_creates_only_as_asked(api_a):
+    path = "/api/v1/jobs/deploy.only-new"
+    missing = api_a.put(path, {"queue": "q"}, headers={"If-Match": '"abc"'})
+    assert missing.status_code == 412, missing.text  # no job to match: not created
+    assert not JobDefinition.objects.filter(name="deploy.only-new").exists()
+    created = api_a.put(path, {"queue": "q"}, headers={"If-None-Match": "*"})
+    assert created.status_code == 201, created.text
+    again = api_a.put(path, {"queue": "other"}, headers={"If-None-Match": "*"})
+    assert again.status_code == 412 and again.headers["ETag"] == created.headers["ETag"]
+    assert JobDefinition.objects.get(name="deploy.only-new").queue == "q"
+    replaced = api_a.put(path, {"queue": "other"}, headers={"If-Match": created.headers["ETag"]})
+    assert replaced.status_code == 200 and replaced.json()["queue"] == "other"
+
+
+def test_an_if_match_is_compared_under_the_jobs_lock(api_a):
+    """A PATCH naming the version it read, held on the job's row while a pause commits, is
+    refused: the pause stays, and the PATCH writes nothing."""
+    import threading
+
+    from tests.conftest import other_session
+    from tests.waiting import wait_for
+
+    read = api_a.put("/api/v1/jobs/kept.job", {"queue": "q"})
+    pk = JobDefinition.objects.get(name="kept.job").pk
+    answers = []
+    call = threading.Thread(
+        target=lambda: answers.append(
+            api_a.patch(
+                "/api/v1/jobs/kept.job",
+                {"timeoutSeconds": 77},
+                headers={"If-Match": read.headers["ETag"]},
+            )
+        )
+    )
+    with other_session() as changing, other_session(autocommit=True) as watching:
+        changing.execute("UPDATE jobs_jobdefinition SET paused = true WHERE id = %s", [pk])
+        holder = changing.info.backend_pid
+        call.start()
+        wait_for(
+            lambda: watching.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
+            ).fetchone(),
+            what="the PATCH to wait for the job's row",
+        )
+        changing.commit()
+    call.join(10)
+    (answer,) = answers
+    assert answer.status_code == 412, answer.text
+    job = api_a.get("/api/v1/jobs/kept.job")
+    assert job.json()["paused"] is True and job.json()["timeoutSeconds"] != 77
+    assert answer.headers["ETag"] == job.headers["ETag"]

@@ -280,21 +280,17 @@ def job_edit(request: HtmxHttpRequest, name: str) -> HttpResponse:
     form = DefinitionForm(request.POST, teams=teams, instance=definition)
     if not form.is_valid():
         return _form_page(request, form, definition)
-    seen, spec = form.cleaned_data.get("seen"), form.spec
-
-    def unless_changed(current: dict) -> services.DefinitionSpec:
-        if seen and services.version_of(current) != seen:
-            raise services.ChangedMeanwhile
-        return spec
-
+    seen = form.cleaned_data.get("seen")
     try:
-        services.update_definition(definition, unless_changed, actor(request))
+        services.update_definition(
+            definition, form.spec, actor(request), versions=[seen] if seen else None
+        )
     except services.ChangedMeanwhile:
         # The form keeps what was typed, now marked as seen over the job as it is: saving
         # again is a choice made knowing of the other change.
         definition = _definition(request, name)
         data = request.POST.copy()
-        data["seen"] = services.version_of(services.snapshot(definition))
+        data["seen"] = services.version(definition)
         form = DefinitionForm(data, teams=teams, instance=definition)
         form.is_valid()
         form.add_error(
