@@ -6,8 +6,10 @@ import json
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from django import forms
+from django.utils import timezone
 from pydantic import ValidationError as PydanticError
 from rest_framework.exceptions import ParseError
 from rest_framework.exceptions import ValidationError as DRFValidationError
@@ -42,10 +44,17 @@ RANGE_CHOICES = [("", "any time"), *((key, f"last {key}") for key in RANGES)]
 
 
 def _utc_input(value: datetime | None) -> datetime | None:
-    """A datetime-local input carries no zone: the dashboard means UTC everywhere."""
+    """A datetime-local input carries no zone: read in the form's (RunFilterForm.tz)."""
     if value is None:
         return None
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _zone(name: str) -> ZoneInfo | None:
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):  # unknown, or not a key ("../x", a NUL)
+        return None
 
 
 def _named(value: str, problem_of: Callable[[str], str | None]) -> str:
@@ -73,11 +82,25 @@ class RunFilterForm(forms.Form):
     # "groups": the failures grouped by error instead of one row per run.
     view = forms.ChoiceField(required=False, choices=[("", "runs"), ("groups", "groups")])
     cursor = forms.CharField(required=False, max_length=40, widget=forms.HiddenInput)
+    # The zone the "Due from/before" inputs are typed in: the reader's, set by the page's script
+    # (the page shows times in it), kept in the URL so a shared link means the same instants.
+    # Empty (no script): UTC.
+    tz = forms.CharField(required=False, max_length=64, widget=forms.HiddenInput)
 
     def __init__(self, data: Any, *, teams: list[Any], states: list[str]) -> None:
         super().__init__(data)
         self.fields["team"].choices = [("", "all teams")] + [(t.slug, t.slug) for t in teams]
         self.fields["state"].choices = [("", "any state")] + [(s, s) for s in states]
+
+    def full_clean(self) -> None:
+        # Django reads a datetime typed without a zone in the current one, and refuses a time
+        # that does not exist there (skipped by DST) or is ambiguous (repeated), with a reason.
+        raw = (self.data.get("tz") or "") if self.is_bound else ""
+        zone = (_zone(raw) if len(raw) <= 64 else None) if raw else UTC
+        with timezone.override(zone or UTC):
+            super().full_clean()
+        if zone is None:
+            self.add_error("tz", f"Not a time zone: {raw[:64]!r}.")
 
     def clean_cursor(self) -> int | None:
         raw = self.cleaned_data.get("cursor") or ""

@@ -133,6 +133,45 @@
   document.addEventListener("htmx:wsAfterMessage", function () {
     document.body.dataset.liveUpdates = String(Number(document.body.dataset.liveUpdates || 0) + 1);
   });
+
+  // A live update replaces a list whole, and new runs arrive at its top: a reader scrolled
+  // down the list found another run where they were reading. The first row in view (rows
+  // carry ids) is put back where it was, or, when it has left the list, the first of the
+  // rows below it that is still there; rows that were not there before are marked as new.
+  var reading = null;
+  function rowsInView() {
+    return Array.prototype.filter.call(document.querySelectorAll("tr[id]"), function (row) {
+      return row.getBoundingClientRect().bottom > 0;
+    });
+  }
+  document.addEventListener("htmx:wsBeforeMessage", function () {
+    var rows = document.querySelectorAll("tr[id]");
+    var seen = {};
+    rows.forEach(function (row) { seen[row.id] = true; });
+    var below = window.scrollY > 0 ? rowsInView() : [];
+    reading = {
+      seen: rows.length ? seen : null,
+      places: below.slice(0, 20).map(function (row) {
+        return { id: row.id, top: row.getBoundingClientRect().top };
+      }),
+    };
+  });
+  document.addEventListener("htmx:wsAfterMessage", function () {
+    var was = reading;
+    reading = null;
+    if (!was) return;
+    for (var i = 0; i < was.places.length; i++) {
+      var row = document.getElementById(was.places[i].id);
+      if (row) {
+        window.scrollBy(0, row.getBoundingClientRect().top - was.places[i].top);
+        break;
+      }
+    }
+    if (!was.seen) return;  // the list's first rows: nothing is new to the reader
+    document.querySelectorAll("tr[id]").forEach(function (row) {
+      if (!was.seen[row.id]) row.classList.add("arrived");
+    });
+  });
 })();
 
 // Times: every `<time data-when>` (the `when` template tag) shows the reader's local time with
@@ -180,11 +219,28 @@
       if (next && next.classList.contains("age")) next.textContent = age(now - at);
     });
   }
-  document.addEventListener("DOMContentLoaded", function () { refresh(); });
-  document.addEventListener("htmx:afterSwap", function (event) { refresh(event.target); });
+  // A filter's times are typed in the reader's zone, as the page shows them: its form says
+  // which (`tz`), unless it came with one (a shared link keeps the zone it was made in).
+  function zones(root) {
+    var mine;
+    try { mine = Intl.DateTimeFormat().resolvedOptions().timeZone; } catch (e) { mine = ""; }
+    (root || document).querySelectorAll("input[data-zone-input]").forEach(function (input) {
+      if (!input.value && mine) input.value = mine;
+      var form = input.form;
+      if (!form || !input.value) return;
+      form.querySelectorAll("[data-zone-name]").forEach(function (name) {
+        name.textContent = input.value;
+      });
+    });
+  }
+  document.addEventListener("DOMContentLoaded", function () { refresh(); zones(); });
+  document.addEventListener("htmx:afterSwap", function (event) {
+    refresh(event.target);
+    zones(event.target);
+  });
   document.addEventListener("htmx:wsAfterMessage", function () { refresh(); });
   setInterval(refresh, 5000);
-  if (document.readyState !== "loading") refresh();
+  if (document.readyState !== "loading") { refresh(); zones(); }
 })();
 
 // Narrow screens: the sections fold behind the "Menu" button (CSS shows it below 700 px).

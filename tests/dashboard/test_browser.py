@@ -6,6 +6,7 @@ Each test saves screenshots to test-artifacts/screenshots/ for a reviewer to loo
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 
 import httpx
 import pytest
@@ -17,7 +18,7 @@ from apps.jobs.models import JobDefinition
 from apps.runs.models import Run
 from apps.teams.models import ApiToken
 from tests.conftest import add_ready_runs, make_definition
-from tests.dashboard.conftest import PASSWORD, XSS, failed_runs
+from tests.dashboard.conftest import PASSWORD, XSS, BrowserPage, failed_runs
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -101,6 +102,59 @@ def test_a_failed_run_appears_without_reload_then_is_inspected_and_retried(web, 
     web.screenshot("run-detail-retried")
     assert web.dialogs == []  # the <script> never ran
     assert web.console_errors == []
+
+
+def test_a_reader_scrolled_down_the_failures_keeps_their_place_as_new_ones_arrive(
+    web, operator_a, job_a
+):
+    """New failures arrive at the top of the list: the row the reader was looking at stays
+    where it was on the screen (before: pushed down by each new row), and the new rows are
+    marked as such."""
+    failed_runs(job_a, 40, prefix="old")
+    web.sign_in(operator_a)
+    page = web.page
+    web.goto("/failures")
+    web.wait_live()
+    reading = page.locator("#" + page.locator("tbody tr[id]").nth(15).get_attribute("id"))
+    reading.scroll_into_view_if_needed()
+    page.mouse.wheel(0, 120)  # a little past it, as a reader scrolls
+    expect(reading).to_be_in_viewport()
+    top = reading.bounding_box()["y"]
+    updates = int(page.locator("body").get_attribute("data-live-updates") or 0)
+
+    newer = failed_runs(job_a, 3, prefix="new")
+    expect(page.locator(f"#run-row-{newer[0].pk}")).to_be_attached(timeout=10_000)
+    assert int(page.locator("body").get_attribute("data-live-updates")) > updates
+    assert abs(reading.bounding_box()["y"] - top) <= 1  # before: three rows lower
+    for run in newer:
+        expect(page.locator(f"#run-row-{run.pk}")).to_have_class(re.compile(r"\barrived\b"))
+    expect(page.locator("tr.arrived")).to_have_count(3)
+    web.screenshot("failures-reader-kept-in-place")
+    assert web.console_errors == []
+
+
+def test_the_due_filter_is_typed_in_the_readers_zone(browser, asgi_server, operator_a, job_a):
+    """A reader in New York types 10:00 as the page shows times: in their zone, said beside
+    the field, and kept in the link."""
+    early, late = failed_runs(job_a, 2)
+    Run.objects.filter(pk=early.pk).update(due_at=datetime(2026, 1, 10, 11, 0, tzinfo=UTC))
+    Run.objects.filter(pk=late.pk).update(due_at=datetime(2026, 1, 10, 16, 0, tzinfo=UTC))
+    context = browser.new_context(timezone_id="America/New_York")
+    try:
+        web = BrowserPage(context, asgi_server)
+        web.sign_in(operator_a)
+        page = web.page
+        web.goto("/failures")
+        expect(page.get_by_text("Due from (America/New_York)")).to_be_visible()
+        page.locator("input[name=due_from]").fill("2026-01-10T10:00")
+        page.get_by_role("button", name="Filter").click()
+        expect(page).to_have_url(re.compile(r"tz=America%2FNew_York"))
+        expect(page.locator(f"#run-row-{late.pk}")).to_be_visible()
+        expect(page.locator(f"#run-row-{early.pk}")).to_have_count(0)  # 06:00 there
+        expect(page.locator(f"#run-row-{late.pk} time")).to_contain_text("11:00:00")
+        assert web.console_errors == []
+    finally:
+        context.close()
 
 
 def test_two_dlq_runs_are_requeued_in_one_confirmed_bulk_action(web, operator_a, job_a):

@@ -4,7 +4,7 @@ one audit event), the run-id search, and what a run's page says about its errors
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from html import escape
 
 import pytest
@@ -145,6 +145,39 @@ def test_everything_matching_a_filter_is_counted_and_acted_on_with_the_window_it
     (event,) = AuditEvent.objects.filter(action="dlq.discard")
     assert event.before["filter"]["job"] == "billing.charge"
     assert "dueFrom" in event.before["filter"]
+
+
+def test_the_due_window_is_read_in_the_readers_zone_for_the_list_and_for_the_action(
+    operator, team_a
+):
+    """The page shows local times, and the page's script sends the reader's zone with the
+    filter (`tz`): 10:00 typed in New York is 15:00 UTC in January (before: 10:00 UTC)."""
+    job = make_definition(team_a, "billing.charge", queue="billing")
+    early, late = failed_runs(job, 2)
+    Run.objects.filter(pk=early.pk).update(due_at=datetime(2026, 1, 10, 11, 0, tzinfo=UTC))
+    Run.objects.filter(pk=late.pk).update(due_at=datetime(2026, 1, 10, 16, 0, tzinfo=UTC))
+    client = client_for(operator)
+    window = "due_from=2026-01-10T10:00&due_to=2026-01-10T12:00"
+    page = client.get(f"/dlq?{window}&tz=America/New_York").content.decode()
+    assert late.run_id in page and early.run_id not in page
+    assert "Due from (<span data-zone-name>America/New_York</span>)" in page
+    assert '<input type="hidden" name="tz" value="America/New_York">' in page  # carried on
+    in_utc = client.get(f"/dlq?{window}").content.decode()  # no script: UTC, as it says
+    assert early.run_id in in_utc and late.run_id not in in_utc and ">UTC</span>" in in_utc
+
+    ask = {"mode": "dlq", "action": "discard", "due_from": "2026-01-10T10:00",
+           "tz": "America/New_York"}  # fmt: skip
+    confirm = client.post("/runs/matching", ask).content.decode()
+    assert "Discard 1 run?" in confirm
+    assert 'name="due_from" value="2026-01-10T15:00:00"' in confirm  # as UTC from here on
+    client.post("/runs/matching", {**ask, "confirm": "yes"})
+    assert Run.objects.get(pk=late.pk).state == "cancelled"
+    assert Run.objects.get(pk=early.pk).state == "dead"
+
+    refused = client.get("/dlq?due_from=2026-01-10T10:00&tz=Mars/Olympus")
+    assert "Not a time zone" in refused.content.decode()
+    skipped = client.get("/dlq?due_from=2026-03-08T02:30&tz=America/New_York")  # DST's gap
+    assert "may not exist" in skipped.content.decode()
 
 
 def test_a_confirmed_action_leaves_out_the_runs_that_failed_after_the_count(operator, team_a):

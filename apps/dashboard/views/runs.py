@@ -88,7 +88,9 @@ MODES = {
 }  # fmt: skip
 
 # The list filters a bulk action by filter carries to its confirmation and back.
-FILTER_FIELDS = ("team", "queue", "job", "state", "range", "due_from", "due_to", "error", "group")
+FILTER_FIELDS = (
+    "team", "queue", "job", "state", "range", "due_from", "due_to", "tz", "error", "group",
+)  # fmt: skip
 
 
 def _branches(mode: str, state: str) -> list[runlist.Branch]:
