@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -305,7 +306,9 @@ class JobDetailView(ManageView):
         summary="Create or replace a job definition",
         description=(
             "Jobs as code: create the definition named in the path (201) or replace it (200); "
-            "omitted fields take their defaults. With `If-Match`, only replace the job at that "
+            "omitted fields take their defaults, but for `paused` and `dryRun`, which a "
+            "replacement that leaves them out keeps as they are. With `If-Match`, only replace "
+            "the job at that "
             "version (412 otherwise, also when there is no job); with `If-None-Match: *`, only "
             "create (412 when it exists). Needs the `manage` scope."
         ),
@@ -412,7 +415,8 @@ class JobDetailView(ManageView):
                     merged["schedule"] = {k: v for k, v in schedule.items() if v is not None}
                 else:
                     merged[key] = value
-            return self.body(request, job_shape.Definition, _named(merged, name)).to_spec()
+            spec = self.body(request, job_shape.Definition, _named(merged, name)).to_spec()
+            return replace(spec, keeps=frozenset())  # a switch nulled here takes its default
 
         return self.job_answer(
             services.update_definition(

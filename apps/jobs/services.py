@@ -65,6 +65,11 @@ class DefinitionSpec:
     concurrency_key_field: str = ""
     rate_limit_count: int | None = None
     rate_limit_period_seconds: int | None = None
+    # The switches people flip while the job runs (a pause in an incident, dry run while a job
+    # is moved over) that the body left unsaid: a replacement (PUT, jobs as code) keeps them as
+    # they are, as a file that never mentions `paused` must not resume a job on every deploy.
+    # A creation gives them their defaults.
+    keeps: frozenset[str] = frozenset()
 
 
 def spec_of(definition: JobDefinition) -> DefinitionSpec:
@@ -169,11 +174,22 @@ def as_stored(spec: DefinitionSpec, stored_schedule: dict) -> DefinitionSpec:
     return replace(spec, schedule=stored_schedule)
 
 
+def held(spec: DefinitionSpec, definition: JobDefinition) -> DefinitionSpec:
+    """`spec` with the switches it left unsaid (`keeps`) as `definition` has them."""
+    if not spec.keeps:
+        return spec
+    return replace(spec, keeps=frozenset(), **{f: getattr(definition, f) for f in spec.keeps})
+
+
+# The fields of a spec that are the definition's (`keeps` says how to make one, it is not one).
+_STORED = [field for field in DefinitionSpec.__dataclass_fields__ if field != "keeps"]
+
+
 def _apply_spec(definition: JobDefinition, spec: DefinitionSpec, now: datetime) -> None:
     schedule_changed = definition.pk is None or not _same_schedule(
         definition.schedule, spec.schedule
     )
-    for field in DefinitionSpec.__dataclass_fields__:
+    for field in _STORED:
         setattr(definition, field, getattr(spec, field))
     definition.payload, definition.payload_key = payloads.place(spec.payload)
     definition.shard = sched.shard_for(spec.name)
@@ -250,7 +266,7 @@ def update_definition(
         if callable(spec):
             spec = spec(before)
         was_paused, was_limited = locked.paused, locked.limited
-        spec = as_stored(spec, locked.schedule)
+        spec = as_stored(held(spec, locked), locked.schedule)
         schedule_changed = spec.schedule is not locked.schedule
         _apply_spec(locked, spec, database_now())
         after = snapshot(locked)

@@ -122,7 +122,9 @@ def plan_sync(team, specs: dict[str, services.DefinitionSpec], *, prune: bool) -
             plan.changes.append(Change("create", name, after=services.spec_snapshot(spec)))
             continue
         before = services.snapshot(current)
-        wanted = services.spec_snapshot(services.as_stored(spec, current.schedule))
+        wanted = services.spec_snapshot(
+            services.as_stored(services.held(spec, current), current.schedule)
+        )
         if before == wanted:
             plan.unchanged.append(name)
         else:

@@ -746,3 +746,64 @@ def test_an_if_match_is_compared_under_the_jobs_lock(api_a):
     job = api_a.get("/api/v1/jobs/kept.job")
     assert job.json()["paused"] is True and job.json()["timeoutSeconds"] != 77
     assert answer.headers["ETag"] == job.headers["ETag"]
+
+
+def test_a_replacement_that_leaves_the_switches_unsaid_keeps_them(api_a):
+    """A jobs-as-code file that never mentions `paused` or `dryRun` (the reference's job JSON
+    does not) must not resume a job paused in an incident, nor take a job out of dry run, on
+    every deploy: PUT and the sync keep what the body leaves unsaid, and apply what it says."""
+    body = {k: v for k, v in EXPORT.items() if k != "name"}
+    path = f"/api/v1/jobs/{EXPORT['name']}"
+    created = api_a.put(path, body)
+    assert created.status_code == 201 and created.json()["paused"] is False
+    api_a.post(f"{path}/pause")
+    api_a.patch(path, {"dryRun": True})
+    events = AuditEvent.objects.count()
+
+    replaced = api_a.put(path, body)
+    assert replaced.status_code == 200, replaced.text
+    assert (replaced.json()["paused"], replaced.json()["dryRun"]) == (True, True)
+    assert AuditEvent.objects.count() == events  # nothing changed, nothing audited
+    synced = api_a.put("/api/v1/jobs", {"jobs": [EXPORT]})
+    assert synced.json()["summary"]["unchanged"] == 1, synced.text
+    job = api_a.get(path).json()
+    assert (job["paused"], job["dryRun"]) == (True, True)
+
+    said = api_a.put("/api/v1/jobs", {"jobs": [{**EXPORT, "paused": False}]}).json()
+    assert [c["fields"] for c in said["changes"]] == [{"paused": {"before": True, "after": False}}]
+    assert api_a.put(path, {**body, "dryRun": False}).json()["dryRun"] is False
+    assert api_a.get(path).json()["paused"] is False
+    # A PATCH's null still drops a switch to its default.
+    api_a.post(f"{path}/pause")
+    assert api_a.patch(path, {"paused": None}).json()["paused"] is False
+
+
+def test_a_replacement_waiting_on_the_job_keeps_a_pause_made_meanwhile(api_a):
+    import threading
+
+    from tests.conftest import other_session
+    from tests.waiting import wait_for
+
+    api_a.put("/api/v1/jobs/kept.job", {"queue": "q"})
+    pk = JobDefinition.objects.get(name="kept.job").pk
+    answers = []
+    call = threading.Thread(
+        target=lambda: answers.append(
+            api_a.put("/api/v1/jobs/kept.job", {"queue": "q", "timeoutSeconds": 77})
+        )
+    )
+    with other_session() as changing, other_session(autocommit=True) as watching:
+        changing.execute("UPDATE jobs_jobdefinition SET paused = true WHERE id = %s", [pk])
+        holder = changing.info.backend_pid
+        call.start()
+        wait_for(
+            lambda: watching.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
+            ).fetchone(),
+            what="the PUT to wait for the job's row",
+        )
+        changing.commit()
+    call.join(10)
+    (answer,) = answers
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["paused"], answer.json()["timeoutSeconds"]) == (True, 77)

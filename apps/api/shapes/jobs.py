@@ -375,7 +375,14 @@ class Definition(Body):
             concurrency_key_field=self.concurrencyKeyField,
             rate_limit_count=self.rateLimit.count if self.rateLimit else None,
             rate_limit_period_seconds=self.rateLimit.periodSeconds if self.rateLimit else None,
+            keeps=frozenset(
+                field for field, name in _SWITCHES.items() if name not in self.model_fields_set
+            ),
         )
+
+
+# The switches a body may leave unsaid for a replacement to keep (DefinitionSpec.keeps).
+_SWITCHES = {"paused": "paused", "dry_run": "dryRun"}
 
 
 class DefinitionReplace(Definition):
