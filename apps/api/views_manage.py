@@ -250,6 +250,8 @@ class JobsView(ManageView):
         try:
             specs = sync.validate(body.jobs, job_shape.Definition.to_spec)
             plan = sync.plan_sync(self.team(request), specs, prune=body.prune)
+        except services.NameTaken as exc:  # still being deleted
+            raise Conflict(f"Nothing was changed: {exc}") from exc
         except sync.NamesTaken as exc:
             by_team: dict[int, tuple[Any, list[str]]] = {}
             for definition in exc.taken:

@@ -249,6 +249,14 @@ def _why_run(run: Run, now: datetime) -> list[Reason]:
             Reason("finished", f"The run is {run.state}; it will not run again unless retried.")
         ]
     definition = run.definition
+    if definition.deleting:
+        return [
+            Reason(
+                "job_deleted",
+                f"The job {definition.name} is being deleted: the run will not be claimed, and "
+                "goes with the job's other runs.",
+            )
+        ]
     reasons = []
     if run.available_at > now:
         code, what = (

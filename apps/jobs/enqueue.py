@@ -15,7 +15,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from decimal import Decimal
 from typing import Any, NamedTuple
 
 import orjson
@@ -55,33 +54,19 @@ class Created:
 def payload_difference(existing: Any, asked: Any) -> list[str] | None:
     """None when the payloads are equal, else the top-level fields that differ ([] when one is
     not an object)."""
-    if same_json(existing, asked):
+    if payloads.same_json(existing, asked):
         return None
     if isinstance(existing, dict) and isinstance(asked, dict):
         keys = set(existing) | set(asked)
         return sorted(
-            k for k in keys if not same_json(existing.get(k, _MISSING), asked.get(k, _MISSING))
+            k
+            for k in keys
+            if not payloads.same_json(existing.get(k, _MISSING), asked.get(k, _MISSING))
         )
     return []
 
 
 _MISSING = object()
-
-
-def same_json(a: Any, b: Any) -> bool:
-    """Whether two JSON values are equal as the database compares them: numbers by their
-    decimal value. A stored payload reads back as PostgreSQL wrote it (1e25 as the integer
-    10000000000000000000000000, which Python's float 1e25 is not equal to), and a retry that
-    sends the same body must still match its run."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        return a == b or Decimal(repr(a)) == Decimal(repr(b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(map(same_json, a, b))
-    return a == b
 
 
 class Wanted(NamedTuple):

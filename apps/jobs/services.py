@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import IntegrityError, transaction
 
@@ -105,7 +105,11 @@ def snapshot(definition: JobDefinition) -> dict[str, Any]:
 def version_of(fields: dict[str, Any]) -> str:
     """A short digest of a definition's fields (`snapshot`): what a form was opened on, the
     API's ETag. The scheduler's own fields (the next fire time) are not in it."""
-    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    # Numbers as PostgreSQL keeps them (payloads.canonical): the answer to a PUT of `1e25`
+    # must carry the version a GET, which reads the stored payload back, answers.
+    text = json.dumps(
+        payloads.canonical(fields), sort_keys=True, separators=(",", ":"), default=str
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -270,7 +274,7 @@ def update_definition(
         schedule_changed = spec.schedule is not locked.schedule
         _apply_spec(locked, spec, database_now())
         after = snapshot(locked)
-        if before == after:
+        if payloads.same_json(before, after):  # the same body again (1e25 read back whole)
             return locked
         if schedule_changed:
             made_ahead = retention.delete_made_ahead(locked.pk)
@@ -294,6 +298,13 @@ def update_definition(
     return locked
 
 
+class Doomed(NamedTuple):
+    """A definition marked `deleting`, whose runs and row are still to go: where it is."""
+
+    alias: str
+    pk: int
+
+
 def delete_definition(
     definition: JobDefinition, actor: Actor, *, versions: Versions = None
 ) -> None:
@@ -309,6 +320,12 @@ def delete_definition(
     and the row goes last. A process stopped in between leaves the rest to retention
     (finish_deletions). With `versions`, only a definition still at one of them is deleted.
     """
+    finish_delete(begin_delete(definition, actor, versions=versions))
+
+
+def begin_delete(definition: JobDefinition, actor: Actor, *, versions: Versions = None) -> Doomed:
+    """The first step of a delete (delete_definition): mark the definition, audited, in a
+    transaction of its own or the caller's. Its runs go with `finish_delete`, after it commits."""
     alias = database_to_write(definition.name)
     with shards.writing(alias):
         locked = _locked(definition, versions)
@@ -323,11 +340,12 @@ def delete_definition(
             target=definition.name,
             before=snapshot(locked),
         )
-    _finish_delete(alias, locked.pk)
+    return Doomed(alias, locked.pk)
 
 
-def _finish_delete(alias: str, pk: int) -> None:
-    """Delete the runs of a definition marked `deleting`, then its row."""
+def finish_delete(doomed: Doomed) -> None:
+    """Delete the runs of a definition marked `deleting`, in batches, then its row."""
+    alias, pk = doomed
     with shards.using(alias):
         retention.delete_runs_of(pk)
     with shards.writing(alias):
@@ -357,7 +375,7 @@ def finish_deletions() -> int:
             .values_list("pk", flat=True)
         )
         for pk in left:
-            _finish_delete(alias, pk)
+            finish_delete(Doomed(alias, pk))
         return len(left)
 
     finished, _ = shards.gather(here)

@@ -12,7 +12,7 @@ from typing import Any
 from apps.audit.record import Actor
 from apps.jobs import services
 from apps.jobs.models import DefinitionGone, JobDefinition
-from apps.runs import shards
+from apps.runs import payloads, shards
 
 
 class SyncError(ValueError):
@@ -43,7 +43,11 @@ class Change:
     def changed_fields(self) -> list[str]:
         if self.before is None or self.after is None:
             return []
-        return sorted(key for key in self.after if self.before.get(key) != self.after.get(key))
+        return sorted(
+            key
+            for key in self.after
+            if not payloads.same_json(self.before.get(key), self.after.get(key))
+        )
 
     def as_json(self) -> dict[str, Any]:
         answer: dict[str, Any] = {"action": self.action, "name": self.name}
@@ -102,20 +106,28 @@ def validate(entries: Any, parse) -> dict[str, services.DefinitionSpec]:
 def plan_sync(team, specs: dict[str, services.DefinitionSpec], *, prune: bool) -> SyncPlan:
     plan = SyncPlan(team=team, specs=specs)
     # The team's definitions on every shard database (the plan must see them all), with the
-    # listed names taken by other teams.
+    # listed names taken by other teams, and those of jobs still being deleted.
     found, _ = shards.gather(
         lambda: (
             list(JobDefinition.objects.filter(team=team)),
             shards.with_teams(
                 JobDefinition.objects.filter(name__in=list(specs)).exclude(team=team)
             ),
+            list(
+                JobDefinition.everything.filter(name__in=list(specs), deleting=True).values_list(
+                    "name", flat=True
+                )
+            ),
         ),
         strict=True,
     )
-    elsewhere = [definition for _, taken in found for definition in taken]
+    elsewhere = [definition for _, taken, _ in found for definition in taken]
     if elsewhere:
         raise NamesTaken(elsewhere)
-    existing = {d.name: d for definitions, _ in found for d in definitions}
+    going = sorted(name for _, _, names in found for name in names)
+    if going:  # what applying the plan would meet: a dry run says so too
+        raise services.NameTaken(going[0], deleting=True)
+    existing = {d.name: d for definitions, _, _ in found for d in definitions}
     for name, spec in sorted(specs.items()):
         current = existing.get(name)
         if current is None:
@@ -125,7 +137,7 @@ def plan_sync(team, specs: dict[str, services.DefinitionSpec], *, prune: bool) -
         wanted = services.spec_snapshot(
             services.as_stored(services.held(spec, current), current.schedule)
         )
-        if before == wanted:
+        if payloads.same_json(before, wanted):
             plan.unchanged.append(name)
         else:
             plan.changes.append(Change("update", name, before=before, after=wanted))
@@ -137,7 +149,9 @@ def plan_sync(team, specs: dict[str, services.DefinitionSpec], *, prune: bool) -
 
 def apply_sync(plan: SyncPlan, actor: Actor) -> None:
     """Apply a plan in one transaction per database (`shards.writing_everywhere`); each change
-    writes its own audit event."""
+    writes its own audit event. A job it deletes is marked deleted in that transaction, gone
+    for every call from its commit; its runs then go in batches, after it (as a DELETE's)."""
+    doomed: list[services.Doomed] = []
     with shards.writing_everywhere():
         for change in plan.changes:
             if change.action == "create":
@@ -149,4 +163,6 @@ def apply_sync(plan: SyncPlan, actor: Actor) -> None:
             if change.action == "update":
                 services.update_definition(definition, plan.specs[change.name], actor)
             else:
-                services.delete_definition(definition, actor)
+                doomed.append(services.begin_delete(definition, actor))
+    for marked in doomed:
+        services.finish_delete(marked)

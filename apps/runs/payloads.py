@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterable
+from decimal import Decimal
 from typing import Any
 
 import orjson
@@ -34,6 +35,31 @@ logger = logging.getLogger(__name__)
 
 INLINE_LIMIT = 4 * 1024
 PREFIX = "payloads/"
+
+
+def canonical(value: Any) -> Any:
+    """A JSON value as the database compares it: numbers by their decimal value, told apart
+    from strings. A stored payload reads back as PostgreSQL wrote it (1e25 as the integer
+    10000000000000000000000000, which Python's float 1e25 is not equal to; 2.0 as 2.0, 1.50 as
+    1.50): both sides of a comparison, and a digest, must not see a difference there."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int | float):
+        number = Decimal(repr(value))
+        return "n" + str(number.normalize() if number else 0)  # -0 is 0
+    if isinstance(value, str):
+        return "s" + value
+    if isinstance(value, dict):
+        return {key: canonical(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [canonical(item) for item in value]
+    return value
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Whether two JSON values are equal as the database compares them (`canonical`): a retry
+    that sends the same body must still match its run."""
+    return canonical(a) == canonical(b)
 
 
 def _storage():

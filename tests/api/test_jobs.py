@@ -807,3 +807,64 @@ def test_a_replacement_waiting_on_the_job_keeps_a_pause_made_meanwhile(api_a):
     (answer,) = answers
     assert answer.status_code == 200, answer.text
     assert (answer.json()["paused"], answer.json()["timeoutSeconds"]) == (True, 77)
+
+
+def test_a_payload_the_database_rewrites_answers_the_etag_a_read_answers(api_a):
+    """PostgreSQL keeps 1e25 as 10000000000000000000000000: the ETag of the PUT's answer was
+    taken from the number as sent, so it was not the job's version (a GET's), and If-Match with
+    it failed; the same PUT again was audited as a change each time."""
+    path = "/api/v1/jobs/etag.number"
+    body = {"queue": "q", "payload": {"x": 1e25, "y": 1.50, "z": "1e25"}}
+    created = api_a.put(path, body)
+    assert created.status_code == 201, created.text
+    assert created.headers["ETag"] == api_a.get(path).headers["ETag"]
+    events = AuditEvent.objects.count()
+    again = api_a.put(path, body, headers={"If-Match": created.headers["ETag"]})
+    assert again.status_code == 200, again.text
+    assert AuditEvent.objects.count() == events  # the same body: no change, none audited
+    assert again.headers["ETag"] == created.headers["ETag"]
+    synced = api_a.put("/api/v1/jobs", {"jobs": [{"name": "etag.number", **body}]}).json()
+    assert synced["summary"]["unchanged"] == 1
+    changed = api_a.put(path, {**body, "payload": {"x": 1e25, "y": 1.50, "z": 1e25}})
+    assert changed.headers["ETag"] != created.headers["ETag"]  # a string is not a number
+
+
+def test_a_sync_that_prunes_a_job_makes_it_gone_when_it_commits_and_deletes_its_runs_after(
+    api_a, team_a
+):
+    """The jobs-as-code sync deleted a pruned job's runs inside its one transaction: the job
+    stayed readable and its runs leasable until all were gone. Now it is marked in the sync's
+    transaction and its runs go after, in batches; a name still being deleted is refused by
+    the dry run as by the sync itself."""
+    from apps.runs import retention
+    from tests.conftest import add_ready_runs, make_definition
+
+    doomed = make_definition(team_a, "prune.me", queue="q")
+    add_ready_runs(doomed, 12)
+    batches: list[int] = []
+    real = retention.delete_runs_of
+
+    def watched(definition_id: int, batch: int = 5000) -> int:
+        # What the rest of the world sees while the runs go: the job is already gone.
+        batches.append(api_a.get("/api/v1/jobs/prune.me").status_code)
+        return real(definition_id, batch=5)
+
+    from unittest import mock
+
+    with mock.patch.object(retention, "delete_runs_of", watched):
+        answer = api_a.put("/api/v1/jobs", {"jobs": [], "prune": True})
+    assert answer.status_code == 200, answer.text
+    assert batches and set(batches) == {404}  # before: 200 until the sync returned
+    assert not JobDefinition.everything.filter(pk=doomed.pk).exists()
+    assert not Run.objects.filter(definition_id=doomed.pk).exists()
+
+    going = make_definition(team_a, "going.job", queue="q")
+    (left,) = add_ready_runs(going, 1)
+    JobDefinition.objects.filter(pk=going.pk).update(deleting=True)
+    for dry in (True, False):
+        refused = api_a.put("/api/v1/jobs", {"jobs": [{"name": "going.job", "queue": "q"}],
+                                             "dryRun": dry})  # fmt: skip
+        assert refused.status_code == 409, refused.text
+        assert "is being deleted" in refused.json()["detail"]
+    why = api_a.get(f"/api/v1/runs/{public_run_id(left)}/why")
+    assert [reason["code"] for reason in why.json()["reasons"]] == ["job_deleted"]

@@ -34,6 +34,7 @@ OffsetTime = Annotated[
 ReasonCode = Literal[
     "running",
     "finished",
+    "job_deleted",
     "backoff",
     "scheduled",
     "definition_paused",

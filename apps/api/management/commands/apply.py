@@ -23,7 +23,7 @@ from apps.api.errors import PayloadTooLarge
 from apps.api.parsers import parse_json
 from apps.api.shapes.jobs import parse_definition
 from apps.audit.record import Actor
-from apps.jobs import sync
+from apps.jobs import services, sync
 from apps.jobs.models import DefinitionGone
 from apps.runs import shards
 from apps.teams.models import Team
@@ -72,6 +72,8 @@ class Command(BaseCommand):
             plan = sync.plan_sync(owner, sync.validate(entries, parse_definition), prune=prune)
         except PayloadTooLarge as exc:
             raise CommandError(f"{file}: {exc.detail}") from exc
+        except services.NameTaken as exc:
+            raise CommandError(f"{exc} Nothing was changed.") from exc
         except sync.SyncError as exc:
             for where, reasons in exc.errors.items():
                 self.stderr.write(f"{_at(node, where)}: {' '.join(reasons)}")
@@ -82,7 +84,7 @@ class Command(BaseCommand):
             return
         try:
             sync.apply_sync(plan, Actor.cli(f"apply {path.name}"))
-        except DefinitionGone as exc:
+        except (DefinitionGone, services.NameTaken) as exc:
             raise CommandError(f"{exc} Nothing was changed: run apply again.") from exc
         self.stdout.write(f"Applied: {self._counts(plan)}.")
 
