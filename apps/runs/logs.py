@@ -1,5 +1,7 @@
 """Events of single runs, one JSON line each (apps/ops/logs.py formats them): leased, succeeded,
-failed, reaped, each with the run id, job, attempt and fencing token."""
+failed, reaped, each with the run id and attempt, the fencing token where the worker gave one,
+and the job where the statement reads its definition (a lease, a failure, a reap; a completion's
+statement keeps to the run's row, so its line names the run only)."""
 
 from __future__ import annotations
 

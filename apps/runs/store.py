@@ -1244,7 +1244,7 @@ WITH input AS (
     UPDATE runs_attempt a SET ended_at = now(), outcome = done.state
     FROM done WHERE a.run_id = done.id AND a.number = done.attempt
 ), counted AS ({counters.count_succeeded("done")})
-SELECT id, state, NULL::timestamptz AS available_at, queue FROM done
+SELECT id, state, NULL::timestamptz AS available_at, queue, attempt FROM done
 """
 
 # ---------------------------------------------------------------------------------------------
@@ -1287,7 +1287,7 @@ WITH input AS (
     FROM target t, jobs_jobdefinition d
     WHERE r.id = t.id AND d.id = r.definition_id
     RETURNING r.id, r.attempt, r.state, r.available_at, r.last_error, r.queue, r.team_id,
-              r.priority
+              r.priority, d.name AS job
 ), ended AS (
     UPDATE runs_attempt a
     SET ended_at = now(), outcome = CASE WHEN f.state = 'cancelled' THEN 'cancelled' ELSE 'failed' END,
@@ -1296,7 +1296,7 @@ WITH input AS (
         error_stack = coalesce(f.last_error->>'stack', '')
     FROM failed f WHERE a.run_id = f.id AND a.number = f.attempt
 ), counted AS ({counters.count_failed("failed")})
-SELECT id, state, available_at, queue FROM failed
+SELECT id, state, available_at, queue, attempt, job FROM failed
 """
 
 # Reap: leases past their expiry become failed attempts, `timed_out` when the attempt's deadline
@@ -1332,14 +1332,14 @@ WITH expired AS (
     WHERE r.id = e.id AND d.id = r.definition_id
       AND r.state = 'leased' AND r.lease_expires_at <= now()
     RETURNING r.id, r.attempt, r.state, r.queue, r.available_at, r.last_error, r.team_id,
-              r.priority
+              r.priority, d.name AS job
 ), ended AS (
     UPDATE runs_attempt a
     SET ended_at = now(), outcome = rp.last_error->>'type', error_message = rp.last_error->>'message',
         error_type = rp.last_error->>'type'
     FROM reaped rp WHERE a.run_id = rp.id AND a.number = rp.attempt
 ), counted AS ({counters.count_failed("reaped")})
-SELECT id, state, queue, available_at, last_error->>'type' AS outcome FROM reaped
+SELECT id, state, queue, available_at, last_error->>'type' AS outcome, attempt, job FROM reaped
 """
 
 
@@ -1353,6 +1353,8 @@ class Outcome(NamedTuple):
     available_at: datetime | None = None
     queue: str = ""
     detail: str = ""
+    attempt: int | None = None  # of a changed run (for its log line)
+    job: str = ""  # of a failed run (its statement joins the definition; a completion's not)
     denied_team_id: int | None = None  # set when the run exists but belongs to another team
     code: str = ""  # the problem type of a 409: "cancelled" when a cancel was asked for
     # A 409 for the run's current token on a run whose lease its worker's outcome ended: the
@@ -1464,6 +1466,8 @@ def _apply_on(
                 lease_expires_at=row.get("lease_expires_at"),
                 available_at=row.get("available_at"),
                 queue=row.get("queue", ""),
+                attempt=row.get("attempt"),
+                job=row.get("job", ""),
             )
     return outcomes
 
@@ -1484,6 +1488,8 @@ def _log_outcomes(outcomes: Sequence[Outcome], items: Sequence[tuple]) -> None:
             fencing_token=tokens.get(outcome.id),
             state=outcome.state,
             queue=outcome.queue or None,
+            job=outcome.job or None,
+            attempt=outcome.attempt,
         )
 
 
@@ -1549,6 +1555,8 @@ class Reaped:
     state: str
     queue: str
     outcome: str
+    attempt: int
+    job: str
 
 
 def reap(*, shards: Sequence[int] | None = None, batch: int = 500) -> list[Reaped]:
@@ -1566,7 +1574,14 @@ def reap(*, shards: Sequence[int] | None = None, batch: int = 500) -> list[Reape
             with placement.using(alias), atomic(), server_cursor() as cursor:
                 cursor.execute(REAP, {"shards": held, "batch": batch, **REAPED_FINGERPRINTS})
                 reaped += [
-                    Reaped(row["id"], row["state"], row["queue"], row["outcome"])
+                    Reaped(
+                        row["id"],
+                        row["state"],
+                        row["queue"],
+                        row["outcome"],
+                        row["attempt"],
+                        row["job"],
+                    )
                     for row in _rows(cursor)
                 ]
         except placement.DOWN as exc:
@@ -1583,5 +1598,7 @@ def reap(*, shards: Sequence[int] | None = None, batch: int = 500) -> list[Reape
             outcome=item.outcome,
             state=item.state,
             queue=item.queue,
+            job=item.job,
+            attempt=item.attempt,
         )
     return reaped

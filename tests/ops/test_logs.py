@@ -1,4 +1,5 @@
-"""Run events as JSON lines carrying the run id, job, attempt and fencing token."""
+"""Run events as JSON lines carrying the run id, attempt, fencing token and (but for a
+completion's) the job."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from apps.ops.logs import JsonFormatter
 from apps.runs import store
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
+from apps.runs.models import Run
 from tests.conftest import add_ready_runs, make_definition
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -35,6 +37,29 @@ def test_a_run_can_be_followed_by_its_id(team_a, caplog):
     assert lines[0]["job"] == "log.job" and lines[0]["attempt"] == 1
     assert lines[0]["fencing_token"] == lease.fencing_token and lines[0]["worker_id"] == "host/1"
     assert lines[2]["msg"].startswith("refused (409)")
+    assert lines[1]["attempt"] == 1  # before: a completion's line had no attempt
+
+
+def test_failed_and_reaped_runs_are_logged_with_their_job_and_attempt(team_a, caplog):
+    definition = make_definition(team_a, "log.fails", queue="lq", retry_max_attempts=3)
+    add_ready_runs(definition, 2)
+    with caplog.at_level(logging.INFO, logger="scheduler.runs"):
+        first, second = store.claim(queues=["lq"], max_runs=2, worker_id="w", lease_seconds=60)
+        store.fail(
+            [(first.id, first.fencing_token, {"message": "boom"}, True)], team_ids=[team_a.pk]
+        )
+        expired = datetime(2000, 1, 1, tzinfo=UTC)
+        Run.objects.filter(pk=second.id).update(lease_expires_at=expired)
+        store.reap()
+    lines = {
+        line["run_id"]: line
+        for line in (json.loads(JsonFormatter().format(r)) for r in caplog.records)
+        if line["msg"] != "run leased"
+    }
+    failed, reaped = lines[public_run_id(first.id)], lines[public_run_id(second.id)]
+    assert (failed["msg"], failed["job"], failed["attempt"]) == ("run retrying", "log.fails", 1)
+    assert reaped["msg"] == "run reaped: lease_expired"
+    assert (reaped["job"], reaped["attempt"]) == ("log.fails", 1)
 
 
 def test_a_lines_time_is_written_as_every_instant_is_to_the_millisecond():
