@@ -142,14 +142,21 @@ def _hhmm(naive: datetime) -> str:
     return naive.strftime("%H:%M")
 
 
-def _skipped_note(slots: list[datetime]) -> str:
+def _cause(zone: ZoneInfo, moment: datetime) -> str:
+    """What moved the clocks at the UTC instant `moment`: daylight saving time, or a change of
+    the zone's standard offset (Samoa skipped 30 December 2011 to cross the date line)."""
+    before, after = (moment - ONE_SECOND).astimezone(zone), moment.astimezone(zone)
+    return "DST" if before.dst() != after.dst() else "the zone's UTC offset changed"
+
+
+def _skipped_note(slots: list[datetime], cause: str) -> str:
     if len(slots) == 1:
-        return f"{_hhmm(slots[0])} does not exist on this day (DST); that run is skipped"
+        return f"{_hhmm(slots[0])} does not exist on this day ({cause}); that run is skipped"
     if len(slots) <= 4:
         listed = ", ".join(_hhmm(s) for s in slots[:-1]) + f" and {_hhmm(slots[-1])}"
     else:
         listed = f"{_hhmm(slots[0])} to {_hhmm(slots[-1])} ({len(slots)} times)"
-    return f"{listed} do not exist on this day (DST); those runs are skipped"
+    return f"{listed} do not exist on this day ({cause}); those runs are skipped"
 
 
 def _dropped_before(cron: Cron, zone: ZoneInfo, run: datetime, offset: timedelta) -> str:
@@ -181,7 +188,7 @@ def _dropped_before(cron: Cron, zone: ZoneInfo, run: datetime, offset: timedelta
         slot = cron.first_after(slot)
     if not slots or slot != run:
         return ""
-    return _skipped_note(slots)
+    return _skipped_note(slots, _cause(zone, moment))
 
 
 def iter_fire_times(cron: Cron, zone: ZoneInfo, after: datetime) -> Iterator[FireTime]:
@@ -240,7 +247,7 @@ def iter_fire_times(cron: Cron, zone: ZoneInfo, after: datetime) -> Iterator[Fir
                 )
                 if moment > last:
                     note = (
-                        f"{_hhmm(naive)} does not exist on this day (DST); "
+                        f"{_hhmm(naive)} does not exist on this day ({_cause(zone, moment)}); "
                         "runs at the next valid time"
                     )
                     yield FireTime(moment.astimezone(zone), moment, note)
@@ -248,8 +255,9 @@ def iter_fire_times(cron: Cron, zone: ZoneInfo, after: datetime) -> Iterator[Fir
         elif not cron.wall_clock:
             utc = (naive - first).replace(tzinfo=UTC)
             if utc > last:
+                moment = _transition(zone, utc, (naive - second).replace(tzinfo=UTC))
                 note = (
-                    f"{_hhmm(naive)} occurs twice on this day (DST); "
+                    f"{_hhmm(naive)} occurs twice on this day ({_cause(zone, moment)}); "
                     "runs once, at the first occurrence"
                 )
                 yield FireTime(naive.replace(tzinfo=zone), utc, note)
@@ -259,6 +267,7 @@ def iter_fire_times(cron: Cron, zone: ZoneInfo, after: datetime) -> Iterator[Fir
                 zone, (naive - first).replace(tzinfo=UTC), (naive - second).replace(tzinfo=UTC)
             )
             repeat_end = (moment + first).replace(tzinfo=None)
+            cause = _cause(zone, moment)
             repeated = [naive]
             following = cron.first_after(naive)
             while following is not None and following < repeat_end:
@@ -268,7 +277,8 @@ def iter_fire_times(cron: Cron, zone: ZoneInfo, after: datetime) -> Iterator[Fir
                 utc = (candidate - first).replace(tzinfo=UTC)
                 if utc > last:
                     note = (
-                        f"{_hhmm(candidate)} occurs twice on this day (DST); this is the first pass"
+                        f"{_hhmm(candidate)} occurs twice on this day ({cause}); "
+                        "this is the first pass"
                     )
                     yield FireTime(candidate.replace(tzinfo=zone), utc, note)
                     last = utc
@@ -276,7 +286,7 @@ def iter_fire_times(cron: Cron, zone: ZoneInfo, after: datetime) -> Iterator[Fir
                 utc = (candidate - second).replace(tzinfo=UTC)
                 if utc > last:
                     note = (
-                        f"{_hhmm(candidate)} occurs twice on this day (DST); "
+                        f"{_hhmm(candidate)} occurs twice on this day ({cause}); "
                         "this is the second pass"
                     )
                     yield FireTime(candidate.replace(tzinfo=zone, fold=1), utc, note)

@@ -726,3 +726,28 @@ def test_fire_times_between_stops_at_the_end_bound_and_the_limit():
         "2026-05-01T11:00:00Z",
     ]
     assert capped == every[:2]
+
+
+def test_a_day_skipped_by_a_change_of_the_zones_offset_is_not_called_dst():
+    """Samoa crossed the date line in 2011: 30 December did not exist in Pacific/Apia, which
+    was on daylight saving time before and after. The notes said "(DST)"."""
+    offset = "the zone's UTC offset changed"
+    named = next_fire_times(
+        CronSchedule("0 12 * * *", "Pacific/Apia"), at("2011-12-29T00:00:00Z"), 3
+    )
+    assert rendered(named) == [
+        ("2011-12-29T12:00:00-10:00", "2011-12-29T22:00:00Z", ""),
+        ("2011-12-31T00:00:00+14:00", "2011-12-30T10:00:00Z",
+         f"12:00 does not exist on this day ({offset}); runs at the next valid time"),
+        ("2011-12-31T12:00:00+14:00", "2011-12-30T22:00:00Z", ""),
+    ]  # fmt: skip
+    wall = next_fire_times(
+        CronSchedule("0 */6 * * *", "Pacific/Apia"), at("2011-12-30T09:00:00Z"), 1
+    )
+    assert wall[0].note == (
+        f"00:00, 06:00, 12:00 and 18:00 do not exist on this day ({offset}); those runs are skipped"
+    )
+    berlin = next_fire_times(
+        CronSchedule("30 2 * * *", "Europe/Berlin"), at("2026-03-28T12:00:00Z"), 1
+    )
+    assert berlin[0].note == MOVED.format("02:30")  # a DST change is still called one
