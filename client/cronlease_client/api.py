@@ -23,6 +23,7 @@ from cronlease_client.errors import (
     PROBLEM_TYPES,
     ApiError,
     BadAnswer,
+    ChangedMeanwhile,
     NetworkError,
     RateLimited,
     ServerError,
@@ -76,6 +77,8 @@ class Call(Generic[T]):
     headers: Mapping[str, str] | None = None
     # `body` already encoded: a bulk enqueue encodes each item to measure it, once.
     content: bytes | None = None
+    # The answer is a job: its ETag is its `version`.
+    versioned: bool = False
 
     def request(self) -> dict[str, Any]:
         """The keyword arguments of httpx's `request` for this call."""
@@ -104,7 +107,12 @@ def answer(call: Call[T], response: httpx.Response) -> T:
     status whose body is not JSON, or that `call.parse` refuses as not of its shape)."""
     if response.status_code >= 400:
         raise response_error(response)
-    return read_answer(response.status_code, response.content, call.parse)
+    if response.status_code == 204:  # no content: a delete
+        return None  # type: ignore[return-value]
+    value: Any = read_answer(response.status_code, response.content, call.parse)
+    if call.versioned:
+        value = replace(value, version=response.headers.get("ETag", ""))
+    return value
 
 
 def response_error(response: httpx.Response) -> ApiError:
@@ -121,7 +129,10 @@ def response_error(response: httpx.Response) -> ApiError:
         or response.reason_phrase
     )
     wait = retry_after_seconds(response.headers.get("Retry-After"))
-    return error_for(response.status_code, problem, detail=detail, retry_after=wait)
+    error = error_for(response.status_code, problem, detail=detail, retry_after=wait)
+    if isinstance(error, ChangedMeanwhile):
+        error.version = response.headers.get("ETag", "")
+    return error
 
 
 def network_error(exc: httpx.TransportError) -> NetworkError:
@@ -353,6 +364,14 @@ def _instant(value: datetime | str | None, what: str) -> str | None:
             raise ValueError(f"{what} must be an aware datetime (with a time zone)")
         return value.isoformat()
     return value
+
+
+def _preconditions(if_match: str | None, create_only: bool = False) -> dict[str, str] | None:
+    """The headers of a change made only to the version read (a retry of it is not idempotent:
+    the first may have changed the version, and the retry is then refused)."""
+    if create_only:
+        return {"If-None-Match": "*"}
+    return {"If-Match": if_match} if if_match is not None else None
 
 
 def _definition(definition: Mapping[str, Any] | Job) -> dict[str, Any]:
@@ -597,16 +616,36 @@ class Api:
     # Jobs -----------------------------------------------------------------------------------
 
     def get_job(self, name: str) -> Call[Job]:
-        return Call("GET", f"/api/v1/jobs/{_name(name)}", Job.parse, idempotent=True)
+        return Call(
+            "GET", f"/api/v1/jobs/{_name(name)}", Job.parse, idempotent=True, versioned=True
+        )
 
     def list_jobs(self) -> Call[list[Job]]:
         """The team's job definitions, by name."""
         return Call("GET", "/api/v1/jobs", _list(Job.parse), idempotent=True)
 
-    def put_job(self, name: str, definition: Mapping[str, Any] | Job) -> Call[Job]:
-        """Create or replace the definition `name` (it states at least its `queue`)."""
+    def put_job(
+        self,
+        name: str,
+        definition: Mapping[str, Any] | Job,
+        *,
+        if_match: str | None = None,
+        create_only: bool = False,
+    ) -> Call[Job]:
+        """Create or replace the definition `name` (it states at least its `queue`; `paused`
+        and `dryRun` left out keep what the job has). `if_match` (a job's `version`): replace
+        only the job at that version; `create_only`: never replace. Either raises
+        ChangedMeanwhile when it does not hold, and nothing is changed."""
         body = _definition(definition)
-        return Call("PUT", f"/api/v1/jobs/{_name(name)}", Job.parse, body, idempotent=True)
+        return Call(
+            "PUT",
+            f"/api/v1/jobs/{_name(name)}",
+            Job.parse,
+            body,
+            headers=_preconditions(if_match, create_only),
+            idempotent=if_match is None and not create_only,
+            versioned=True,
+        )
 
     def apply_jobs(
         self,
@@ -620,11 +659,31 @@ class Api:
         body = {"jobs": [_definition(job) for job in jobs], "prune": prune, "dryRun": dry_run}
         return Call("PUT", "/api/v1/jobs", SyncResult.parse, body, idempotent=True)
 
-    def pause_job(self, name: str) -> Call[Job]:
-        return Call("POST", f"/api/v1/jobs/{_name(name)}/pause", Job.parse, idempotent=True)
+    def pause_job(self, name: str, *, if_match: str | None = None) -> Call[Job]:
+        return self._job_action(name, "pause", if_match)
 
-    def resume_job(self, name: str) -> Call[Job]:
-        return Call("POST", f"/api/v1/jobs/{_name(name)}/resume", Job.parse, idempotent=True)
+    def resume_job(self, name: str, *, if_match: str | None = None) -> Call[Job]:
+        return self._job_action(name, "resume", if_match)
+
+    def _job_action(self, name: str, action: str, if_match: str | None) -> Call[Job]:
+        return Call(
+            "POST",
+            f"/api/v1/jobs/{_name(name)}/{action}",
+            Job.parse,
+            headers=_preconditions(if_match),
+            idempotent=if_match is None,
+            versioned=True,
+        )
+
+    def delete_job(self, name: str, *, if_match: str | None = None) -> Call[None]:
+        """Delete the job with its runs (`if_match`: only at that version)."""
+        return Call(
+            "DELETE",
+            f"/api/v1/jobs/{_name(name)}",
+            lambda _: None,
+            headers=_preconditions(if_match),
+            idempotent=if_match is None,
+        )
 
     def trigger_job(self, name: str) -> Call[Run]:
         """Create a run of the job due now."""

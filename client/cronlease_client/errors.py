@@ -146,6 +146,14 @@ class IdempotencyConflict(Conflict):
     """409: the idempotency key is taken by a run with another payload."""
 
 
+class ChangedMeanwhile(ApiError):
+    """412: the job is not at the version `if_match` named (someone changed it since it was
+    read), or exists though `create_only` was asked; nothing was changed. `version` is its
+    version now."""
+
+    version: str = ""
+
+
 class PayloadTooLarge(ApiError):
     """413: the payload, or the whole body, is over the scheduler's limit."""
 
@@ -183,6 +191,7 @@ _BY_STATUS: dict[int, type[ApiError]] = {
     403: Forbidden,
     404: NotFound,
     409: Conflict,
+    412: ChangedMeanwhile,
     413: PayloadTooLarge,
     429: RateLimited,
     503: Unavailable,

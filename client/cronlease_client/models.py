@@ -21,6 +21,8 @@ M = TypeVar("M", bound="Model")
 
 # Field metadata: how to turn the JSON value into the attribute.
 _CONVERT = "convert"
+# Field metadata: not read from the JSON (a header's, set by the client).
+_NOT_JSON = "not_json"
 # A JSON type a required field must have: a Python type, or a tuple of them.
 Kind = type | tuple[type, ...]
 
@@ -83,7 +85,7 @@ def _plan(cls: type[Model]) -> tuple[tuple[str, str, Any], ...]:
     return tuple(
         (spec.name, _camel(spec.name), spec.metadata.get(_CONVERT))
         for spec in fields(cls)
-        if spec.name != "raw"
+        if spec.name != "raw" and not spec.metadata.get(_NOT_JSON)
     )
 
 
@@ -176,6 +178,9 @@ class Job(Model):
     missed_runs_note: str = ""
     created_at: datetime | None = _time()
     updated_at: datetime | None = _time()
+    # Its version, the ETag of the answer (get_job, put_job, pause_job, resume_job; "" in a
+    # list): what `if_match` takes, to change the job only if nobody has since.
+    version: str = field(default="", compare=False, metadata={_NOT_JSON: True})
 
 
 @dataclass(frozen=True)

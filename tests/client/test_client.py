@@ -18,6 +18,7 @@ from cronlease_client import (
     ApiError,
     AsyncClient,
     BadRequest,
+    ChangedMeanwhile,
     Client,
     Conflict,
     Enqueue,
@@ -423,6 +424,36 @@ def test_put_job_creates_and_replaces_and_get_and_list_answer_it(producer, team_
 
     producer.put_job("shop.restock", {"queue": "shop"})
     assert [job.name for job in producer.list_jobs()] == ["shop.restock", "shop.send-receipt"]
+
+
+def test_a_job_is_changed_only_at_the_version_read_when_if_match_is_given(producer, team_a):
+    """Read, change, write back: a pause made by someone else in between refuses the write
+    (ChangedMeanwhile, with the version now) rather than being written over."""
+    read = producer.put_job("shop.send-receipt", DEFINITION)
+    assert read.version.startswith('"') and producer.get_job("shop.send-receipt") == read
+    assert producer.get_job("shop.send-receipt").version == read.version
+    paused = producer.pause_job("shop.send-receipt")  # someone else, meanwhile
+    with pytest.raises(ChangedMeanwhile) as refused:
+        producer.put_job(
+            "shop.send-receipt", {**read.raw, "timeoutSeconds": 5}, if_match=read.version
+        )
+    assert refused.value.status == 412 and refused.value.version == paused.version
+    assert producer.get_job("shop.send-receipt").timeout_seconds == read.timeout_seconds
+    with pytest.raises(ChangedMeanwhile):
+        producer.resume_job("shop.send-receipt", if_match=read.version)
+    with pytest.raises(ChangedMeanwhile):
+        producer.put_job("shop.send-receipt", DEFINITION, create_only=True)
+
+    current = producer.get_job("shop.send-receipt")
+    written = producer.put_job(
+        "shop.send-receipt", {**current.raw, "timeoutSeconds": 5}, if_match=current.version
+    )
+    assert written.timeout_seconds == 5 and written.paused  # the pause left unsaid is kept
+    with pytest.raises(ChangedMeanwhile):
+        producer.delete_job("shop.send-receipt", if_match=current.version)
+    assert producer.delete_job("shop.send-receipt", if_match=written.version) is None
+    with pytest.raises(NotFound):
+        producer.get_job("shop.send-receipt")
 
 
 def test_apply_jobs_previews_with_dry_run_then_applies_and_prunes(producer, team_a):
