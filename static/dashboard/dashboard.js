@@ -138,7 +138,57 @@
   // down the list found another run where they were reading. The first row in view (rows
   // carry ids) is put back where it was, or, when it has left the list, the first of the
   // rows below it that is still there; rows that were not there before are marked as new.
+  // The focus goes back to the same link or button of the same row (a keyboard reader was
+  // sent to the top of the page), and a ticked run that the update pushed off the page stays
+  // ticked, as a hidden field of the form, with a note that says so.
   var reading = null;
+  function focusIn() {
+    var active = document.activeElement, row = active && active.closest && active.closest("tr[id]");
+    if (!row) return null;
+    var parts = Array.prototype.slice.call(row.querySelectorAll("a, button, input, select"));
+    return { row: row.id, index: parts.indexOf(active) };
+  }
+  function ticked() {
+    var ids = [];
+    document.querySelectorAll("#bulk-form input[name=ids]").forEach(function (box) {
+      if (box.type === "hidden" || box.checked) ids.push(box.value);
+    });
+    return ids;
+  }
+  function keepTicked(ids) {
+    var form = document.getElementById("bulk-form");
+    if (!form || !ids.length) return;
+    var gone = ids.filter(function (id) {
+      var box = form.querySelector("input[type=checkbox][name=ids][value='" + id + "']");
+      if (box) box.checked = true;
+      return !box;
+    });
+    if (!gone.length) return;
+    gone.forEach(function (id) {
+      var kept = document.createElement("input");
+      kept.type = "hidden";
+      kept.name = "ids";
+      kept.value = id;
+      form.appendChild(kept);
+    });
+    var bar = form.querySelector(".bulkbar");
+    if (!bar) return;
+    var note = document.createElement("span");
+    note.className = "hint kept-ticked";
+    note.setAttribute("role", "status");
+    note.textContent = gone.length + (gone.length === 1 ? " ticked run is" : " ticked runs are") +
+      " no longer on this page and stay" + (gone.length === 1 ? "s" : "") + " selected. ";
+    var clear = document.createElement("button");
+    clear.type = "button";
+    clear.className = "btn";
+    clear.textContent = "Unselect " + (gone.length === 1 ? "it" : "them");
+    clear.addEventListener("click", function () {
+      form.querySelectorAll("input[type=hidden][name=ids]").forEach(function (kept) { kept.remove(); });
+      note.remove();
+    });
+    note.appendChild(clear);
+    bar.appendChild(note);
+  }
   function rowsInView() {
     return Array.prototype.filter.call(document.querySelectorAll("tr[id]"), function (row) {
       return row.getBoundingClientRect().bottom > 0;
@@ -150,6 +200,8 @@
     rows.forEach(function (row) { seen[row.id] = true; });
     var below = window.scrollY > 0 ? rowsInView() : [];
     reading = {
+      focus: focusIn(),
+      ticked: ticked(),
       seen: rows.length ? seen : null,
       places: below.slice(0, 20).map(function (row) {
         return { id: row.id, top: row.getBoundingClientRect().top };
@@ -160,6 +212,12 @@
     var was = reading;
     reading = null;
     if (!was) return;
+    keepTicked(was.ticked);
+    if (was.focus && document.activeElement === document.body) {
+      var again = document.getElementById(was.focus.row);
+      var parts = again ? again.querySelectorAll("a, button, input, select") : [];
+      if (parts[was.focus.index]) parts[was.focus.index].focus({ preventScroll: true });
+    }
     for (var i = 0; i < was.places.length; i++) {
       var row = document.getElementById(was.places[i].id);
       if (row) {
@@ -220,14 +278,20 @@
     });
   }
   // A filter's times are typed in the reader's zone, as the page shows them: its form says
-  // which (`tz`), unless it came with one (a shared link keeps the zone it was made in).
+  // which (`tz`), unless it came with one (a shared link keeps the zone it was made in). A
+  // link with times and no zone was read in UTC, and says so: it keeps meaning that.
   function zones(root) {
     var mine;
     try { mine = Intl.DateTimeFormat().resolvedOptions().timeZone; } catch (e) { mine = ""; }
     (root || document).querySelectorAll("input[data-zone-input]").forEach(function (input) {
-      if (!input.value && mine) input.value = mine;
       var form = input.form;
-      if (!form || !input.value) return;
+      if (!form) return;
+      if (!input.value) {
+        var typed = Array.prototype.some.call(
+          form.querySelectorAll("input[type=datetime-local]"), function (field) { return field.value; });
+        input.value = typed ? "UTC" : mine;
+      }
+      if (!input.value) return;
       form.querySelectorAll("[data-zone-name]").forEach(function (name) {
         name.textContent = input.value;
       });

@@ -152,9 +152,46 @@ def test_the_due_filter_is_typed_in_the_readers_zone(browser, asgi_server, opera
         expect(page.locator(f"#run-row-{late.pk}")).to_be_visible()
         expect(page.locator(f"#run-row-{early.pk}")).to_have_count(0)  # 06:00 there
         expect(page.locator(f"#run-row-{late.pk} time")).to_contain_text("11:00:00")
+        # A link with times and no zone was read in UTC: it says so, and keeps meaning that.
+        web.goto("/failures?due_from=2026-01-10T10:00")
+        expect(page.get_by_text("Due from (UTC)")).to_be_visible()
+        expect(page.locator(f"#run-row-{early.pk}")).to_be_visible()
+        page.get_by_role("button", name="Filter").click()
+        expect(page).to_have_url(re.compile(r"tz=UTC"))
+        expect(page.locator(f"#run-row-{early.pk}")).to_be_visible()
         assert web.console_errors == []
     finally:
         context.close()
+
+
+def test_a_live_update_keeps_the_readers_ticks_and_focus(web, operator_a, job_a):
+    """Ticked runs pushed off the page by new failures stay selected, and say so; the link a
+    keyboard reader was on keeps the focus (before: both were lost at the update)."""
+    failed_runs(job_a, 50, prefix="old")
+    web.sign_in(operator_a)
+    page = web.page
+    web.goto("/failures")
+    web.wait_live()
+    rows = page.locator("tbody tr[id]")
+    last_two = [rows.nth(i).locator("input[name=ids]") for i in (48, 49)]
+    picked = [box.get_attribute("value") for box in last_two]
+    for box in last_two:
+        box.check()
+    reading = rows.nth(10).locator("a").first
+    reading.focus()
+    href = reading.get_attribute("href")
+
+    newer = failed_runs(job_a, 3, prefix="new")
+    expect(page.locator(f"#run-row-{newer[0].pk}")).to_be_attached(timeout=10_000)
+    for value in picked:  # off the page now, still in the form
+        expect(page.locator(f"#bulk-form input[type=hidden][name=ids][value='{value}']")
+               ).to_have_count(1)  # fmt: skip
+    expect(page.locator(".kept-ticked")).to_contain_text("2 ticked runs are no longer on this page")
+    assert page.evaluate("document.activeElement.getAttribute('href')") == href
+    page.get_by_role("button", name="Retry selected…").click()
+    expect(page.locator("#dialog")).to_contain_text("Retry 2 runs?")
+    web.screenshot("failures-ticks-kept")
+    assert web.console_errors == []
 
 
 def test_two_dlq_runs_are_requeued_in_one_confirmed_bulk_action(web, operator_a, job_a):
