@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from importlib import import_module
 
+import httpx
 import pytest
 from django.db import connection
 from django.utils.dateparse import parse_datetime
@@ -615,6 +616,32 @@ def test_the_same_new_job_put_at_once_is_created_once_and_replaced_by_the_rest(a
         assert JobDefinition.objects.filter(name=name).count() == 1
 
 
+def _sent_behind_a_change(pk: int, meanwhile: str, send) -> httpx.Response:
+    """`send()`'s answer, sent while another session holds the job's row with `meanwhile` (an
+    assignment) made and not yet committed, which commits once the call waits on the row."""
+    import threading
+
+    from tests.conftest import other_session
+    from tests.waiting import wait_for
+
+    answers = []
+    call = threading.Thread(target=lambda: answers.append(send()))
+    with other_session() as changing, other_session(autocommit=True) as watching:
+        changing.execute(f"UPDATE jobs_jobdefinition SET {meanwhile} WHERE id = %s", [pk])
+        holder = changing.info.backend_pid
+        call.start()
+        wait_for(
+            lambda: watching.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
+            ).fetchone(),
+            what="the call to wait for the job's row",
+        )
+        changing.commit()
+    call.join(10)
+    (answer,) = answers
+    return answer
+
+
 @pytest.mark.parametrize(
     ("meanwhile", "kept"),
     [
@@ -629,32 +656,13 @@ def test_a_patch_waiting_on_the_job_keeps_what_another_client_changed_meanwhile(
     """A PATCH merged its fields into the job as read before the row's lock, and wrote the
     others back as read: a pause (or another PATCH's field) committed while it waited was
     undone, though every call answered 200 and the pause was audited."""
-    import threading
-
-    from tests.conftest import other_session
-    from tests.waiting import wait_for
-
     assert (
         api_a.put("/api/v1/jobs/kept.job", {"queue": "q", "payload": {"v": 0}}).status_code == 201
     )
     pk = JobDefinition.objects.get(name="kept.job").pk
-    answers = []
-    call = threading.Thread(
-        target=lambda: answers.append(api_a.patch("/api/v1/jobs/kept.job", {"timeoutSeconds": 77}))
+    answer = _sent_behind_a_change(
+        pk, meanwhile, lambda: api_a.patch("/api/v1/jobs/kept.job", {"timeoutSeconds": 77})
     )
-    with other_session() as changing, other_session(autocommit=True) as watching:
-        changing.execute(f"UPDATE jobs_jobdefinition SET {meanwhile} WHERE id = %s", [pk])
-        holder = changing.info.backend_pid
-        call.start()
-        wait_for(
-            lambda: watching.execute(
-                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
-            ).fetchone(),
-            what="the PATCH to wait for the job's row",
-        )
-        changing.commit()
-    call.join(10)
-    (answer,) = answers
     assert answer.status_code == 200, answer.text
     for field, value in kept.items():
         assert answer.json()[field] == value, field
@@ -712,36 +720,17 @@ def test_put_with_preconditions_replaces_or_creates_only_as_asked(api_a):
 def test_an_if_match_is_compared_under_the_jobs_lock(api_a):
     """A PATCH naming the version it read, held on the job's row while a pause commits, is
     refused: the pause stays, and the PATCH writes nothing."""
-    import threading
-
-    from tests.conftest import other_session
-    from tests.waiting import wait_for
-
     read = api_a.put("/api/v1/jobs/kept.job", {"queue": "q"})
     pk = JobDefinition.objects.get(name="kept.job").pk
-    answers = []
-    call = threading.Thread(
-        target=lambda: answers.append(
-            api_a.patch(
-                "/api/v1/jobs/kept.job",
-                {"timeoutSeconds": 77},
-                headers={"If-Match": read.headers["ETag"]},
-            )
-        )
+    answer = _sent_behind_a_change(
+        pk,
+        "paused = true",
+        lambda: api_a.patch(
+            "/api/v1/jobs/kept.job",
+            {"timeoutSeconds": 77},
+            headers={"If-Match": read.headers["ETag"]},
+        ),
     )
-    with other_session() as changing, other_session(autocommit=True) as watching:
-        changing.execute("UPDATE jobs_jobdefinition SET paused = true WHERE id = %s", [pk])
-        holder = changing.info.backend_pid
-        call.start()
-        wait_for(
-            lambda: watching.execute(
-                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
-            ).fetchone(),
-            what="the PATCH to wait for the job's row",
-        )
-        changing.commit()
-    call.join(10)
-    (answer,) = answers
     assert answer.status_code == 412, answer.text
     job = api_a.get("/api/v1/jobs/kept.job")
     assert job.json()["paused"] is True and job.json()["timeoutSeconds"] != 77
@@ -779,32 +768,13 @@ def test_a_replacement_that_leaves_the_switches_unsaid_keeps_them(api_a):
 
 
 def test_a_replacement_waiting_on_the_job_keeps_a_pause_made_meanwhile(api_a):
-    import threading
-
-    from tests.conftest import other_session
-    from tests.waiting import wait_for
-
     api_a.put("/api/v1/jobs/kept.job", {"queue": "q"})
     pk = JobDefinition.objects.get(name="kept.job").pk
-    answers = []
-    call = threading.Thread(
-        target=lambda: answers.append(
-            api_a.put("/api/v1/jobs/kept.job", {"queue": "q", "timeoutSeconds": 77})
-        )
+    answer = _sent_behind_a_change(
+        pk,
+        "paused = true",
+        lambda: api_a.put("/api/v1/jobs/kept.job", {"queue": "q", "timeoutSeconds": 77}),
     )
-    with other_session() as changing, other_session(autocommit=True) as watching:
-        changing.execute("UPDATE jobs_jobdefinition SET paused = true WHERE id = %s", [pk])
-        holder = changing.info.backend_pid
-        call.start()
-        wait_for(
-            lambda: watching.execute(
-                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
-            ).fetchone(),
-            what="the PUT to wait for the job's row",
-        )
-        changing.commit()
-    call.join(10)
-    (answer,) = answers
     assert answer.status_code == 200, answer.text
     assert (answer.json()["paused"], answer.json()["timeoutSeconds"]) == (True, 77)
 
