@@ -118,6 +118,11 @@ class JobDefinition(models.Model):
                 condition=models.Q(paused=False, next_due_at__isnull=False),
             ),
             models.Index(fields=["team", "name"], name="job_team_name"),
+            # Retention's look for the deletes their process left (services.finish_deletions):
+            # none but while a delete runs, so the round does not scan every definition.
+            models.Index(
+                fields=["updated_at"], name="job_deleting", condition=models.Q(deleting=True)
+            ),
             # The long poll's alarm for a rate window a claim found full (store._NEXT_RATE_SLOT):
             # the few rate-limited definitions only.
             models.Index(

@@ -365,7 +365,8 @@ LEFT_AFTER = timedelta(minutes=1)
 
 def finish_deletions() -> int:
     """Finish the deletes that their process did not (stopped between marking the definition
-    and deleting its row), on every shard database that answers; return how many."""
+    and deleting its row), on every shard database that answers; return how many. Found by the
+    partial index job_deleting (empty but while a delete runs)."""
 
     def here() -> int:
         alias = shards.current()
