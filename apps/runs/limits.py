@@ -9,8 +9,10 @@ list that showed it.
 from __future__ import annotations
 
 import json
+import math
 import re
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -177,10 +179,16 @@ class LongInteger(str):
     convert one of more than 4 300 digits, and the whole batch was refused with its words."""
 
 
-def read_integer(literal: str) -> int | LongInteger:
+def read_integer(literal: str) -> int | float | LongInteger:
     """`json.loads`'s `parse_int`: a JSON integer has no leading zeros, so one of more than 21
-    characters is past 64 bits, whatever it is."""
-    return int(literal) if len(literal) <= 21 else LongInteger(literal)
+    characters is past 64 bits, whatever it is. One past 64 bits that is a float's value
+    written out is that float (as orjson reads it); others stay what they are, to be refused."""
+    short = len(literal) <= 21
+    if short and (value := int(literal)) in EXACT_INTEGERS:
+        return value
+    if float_written_out(literal):
+        return float(literal)
+    return int(literal) if short else LongInteger(literal)
 
 
 def inexact_integers(text: str | bytes) -> list[tuple[list[str | int], str]]:
@@ -202,6 +210,14 @@ def inexact_integers(text: str | bytes) -> list[tuple[list[str | int], str]]:
         for keys, value in walk(exact)
         if (type(value) is int and value not in EXACT_INTEGERS) or type(value) is LongInteger
     ]
+
+
+def float_written_out(literal: str) -> bool:
+    """Whether an integer literal is a float's value written out in full, as PostgreSQL writes
+    back a payload's 1e25 (10000000000000000000000000): read as that float and written
+    shortest, it comes back whole, so a job read back can be sent again as it was read."""
+    as_float = float(literal)
+    return math.isfinite(as_float) and Decimal(repr(as_float)) == Decimal(literal)
 
 
 def inexact_reason(value: int) -> str:

@@ -14,7 +14,7 @@ from django.core.cache import cache
 
 from apps.audit.models import AuditEvent
 from apps.jobs.models import JobDefinition, Queue
-from apps.runs.ids import public_run_id
+from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import Attempt, Run
 from tests.conftest import add_ready_runs, db_now, make_definition
 
@@ -94,6 +94,28 @@ def test_a_result_nested_past_the_limit_is_refused_on_both_dispatch_paths(api_a,
     assert set(Run.objects.values_list("state", flat=True)) == {"leased"}
     for path in ("/api/v1/runs", "/api/v1/dlq", "/api/v1/jobs", f"/api/v1/runs/{first['runId']}"):
         assert api_a.get(path).status_code == 200, path
+
+
+@pytest.mark.parametrize("number", [10**25, -(10**25), 10**300, 10**20])
+def test_an_integer_past_64_bits_that_is_a_floats_value_written_out_is_that_float(
+    api_a, team_a, number
+):
+    """PostgreSQL writes a stored 1e25 back as 10000000000000000000000000: nothing is lost when
+    a float's parser reads that, so it is taken (as the float), and a payload read back can be
+    sent again. In a body the standard library reads (one holding 1e400), too."""
+    make_definition(team_a, "wide.job", queue="wide")
+    answer = api_a.post("/api/v1/jobs/wide.job/runs", {"payload": {"n": number}})
+    assert answer.status_code == 201, answer.text
+    assert Run.objects.get().payload == {"n": number}  # stored whole, read back whole
+    batch = (
+        '{"runs": [{"job": "wide.job", "payload": {"n": 1e400}}, '
+        f'{{"job": "wide.job", "payload": {{"n": {number}}}}}]}}'
+    )
+    items = api_a.post(
+        "/api/v1/runs", content=batch, headers={"Content-Type": "application/json"}
+    ).json()["runs"]
+    assert [item["status"] for item in items] == [400, 201]
+    assert Run.objects.get(pk=parse_run_id(items[1]["run"]["runId"])).payload == {"n": number}
 
 
 @pytest.mark.parametrize("number", [2**64, -(2**63) - 1, 2**70])

@@ -797,6 +797,13 @@ def test_a_payload_the_database_rewrites_answers_the_etag_a_read_answers(api_a):
     assert synced["summary"]["unchanged"] == 1
     changed = api_a.put(path, {**body, "payload": {"x": 1e25, "y": 1.50, "z": 1e25}})
     assert changed.headers["ETag"] != created.headers["ETag"]  # a string is not a number
+    # Read back, 1e25 is written out whole: sent back as it was read, it is the same job (before:
+    # a 400, "outside 64 bits").
+    read = api_a.get(path)
+    assert '"x":10000000000000000000000000' in read.text.replace(" ", "")
+    sent_back = api_a.put(path, read.json(), headers={"If-Match": read.headers["ETag"]})
+    assert sent_back.status_code == 200, sent_back.text
+    assert sent_back.headers["ETag"] == read.headers["ETag"]
 
 
 def test_a_sync_that_prunes_a_job_makes_it_gone_when_it_commits_and_deletes_its_runs_after(
