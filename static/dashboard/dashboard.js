@@ -6,13 +6,27 @@
 
   document.addEventListener("change", function (event) {
     var box = event.target;
-    if (!box.matches || !box.matches("[data-select-all]")) return;
+    if (!box.matches) return;
     var form = box.form || box.closest("form");
     if (!form) return;
-    form.querySelectorAll("input[type=checkbox][name=ids]").forEach(function (item) {
-      item.checked = box.checked;
-    });
+    if (box.matches("[data-select-all]")) {
+      form.querySelectorAll("input[type=checkbox][name=ids]").forEach(function (item) {
+        item.checked = box.checked;
+      });
+    } else if (box.matches("input[type=checkbox][name=ids]")) {
+      selectAllSays(form);
+    }
   });
+  // "Select all" says whether every run of the page is ticked, or some (a live update
+  // re-renders it unticked).
+  function selectAllSays(form) {
+    var all = form.querySelector("[data-select-all]");
+    if (!all) return;
+    var boxes = form.querySelectorAll("input[type=checkbox][name=ids]");
+    var ticked = form.querySelectorAll("input[type=checkbox][name=ids]:checked").length;
+    all.checked = boxes.length > 0 && ticked === boxes.length;
+    all.indeterminate = ticked > 0 && ticked < boxes.length;
+  }
 
   // The element that opened the confirmation dialog gets the focus back when it closes (a
   // keyboard user was sent to the top of the page).
@@ -163,6 +177,7 @@
       if (box) box.checked = true;
       return !box;
     });
+    selectAllSays(form);
     if (!gone.length) return;
     gone.forEach(function (id) {
       var kept = document.createElement("input");

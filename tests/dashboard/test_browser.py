@@ -180,6 +180,7 @@ def test_a_live_update_keeps_the_readers_ticks_and_focus(web, operator_a, job_a)
     picked = [box.get_attribute("value") for box in last_two]
     for box in last_two:
         box.check()
+    rows.nth(5).locator("input[name=ids]").check()  # one that stays on the page
     row = rows.nth(10).get_attribute("id")  # focused in the page: the rows may be replaced
     href = page.evaluate(f"(a => (a.focus(), a.getAttribute('href')))"
                          f"(document.querySelector('#{row} a'))")  # fmt: skip
@@ -191,8 +192,10 @@ def test_a_live_update_keeps_the_readers_ticks_and_focus(web, operator_a, job_a)
                ).to_have_count(1)  # fmt: skip
     expect(page.locator(".kept-ticked")).to_contain_text("2 ticked runs are no longer on this page")
     assert page.evaluate("document.activeElement.getAttribute('href')") == href
+    select_all = page.locator("[data-select-all]")  # one of the page's runs is ticked
+    assert select_all.evaluate("box => [box.checked, box.indeterminate]") == [False, True]
     page.get_by_role("button", name="Retry selected…").click()
-    expect(page.locator("#dialog")).to_contain_text("Retry 2 runs?")
+    expect(page.locator("#dialog")).to_contain_text("Retry 3 runs?")
     web.screenshot("failures-ticks-kept")
     assert web.console_errors == []
 
