@@ -310,9 +310,8 @@ class JobDetailView(ManageView):
             "Jobs as code: create the definition named in the path (201) or replace it (200); "
             "omitted fields take their defaults, but for `paused` and `dryRun`, which a "
             "replacement that leaves them out keeps as they are. With `If-Match`, only replace "
-            "the job at that "
-            "version (412 otherwise, also when there is no job); with `If-None-Match: *`, only "
-            "create (412 when it exists). Needs the `manage` scope."
+            "the job at that version (412 otherwise, also when there is no job); with "
+            "`If-None-Match: *`, only create (412 when it exists). Needs the `manage` scope."
         ),
         tags=["jobs"],
         parameters=[doc.JOB_NAME, doc.IF_MATCH, doc.IF_NONE_MATCH, doc.ETAG],

@@ -114,6 +114,7 @@ def version_of(fields: dict[str, Any]) -> str:
 
 
 def version(definition: JobDefinition) -> str:
+    """The definition's version now: the API's ETag of it."""
     return version_of(snapshot(definition))
 
 
