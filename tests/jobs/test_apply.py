@@ -171,6 +171,17 @@ def test_yaml_keys_that_are_not_text_are_written_as_json_writes_them(tmp_path, t
     assert JobDefinition.objects.get().payload == {"true": 1, "2": "b"}
 
 
+def test_a_number_written_with_an_exponent_and_no_dot_is_a_number(tmp_path, team_a):
+    """YAML 1.1 read `1e25` as the text "1e25"; JSON and YAML 1.2 read a number."""
+    text = (
+        "team: team-a\njobs:\n  - name: exp.job\n    queue: q\n"
+        '    payload: {big: 1e25, small: -2E-3, text: "1e25", version: 1e2e}\n'
+    )
+    apply(tmp_path, text)
+    payload = JobDefinition.objects.get().payload
+    assert payload == {"big": 10**25, "small": -0.002, "text": "1e25", "version": "1e2e"}
+
+
 @pytest.mark.parametrize(
     ("content", "reason"),
     [

@@ -129,6 +129,13 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.1, which PyYAML reads, wants a dot in a float: `1e25` was read as the text "1e25", so
+# a payload's number became a string without a word. YAML 1.2 and JSON read it as the number.
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
 def read_document(path: Path) -> tuple[Any, yaml.Node | None]:
     """The file's YAML (or JSON) as JSON values: YAML's timestamps as their ISO text; a file
     that is not UTF-8, not YAML, or holds what JSON cannot (sets, bytes, NaN, a reference to
