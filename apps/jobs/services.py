@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -14,6 +15,7 @@ from typing import Any, NamedTuple
 
 from django.db import IntegrityError, transaction
 
+from apps.audit.models import AuditEvent
 from apps.audit.record import Actor, record
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
@@ -22,6 +24,8 @@ from apps.runs import leasing, payloads, retention, shards
 from apps.runs.clock import database_now
 from apps.runs.models import PRIORITY_NAMES
 from apps.runs.store import mark_limited, notify_ready
+
+log = logging.getLogger(__name__)
 
 
 def initial_next_due_at(schedule_json: dict, now: datetime) -> datetime | None:
@@ -321,7 +325,7 @@ def delete_definition(
     and the row goes last. A process stopped in between leaves the rest to retention
     (finish_deletions). With `versions`, only a definition still at one of them is deleted.
     """
-    finish_delete(begin_delete(definition, actor, versions=versions))
+    finish_or_leave(begin_delete(definition, actor, versions=versions))
 
 
 def begin_delete(definition: JobDefinition, actor: Actor, *, versions: Versions = None) -> Doomed:
@@ -342,6 +346,17 @@ def begin_delete(definition: JobDefinition, actor: Actor, *, versions: Versions 
             before=snapshot(locked),
         )
     return Doomed(alias, locked.pk)
+
+
+def finish_or_leave(doomed: Doomed) -> None:
+    """`finish_delete`, or, when its database fails on the way, leave the rest to retention:
+    the delete has begun (the job is gone for every call), so it is not the caller's failure."""
+    try:
+        finish_delete(doomed)
+    except shards.DOWN as exc:
+        log.warning(
+            "the runs of deleted job %s are left to retention: %s", doomed.pk, type(exc).__name__
+        )
 
 
 def finish_delete(doomed: Doomed) -> None:
@@ -372,16 +387,40 @@ def finish_deletions() -> int:
     def here() -> int:
         alias = shards.current()
         left = list(
-            JobDefinition.everything.using(alias)
-            .filter(deleting=True, updated_at__lt=database_now() - LEFT_AFTER)
-            .values_list("pk", flat=True)
+            JobDefinition.everything.using(alias).filter(
+                deleting=True, updated_at__lt=database_now() - LEFT_AFTER
+            )
         )
-        for pk in left:
-            finish_delete(Doomed(alias, pk))
+        for definition in left:
+            _audited(definition)
+            finish_delete(Doomed(alias, definition.pk))
         return len(left)
 
     finished, _ = shards.gather(here)
     return sum(finished)
+
+
+def _audited(definition: JobDefinition) -> None:
+    """Record the delete of a definition whose own event is missing: with shards on databases
+    of their own, a request that marked it on its shard database and then failed on another
+    (a sync pruning jobs on two) lost its events with the control database's transaction."""
+    since = definition.updated_at - AUDIT_SKEW
+    if not AuditEvent.objects.filter(
+        target_type="job", target=definition.name, action="job.delete", created_at__gte=since
+    ).exists():
+        record(
+            Actor.system("retention: a delete whose request failed"),
+            "job.delete",
+            team=definition.team,
+            target_type="job",
+            target=definition.name,
+            before=snapshot(definition),
+        )
+
+
+# How far the shard database's clock (the mark's time) may be from the control database's (the
+# audit event's), and more.
+AUDIT_SKEW = timedelta(minutes=5)
 
 
 def set_paused(

@@ -165,4 +165,4 @@ def apply_sync(plan: SyncPlan, actor: Actor) -> None:
             else:
                 doomed.append(services.begin_delete(definition, actor))
     for marked in doomed:
-        services.finish_delete(marked)
+        services.finish_or_leave(marked)

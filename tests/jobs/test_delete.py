@@ -6,9 +6,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
+from unittest import mock
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import OperationalError, connection, connections, transaction
 
 from apps.audit.models import AuditEvent
 from apps.audit.record import Actor
@@ -183,19 +184,44 @@ def test_retention_finishes_a_delete_its_process_left(team_a):
     the scheduler's retention round, once it has been left a minute."""
     alias = shards.databases()[-1]
     left = make_definition(team_a, _named_on(alias, "left"), queue="q")
+    audited = make_definition(team_a, _named_on(alias, "audited"), queue="q")
     recent = make_definition(team_a, _named_on(alias, "recent"), queue="q")
     with shards.using(alias):
         add_ready_runs(left, 4)
         add_ready_runs(recent, 2)
+    # `audited` was marked by a request whose event committed; `left`'s event was lost with its
+    # request (a sync that failed on another database after this one had committed).
+    services.begin_delete(audited, Actor.cli("test"))
     everything = JobDefinition.everything.using(alias)
-    everything.filter(pk=left.pk).update(deleting=True, updated_at=db_now() - timedelta(minutes=2))
+    long_ago = db_now() - timedelta(minutes=2)
+    everything.filter(pk__in=[left.pk, audited.pk]).update(deleting=True, updated_at=long_ago)
     everything.filter(pk=recent.pk).update(deleting=True)  # its process is still at it
     node = Scheduler(node_id="retention-node", lease_seconds=10)
     try:
         node.tick()
     finally:
         node.leave()
-    assert not everything.filter(pk=left.pk).exists()
+    assert not everything.filter(pk__in=[left.pk, audited.pk]).exists()
     assert not Run.objects.using(alias).filter(definition_id=left.pk).exists()
     assert everything.filter(pk=recent.pk).exists()
     assert Run.objects.using(alias).filter(definition_id=recent.pk).count() == 2
+    events = AuditEvent.objects.filter(action="job.delete")
+    assert sorted(events.values_list("target", "actor")) == sorted(
+        [(audited.name, "test"), (left.name, "retention: a delete whose request failed")]
+    )
+
+
+def test_a_delete_whose_database_fails_after_the_mark_is_done_for_its_caller(team_a, caplog):
+    """The job is gone from the mark on: a failure of its batches (the shard's server going
+    down) is retention's to finish, not a failed delete for the caller to send again (a 503,
+    then 404 on every try)."""
+    doomed = make_definition(team_a, "old.job", queue="q")
+    add_ready_runs(doomed, 3)
+    down = mock.patch.object(
+        retention, "delete_runs_of", side_effect=OperationalError("server closed the connection")
+    )
+    with down:
+        services.delete_definition(doomed, Actor.cli("test"))
+    assert JobDefinition.everything.get(pk=doomed.pk).deleting
+    assert Run.objects.filter(definition_id=doomed.pk).count() == 3  # left to retention
+    assert "left to retention" in caplog.text
