@@ -554,6 +554,33 @@ def test_a_changed_schedule_drops_the_runs_made_ahead_by_the_old_one(api_a):
     assert AuditEvent.objects.filter(action="job.update").count() == updates
 
 
+def _sent_behind_a_change(pk: int, change: str, send) -> httpx.Response:
+    """`send()`'s answer, sent while another session holds the job's row with `change` (a
+    statement on the row whose id is its parameter) made and not yet committed, which commits
+    once the call waits on the row."""
+    import threading
+
+    from tests.conftest import other_session
+    from tests.waiting import wait_for
+
+    answers = []
+    call = threading.Thread(target=lambda: answers.append(send()))
+    with other_session() as changing, other_session(autocommit=True) as watching:
+        changing.execute(change, [pk])
+        holder = changing.info.backend_pid
+        call.start()
+        wait_for(
+            lambda: watching.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
+            ).fetchone(),
+            what="the call to wait for the job's row",
+        )
+        changing.commit()
+    call.join(10)
+    (answer,) = answers
+    return answer
+
+
 @pytest.mark.parametrize(
     ("method", "suffix", "body"),
     [
@@ -567,33 +594,13 @@ def test_a_changed_schedule_drops_the_runs_made_ahead_by_the_old_one(api_a):
 def test_a_change_waiting_on_a_job_deleted_meanwhile_is_a_404(api_a, method, suffix, body):
     """Another client's delete commits while the call waits for the job's row: 404, never a
     500 (the call had read the job before the delete; its lock then found no row)."""
-    import threading
-
-    from tests.conftest import other_session
-    from tests.waiting import wait_for
-
     assert api_a.put("/api/v1/jobs/gone.soon", {"queue": "q"}).status_code == 201
     pk = JobDefinition.objects.get(name="gone.soon").pk
-    answers = []
-    call = threading.Thread(
-        target=lambda: answers.append(
-            api_a.http.request(method, f"/api/v1/jobs/gone.soon{suffix}", json=body)
-        )
+    answer = _sent_behind_a_change(
+        pk,
+        "DELETE FROM jobs_jobdefinition WHERE id = %s",
+        lambda: api_a.http.request(method, f"/api/v1/jobs/gone.soon{suffix}", json=body),
     )
-    with other_session() as deleting, other_session(autocommit=True) as watching:
-        deleting.execute("SELECT 1 FROM jobs_jobdefinition WHERE id = %s FOR UPDATE", [pk])
-        holder = deleting.info.backend_pid
-        call.start()
-        wait_for(
-            lambda: watching.execute(
-                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
-            ).fetchone(),
-            what="the call to wait for the job's row",
-        )
-        deleting.execute("DELETE FROM jobs_jobdefinition WHERE id = %s", [pk])
-        deleting.commit()
-    call.join(10)
-    (answer,) = answers
     assert answer.status_code == 404, answer.text
     assert "deleted meanwhile" in answer.json()["detail"]
 
@@ -616,32 +623,6 @@ def test_the_same_new_job_put_at_once_is_created_once_and_replaced_by_the_rest(a
         assert JobDefinition.objects.filter(name=name).count() == 1
 
 
-def _sent_behind_a_change(pk: int, meanwhile: str, send) -> httpx.Response:
-    """`send()`'s answer, sent while another session holds the job's row with `meanwhile` (an
-    assignment) made and not yet committed, which commits once the call waits on the row."""
-    import threading
-
-    from tests.conftest import other_session
-    from tests.waiting import wait_for
-
-    answers = []
-    call = threading.Thread(target=lambda: answers.append(send()))
-    with other_session() as changing, other_session(autocommit=True) as watching:
-        changing.execute(f"UPDATE jobs_jobdefinition SET {meanwhile} WHERE id = %s", [pk])
-        holder = changing.info.backend_pid
-        call.start()
-        wait_for(
-            lambda: watching.execute(
-                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
-            ).fetchone(),
-            what="the call to wait for the job's row",
-        )
-        changing.commit()
-    call.join(10)
-    (answer,) = answers
-    return answer
-
-
 @pytest.mark.parametrize(
     ("meanwhile", "kept"),
     [
@@ -661,7 +642,9 @@ def test_a_patch_waiting_on_the_job_keeps_what_another_client_changed_meanwhile(
     )
     pk = JobDefinition.objects.get(name="kept.job").pk
     answer = _sent_behind_a_change(
-        pk, meanwhile, lambda: api_a.patch("/api/v1/jobs/kept.job", {"timeoutSeconds": 77})
+        pk,
+        f"UPDATE jobs_jobdefinition SET {meanwhile} WHERE id = %s",
+        lambda: api_a.patch("/api/v1/jobs/kept.job", {"timeoutSeconds": 77}),
     )
     assert answer.status_code == 200, answer.text
     for field, value in kept.items():
@@ -724,7 +707,7 @@ def test_an_if_match_is_compared_under_the_jobs_lock(api_a):
     pk = JobDefinition.objects.get(name="kept.job").pk
     answer = _sent_behind_a_change(
         pk,
-        "paused = true",
+        "UPDATE jobs_jobdefinition SET paused = true WHERE id = %s",
         lambda: api_a.patch(
             "/api/v1/jobs/kept.job",
             {"timeoutSeconds": 77},
@@ -772,7 +755,7 @@ def test_a_replacement_waiting_on_the_job_keeps_a_pause_made_meanwhile(api_a):
     pk = JobDefinition.objects.get(name="kept.job").pk
     answer = _sent_behind_a_change(
         pk,
-        "paused = true",
+        "UPDATE jobs_jobdefinition SET paused = true WHERE id = %s",
         lambda: api_a.put("/api/v1/jobs/kept.job", {"queue": "q", "timeoutSeconds": 77}),
     )
     assert answer.status_code == 200, answer.text
