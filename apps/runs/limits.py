@@ -183,12 +183,11 @@ def read_integer(literal: str) -> int | float | LongInteger:
     """`json.loads`'s `parse_int`: a JSON integer has no leading zeros, so one of more than 21
     characters is past 64 bits, whatever it is. One past 64 bits that is a float's value
     written out is that float (as orjson reads it); others stay what they are, to be refused."""
-    short = len(literal) <= 21
-    if short and (value := int(literal)) in EXACT_INTEGERS:
+    if len(literal) <= 21 and (value := int(literal)) in EXACT_INTEGERS:
         return value
     if float_written_out(literal):
         return float(literal)
-    return int(literal) if short else LongInteger(literal)
+    return value if len(literal) <= 21 else LongInteger(literal)
 
 
 def inexact_integers(text: str | bytes) -> list[tuple[list[str | int], str]]:
