@@ -79,6 +79,8 @@ class Call(Generic[T]):
     content: bytes | None = None
     # The answer is a job: its ETag is its `version`.
     versioned: bool = False
+    # A delete: a 404 to a try after one whose answer was lost means that one deleted it.
+    gone_is_done: bool = False
 
     def request(self) -> dict[str, Any]:
         """The keyword arguments of httpx's `request` for this call."""
@@ -299,6 +301,15 @@ def _encoded(item: Mapping[str, Any]) -> bytes:
     return content
 
 
+def _sendable(body: Any) -> bytes:
+    """A body's JSON; ValueError for what JSON cannot hold (NaN, a set), which the encoder would
+    otherwise have written as null, or failed on as a TypeError."""
+    try:
+        return _encoded(body)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the body cannot be sent as JSON: {exc}") from None
+
+
 def _unencodable(item: Mapping[str, Any]) -> str:
     """The field of an item's JSON that cannot be encoded (looked for once encoding failed)."""
     for name, value in item.items():
@@ -355,6 +366,10 @@ def _first_run(results: list[EnqueueResult]) -> Run:
 
 
 def _name(name: str) -> str:
+    # "." and ".." are path segments to a URL: httpx removes them, and put_job(".", …) was a
+    # PUT of /api/v1/jobs, the jobs-as-code sync. No job has either name.
+    if name in (".", ".."):
+        raise ValueError(f"{name!r} is not a job name")
     return quote(name, safe="")
 
 
@@ -636,12 +651,11 @@ class Api:
         and `dryRun` left out keep what the job has). `if_match` (a job's `version`): replace
         only the job at that version; `create_only`: never replace. Either raises
         ChangedMeanwhile when it does not hold, and nothing is changed."""
-        body = _definition(definition)
         return Call(
             "PUT",
             f"/api/v1/jobs/{_name(name)}",
             Job.parse,
-            body,
+            content=_sendable(_definition(definition)),
             headers=_preconditions(if_match, create_only),
             idempotent=if_match is None and not create_only,
             versioned=True,
@@ -657,7 +671,9 @@ class Api:
         """Make the team's definitions these (jobs as code): create and update them, and with
         `prune` delete the others. `dry_run` answers the changes and makes none."""
         body = {"jobs": [_definition(job) for job in jobs], "prune": prune, "dryRun": dry_run}
-        return Call("PUT", "/api/v1/jobs", SyncResult.parse, body, idempotent=True)
+        return Call(
+            "PUT", "/api/v1/jobs", SyncResult.parse, content=_sendable(body), idempotent=True
+        )
 
     def pause_job(self, name: str, *, if_match: str | None = None) -> Call[Job]:
         return self._job_action(name, "pause", if_match)
@@ -683,6 +699,7 @@ class Api:
             lambda _: None,
             headers=_preconditions(if_match),
             idempotent=if_match is None,
+            gone_is_done=True,
         )
 
     def trigger_job(self, name: str) -> Call[Run]:

@@ -34,7 +34,7 @@ from cronlease_client.api import (
     next_page,
 )
 from cronlease_client.api import network_error as _network_error
-from cronlease_client.errors import ApiError
+from cronlease_client.errors import ApiError, NotFound
 from cronlease_client.models import Page
 
 logger = logging.getLogger("cronlease_client")
@@ -171,6 +171,8 @@ class Client(_Driver):
                 try:
                     return answer(call, response)
                 except ApiError as exc:
+                    if failures and call.gone_is_done and isinstance(exc, NotFound):
+                        return None  # type: ignore[return-value]  # an earlier try deleted it
                     error = exc
             failures += 1
             time.sleep(self._retrying(call, error, failures))
@@ -247,6 +249,8 @@ class AsyncClient(_Driver):
                 try:
                     return answer(call, response)
                 except ApiError as exc:
+                    if failures and call.gone_is_done and isinstance(exc, NotFound):
+                        return None  # type: ignore[return-value]  # an earlier try deleted it
                     error = exc
             failures += 1
             await asyncio.sleep(self._retrying(call, error, failures))

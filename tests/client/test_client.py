@@ -852,6 +852,33 @@ def test_a_lost_answer_is_not_retried_for_a_call_that_is_not_idempotent():
     assert len(seen) == 1
 
 
+def test_a_delete_whose_answer_was_lost_is_done_when_the_retry_finds_the_job_gone():
+    """The first try deleted the job and its answer was lost: the retry's 404 is that delete's
+    outcome, not an error (before: NotFound, as if there had been nothing to delete)."""
+    producer, seen = scripted(lose_the_answer, problem(404))
+    assert producer.delete_job("shop.send-receipt") is None
+    assert len(seen) == 2
+    producer, seen = scripted(problem(404))  # a first try's 404 is a job that was not there
+    with pytest.raises(NotFound):
+        producer.delete_job("shop.send-receipt")
+
+
+def test_what_no_job_or_json_can_be_is_refused_before_anything_is_sent():
+    """ "." was a path segment to the URL (put_job(".", …) became a PUT of /api/v1/jobs, the
+    jobs-as-code sync); NaN was written as null."""
+    producer, seen = scripted(a_run)
+    for call in (
+        lambda: producer.put_job(".", {"jobs": [], "prune": True}),
+        lambda: producer.delete_job(".."),
+        lambda: producer.pause_job("."),
+        lambda: producer.put_job("shop.x", {"queue": "q", "payload": {"x": float("nan")}}),
+        lambda: producer.apply_jobs([{"name": "shop.x", "queue": "q", "payload": {1, 2}}]),
+    ):
+        with pytest.raises(ValueError):
+            call()
+    assert seen == []
+
+
 def test_a_refused_connection_is_retried_for_any_call():
     producer, seen = scripted(refuse_connection, a_run)
     assert producer.cancel_run("run_1").run_id == "run_1"
