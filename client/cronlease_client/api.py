@@ -367,9 +367,9 @@ def _first_run(results: list[EnqueueResult]) -> Run:
 
 def _name(name: str) -> str:
     # "." and ".." are path segments to a URL: httpx removes them, and put_job(".", …) was a
-    # PUT of /api/v1/jobs, the jobs-as-code sync. No job has either name.
+    # PUT of /api/v1/jobs, the jobs-as-code sync. No job, run or queue has either name.
     if name in (".", ".."):
-        raise ValueError(f"{name!r} is not a job name")
+        raise ValueError(f"{name!r} names no job, run or queue")
     return quote(name, safe="")
 
 
