@@ -385,6 +385,8 @@ def _preconditions(if_match: str | None, create_only: bool = False) -> dict[str,
     """The headers of a change made only to the version read (a retry of it is not idempotent:
     the first may have changed the version, and the retry is then refused)."""
     if create_only:
+        if if_match is not None:
+            raise ValueError("if_match replaces a job, create_only never does: give one")
         return {"If-None-Match": "*"}
     return {"If-Match": if_match} if if_match is not None else None
 

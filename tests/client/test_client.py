@@ -873,6 +873,7 @@ def test_what_no_job_or_json_can_be_is_refused_before_anything_is_sent():
         lambda: producer.pause_job("."),
         lambda: producer.put_job("shop.x", {"queue": "q", "payload": {"x": float("nan")}}),
         lambda: producer.apply_jobs([{"name": "shop.x", "queue": "q", "payload": {1, 2}}]),
+        lambda: producer.put_job("shop.x", {"queue": "q"}, if_match='"v"', create_only=True),
     ):
         with pytest.raises(ValueError):
             call()
