@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from apps.api.shapes import jobs as job_shape
 from apps.api.shapes import runs as run_shape
@@ -17,8 +18,11 @@ NAME_RE = limits.JOB_NAME_RE
 QUEUE_RE = limits.QUEUE_NAME_RE
 
 
-def definition_json(definition: JobDefinition) -> job_shape.DefinitionAnswer:
-    fields = snapshot(definition)
+def definition_json(
+    definition: JobDefinition, fields: dict[str, Any] | None = None
+) -> job_shape.DefinitionAnswer:
+    """A definition's representation; `fields`: its `snapshot`, when the caller has it."""
+    fields = fields or snapshot(definition)
     retry = fields["retry"]
     return job_shape.DefinitionAnswer(
         name=fields["name"],

@@ -95,8 +95,14 @@ class ManageView(APIView):
 
     @staticmethod
     def job_answer(definition: JobDefinition, code: int = status.HTTP_200_OK) -> Response:
-        """A job's representation, with its version as the ETag."""
-        return Response(definition_json(definition), status=code, headers=_etag(definition))
+        """A job's representation, with its version as the ETag (one snapshot for both: a
+        payload kept in storage is read once)."""
+        fields = services.snapshot(definition)
+        return Response(
+            definition_json(definition, fields),
+            status=code,
+            headers={"ETag": f'"{services.version_of(fields)}"'},
+        )
 
     @staticmethod
     def versions(request: Request) -> services.Versions:
@@ -277,10 +283,6 @@ class JobsView(ManageView):
         )
 
 
-def _etag(definition: JobDefinition) -> dict[str, str]:
-    return {"ETag": f'"{services.version(definition)}"'}
-
-
 def sync_change_json(change: sync.Change) -> job_shape.SyncChange:
     answer = job_shape.SyncChange(action=change.action, name=change.name)
     if change.action == "update":
@@ -349,7 +351,7 @@ class JobDetailView(ManageView):
         if existing is not None and create_only:
             raise PreconditionFailed(
                 f"A job named '{name}' exists (If-None-Match: *): nothing was changed.",
-                _etag(existing)["ETag"],
+                f'"{services.version(existing)}"',
             )
         if existing is None:
             if "If-Match" in request.headers:
