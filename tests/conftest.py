@@ -20,6 +20,7 @@ import httpx
 import psycopg
 import pytest
 from django.conf import settings
+from django.core.files.storage import FileSystemStorage
 from django.db import connection, connections
 
 from apps.jobs.models import JobDefinition
@@ -597,15 +598,36 @@ def asgi_server(django_db_setup, django_db_blocker) -> Iterator[LiveServer]:
 @pytest.fixture
 def payload_folder(settings, tmp_path):
     """Payloads kept in storage go to `tmp_path`."""
+    yield from _payload_storage(settings, tmp_path, "django.core.files.storage.FileSystemStorage")
+
+
+class DeletesFailingStorage(FileSystemStorage):
+    """A file system storage whose deletes fail while `failing` is set, as a bucket that stops
+    answering does (its reads and writes are not the point)."""
+
+    failing = True
+
+    def delete(self, name: str) -> None:
+        if DeletesFailingStorage.failing:
+            raise OSError("the storage does not answer")
+        super().delete(name)
+
+
+@pytest.fixture
+def payload_deletes_failing(settings, tmp_path):
+    """Payloads kept in `tmp_path`, whose deletes fail until the test sets
+    `DeletesFailingStorage.failing` false."""
+    DeletesFailingStorage.failing = True
+    yield from _payload_storage(settings, tmp_path, "tests.conftest.DeletesFailingStorage")
+
+
+def _payload_storage(settings, folder, backend: str):
     from django.core.files.storage import storages
 
     storages._storages.pop("payloads", None)
     settings.STORAGES = {
         **settings.STORAGES,
-        "payloads": {
-            "BACKEND": "django.core.files.storage.FileSystemStorage",
-            "OPTIONS": {"location": str(tmp_path)},
-        },
+        "payloads": {"BACKEND": backend, "OPTIONS": {"location": str(folder)}},
     }
-    yield tmp_path
+    yield folder
     storages._storages.pop("payloads", None)

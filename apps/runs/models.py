@@ -326,6 +326,17 @@ class PayloadBlob(models.Model):
 
     key = models.CharField(max_length=100, primary_key=True)
     placed_at = models.DateTimeField()  # the last time a writer referred to it
+    # Found unreferenced, but the storage failed to delete it: retention tries again.
+    stranded_at = models.DateTimeField(null=True)
+
+    class Meta:
+        indexes = [
+            models.Index(
+                fields=["stranded_at"],
+                condition=models.Q(stranded_at__isnull=False),
+                name="payloadblob_stranded",
+            )
+        ]
 
     def __str__(self) -> str:
         return self.key

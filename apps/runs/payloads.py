@@ -102,6 +102,17 @@ LOCK_FOR_DELETION = """
 SELECT key FROM runs_payloadblob WHERE key = ANY(%(keys)s::text[]) ORDER BY key FOR UPDATE
 """
 FORGET = "DELETE FROM runs_payloadblob WHERE key = ANY(%(keys)s::text[])"
+# Unreferenced, but the storage failed to delete them (down, say): kept for `sweep_stranded`.
+# A stranded blob a writer refers to again is no longer stranded.
+STRAND = "UPDATE runs_payloadblob SET stranded_at = now() WHERE key = ANY(%(keys)s::text[])"
+UNSTRAND = """
+UPDATE runs_payloadblob SET stranded_at = NULL
+WHERE key = ANY(%(keys)s::text[]) AND stranded_at IS NOT NULL
+"""
+# Served by payloadblob_stranded (stranded_at) WHERE stranded_at IS NOT NULL: only these rows.
+STRANDED = """
+SELECT key FROM runs_payloadblob WHERE stranded_at IS NOT NULL ORDER BY stranded_at LIMIT %(batch)s
+"""
 
 
 def place(value: Any) -> tuple[Any, str]:
@@ -203,7 +214,11 @@ def shown(inline: Any, key: str) -> tuple[Any, str]:
 def delete_unreferenced(keys: Iterable[str]) -> int:
     """Delete the blobs among `keys` that no run or definition of any shard database refers to;
     return how many. A blob is shared by content, so by rows of several databases: while one of
-    them cannot be read, nothing is deleted (the next deletion of a referring row tries again)."""
+    them cannot be read, nothing is deleted (the next deletion of a referring row tries again).
+
+    Called once the rows referring to them are gone, committed: a storage that fails to delete
+    is not the caller's failure (a job's DELETE answered 500 with the job gone). The blobs it
+    failed on are logged and kept as stranded, for retention's `sweep_stranded`."""
     candidates = sorted({key for key in keys if key})
     if not candidates:
         return 0
@@ -239,9 +254,36 @@ def delete_unreferenced(keys: Iterable[str]) -> int:
             return 0
         used = set().union(*found)
         orphans = [key for key in candidates if key not in used]
-        storage = _storage()
-        for key in orphans:
-            storage.delete(key)
+        deleted = _delete_from_storage(orphans)
         with connections[shards.CONTROL].cursor() as cursor:
-            cursor.execute(FORGET, {"keys": orphans})
-    return len(orphans)
+            cursor.execute(FORGET, {"keys": deleted})
+            cursor.execute(STRAND, {"keys": orphans[len(deleted) :]})
+            cursor.execute(UNSTRAND, {"keys": sorted(used)})
+    return len(deleted)
+
+
+def _delete_from_storage(keys: list[str]) -> list[str]:
+    """Delete the blobs from storage in order; return those deleted, up to the first the
+    storage failed on: it is taken for down, and the rest are not tried (each try against a
+    bucket that does not answer can take the client's whole timeout)."""
+    storage = _storage()
+    for done, key in enumerate(keys):
+        try:
+            storage.delete(key)
+        except Exception as exc:  # each storage backend raises its own (OSError, S3's ClientError)
+            logger.warning(
+                "payload storage failed to delete %s (%s): %d unreferenced blobs left for"
+                " retention to delete",
+                key, type(exc).__name__, len(keys) - done,
+            )  # fmt: skip
+            return keys[:done]
+    return keys
+
+
+def sweep_stranded(batch: int) -> int:
+    """Delete the stranded blobs (unreferenced, the storage having failed to delete them), the
+    oldest `batch` of them; return how many were deleted (0 while the storage still fails)."""
+    with connections[shards.CONTROL].cursor() as cursor:
+        cursor.execute(STRANDED, {"batch": batch})
+        keys = [row[0] for row in cursor.fetchall()]
+    return delete_unreferenced(keys)

@@ -1,6 +1,6 @@
 """Retention: finished runs (and their attempts and payload blobs) leave after their team's
 retention, the audit trail after its own, the rows of workers idle for a day (the workers list),
-in small batches that hold no lock for long.
+in small batches that hold no lock for long; blobs the storage failed to delete are tried again.
 
 Dead runs stay until someone handles them (requeue or discard), whatever their age.
 """
@@ -137,7 +137,12 @@ def handle_one_round(*, batch: int | None = None) -> int:
     per_database, unavailable = shards.gather(one_database)
     if unavailable:
         log.warning("retention passed over shards %s: database unavailable", unavailable)
-    deleted = sum(per_database) + delete_old_audit(batch) + workers.forget_idle(batch)
+    deleted = (
+        sum(per_database)
+        + delete_old_audit(batch)
+        + workers.forget_idle(batch)
+        + payloads.sweep_stranded(batch)
+    )
     if deleted:
         log.info("retention deleted %d rows", deleted)
     return deleted

@@ -828,3 +828,56 @@ def test_a_sync_that_prunes_a_job_makes_it_gone_when_it_commits_and_deletes_its_
         assert "is being deleted" in refused.json()["detail"]
     why = api_a.get(f"/api/v1/runs/{public_run_id(left)}/why")
     assert [reason["code"] for reason in why.json()["reasons"]] == ["job_deleted"]
+
+
+def test_a_delete_answers_204_when_the_storage_fails_to_delete_its_payload(
+    api_a, payload_deletes_failing
+):
+    """A job's large payload is deleted from storage once the job is gone, after the commit: a
+    storage that fails then is no longer the caller's failure (it answered 500, the job gone).
+    The blob is kept as stranded, and retention deletes it once the storage answers."""
+    from apps.runs import payloads, retention
+    from apps.runs.models import PayloadBlob
+    from tests.conftest import DeletesFailingStorage
+
+    big = {"rows": ["x" * 100 for _ in range(100)]}  # 10 KB: kept in storage
+    made = api_a.post("/api/v1/jobs", {**EXPORT, "payload": big})
+    assert made.status_code == 201, made.text
+    (key,) = JobDefinition.objects.values_list("payload_key", flat=True)
+    assert (payload_deletes_failing / key).exists()
+
+    assert api_a.delete(f"/api/v1/jobs/{EXPORT['name']}").status_code == 204
+    assert api_a.get(f"/api/v1/jobs/{EXPORT['name']}").status_code == 404
+    assert (payload_deletes_failing / key).exists()
+    assert PayloadBlob.objects.get(key=key).stranded_at is not None
+
+    retention.handle_one_round()  # the storage still fails: kept, and tried again later
+    assert (payload_deletes_failing / key).exists()
+    DeletesFailingStorage.failing = False
+    assert retention.handle_one_round() >= 1
+    assert not (payload_deletes_failing / key).exists()
+    assert not PayloadBlob.objects.filter(key=key).exists()
+    assert payloads.sweep_stranded(10) == 0
+
+
+def test_a_stranded_payload_used_again_is_kept(api_a, payload_deletes_failing):
+    """A blob the storage failed to delete that a new run then refers to (same content) is not
+    deleted by the retention that tries the stranded blobs again."""
+    from apps.runs import payloads
+    from apps.runs.models import PayloadBlob
+    from tests.conftest import DeletesFailingStorage
+
+    big = {"rows": ["y" * 100 for _ in range(100)]}
+    api_a.post("/api/v1/jobs", {**EXPORT, "payload": big})
+    (key,) = JobDefinition.objects.values_list("payload_key", flat=True)
+    assert api_a.delete(f"/api/v1/jobs/{EXPORT['name']}").status_code == 204
+    assert PayloadBlob.objects.get(key=key).stranded_at is not None
+
+    api_a.post("/api/v1/jobs", EXPORT)
+    enqueued = api_a.post(f"/api/v1/jobs/{EXPORT['name']}/runs", {"payload": big})
+    assert enqueued.status_code == 201, enqueued.text
+    DeletesFailingStorage.failing = False
+    assert payloads.sweep_stranded(10) == 0
+    assert (payload_deletes_failing / key).exists()
+    assert PayloadBlob.objects.get(key=key).stranded_at is None
+    assert api_a.get(f"/api/v1/runs/{enqueued.json()['runId']}").json()["payload"] == big
