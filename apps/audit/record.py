@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
-from django.db import connections, router
+from django.db import DatabaseError, connections, router, transaction
 from django.utils import timezone
 
-from apps.audit.models import AuditEvent, Source
+from apps.audit.models import AuditEvent, PendingEvent, Source
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,91 @@ RETURNING id
 """
 
 
+# Inside `kept_with_rows`, the databases other than the trail's that events were kept in.
+_kept: ContextVar[set[str] | None] = ContextVar("audit_kept_with_rows", default=None)
+
+INSERT_PENDING = """
+INSERT INTO audit_pendingevent (id, created_at, team_id, actor_user_id, actor_token_id, actor,
+                                source, action, target_type, target, before, after)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s::jsonb)
+"""
+# The relay, on the database that keeps them: the oldest pending events, locked (SKIP LOCKED:
+# two relays share the work), inserted into the trail once each (audit_relayed_once), then
+# deleted. The trail commits first: a relay that fails before the delete commits repeats
+# them, and the trail keeps one of each.
+TAKE_PENDING = """
+SELECT id, created_at, team_id, actor_user_id, actor_token_id, actor, source, action,
+       target_type, target, before::text, after::text
+FROM audit_pendingevent ORDER BY created_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+"""
+# A team, user or token deleted since is null, as the trail's own foreign keys leave it (the
+# tables they refer to are read from the model: `_insert_relayed`).
+INSERT_RELAYED = """
+INSERT INTO audit_auditevent (relayed_from, created_at, team_id, actor_user_id, actor_token_id,
+                              actor, source, action, target_type, target, before, after)
+VALUES (%s, %s, (SELECT id FROM {team} WHERE id = %s), (SELECT id FROM {actor_user} WHERE id = %s),
+        (SELECT id FROM {actor_token} WHERE id = %s), %s, %s, %s, %s, %s, %s::jsonb, %s::jsonb)
+ON CONFLICT (relayed_from) WHERE relayed_from IS NOT NULL DO NOTHING
+"""
+DELETE_PENDING = "DELETE FROM audit_pendingevent WHERE id = ANY(%(ids)s::uuid[])"
+
+
+@contextmanager
+def kept_with_rows() -> Iterator[None]:
+    """Inside the block, an event is written to the database current for the sharded models
+    (the one whose rows it is about: `PendingEvent` is routed as they are) when that is not the
+    trail's own, in its transaction, and relayed to the trail once the caller's transaction on
+    the trail's database commits (at once when there is none). A relay that fails leaves them
+    for the scheduler's (`relay`). Nested blocks relay with the outermost."""
+    if _kept.get() is not None:
+        yield
+        return
+    kept: set[str] = set()
+    token = _kept.set(kept)
+    try:
+        yield
+    finally:
+        _kept.reset(token)
+        # Also when the block failed: a database that committed before the failure keeps the
+        # events of its rows.
+        trail = router.db_for_write(AuditEvent)
+        for database in sorted(kept):
+            transaction.on_commit(lambda db=database: _relay_or_leave(db), using=trail)
+
+
+def _relay_or_leave(database: str) -> None:
+    try:
+        relay(database)
+    except DatabaseError as exc:
+        log.warning(
+            "audit events kept in %s are left for the scheduler to relay: %s",
+            database, type(exc).__name__,
+        )  # fmt: skip
+
+
+def relay(database: str, batch: int = 1000) -> int:
+    """Move up to `batch` pending events kept in `database` to the trail; return how many."""
+    trail = router.db_for_write(AuditEvent)
+    with transaction.atomic(using=database), connections[database].cursor() as cursor:
+        cursor.execute(TAKE_PENDING, {"batch": batch})
+        rows = cursor.fetchall()
+        if not rows:
+            return 0
+        with transaction.atomic(using=trail), connections[trail].cursor() as writing:
+            writing.executemany(_insert_relayed(), rows)
+        cursor.execute(DELETE_PENDING, {"ids": [row[0] for row in rows]})
+    return len(rows)
+
+
+@cache
+def _insert_relayed() -> str:
+    tables = {
+        field: AuditEvent._meta.get_field(field).related_model._meta.db_table
+        for field in ("team", "actor_user", "actor_token")
+    }
+    return INSERT_RELAYED.format(**tables)
+
+
 def _fitted(text: str, field: str) -> str:
     """`text` cut to the column's width, marked when cut: a sign-in with a name of 10 000
     characters is audited as that name's start, not refused by the database (a 500)."""
@@ -81,24 +173,29 @@ def record(
         before=before,
         after=after,
     )
+    values = [
+        event.created_at,
+        event.team_id,
+        event.actor_user_id,
+        event.actor_token_id,
+        event.actor,
+        event.source,
+        event.action,
+        event.target_type,
+        event.target,
+        None if before is None else json.dumps(before),
+        None if after is None else json.dumps(after),
+    ]
     database = router.db_for_write(AuditEvent)
+    kept = _kept.get()
+    if kept is not None and (rows := router.db_for_write(PendingEvent)) != database:
+        event.relayed_from = uuid.uuid4()
+        with connections[rows].cursor() as cursor:
+            cursor.execute(INSERT_PENDING, [event.relayed_from, *values])
+        kept.add(rows)
+        return event  # not in the trail yet: no id
     with connections[database].cursor() as cursor:
-        cursor.execute(
-            INSERT_EVENT,
-            [
-                event.created_at,
-                event.team_id,
-                event.actor_user_id,
-                event.actor_token_id,
-                event.actor,
-                event.source,
-                event.action,
-                event.target_type,
-                event.target,
-                None if before is None else json.dumps(before),
-                None if after is None else json.dumps(after),
-            ],
-        )
+        cursor.execute(INSERT_EVENT, values)
         event.pk = cursor.fetchone()[0]
     event._state.adding = False
     event._state.db = database

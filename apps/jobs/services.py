@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 
 from django.db import IntegrityError, transaction
 
-from apps.audit.models import AuditEvent
 from apps.audit.record import Actor, record
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
@@ -392,35 +391,11 @@ def finish_deletions() -> int:
             )
         )
         for definition in left:
-            _audited(definition)
             finish_delete(Doomed(alias, definition.pk))
         return len(left)
 
     finished, _ = shards.gather(here)
     return sum(finished)
-
-
-def _audited(definition: JobDefinition) -> None:
-    """Record the delete of a definition whose own event is missing: with shards on databases
-    of their own, a request that marked it on its shard database and then failed on another
-    (a sync pruning jobs on two) lost its events with the control database's transaction."""
-    since = definition.updated_at - AUDIT_SKEW
-    if not AuditEvent.objects.filter(
-        target_type="job", target=definition.name, action="job.delete", created_at__gte=since
-    ).exists():
-        record(
-            Actor.system("retention: a delete whose request failed"),
-            "job.delete",
-            team=definition.team,
-            target_type="job",
-            target=definition.name,
-            before=snapshot(definition),
-        )
-
-
-# How far the shard database's clock (the mark's time) may be from the control database's (the
-# audit event's), and more.
-AUDIT_SKEW = timedelta(minutes=5)
 
 
 def set_paused(

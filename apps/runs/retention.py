@@ -1,6 +1,7 @@
 """Retention: finished runs (and their attempts and payload blobs) leave after their team's
 retention, the audit trail after its own, the rows of workers idle for a day (the workers list),
-in small batches that hold no lock for long; blobs the storage failed to delete are tried again.
+in small batches that hold no lock for long; blobs the storage failed to delete are tried again,
+and audit events a request kept on a shard database and could not relay are relayed.
 
 Dead runs stay until someone handles them (requeue or discard), whatever their age.
 """
@@ -12,6 +13,7 @@ import logging
 from django.conf import settings
 from django.db import connections, transaction
 
+from apps.audit.record import relay
 from apps.runs import counters, payloads, shards, workers
 
 log = logging.getLogger(__name__)
@@ -120,18 +122,21 @@ def delete_old_audit(batch: int) -> int:
 
 def handle_one_round(*, batch: int | None = None) -> int:
     """Delete one batch per team on every shard database, and one of the audit trail and of
-    idle workers; return the rows deleted. A shard database that is down is passed over until
-    the next round."""
+    idle workers; relay a batch of each shard database's kept audit events; return the rows
+    deleted. A shard database that is down is passed over until the next round."""
     from apps.teams.models import Team
 
     batch = batch or settings.SCHEDULER_RETENTION_BATCH
     teams = list(Team.objects.values_list("pk", "retention_days"))
 
     def one_database() -> int:
+        alias = shards.current()
         deleted = sum(
             delete_one_batch(team_id, days or settings.SCHEDULER_RETENTION_DAYS, batch)
             for team_id, days in teams
         )
+        if alias != shards.CONTROL:
+            relay(alias, batch)
         return deleted + counters.delete_old()
 
     per_database, unavailable = shards.gather(one_database)

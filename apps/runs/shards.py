@@ -42,6 +42,7 @@ from django.db import (
 from django.db.backends.utils import CursorWrapper
 from django.db.models import QuerySet
 
+from apps.audit.record import kept_with_rows
 from scheduler_site import shardmap
 from scheduler_site.database import config_from_url
 from scheduler_site.shardmap import ShardMap
@@ -63,6 +64,8 @@ SHARDED = frozenset(
         "runs.ratestart",
         "runs.census",
         "runs.failurecensus",
+        # An audit event kept with the rows it is about (apps/audit/record.py).
+        "audit.pendingevent",
     }
 )
 
@@ -326,10 +329,15 @@ def reaching(alias: str) -> Iterator[str]:
 @contextmanager
 def writing(alias: str) -> Iterator[str]:
     """A transaction on the shard database `alias` inside one on the control database, with
-    `alias` current: audit events written inside commit with the shard's rows where they share
-    a database; a shard database of its own commits its rows first (one transaction per
-    database, never across)."""
-    with transaction.atomic(using=CONTROL), reaching(alias), transaction.atomic(using=alias):
+    `alias` current: audit events written inside commit with the shard's rows, in the same
+    database's transaction (`kept_with_rows`); a shard database of its own commits its rows
+    first (one transaction per database, never across)."""
+    with (
+        kept_with_rows(),
+        transaction.atomic(using=CONTROL),
+        reaching(alias),
+        transaction.atomic(using=alias),
+    ):
         yield alias
 
 
@@ -337,8 +345,10 @@ def writing(alias: str) -> Iterator[str]:
 def writing_everywhere() -> Iterator[None]:
     """One transaction on the control database and one on each shard database, committed at the
     end of the block, the shard databases first. Not two-phase: a database that fails at
-    commit leaves those before it committed (the audit, in the control database, commits last)."""
+    commit leaves those before it committed; the audit events of their rows committed with
+    them (`kept_with_rows`: those written while the rows' database is current)."""
     with ExitStack() as stack:
+        stack.enter_context(kept_with_rows())
         stack.enter_context(transaction.atomic(using=CONTROL))
         for alias in databases():
             with reaching(alias):  # opening the transaction connects

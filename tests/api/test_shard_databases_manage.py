@@ -5,9 +5,10 @@ database that is down is named rather than failing the others."""
 from __future__ import annotations
 
 import re
+from unittest import mock
 
 import pytest
-from django.db import connections
+from django.db import OperationalError, connections
 
 from apps.jobs.models import JobDefinition, database_of
 from apps.runs import retention, shards
@@ -183,3 +184,77 @@ def test_retention_deletes_old_finished_runs_on_every_database(layout: Layout, a
         assert list(Run.objects.using(alias).filter(pk__in=made).values_list("pk", flat=True)) == [
             made[2]
         ]
+
+
+def test_a_sync_failing_on_one_database_keeps_the_events_of_those_that_committed(
+    layout: Layout, team_a
+):
+    """A sync writes in one transaction per database, committed one after the other (not
+    two-phase): when a database fails at its commit after another has committed, the changes
+    that committed keep their audit events (kept in their own database's transaction, then
+    relayed to the trail), and those that rolled back have none."""
+    from apps.api.shapes.jobs import parse_definition
+    from apps.audit.models import AuditEvent, PendingEvent
+    from apps.audit.record import Actor
+    from apps.jobs import sync
+
+    # Databases commit in the reverse of their order: the first shard database of its own
+    # commits after the last.
+    failing, committing = layout.aliases[0], layout.aliases[-1]
+    kept, lost = _name_on(committing, "kept"), _name_on(failing, "lost")
+    entries = [{"name": kept, "queue": "q"}, {"name": lost, "queue": "q"}]
+    plan = sync.plan_sync(team_a, sync.validate(entries, parse_definition), prune=False)
+    with connections[failing].cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION refuse_at_commit() RETURNS trigger LANGUAGE plpgsql"
+            " AS $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$;"
+            " CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER INSERT ON jobs_jobdefinition"
+            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_at_commit()"
+        )
+    try:
+        with pytest.raises(Exception, match="refused at commit"):
+            sync.apply_sync(plan, Actor.cli("deploy"))
+    finally:
+        with connections[failing].cursor() as cursor:
+            cursor.execute(
+                "DROP TRIGGER refuse_at_commit ON jobs_jobdefinition;"
+                " DROP FUNCTION refuse_at_commit()"
+            )
+    assert JobDefinition.objects.using(committing).filter(name=kept).exists()
+    assert not JobDefinition.objects.using(failing).filter(name=lost).exists()
+    created = AuditEvent.objects.filter(action="job.create")
+    assert list(created.values_list("target", "actor")) == [(kept, "deploy")]
+    assert created.get().relayed_from is not None
+    assert not PendingEvent.objects.using(committing).exists()  # relayed, not left
+
+
+def test_kept_audit_events_a_request_could_not_relay_are_relayed_once_by_retention(
+    layout: Layout, api_a
+):
+    """A request whose relay failed (the control database gone after the commit) leaves its
+    events kept in the shard database: the scheduler's retention round relays them, and a relay
+    repeated after a failure at its last step adds each to the trail once."""
+    from apps.audit import record
+    from apps.audit.models import AuditEvent, PendingEvent
+
+    name = _name_on(layout.aliases[1], "relay")
+    with mock.patch.object(record, "relay", side_effect=OperationalError("control gone")):
+        _job(api_a, name)
+    kept = PendingEvent.objects.using(layout.aliases[1])
+    assert list(kept.values_list("action", "target")) == [("job.create", name)]
+    assert not AuditEvent.objects.filter(action="job.create").exists()
+
+    # A relay whose trail committed, its delete of the kept events not.
+    (pending,) = kept.all()
+    with connections[layout.aliases[1]].cursor() as cursor:
+        cursor.execute(record.TAKE_PENDING, {"batch": 10})
+        rows = cursor.fetchall()
+    with connections[shards.CONTROL].cursor() as cursor:
+        cursor.executemany(record._insert_relayed(), rows)
+    assert AuditEvent.objects.filter(action="job.create").count() == 1
+
+    retention.handle_one_round()
+    (event,) = AuditEvent.objects.filter(action="job.create")
+    assert (event.target, event.relayed_from, event.team_id) == (name, pending.id, pending.team_id)
+    assert event.created_at == pending.created_at
+    assert not kept.all().exists()
