@@ -25,13 +25,17 @@ def worker_json(worker: workers.SeenWorker) -> shape.Worker:
 
 
 class WorkersView(ManageView):
+    # A fleet reads it too (the contract lists it with the worker protocol): a worker token's
+    # view of its own team's workers, as a manage token's.
+    also_for_scopes = ("worker",)
+
     @extend_schema(
         operation_id="listWorkers",
         summary="Workers seen recently",
         description=(
             "The worker ids of the team's lease requests in the last `minutes`, and any worker "
             "holding a leased run: the queues it last asked for, its runs in flight, its last "
-            "lease and heartbeat. Needs the `manage` scope."
+            "lease and heartbeat. Needs the `worker` or the `manage` scope."
         ),
         tags=["operations"],
         parameters=[doc.WORKER_MINUTES],

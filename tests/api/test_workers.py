@@ -153,3 +153,22 @@ def test_a_workers_times_come_from_its_newest_lease_where_its_row_has_none(api_a
     assert beaten_at is not None
     assert (seen.last_lease_at, seen.last_heartbeat_at) == (leased_at, beaten_at)
     assert older["fencingToken"] < newest["fencingToken"]
+
+
+def test_a_worker_token_lists_its_teams_workers_and_a_token_with_neither_scope_may_not(
+    live_server, ready_listener, team_a, worker_token_a, api_a
+):
+    """The fleet reads the list with the token it works with, as the protocol's other calls."""
+    from apps.teams.models import ApiToken
+    from tests.conftest import Api
+
+    add_ready_runs(make_definition(team_a, "billing.charge", queue="billing"), 1)
+    worker = Api(live_server.url, worker_token_a)
+    assert worker.lease(["billing"], 1, worker="host-1/11")
+    assert set(_listed(worker)) == {"host-1/11"}
+    assert set(_listed(worker)) == set(_listed(api_a))
+
+    neither = Api(live_server.url, ApiToken.issue(team_a, [])[1])
+    refused = neither.get("/api/v1/workers")
+    assert refused.status_code == 403
+    assert "'manage' or 'worker' scope" in refused.json()["detail"]
