@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -631,3 +631,27 @@ def _payload_storage(settings, folder, backend: str):
     }
     yield folder
     storages._storages.pop("payloads", None)
+
+
+def sent_behind_a_change(pk: int, change: str, send: Callable[[], Any]) -> Any:
+    """`send()`'s answer, sent while another session holds a row with `change` (a statement on
+    the row whose id is its parameter) made and not yet committed, which commits once the call
+    waits on the row."""
+    from tests.waiting import wait_for
+
+    answers = []
+    call = threading.Thread(target=lambda: answers.append(send()))
+    with other_session() as changing, other_session(autocommit=True) as watching:
+        changing.execute(change, [pk])
+        holder = changing.info.backend_pid
+        call.start()
+        wait_for(
+            lambda: watching.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
+            ).fetchone(),
+            what="the call to wait for the row",
+        )
+        changing.commit()
+    call.join(10)
+    (answer,) = answers
+    return answer

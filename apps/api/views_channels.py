@@ -4,6 +4,8 @@ dashboard's team page calls too."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.exceptions import NotFound, ValidationError
@@ -111,6 +113,8 @@ def _saved(call) -> Channel:
         return call()
     except channels.ChannelError as exc:
         raise ValidationError(exc.errors) from exc
+    except channels.ChannelGone:
+        raise NotFound("No such channel.") from None
 
 
 class ChannelsView(ChannelView):
@@ -170,18 +174,12 @@ class ChannelDetailView(ChannelView):
     def patch(self, request: Request, channel_id: str) -> Response:
         channel = self.channel(request, channel_id)
         given = self.body(request, shape.ChannelSettingsPatch).model_dump(exclude_unset=True)
-        merged = {
-            "name": channel.name,
-            "kind": channel.kind,
-            "target": channel.target,
-            "events": list(channel.events),
-            "jobs": list(channel.jobs),
-            "queues": list(channel.queues),
-            "enabled": channel.enabled,
-            **given,
-        }
-        spec = self.body(request, shape.ChannelSettings, merged).to_spec()
-        channel = _saved(lambda: channels.update(channel, spec, self.actor(request)))
+
+        def merged(current: channels.ChannelSpec) -> channels.ChannelSpec:
+            body = {**asdict(current), **given}
+            return self.body(request, shape.ChannelSettings, body).to_spec()
+
+        channel = _saved(lambda: channels.update(channel, merged, self.actor(request)))
         return Response(channel_json(channel))
 
     @extend_schema(
@@ -197,7 +195,8 @@ class ChannelDetailView(ChannelView):
         responses=doc.responses({204: None}, 404),
     )
     def delete(self, request: Request, channel_id: str) -> Response:
-        channels.delete(self.channel(request, channel_id), self.actor(request))
+        channel = self.channel(request, channel_id)
+        _saved(lambda: channels.delete(channel, self.actor(request)))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

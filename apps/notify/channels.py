@@ -8,6 +8,7 @@ own secret), are shown whole once, in the answer to their creation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -155,23 +156,59 @@ def create(team: Team, spec: ChannelSpec, actor: Actor) -> Channel:
     return channel
 
 
-def update(channel: Channel, spec: ChannelSpec, actor: Actor) -> Channel:
-    """Change the channel's fields (its kind and secret stay); raise ChannelError."""
-    if spec.kind != channel.kind:
-        raise ChannelError({"kind": ["A channel's kind cannot change: create another one."]})
-    errors = check(channel.team, spec, existing=channel)
-    if errors:
-        raise ChannelError(errors)
-    before = snapshot(channel)
-    channel.name = spec.name
-    channel.target = spec.target
-    channel.events = _unique(spec.events)
-    channel.jobs = _unique(spec.jobs)
-    channel.queues = _unique(spec.queues)
-    channel.enabled = spec.enabled
+class ChannelGone(Exception):
+    """The channel was deleted meanwhile (the API's 404)."""
+
+
+def spec_of(channel: Channel) -> ChannelSpec:
+    return ChannelSpec(
+        name=channel.name,
+        kind=channel.kind,
+        target=channel.target,
+        events=list(channel.events),
+        jobs=list(channel.jobs),
+        queues=list(channel.queues),
+        enabled=channel.enabled,
+    )
+
+
+def _locked(channel: Channel) -> Channel:
+    """The channel's row, locked until the transaction ends; ChannelGone once deleted."""
+    locked = (
+        Channel.objects.select_for_update(of=("self",))
+        .select_related("team")
+        .filter(pk=channel.pk)
+        .first()
+    )
+    if locked is None:
+        raise ChannelGone(channel.pk)
+    return locked
+
+
+def update(channel: Channel, change: Callable[[ChannelSpec], ChannelSpec], actor: Actor) -> Channel:
+    """Change the channel's fields (its kind and secret stay) to `change(its fields now)`, read
+    under its row's lock: two changes at once both hold (a PATCH merges into the channel as the
+    other left it), and a change of a channel deleted meanwhile raises ChannelGone (saved from
+    an earlier read, it wrote the deleted channel back). Raise ChannelError when invalid."""
     try:
         with transaction.atomic():
-            channel.save()
+            channel = _locked(channel)
+            spec = change(spec_of(channel))
+            if spec.kind != channel.kind:
+                raise ChannelError(
+                    {"kind": ["A channel's kind cannot change: create another one."]}
+                )
+            errors = check(channel.team, spec, existing=channel)
+            if errors:
+                raise ChannelError(errors)
+            before = snapshot(channel)
+            channel.name = spec.name
+            channel.target = spec.target
+            channel.events = _unique(spec.events)
+            channel.jobs = _unique(spec.jobs)
+            channel.queues = _unique(spec.queues)
+            channel.enabled = spec.enabled
+            channel.save(force_update=True)
             after = snapshot(channel)
             if after != before:
                 record(
@@ -189,8 +226,10 @@ def update(channel: Channel, spec: ChannelSpec, actor: Actor) -> Channel:
 
 
 def delete(channel: Channel, actor: Actor) -> None:
-    """Delete the channel with its delivery log (its pending deliveries are not sent)."""
+    """Delete the channel with its delivery log (its pending deliveries are not sent);
+    ChannelGone when another request deleted it first."""
     with transaction.atomic():
+        channel = _locked(channel)
         record(
             actor,
             "channel.delete",

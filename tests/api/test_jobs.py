@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import timedelta
 from importlib import import_module
 
-import httpx
 import pytest
 from django.db import connection
 from django.utils.dateparse import parse_datetime
@@ -16,7 +15,7 @@ from apps.runs import shards, store
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run
-from tests.conftest import db_now
+from tests.conftest import db_now, sent_behind_a_change
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -554,33 +553,6 @@ def test_a_changed_schedule_drops_the_runs_made_ahead_by_the_old_one(api_a):
     assert AuditEvent.objects.filter(action="job.update").count() == updates
 
 
-def _sent_behind_a_change(pk: int, change: str, send) -> httpx.Response:
-    """`send()`'s answer, sent while another session holds the job's row with `change` (a
-    statement on the row whose id is its parameter) made and not yet committed, which commits
-    once the call waits on the row."""
-    import threading
-
-    from tests.conftest import other_session
-    from tests.waiting import wait_for
-
-    answers = []
-    call = threading.Thread(target=lambda: answers.append(send()))
-    with other_session() as changing, other_session(autocommit=True) as watching:
-        changing.execute(change, [pk])
-        holder = changing.info.backend_pid
-        call.start()
-        wait_for(
-            lambda: watching.execute(
-                "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [holder]
-            ).fetchone(),
-            what="the call to wait for the job's row",
-        )
-        changing.commit()
-    call.join(10)
-    (answer,) = answers
-    return answer
-
-
 @pytest.mark.parametrize(
     ("method", "suffix", "body"),
     [
@@ -596,7 +568,7 @@ def test_a_change_waiting_on_a_job_deleted_meanwhile_is_a_404(api_a, method, suf
     500 (the call had read the job before the delete; its lock then found no row)."""
     assert api_a.put("/api/v1/jobs/gone.soon", {"queue": "q"}).status_code == 201
     pk = JobDefinition.objects.get(name="gone.soon").pk
-    answer = _sent_behind_a_change(
+    answer = sent_behind_a_change(
         pk,
         "DELETE FROM jobs_jobdefinition WHERE id = %s",
         lambda: api_a.http.request(method, f"/api/v1/jobs/gone.soon{suffix}", json=body),
@@ -641,7 +613,7 @@ def test_a_patch_waiting_on_the_job_keeps_what_another_client_changed_meanwhile(
         api_a.put("/api/v1/jobs/kept.job", {"queue": "q", "payload": {"v": 0}}).status_code == 201
     )
     pk = JobDefinition.objects.get(name="kept.job").pk
-    answer = _sent_behind_a_change(
+    answer = sent_behind_a_change(
         pk,
         f"UPDATE jobs_jobdefinition SET {meanwhile} WHERE id = %s",
         lambda: api_a.patch("/api/v1/jobs/kept.job", {"timeoutSeconds": 77}),
@@ -705,7 +677,7 @@ def test_an_if_match_is_compared_under_the_jobs_lock(api_a):
     refused: the pause stays, and the PATCH writes nothing."""
     read = api_a.put("/api/v1/jobs/kept.job", {"queue": "q"})
     pk = JobDefinition.objects.get(name="kept.job").pk
-    answer = _sent_behind_a_change(
+    answer = sent_behind_a_change(
         pk,
         "UPDATE jobs_jobdefinition SET paused = true WHERE id = %s",
         lambda: api_a.patch(
@@ -753,7 +725,7 @@ def test_a_replacement_that_leaves_the_switches_unsaid_keeps_them(api_a):
 def test_a_replacement_waiting_on_the_job_keeps_a_pause_made_meanwhile(api_a):
     api_a.put("/api/v1/jobs/kept.job", {"queue": "q"})
     pk = JobDefinition.objects.get(name="kept.job").pk
-    answer = _sent_behind_a_change(
+    answer = sent_behind_a_change(
         pk,
         "UPDATE jobs_jobdefinition SET paused = true WHERE id = %s",
         lambda: api_a.put("/api/v1/jobs/kept.job", {"queue": "q", "timeoutSeconds": 77}),

@@ -13,6 +13,7 @@ from django.db import connections
 from apps.audit.models import AuditEvent
 from apps.notify import channels
 from apps.notify.models import Channel, Delivery
+from tests.conftest import sent_behind_a_change
 from tests.notify.conftest import make_channel, readme_verifier
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -208,3 +209,34 @@ def test_creates_at_the_same_moment_do_not_pass_the_channel_cap(team_a, settings
     assert sorted(outcomes).count("created") == 2
     assert all(o == "created" or o.startswith("A team has at most 3 channels") for o in outcomes)
     assert Channel.objects.filter(team=team_a).count() == 3
+
+
+def test_a_patch_waiting_on_a_channel_deleted_meanwhile_is_a_404_and_never_brings_it_back(
+    api_a, team_a, receiver
+):
+    """The PATCH read the channel before the DELETE committed; its save then found no row and
+    inserted the channel again (with its old secret: it kept receiving pages)."""
+    channel = make_channel(team_a, receiver.url)
+    answer = sent_behind_a_change(
+        channel.pk,
+        "DELETE FROM notify_channel WHERE id = %s",
+        lambda: api_a.patch(f"/api/v1/channels/{channel.pk}", {"enabled": False}),
+    )
+    assert answer.status_code == 404, answer.text
+    assert not Channel.objects.filter(pk=channel.pk).exists()
+    assert not AuditEvent.objects.filter(action="channel.update").exists()
+
+
+def test_a_patch_waiting_on_a_channel_merges_into_what_another_change_left(api_a, team_a, receiver):
+    """Two PATCHes at once, each naming a field: both hold (the one that waited merged into the
+    channel as read before the other committed, and wrote its events back)."""
+    channel = make_channel(team_a, receiver.url)
+    answer = sent_behind_a_change(
+        channel.pk,
+        "UPDATE notify_channel SET events = ARRAY['run.dead', 'job.late'] WHERE id = %s",
+        lambda: api_a.patch(f"/api/v1/channels/{channel.pk}", {"enabled": False}),
+    )
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["enabled"], answer.json()["events"]) == (False, ["run.dead", "job.late"])
+    channel.refresh_from_db()
+    assert (channel.enabled, channel.events) == (False, ["run.dead", "job.late"])

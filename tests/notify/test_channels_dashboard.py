@@ -76,3 +76,23 @@ def test_only_the_teams_admins_reach_its_channels(team_a, team_b, admin_a, recei
     assert admin.get(f"/teams/team-a/channels/{2**70}").status_code == 404
     assert admin.get("/teams/team-a/channels/1/test").status_code == 405
     assert Channel.objects.count() == 1 and receiver.requests == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_disabling_a_channel_deleted_meanwhile_says_so_and_leaves_it_deleted(admin_a, smtp):
+    from apps.teams.models import Team
+    from tests.conftest import sent_behind_a_change
+
+    channel = make_channel(Team.objects.get(slug="team-a"), "oncall@example.com", kind="email")
+    client = client_for(admin_a)
+    answer = sent_behind_a_change(
+        channel.pk,
+        "DELETE FROM notify_channel WHERE id = %s",
+        lambda: client.post(f"/teams/team-a/channels/{channel.pk}/enable", {"enabled": "0"}),
+    )
+    assert answer.status_code == 302 and answer["Location"] == "/teams/team-a#channels"
+    assert (
+        "The channel pager was deleted meanwhile." in client.get("/teams/team-a").content.decode()
+    )
+    assert not Channel.objects.exists()
+    assert not AuditEvent.objects.filter(action="channel.update").exists()

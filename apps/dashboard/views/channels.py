@@ -4,6 +4,7 @@ apps.notify.channels, as the API's do."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from django.contrib import messages
@@ -127,19 +128,12 @@ def channel_enable(request: HtmxHttpRequest, slug: str, channel_id: int) -> Http
     team = _admin_team(request, slug)
     channel = _channel(team, channel_id)
     enabled = request.POST.get("enabled") == "1"
-    spec = channels.ChannelSpec(
-        name=channel.name,
-        kind=channel.kind,
-        target=channel.target,
-        events=list(channel.events),
-        jobs=list(channel.jobs),
-        queues=list(channel.queues),
-        enabled=enabled,
-    )
     try:
-        channels.update(channel, spec, actor(request))
+        channels.update(channel, lambda now: replace(now, enabled=enabled), actor(request))
     except channels.ChannelError as exc:
         return done(request, _channel_page(slug, channel.pk), str(exc), messages.ERROR)
+    except channels.ChannelGone:
+        return _gone(request, slug, channel)
     word = "enabled" if enabled else "disabled"
     return done(request, _channel_page(slug, channel.pk), f"{channel.name} is {word}.")
 
@@ -149,5 +143,13 @@ def channel_enable(request: HtmxHttpRequest, slug: str, channel_id: int) -> Http
 def channel_delete(request: HtmxHttpRequest, slug: str, channel_id: int) -> HttpResponse:
     team = _admin_team(request, slug)
     channel = _channel(team, channel_id)
-    channels.delete(channel, actor(request))
+    try:
+        channels.delete(channel, actor(request))
+    except channels.ChannelGone:
+        return _gone(request, slug, channel)
     return done(request, _team_page(slug), f"Deleted the channel {channel.name}.")
+
+
+def _gone(request: HtmxHttpRequest, slug: str, channel: Channel) -> HttpResponse:
+    text = f"The channel {channel.name} was deleted meanwhile."
+    return done(request, _team_page(slug), text, messages.ERROR)
