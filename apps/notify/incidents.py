@@ -51,13 +51,15 @@ class Occurrence:
     condition: bool = False
 
 
-def _body(incident: Incident, event: str, phase: str, summary: str, now: datetime) -> str:
+def _body(incident: Incident, event: str, phase: str, summary: str, at: datetime) -> str:
+    """`at`: when what the message tells happened (a page, the occurrence's time in the data;
+    a reminder or a recovery, its own)."""
     return messages.body(
         event=event,
         phase=phase,
         team_slug=incident.team.slug,
         summary=summary,
-        at=now,
+        at=at,
         job=incident.job,
         queue=incident.queue,
         run_id=incident.run_id if phase != "resolved" else "",
@@ -109,7 +111,7 @@ def occurred(occurrence: Occurrence, channels: list[Channel], now: datetime) -> 
                 event=o.event,
                 phase="open",
                 summary=o.summary,
-                body=_body(incident, o.event, "open", o.summary, now),
+                body=_body(incident, o.event, "open", o.summary, o.at),
                 now=now,
                 incident=incident,
             )
@@ -140,7 +142,7 @@ def _refresh(incident: Incident, o: Occurrence, now: datetime) -> None:
 
 
 # Whether a job's incident is over: given the incident, True (recovered), False (not yet), or
-# None (the job is gone: close without a message).
+# None (the job is gone: closed, saying so).
 Recovered = Callable[[Incident], bool | None]
 
 
@@ -154,7 +156,7 @@ def review(channels: list[Channel], now: datetime, recovered: Recovered) -> int:
         if now - incident.last_seen_at >= quiet:
             over = recovered(incident) if incident.event in JOB_EVENTS else True
             if over is not False:
-                changed += close(incident, channels, now, announce=over is True)
+                changed += close(incident, channels, now, job_gone=over is None)
                 continue
         if reminder > 0 and now - incident.last_notified_at >= timedelta(seconds=reminder):
             changed += remind(incident, channels, now)
@@ -197,9 +199,13 @@ def remind(incident: Incident, channels: list[Channel], now: datetime) -> int:
     return 1
 
 
-def close(incident: Incident, channels: list[Channel], now: datetime, *, announce: bool) -> int:
-    """Close the incident; with `announce`, tell the channels that were paged about it (and
-    still want to hear): `job.recovered` for a job, the same event `resolved` otherwise."""
+def close(
+    incident: Incident, channels: list[Channel], now: datetime, *, job_gone: bool = False
+) -> int:
+    """Close the incident and tell the channels that were paged about it (and still want to
+    hear): `job.recovered` for a job, the same event `resolved` otherwise. `job_gone`: the
+    job was deleted, and the message says so (a receiver that was paged resolves its alert
+    either way; closed silently, it was left open for good)."""
     with transaction.atomic():
         updated = Incident.objects.filter(pk=incident.pk, closed_at__isnull=True).update(
             closed_at=now
@@ -207,24 +213,30 @@ def close(incident: Incident, channels: list[Channel], now: datetime, *, announc
         if not updated:
             return 0
         incident.closed_at = now
-        if not announce:
-            return 1
         paged = set(Delivery.objects.filter(incident=incident).values_list("channel_id", flat=True))
         is_job = incident.event in JOB_EVENTS
         event = Event.JOB_RECOVERED if is_job else incident.event
         wanted = [c for c in channels if c.pk in paged and c.enabled and event in c.events]
         lasted = messages.age(now - incident.opened_at)
-        if is_job:
+        times = f"{incident.occurrences} occurrence{'s' if incident.occurrences != 1 else ''}"
+        if job_gone:
+            summary = (
+                f"{incident.job} was deleted: its {incident.event} incident is closed "
+                f"(open {lasted}, {times})."
+            )
+        elif is_job:
             summary = (
                 f"{incident.job} recovered: its latest run succeeded, and no {incident.event} "
-                f"for {messages.age(now - incident.last_seen_at)} (open {lasted}, "
-                f"{incident.occurrences} occurrence{'s' if incident.occurrences != 1 else ''})."
+                f"for {messages.age(now - incident.last_seen_at)} (open {lasted}, {times})."
             )
         else:
-            # The summary is the condition as last seen, not as it is now: said so.
+            # The summary is the condition as last seen, not as it is now: said so. The
+            # incident opened when the condition was found, which may be well after it began
+            # (shards unowned past a grace): its age is not the outage's length.
             quiet = messages.age(now - incident.last_seen_at)
             summary = (
-                f"Resolved after {lasted}, not seen for {quiet}. Last seen: {incident.summary}"
+                f"Resolved, not seen for {quiet} (the incident was open {lasted}). "
+                f"Last seen: {incident.summary}"
             )
         outbox.enqueue(
             wanted,

@@ -9,10 +9,13 @@ import orjson
 import pytest
 from django.db import connection
 from django.db.models import F
+from django.utils.dateparse import parse_datetime
 
 from apps.notify import detect
 from apps.notify.models import Delivery, Incident
 from apps.runs import store
+from apps.runs.ids import parse_run_id
+from apps.runs.models import Run
 from apps.scheduler import leases
 from tests.conftest import add_ready_runs, claim, everywhere, make_definition
 from tests.notify.conftest import die, drain, make_channel, messages_of, readme_verifier, succeed
@@ -50,6 +53,12 @@ def test_a_flapping_job_pages_once_and_recovers_once_on_its_teams_channels_only(
     assert page["job"] == "billing.flaky" and page["team"] == "team-a"
     assert page["url"] == f"https://cronlease.example.test/runs/{page['runId']}"
     assert "is dead after 1 attempt (RuntimeError: boom)" in page["summary"]
+    # A page's `at` is when its run died (before the incident opened: it was detected after).
+    first_death = Run.objects.get(pk=parse_run_id(page["runId"])).finished_at
+    assert parse_datetime(page["at"]) == first_death.replace(
+        microsecond=first_death.microsecond // 1000 * 1000
+    )
+    assert parse_datetime(page["at"]) <= parse_datetime(page["incident"]["openedAt"])
     assert recovery["incident"]["id"] == page["incident"]["id"]
     assert recovery["incident"]["closedAt"] is not None
     verify = readme_verifier()
@@ -128,7 +137,8 @@ def test_team_wide_conditions_page_once_are_reminded_and_resolve(
     drain(notifier)
     assert messages_of(receiver)[2:] == [("dlq.threshold", "resolved")]
     resolved = orjson.loads(receiver.requests[2].body)["summary"]
-    assert resolved.startswith("Resolved after 2 h, not seen for ")
+    assert resolved.startswith("Resolved, not seen for ")
+    assert "(the incident was open 2 h)" in resolved
     assert resolved.endswith("Last seen: The dead-letter queue holds 2 runs (threshold 2).")
 
     # Shard of team A's job unowned for an hour; team B's jobs are elsewhere.
@@ -298,3 +308,29 @@ def test_a_reminder_counts_every_occurrence_of_its_incident(team_a, receiver, no
     assert "3 runs died" in opened
     # The latest occurrence is one death; the incident's count is all four.
     assert ", 4 occurrences (last seen" in reminder and "is dead after" in reminder
+
+
+def test_a_job_deleted_during_its_incident_closes_it_saying_so(
+    team_a, receiver, notifier, settings
+):
+    """The channels that were paged hear that the incident is over because its job is gone:
+    closed without a message, a receiver's alert stayed open for good."""
+    from apps.audit.record import Actor
+    from apps.jobs import services
+
+    job = make_definition(team_a, "billing.gone", queue="billing", retry_max_attempts=1)
+    make_channel(team_a, receiver.url)
+    die(job)
+    notifier.handle_one_detection(force=True)
+    services.delete_definition(job, Actor.cli("test"))
+    settings.SCHEDULER_NOTIFY_RECOVERY_SECONDS = 0
+    notifier.handle_one_detection(force=True)
+    drain(notifier)
+    assert messages_of(receiver) == [("run.dead", "open"), ("job.recovered", "resolved")]
+    resolved = orjson.loads(receiver.requests[1].body)
+    assert resolved["job"] == "billing.gone"
+    assert resolved["summary"].startswith(
+        "billing.gone was deleted: its run.dead incident is closed"
+    )
+    assert resolved["incident"]["closedAt"] is not None
+    assert Incident.objects.get().closed_at is not None
