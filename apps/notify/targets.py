@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import httpx
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import EmailValidator
@@ -43,6 +44,11 @@ def url_problem(url: str) -> str | None:
     try:
         parts = urlsplit(url)
         port = parts.port  # a port out of range or not a number raises here
+        # As the sender will read it: its host rules (IDNA 2008) refuse names the socket
+        # library takes (full-width letters), which were saved and then never delivered.
+        httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        return f"Not a valid URL: {exc}."
     except ValueError:
         return "Not a valid URL."
     if parts.scheme not in SCHEMES:

@@ -183,6 +183,14 @@ def test_other_teams_bad_input_limits_and_private_targets_are_refused(
     settings.SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS = True
     allowed = api_a.post("/api/v1/channels", {**hook, "target": REFUSED[0]})
     assert allowed.status_code == 201, allowed.text
+    # Hosts the socket library reads (full-width letters map to "localhost") but the HTTP
+    # client refuses (IDNA 2008): saved, they failed every delivery as if worth retrying.
+    for target in ("http://\uff2c\uff2f\uff23\uff21\uff2c\uff28\uff2f\uff33\uff34:8602/fw",
+                   "http://\u24dbocalhost:8602/circ"):  # fmt: skip
+        answer = api_a.post("/api/v1/channels", {**hook, "name": "idna", "target": target})
+        assert answer.status_code == 400, (target, answer.text)
+        (reason,) = answer.json()["errors"]["target"]
+        assert reason.startswith("Not a valid URL"), reason
 
 
 def test_creates_at_the_same_moment_do_not_pass_the_channel_cap(team_a, settings):
