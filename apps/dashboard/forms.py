@@ -409,7 +409,7 @@ class DefinitionForm(forms.Form):
 
     @staticmethod
     def initial_for(definition: JobDefinition) -> dict[str, Any]:
-        snap = services.snapshot(definition)
+        snap = services.snapshot_to_edit(definition)
         schedule = snap["schedule"] or {}
         kind = (
             "cron" if "cron" in schedule
@@ -484,7 +484,9 @@ class DefinitionForm(forms.Form):
         data = super().clean()
         # Editing starts from the stored definition, so a field this form does not show keeps
         # its value instead of falling back to the default.
-        body: dict[str, Any] = services.snapshot(self.instance) if self.instance is not None else {}
+        body: dict[str, Any] = (
+            services.snapshot_to_edit(self.instance) if self.instance is not None else {}
+        )
         body |= {
             "name": data.get("name", "x"),
             "schedule": schedule_from(self.data),

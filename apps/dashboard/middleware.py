@@ -15,7 +15,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django_htmx.http import HttpResponseClientRedirect
 
-from apps.runs import shards
+from apps.runs import payloads, shards
 from scheduler_site.database import failure_words, log_failure
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,10 @@ class UnavailableShardsMiddleware:
             return None
         if isinstance(exception, shards.Unavailable):
             return render(request, "shard_unavailable.html", {"spans": exception.spans}, status=503)
+        if isinstance(exception, payloads.Unavailable):
+            # Editing a job whose payload is kept in storage: the form would write it back.
+            logger.warning("%s", exception, exc_info=exception.__cause__)
+            return render(request, "payload_unavailable.html", {"why": str(exception)}, status=503)
         if isinstance(exception, OperationalError | InterfaceError):
             # A lock wait or a statement past its timeout, a dropped connection: the request's
             # transaction was rolled back, and the page says so rather than "server error".

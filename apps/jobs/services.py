@@ -76,7 +76,12 @@ class DefinitionSpec:
 
 
 def spec_of(definition: JobDefinition) -> DefinitionSpec:
-    """The editable fields of a saved definition."""
+    """The editable fields of a saved definition; payloads.Unavailable when its payload is kept
+    in storage and cannot be read."""
+    return _spec(definition, payloads.load(definition.payload, definition.payload_key))
+
+
+def _spec(definition: JobDefinition, payload: Any) -> DefinitionSpec:
     return DefinitionSpec(
         name=definition.name,
         schedule=definition.schedule,
@@ -87,7 +92,7 @@ def spec_of(definition: JobDefinition) -> DefinitionSpec:
         retry_base_seconds=definition.retry_base_seconds,
         retry_max_seconds=definition.retry_max_seconds,
         concurrency=definition.concurrency,
-        payload=payloads.load(definition.payload, definition.payload_key),
+        payload=payload,
         paused=definition.paused,
         dry_run=definition.dry_run,
         lateness_slo_seconds=definition.lateness_slo_seconds,
@@ -100,8 +105,26 @@ def spec_of(definition: JobDefinition) -> DefinitionSpec:
     )
 
 
+# In a snapshot of a definition whose payload is kept in storage and cannot be read: why.
+UNREADABLE = "payloadUnavailable"
+
+
 def snapshot(definition: JobDefinition) -> dict[str, Any]:
-    """The audited view of a definition: what a person edits, in the API's names."""
+    """The audited and answered view of a definition, in the API's names. A payload kept in
+    storage that cannot be read is null, and UNREADABLE says why: such a job is still shown,
+    replaced, paused and deleted (read strictly, each answered 503, a pause after it had
+    committed), but not edited field by field (`snapshot_to_edit`)."""
+    try:
+        return snapshot_to_edit(definition)
+    except payloads.Unavailable as exc:
+        log.warning("job %s: %s", definition.name, exc)
+        return {**spec_snapshot(_spec(definition, None)), UNREADABLE: str(exc)}
+
+
+def snapshot_to_edit(definition: JobDefinition) -> dict[str, Any]:
+    """`snapshot`, for a change made to some of its fields (a PATCH, the edit form): the
+    others are written back as read, so a payload that cannot be read raises
+    payloads.Unavailable (written back as null, it would be lost)."""
     return spec_snapshot(spec_of(definition))
 
 
@@ -272,7 +295,7 @@ def update_definition(
         locked = _locked(definition, versions)
         before = snapshot(locked)
         if callable(spec):
-            spec = spec(before)
+            spec = spec(before if UNREADABLE not in before else snapshot_to_edit(locked))
         was_paused, was_limited = locked.paused, locked.limited
         spec = as_stored(held(spec, locked), locked.schedule)
         schedule_changed = spec.schedule is not locked.schedule

@@ -326,7 +326,8 @@ class PayloadBlob(models.Model):
 
     key = models.CharField(max_length=100, primary_key=True)
     placed_at = models.DateTimeField()  # the last time a writer referred to it
-    # Found unreferenced, but the storage failed to delete it: retention tries again.
+    # Found unreferenced, but the storage failed to delete it (or a shard database could not
+    # be looked in): retention tries again.
     stranded_at = models.DateTimeField(null=True)
 
     class Meta:

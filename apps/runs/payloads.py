@@ -102,7 +102,8 @@ LOCK_FOR_DELETION = """
 SELECT key FROM runs_payloadblob WHERE key = ANY(%(keys)s::text[]) ORDER BY key FOR UPDATE
 """
 FORGET = "DELETE FROM runs_payloadblob WHERE key = ANY(%(keys)s::text[])"
-# Unreferenced, but the storage failed to delete them (down, say): kept for `sweep_stranded`.
+# Unreferenced, but the storage failed to delete them (down, say), or unreferenced where looked
+# for while a shard database could not be read: kept for `sweep_stranded`.
 # A stranded blob a writer refers to again is no longer stranded.
 STRAND = "UPDATE runs_payloadblob SET stranded_at = now() WHERE key = ANY(%(keys)s::text[])"
 UNSTRAND = """
@@ -135,8 +136,11 @@ def place_all(values: Iterable[Any]) -> list[tuple[Any, str]]:
         _hold(blobs)
         storage = _storage()
         for key, data in blobs.items():
-            if not storage.exists(key):
-                storage.save(key, ContentFile(data))
+            try:
+                if not storage.exists(key):
+                    storage.save(key, ContentFile(data))
+            except Exception as exc:  # each storage backend raises its own; the caller's 503
+                raise Unavailable(key, exc, "written to") from exc
     return placed
 
 
@@ -165,11 +169,12 @@ def _hold(blobs: dict[str, bytes]) -> None:
 
 
 class Unavailable(Exception):
-    """A payload kept in storage could not be read: its blob is gone, or the storage is down."""
+    """A payload kept in storage could not be read (its blob is gone, or the storage is down),
+    or could not be stored."""
 
-    def __init__(self, key: str, cause: BaseException) -> None:
+    def __init__(self, key: str, cause: BaseException, doing: str = "read from") -> None:
         # The cause's type only: its text may name the server's paths or the bucket.
-        super().__init__(f"the payload {key} cannot be read from storage ({type(cause).__name__})")
+        super().__init__(f"the payload {key} cannot be {doing} storage ({type(cause).__name__})")
         self.key = key
 
 
@@ -214,7 +219,8 @@ def shown(inline: Any, key: str) -> tuple[Any, str]:
 def delete_unreferenced(keys: Iterable[str]) -> int:
     """Delete the blobs among `keys` that no run or definition of any shard database refers to;
     return how many. A blob is shared by content, so by rows of several databases: while one of
-    them cannot be read, nothing is deleted (the next deletion of a referring row tries again).
+    them cannot be read, nothing is deleted, and those no database that answered refers to are
+    kept as stranded (their last referring row may be gone: nothing else would try again).
 
     Called once the rows referring to them are gone, committed: a storage that fails to delete
     is not the caller's failure (a job's DELETE answered 500 with the job gone). The blobs it
@@ -250,10 +256,12 @@ def delete_unreferenced(keys: Iterable[str]) -> int:
             shards.refresh(force=True)
             if shards.current_map() == placed:
                 break
-        if unavailable:
-            return 0
         used = set().union(*found)
         orphans = [key for key in candidates if key not in used]
+        if unavailable:
+            with connections[shards.CONTROL].cursor() as cursor:
+                cursor.execute(STRAND, {"keys": orphans})
+            return 0
         deleted = _delete_from_storage(orphans)
         with connections[shards.CONTROL].cursor() as cursor:
             cursor.execute(FORGET, {"keys": deleted})

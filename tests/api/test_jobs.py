@@ -853,3 +853,55 @@ def test_a_stranded_payload_used_again_is_kept(api_a, payload_deletes_failing):
     assert (payload_deletes_failing / key).exists()
     assert PayloadBlob.objects.get(key=key).stranded_at is None
     assert api_a.get(f"/api/v1/runs/{enqueued.json()['runId']}").json()["payload"] == big
+
+
+def test_a_job_whose_stored_payload_is_lost_is_shown_paused_replaced_and_deleted(
+    api_a, payload_folder
+):
+    """A blob lost from storage made every answer about its job a 503, also a pause's, after
+    the pause had committed; and the job could be neither replaced nor deleted. It is shown
+    with a null payload (the dashboard says why); a change of some fields, which would write the
+    payload back, still waits for the storage (503, nothing changed)."""
+    big = {"rows": ["z" * 100 for _ in range(100)]}
+    name, path = EXPORT["name"], f"/api/v1/jobs/{EXPORT['name']}"
+    assert api_a.post("/api/v1/jobs", {**EXPORT, "payload": big}).status_code == 201
+    (key,) = JobDefinition.objects.values_list("payload_key", flat=True)
+    (payload_folder / key).unlink()  # a storage that lost it
+
+    shown = api_a.get(path)
+    assert shown.status_code == 200 and shown.json()["payload"] is None
+    paused = api_a.post(f"{path}/pause")
+    assert paused.status_code == 200, paused.text
+    assert paused.json()["paused"] is True and paused.json()["payload"] is None
+    (event,) = AuditEvent.objects.filter(action="job.pause")
+
+    patched = api_a.patch(path, {"priority": "bulk"})
+    assert patched.status_code == 503 and patched.json()["type"].endswith("/payload-unavailable")
+    assert JobDefinition.objects.get(name=name).priority_name != "bulk"
+
+    replaced = api_a.put(path, {**EXPORT, "payload": {"small": True}})
+    assert replaced.status_code == 200, replaced.text
+    assert replaced.json()["payload"] == {"small": True} and replaced.json()["paused"] is True
+    (update,) = AuditEvent.objects.filter(action="job.update")
+    assert update.before["payload"] is None and key in update.before["payloadUnavailable"]
+
+    assert (
+        api_a.post("/api/v1/jobs", {**EXPORT, "name": "lost.blob", "payload": big}).status_code
+        == 201
+    )
+    (payload_folder / key).unlink()
+    assert api_a.delete("/api/v1/jobs/lost.blob").status_code == 204
+    assert not JobDefinition.objects.filter(name="lost.blob").exists()
+
+
+def test_a_payload_the_storage_cannot_write_is_a_503_and_nothing_is_created(api_a, payload_folder):
+    import shutil
+
+    shutil.rmtree(payload_folder)
+    payload_folder.write_text("not a folder")  # the storage's folder replaced by a file
+    big = {"rows": ["w" * 100 for _ in range(100)]}
+    answer = api_a.post("/api/v1/jobs", {**EXPORT, "payload": big})
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["type"].endswith("/payload-unavailable")
+    assert "cannot be written to storage" in answer.json()["detail"]
+    assert not JobDefinition.objects.exists() and not AuditEvent.objects.exists()

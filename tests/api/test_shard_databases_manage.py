@@ -258,3 +258,25 @@ def test_kept_audit_events_a_request_could_not_relay_are_relayed_once_by_retenti
     assert (event.target, event.relayed_from, event.team_id) == (name, pending.id, pending.team_id)
     assert event.created_at == pending.created_at
     assert not kept.all().exists()
+
+
+def test_a_blob_let_go_while_another_database_is_down_is_deleted_once_it_is_back(
+    layout: Layout, api_a, payload_folder
+):
+    """Whether another database's rows still refer to the blob cannot be told while it is
+    down: nothing is deleted then, and the blob was left for good (its last referring row was
+    gone, and only the deletion of one tried again). It is kept as stranded for retention."""
+    from apps.runs.models import PayloadBlob
+
+    name = _name_on(layout.aliases[1], "big")
+    big = {"rows": ["u" * 100 for _ in range(100)]}
+    _job(api_a, name, payload=big)
+    (key,) = JobDefinition.objects.using(layout.aliases[1]).values_list("payload_key", flat=True)
+    with layout.down(0):
+        assert api_a.delete(f"/api/v1/jobs/{name}").status_code == 204
+        retention.handle_one_round()  # still down: kept
+    assert (payload_folder / key).exists()
+    assert PayloadBlob.objects.get(key=key).stranded_at is not None
+    retention.handle_one_round()
+    assert not (payload_folder / key).exists()
+    assert not PayloadBlob.objects.filter(key=key).exists()

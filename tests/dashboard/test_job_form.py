@@ -394,3 +394,21 @@ def test_a_save_over_a_change_made_since_the_form_was_opened_is_refused_and_kept
     )
     assert client.post(f"/jobs/{FORM['name']}/edit", {**edit, "seen": fresh, "paused": "on",
                        "timeout_seconds": "78"}).status_code == 302  # fmt: skip
+
+
+def test_a_job_whose_stored_payload_is_lost_is_shown_saying_so_and_not_edited(
+    editor_a, payload_folder
+):
+    """Its page answered 500; it says why the payload is not shown. Its edit form, which would
+    write the payload back as null, is a 503 page saying what to do."""
+    big = {"rows": ["v" * 100 for _ in range(100)]}
+    client = client_for(editor_a)
+    assert client.post("/jobs/new", {**FORM, "payload": json.dumps(big)}).status_code == 302
+    job = JobDefinition.objects.get()
+    (payload_folder / job.payload_key).unlink()
+    page = client.get(f"/jobs/{job.name}")
+    assert page.status_code == 200
+    assert f"Unreadable: the payload {job.payload_key} cannot be read" in page.content.decode()
+    edit = client.get(f"/jobs/{job.name}/edit")
+    assert edit.status_code == 503
+    assert "can still be replaced as a whole" in edit.content.decode()

@@ -363,7 +363,7 @@ def job_trigger(request: HtmxHttpRequest, name: str) -> HttpResponse:
 @signed_in
 def job_dry_run(request: HtmxHttpRequest, name: str) -> HttpResponse:
     definition = _changeable(request, name, Role.EDITOR)
-    body = {**services.snapshot(definition), "dryRun": not definition.dry_run}
+    body = {**services.snapshot_to_edit(definition), "dryRun": not definition.dry_run}
     try:
         spec = parse_definition(body)
     except InvalidEntry:
