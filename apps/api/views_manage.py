@@ -509,6 +509,7 @@ class JobTriggerView(ManageView):
             idempotency_key=None,
             payload=body.payload,
             trigger="api",
+            triggered=True,
         )
         return Response(run_json(created.run, database_now()), status=status.HTTP_201_CREATED)
 

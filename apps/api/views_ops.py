@@ -50,6 +50,7 @@ def backfill_json(
         created=created,
         capped=plan.capped,
         confirmed=confirmed,
+        until=format_utc(plan.until),
         sample=[t.local.isoformat() for t in plan.times[:20]],
     )
 

@@ -28,6 +28,7 @@ class BackfillPlan:
     times: list[firetimes.FireTime]
     existing: int  # cron times in the range that already have a run
     capped: bool
+    until: datetime  # the range's end as used: the `to` asked for, or now when that is ahead
 
     @property
     def new(self) -> int:
@@ -37,18 +38,20 @@ class BackfillPlan:
 def plan(definition: JobDefinition, start: datetime, end: datetime) -> BackfillPlan:
     """Return the cron times in [start, end] and how many already have a run.
 
-    1. Refuse a definition without a cron schedule, or a range that is empty or starts in the
-       future; one that runs past now stops at now.
+    1. Refuse a definition without a cron schedule, or a range that ends before it starts or
+       starts in the future; one that runs past now stops at now (`until`).
     2. List the fire times (start inclusive, end inclusive), up to the cap plus one.
-    3. Count those that a run already covers: (definition, due time) is unique.
+    3. Count those that a run already covers: a scheduled run of the time ((definition, due
+       time) is unique), or any run holding the time's key ((definition, key) is unique: the
+       insert would skip the time).
     """
     schedule = sched.parse_schedule(definition.schedule)
     if not isinstance(schedule, sched.CronSchedule):
         raise BackfillError({"schedule": "Only cron jobs can be backfilled."})
     if start.tzinfo is None or end.tzinfo is None:
         raise BackfillError({"from": "Give times with an offset or Z."})
-    if end <= start:
-        raise BackfillError({"to": "Must be after from."})
+    if end < start:
+        raise BackfillError({"to": "Must not be before from."})
     now = database_now()
     if start > now:
         # The schedule makes the runs ahead (catch-up covers an outage): a backfill is for the
@@ -64,11 +67,21 @@ def plan(definition: JobDefinition, start: datetime, end: datetime) -> BackfillP
         raise BackfillError({"from": "The range reaches past the years 1 to 9999."}) from exc
     capped = len(times) > cap
     times = times[:cap]
-    # The trigger filter lets the partial unique index on (definition, due time) answer this.
-    with shards.reaching(database_of(definition.name)):
-        scheduled = Run.objects.filter(definition=definition, trigger__in=SCHEDULED_TRIGGERS)
-        existing = scheduled.filter(due_at__in=[t.utc for t in times]).count() if times else 0
-    return BackfillPlan(times, existing, capped)
+    # The trigger filter lets the partial unique index on (definition, due time) answer the
+    # first; the unique (definition, idempotency key) index the second.
+    existing = 0
+    if times:
+        with shards.reaching(database_of(definition.name)):
+            runs = Run.objects.filter(definition=definition)
+            at_times = runs.filter(
+                trigger__in=SCHEDULED_TRIGGERS, due_at__in=[t.utc for t in times]
+            ).values_list("due_at", flat=True)
+            keys = {sched.idempotency_key(definition.name, t.local): t.utc for t in times}
+            holding = runs.filter(idempotency_key__in=list(keys)).values_list(
+                "idempotency_key", flat=True
+            )
+            existing = len(set(at_times) | {keys[key] for key in holding})
+    return BackfillPlan(times, existing, capped, end)
 
 
 def run_backfill(
@@ -101,7 +114,7 @@ def run_backfill(
             target=definition.name,
             after={
                 "from": start.isoformat(),
-                "to": end.isoformat(),
+                "to": backfill.until.isoformat(),
                 "created": created,
                 "capped": backfill.capped,
             },

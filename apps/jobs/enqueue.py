@@ -107,6 +107,7 @@ def enqueue_many(
     trigger: str = Trigger.API,
     now: datetime | None = None,
     full: bool = True,
+    triggered: bool = False,
 ) -> Batch:
     """Create the runs asked for, in one statement per shard database; answer each item in
     order. Delays count from `now`, the database's clock as the caller read it (read with the
@@ -115,7 +116,8 @@ def enqueue_many(
 
     1. Find the items' definitions by name (one query per database); a job not of `team_ids` is
        a 404 for its items (another team's is audited once per team, as a denial).
-    2. Insert each database's runs at once; the new ones are audited (one event per job).
+    2. Insert each database's runs at once; the new ones are audited (one event per job:
+       `run.create`, or `job.trigger` for a job run now on request, `triggered` or manual).
     3. Read the runs the others' keys name (one query), and compare payloads.
     A shard database that cannot be reached answers 503 for its items (apps/runs/shards.py).
     """
@@ -206,7 +208,7 @@ def enqueue_many(
                             {(n.definition_id, n.idempotency_key) for n in part} - set(made)
                         )
                     )
-        _audit_created(actor, [runs[name] for name in rows], trigger)
+        _audit_created(actor, [runs[name] for name in rows], triggered or trigger != Trigger.API)
     answers = []
     seen: set[tuple[int, str]] = set()
     for pair in wanted:
@@ -520,14 +522,24 @@ def _existing(run: Run, payload: Any) -> Enqueued:
     return Enqueued(200, run)
 
 
-def _audit_created(actor: Actor, runs: list[Run], trigger: str) -> None:
-    """One event per job: the run itself when it is one, else the count and the first ids."""
-    action = "run.create" if trigger == Trigger.API else "job.trigger"
+def _audit_created(actor: Actor, runs: list[Run], triggered: bool) -> None:
+    """One event per job: the run itself when it is one, else the count and the first ids. A
+    job run now by a person or a client (`job.trigger`) is an event of the job, naming the run:
+    the job's history shows it."""
     by_job: dict[int, list[Run]] = {}
     for run in runs:
         by_job.setdefault(run.definition_id, []).append(run)
     for group in by_job.values():
         first = group[0]
+        if triggered:
+            after = {"runIds": [run.run_id for run in group[:TARGETS_SHOWN]]}
+            if len(group) > 1:
+                after["count"] = len(group)
+            name = first.definition.name
+            record(
+                actor, "job.trigger", team=first.team, target_type="job", target=name, after=after
+            )
+            continue
         if len(group) == 1:
             after = {
                 "job": first.definition.name,
@@ -542,7 +554,7 @@ def _audit_created(actor: Actor, runs: list[Run], trigger: str) -> None:
                 "runIds": [run.run_id for run in group[:TARGETS_SHOWN]],
             }
             target = f"{len(group)} runs"
-        record(actor, action, team=first.team, target_type="run", target=target, after=after)
+        record(actor, "run.create", team=first.team, target_type="run", target=target, after=after)
 
 
 def create_run(
@@ -554,10 +566,15 @@ def create_run(
     run_at: datetime | None = None,
     payload: Any = None,
     trigger: str = Trigger.API,
+    triggered: bool = False,
 ) -> Created:
-    """Create one delayed, one-off or immediate run: a batch of one (enqueue_many)."""
+    """Create one delayed, one-off or immediate run: a batch of one (enqueue_many).
+    `triggered`: the job run now on request (audited as `job.trigger`, whatever `trigger`)."""
     wanted = Wanted(definition.name, idempotency_key, delay_seconds, run_at, payload)
-    (answer,) = enqueue_many([definition.team_id], [wanted], actor, trigger=trigger).answers
+    batch = enqueue_many(
+        [definition.team_id], [wanted], actor, trigger=trigger, triggered=triggered
+    )
+    (answer,) = batch.answers
     if answer.status == 409:
         raise IdempotencyConflict(answer.run, list(answer.fields))
     if answer.status == 404:  # deleted by another client since it was read

@@ -382,6 +382,19 @@ def idempotency_key(name: str, local: datetime | str) -> str:
     return f"{name}@{local if isinstance(local, str) else local.isoformat()}"
 
 
+def is_schedule_key(name: str, key: str) -> bool:
+    """Whether `key` has the form of the job's fire-time keys (`idempotency_key`): a run made
+    with it through the API would hold that time's key, and the cron run, catch-up or backfill
+    of the time would then be skipped as already made."""
+    prefix = f"{name}@"
+    if not key.startswith(prefix):
+        return False
+    try:
+        return datetime.fromisoformat(key[len(prefix) :]).tzinfo is not None
+    except ValueError:
+        return False
+
+
 # --- preview --------------------------------------------------------------------------------
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
+from django.utils.dateparse import parse_datetime
 
 from apps.audit.models import AuditEvent
 from apps.runs.clock import format_utc
@@ -99,6 +100,43 @@ def test_backfill_refuses_bad_ranges_and_non_cron_jobs(api_a):
     )
     assert across.status_code == 200, across.text
     assert across.json()["count"] in (2, 3)  # the hours of the last three that have passed
+    # Where it stopped is said: the count is up to now, not up to the `to` asked for.
+    until = parse_datetime(across.json()["until"])
+    assert now <= until <= db_now()
+    confirmed = {"from": format_utc(now - timedelta(hours=3)), "confirm": True,
+                 "to": format_utc(now + timedelta(days=30))}  # fmt: skip
+    api_a.post("/api/v1/jobs/etl.cron/backfill", confirmed)
+    (event,) = AuditEvent.objects.filter(action="job.backfill")
+    assert now <= datetime.fromisoformat(event.after["to"]) <= db_now()
+
+
+def test_a_range_of_one_instant_is_that_fire_time(api_a):
+    """Both ends are in the range: a range from a fire time to itself holds it (it was refused
+    as empty)."""
+    api_a.post("/api/v1/jobs", {"name": "etl.hourly", "queue": "etl", "schedule": HOURLY_BERLIN})
+    at = {"from": "2026-10-24T22:30:00Z", "to": "2026-10-24T22:30:00Z", "confirm": True}
+    done = api_a.post("/api/v1/jobs/etl.hourly/backfill", at)
+    assert done.status_code == 200, done.text
+    assert (done.json()["count"], done.json()["created"]) == (1, 1)
+    assert done.json()["sample"] == ["2026-10-25T00:30:00+02:00"]
+
+
+def test_a_fire_time_whose_key_a_run_holds_is_counted_as_existing(api_a):
+    """A run holding a fire time's key (made before such keys were refused to producers) makes
+    the insert skip that time: the preview counts it, so what it says is what is made."""
+    from apps.jobs.models import JobDefinition
+    from apps.runs import store
+
+    api_a.post("/api/v1/jobs", {"name": "etl.hourly", "queue": "etl", "schedule": HOURLY_BERLIN})
+    definition = JobDefinition.objects.get(name="etl.hourly")
+    now = db_now()
+    key = "etl.hourly@2026-10-25T01:30:00+02:00"
+    store.insert_runs([store.NewRun(definition.pk, "api", now, now, key)])
+    window = {"from": "2026-10-24T22:00:00Z", "to": "2026-10-25T01:00:00Z"}
+    preview = api_a.post("/api/v1/jobs/etl.hourly/backfill", window).json()
+    assert (preview["count"], preview["existing"], preview["new"]) == (3, 1, 2)
+    done = api_a.post("/api/v1/jobs/etl.hourly/backfill", {**window, "confirm": True}).json()
+    assert done["created"] == preview["new"]
 
 
 def test_backfill_reads_times_with_offsets_and_names_every_bad_field(api_a):

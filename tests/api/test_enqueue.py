@@ -270,3 +270,34 @@ def test_a_run_enqueued_for_a_paused_job_is_created_and_held_until_the_resume(ap
     assert api_a.post("/api/v1/jobs/billing.remind/resume").status_code == 200
     (lease,) = api_a.lease(["billing"], 10)
     assert lease["runId"] == item["run"]["runId"]
+
+
+def test_a_key_of_the_form_of_the_jobs_fire_time_keys_is_refused(api_a, jobs):
+    """Such a run held its fire time's key: the cron run of that time, its catch-up or its
+    backfill was then skipped as made already, and the time had no run at it."""
+    name = "billing.send-invoice"
+    taken = f"{name}@2026-12-05T03:00:00+00:00"
+    single = api_a.post(f"/api/v1/jobs/{name}/runs", {"idempotencyKey": taken})
+    assert single.status_code == 400 and "idempotencyKey" in single.json()["errors"], single.text
+    bulk = api_a.post(
+        "/api/v1/runs",
+        {
+            "runs": [
+                {"job": name, "idempotencyKey": taken},
+                {"job": name, "idempotencyKey": f"{name}@order-1"},
+            ]
+        },
+    ).json()["runs"]
+    assert [item["status"] for item in bulk] == [400, 201]
+    assert "the schedule's own" in bulk[0]["errors"]["idempotencyKey"][0]
+    assert [run.idempotency_key for run in stored(Run)] == [f"{name}@order-1"]
+
+
+def test_a_trigger_through_the_api_is_an_event_of_the_job(api_a, jobs):
+    """It was audited as `run.create`, as a producer's run: a filter on `job.trigger` and the
+    job's history left it out."""
+    name = "billing.send-invoice"
+    run_id = api_a.post(f"/api/v1/jobs/{name}/trigger").json()["runId"]
+    (event,) = AuditEvent.objects.filter(action="job.trigger")
+    assert (event.target_type, event.target, event.after) == ("job", name, {"runIds": [run_id]})
+    assert not AuditEvent.objects.filter(action="run.create").exists()

@@ -241,7 +241,7 @@ def test_backfill_mistakes_are_shown_beside_the_form(operator_a, team_a):
     response = client.post(url, backwards, HTTP_HX_REQUEST="true", HTTP_HX_TARGET="backfill")
     body = response.content.decode()
     assert response.status_code == 200 and "<html" not in body
-    assert 'id="backfill-errors"' in body and "To: Must be after from." in body
+    assert 'id="backfill-errors"' in body and "To: Must not be before from." in body
     assert (
         "Enter a valid date/time" in client.post(url, {"start": "soon", "end": ""}).content.decode()
     )

@@ -130,6 +130,9 @@ class BackfillAnswer(TypedDict):
     created: Annotated[int, Field(description="Runs created (0 for a preview).")]
     capped: Annotated[bool, Field(description="The range has more cron times than the cap.")]
     confirmed: bool
+    until: Annotated[
+        Instant, Field(description="The range's end as used: `to`, or now when `to` is ahead.")
+    ]
     sample: Annotated[
         list[str], Field(description="The first local times, ISO 8601 with their offsets.")
     ]

@@ -19,6 +19,7 @@ from apps.api.shapes.jobs import (
     no_default,
 )
 from apps.api.shapes.worker import ItemStatus, JobName, RunState
+from apps.jobs import schedule as sched
 from apps.runs import filters, limits
 from apps.runs.clock import database_now
 
@@ -73,6 +74,13 @@ class EnqueueItem(CreateRun):
         # The time window is checked by the batch, against one reading of the clock.
         if self.delaySeconds is not None and self.runAt is not None:
             return {"runAt": ["Give either delaySeconds or runAt, not both."]}
+        if self.idempotencyKey is not None and sched.is_schedule_key(self.job, self.idempotencyKey):
+            return {
+                "idempotencyKey": [
+                    f"Keys of the form {self.job}@<time with offset> are the schedule's own (its "
+                    "cron runs, catch-ups and backfills): choose another."
+                ]
+            }
         return {}
 
 

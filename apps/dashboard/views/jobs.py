@@ -170,7 +170,8 @@ def job_backfill(request: HtmxHttpRequest, name: str) -> HttpResponse:
             "sample": sample,
             "more": len(plan.times) - len(sample),
             "start": start,
-            "end": end,
+            "end": plan.until,
+            "cut_at_now": plan.until < end,
         }
         return render_page(request, "dashboard/job_backfill.html", context, regions=("backfill",))
     message = f"Backfilled {name}: created {plural(created, 'run')}"
