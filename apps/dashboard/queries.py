@@ -351,7 +351,9 @@ class AuditFilter:
 def audit_page(
     flt: AuditFilter, *, before: int | None, limit: int = PAGE_SIZE
 ) -> tuple[list[AuditEvent], int | None]:
-    """Audit events newest first, keyset on the primary key (ids grow with time)."""
+    """Audit events newest first by their time, keyset on (time, id) from the event whose id
+    the cursor names. Not by id alone: an event kept with its rows in a shard database gets
+    its id when it is relayed to the trail, after events written meanwhile."""
     scope = Q(team_id__in=flt.team_ids)
     if flt.include_teamless:
         scope |= Q(team__isnull=True)
@@ -367,8 +369,12 @@ def audit_page(
     if flt.since is not None:
         queryset = queryset.filter(created_at__gte=flt.since)
     if before is not None:
-        queryset = queryset.filter(pk__lt=before)
-    page = list(queryset.order_by("-pk")[: limit + 1])
+        at = AuditEvent.objects.filter(pk=before).values_list("created_at", flat=True).first()
+        if at is None:  # gone since (retention): ids still grow with time, nearly
+            queryset = queryset.filter(pk__lt=before)
+        else:
+            queryset = queryset.filter(Q(created_at__lt=at) | Q(created_at=at, pk__lt=before))
+    page = list(queryset.order_by("-created_at", "-pk")[: limit + 1])
     more = len(page) > limit
     page = page[:limit]
     return page, (page[-1].pk if more and page else None)
@@ -378,6 +384,6 @@ def audit_for_target(team_id: int, target_type: str, target: str, limit: int = 1
     """Served by audit_target (target_type, target)."""
     return list(
         AuditEvent.objects.filter(team_id=team_id, target_type=target_type, target=target).order_by(
-            "-pk"
+            "-created_at", "-pk"
         )[:limit]
     )
