@@ -1,4 +1,5 @@
-"""The one function that writes the audit trail."""
+"""Writing the audit trail: `record`, and the relay of events kept with their rows in a shard
+database (`kept_with_rows`, `relay`)."""
 
 from __future__ import annotations
 
