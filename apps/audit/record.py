@@ -111,9 +111,10 @@ def kept_with_rows() -> Iterator[None]:
             transaction.on_commit(lambda db=database: _relay_or_leave(db), using=trail)
 
 
-def _relay_or_leave(database: str) -> None:
+def _relay_or_leave(database: str, batch: int = 1000) -> None:
     try:
-        relay(database)
+        while relay(database, batch) == batch:
+            pass  # a bulk action's thousands of events
     except DatabaseError as exc:
         log.warning(
             "audit events kept in %s are left for the scheduler to relay: %s",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from django.db import transaction
 
-from apps.audit.record import Actor, record
+from apps.audit.record import Actor, kept_with_rows, record
 from apps.runs import shards
 from apps.runs.clock import database_now
 from apps.runs.filters import BulkFilter
@@ -76,33 +76,35 @@ def _transition(
     for run in runs:  # a shard being moved takes no changes (apps/scheduler/moves.py)
         shards.writable(run.shard)
     changed: list[tuple[int, str, str]] = []
-    # The audit events commit with the runs where they share the control database; a shard
-    # database of its own commits its runs first (one transaction per database).
-    with transaction.atomic(using=shards.CONTROL):
+    # Each run's event is written in its database's transaction, with the change
+    # (`kept_with_rows`: relayed to the trail after the commit where that is a shard database
+    # of its own), so that a run changed has its event whichever database fails at its commit.
+    with kept_with_rows(), transaction.atomic(using=shards.CONTROL):
         for alias, ids in shards.runs_by_database(list(by_id)).items():
             with shards.using(alias), atomic(savepoint=False), server_cursor() as cursor:
                 cursor.execute(sql, {"ids": ids})
                 done = cursor.fetchall()
                 if wakes:
                     notify_ready(queue for _, queue, _ in done)
+                for run_id, _, state in done:
+                    _audit_one(by_id[run_id], state, actor, action)
             changed += done
-        for run_id, _, state in changed:
-            run = by_id[run_id]
-            # A cancel that found the run leased asked its worker to stop.
-            done_as = (
-                "run.cancel_request" if action == "run.cancel" and state == "leased" else action
-            )
-            record(
-                actor,
-                done_as,
-                team=run.team,
-                target_type="run",
-                target=public_run_id(run_id),
-                before={"state": run.state},
-                after=_after(done_as),
-            )
     changed_ids = {run_id for run_id, _, _ in changed}
     return [run for run in runs if run.pk in changed_ids]
+
+
+def _audit_one(run: Run, state: str, actor: Actor, action: str) -> None:
+    # A cancel that found the run leased asked its worker to stop.
+    done_as = "run.cancel_request" if action == "run.cancel" and state == "leased" else action
+    record(
+        actor,
+        done_as,
+        team=run.team,
+        target_type="run",
+        target=public_run_id(run.pk),
+        before={"state": run.state},
+        after=_after(done_as),
+    )
 
 
 def _after(action: str) -> dict[str, object]:

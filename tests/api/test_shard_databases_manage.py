@@ -280,3 +280,35 @@ def test_a_blob_let_go_while_another_database_is_down_is_deleted_once_it_is_back
     retention.handle_one_round()
     assert not (payload_folder / key).exists()
     assert not PayloadBlob.objects.filter(key=key).exists()
+
+
+def test_a_cancel_whose_control_database_fails_at_commit_keeps_its_event(
+    layout: Layout, api_a, team_a
+):
+    """A run's change commits in its shard database; its event was written in the control
+    database's transaction, committed after: that commit failing left the run cancelled and no
+    event of it. The event is kept with the run's change, and relayed once the trail takes it."""
+    from apps.audit.models import AuditEvent
+
+    job = layout.job_on(layout.aliases[1], team_a, "cancel")
+    (run_pk,) = layout.new_runs(job, 1, "c")
+    with connections[shards.CONTROL].cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION refuse_at_commit() RETURNS trigger LANGUAGE plpgsql"
+            " AS $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$;"
+            " CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER INSERT ON audit_auditevent"
+            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_at_commit()"
+        )
+    try:
+        answer = api_a.post(f"/api/v1/runs/{public_run_id(run_pk)}/cancel")
+    finally:
+        with connections[shards.CONTROL].cursor() as cursor:
+            cursor.execute(
+                "DROP TRIGGER refuse_at_commit ON audit_auditevent; DROP FUNCTION refuse_at_commit()"
+            )
+    assert answer.status_code == 200, answer.text
+    assert Run.objects.using(layout.aliases[1]).get(pk=run_pk).state == "cancelled"
+    assert not AuditEvent.objects.filter(action="run.cancel").exists()  # not relayed yet
+    retention.handle_one_round()
+    (event,) = AuditEvent.objects.filter(action="run.cancel")
+    assert event.target == public_run_id(run_pk)
