@@ -41,7 +41,7 @@ from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition, database_of
 from apps.runs import filters, limits, shards, transitions
 from apps.runs.clock import database_now
-from apps.runs.ids import parse_run_id
+from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import PRIORITIES, Run, State
 from apps.teams import access
 
@@ -772,7 +772,9 @@ def run_list(request: Request, flt: runlist.RunFilter, now: datetime) -> Respons
     next_url = None
     if page.next_cursor is not None:
         query = request.query_params.copy()
-        query["cursor"] = page.runs[-1].run_id
+        # The page's last id, not its last run: every run of the page may be gone by the time
+        # their rows are read (retention, a job's delete), and the walk goes on below them.
+        query["cursor"] = public_run_id(page.next_cursor)
         next_url = request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
     answer = run_shape.RunPage(results=[run_json(run, now) for run in page.runs], next=next_url)
     if page.unavailable:

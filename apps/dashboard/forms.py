@@ -101,6 +101,12 @@ class RunFilterForm(forms.Form):
             super().full_clean()
         if zone is None:
             self.add_error("tz", f"Not a time zone: {raw[:64]!r}.")
+        for name in ("due_from", "due_to"):
+            value = getattr(self, "cleaned_data", {}).get(name)
+            try:
+                _utc_input(value)
+            except OverflowError:  # year 1 east of UTC, year 9999 west of it
+                self.add_error(name, "Outside the years 1 to 9999 once read in UTC.")
 
     def clean_cursor(self) -> int | None:
         raw = self.cleaned_data.get("cursor") or ""

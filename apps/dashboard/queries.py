@@ -369,7 +369,7 @@ def audit_page(
     if flt.since is not None:
         queryset = queryset.filter(created_at__gte=flt.since)
     if before is not None:
-        at = AuditEvent.objects.filter(pk=before).values_list("created_at", flat=True).first()
+        at = queryset.filter(pk=before).values_list("created_at", flat=True).first()
         if at is None:  # gone since (retention): ids still grow with time, nearly
             queryset = queryset.filter(pk__lt=before)
         else:

@@ -127,9 +127,13 @@ def run_page(
     more = len(found) > limit
     found = found[:limit]
     runs: list[Run] = []
+    # Read again by key, a run may have moved since its id was found (a DLQ run requeued): one
+    # no longer in a state the filter asks for is left out, not shown under it.
+    stored = {state for state, _ in flt.branches}
     for alias, ids in shards.runs_by_database(found).items():
         with shards.reaching(alias):
-            runs += shards.with_teams(Run.objects.filter(pk__in=ids).select_related("definition"))
+            rows = Run.objects.filter(pk__in=ids, state__in=stored).select_related("definition")
+            runs += shards.with_teams(rows)
     runs.sort(key=lambda run: run.pk, reverse=True)
     for run in runs:
         run.shown_state = reported_state(run.state, run.available_at, now)

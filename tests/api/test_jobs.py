@@ -10,6 +10,7 @@ from django.db import connection
 from django.utils.dateparse import parse_datetime
 
 from apps.audit.models import AuditEvent
+from apps.audit.record import Actor
 from apps.jobs.models import JobDefinition
 from apps.runs import shards, store
 from apps.runs.clock import format_utc
@@ -229,6 +230,45 @@ def test_runs_list_filters_and_pages(api_a, team_a):
     assert api_a.get("/api/v1/runs", params={"state": "succeeded"}).json()["results"] == []
     detail = api_a.get(f"/api/v1/runs/{ids[0]}").json()
     assert detail["runId"] == ids[0] and detail["attempts"] == []
+
+
+def test_a_page_whose_runs_go_while_it_is_read_is_short_and_the_walk_goes_on(api_a, team_a):
+    """The list finds a page's ids, then reads their rows: runs deleted in between (retention,
+    a job's delete) made the answer a 500 (the next cursor was the last run read, and there was
+    none); a run that moved out of the filter meanwhile (a DLQ run requeued) was shown under it."""
+    from unittest import mock
+
+    from apps.jobs import runlist
+    from apps.runs import transitions
+    from tests.conftest import add_ready_runs, make_definition
+    from tests.dashboard.conftest import failed_runs
+
+    definition = make_definition(team_a, "list.gone", queue="lq")
+    add_ready_runs(definition, 3)
+    found_ids = runlist._page_ids
+
+    def then_deleted(*args, **kwargs):
+        found = found_ids(*args, **kwargs)
+        Run.objects.filter(pk__in=found.ids[:2]).delete()
+        return found
+
+    with mock.patch.object(runlist, "_page_ids", then_deleted):
+        page = api_a.get("/api/v1/runs", params={"job": "list.gone", "limit": 2})
+    assert page.status_code == 200, page.text
+    assert page.json()["results"] == [] and page.json()["next"]
+    rest = api_a.get(page.json()["next"]).json()
+    assert len(rest["results"]) == 1 and rest["next"] is None
+
+    dead = failed_runs(make_definition(team_a, "list.dead", queue="ld"), 2)
+
+    def then_requeued(*args, **kwargs):
+        found = found_ids(*args, **kwargs)
+        transitions.requeue([run for run in dead if run.pk in found.ids], Actor.cli("test"))
+        return found
+
+    with mock.patch.object(runlist, "_page_ids", then_requeued):
+        listed = api_a.get("/api/v1/dlq", params={"job": "list.dead"})
+    assert listed.status_code == 200 and listed.json()["results"] == []
 
 
 def test_state_ready_lists_what_the_answers_show_as_ready(api_a, team_a):

@@ -178,6 +178,13 @@ def test_the_due_window_is_read_in_the_readers_zone_for_the_list_and_for_the_act
     assert "Not a time zone" in refused.content.decode()
     skipped = client.get("/dlq?due_from=2026-03-08T02:30&tz=America/New_York")  # DST's gap
     assert "may not exist" in skipped.content.decode()
+    # Times at the calendar's ends that leave it once read in UTC (they were a 500).
+    for path in ("/runs?due_from=0001-01-01T00:00&tz=Asia/Tokyo",
+                 "/failures?due_to=9999-12-31T23:59&tz=America/New_York",
+                 "/failures?view=groups&due_from=0001-01-01T00:00&tz=Asia/Tokyo"):  # fmt: skip
+        answer = client.get(path)
+        assert answer.status_code == 200, path
+        assert "Outside the years 1 to 9999 once read in UTC." in answer.content.decode(), path
 
 
 def test_a_confirmed_action_leaves_out_the_runs_that_failed_after_the_count(operator, team_a):
