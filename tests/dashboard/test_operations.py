@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime, timedelta
 from html import escape
+from unittest import mock
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -18,6 +19,7 @@ from playwright.sync_api import expect
 
 from apps.audit.models import AuditEvent
 from apps.dashboard.live import render as render_live
+from apps.dashboard.views import alerts as alerts_page
 from apps.jobs import alerts, diagnosis
 from apps.jobs import schedule as sched
 from apps.jobs.models import JobDefinition
@@ -303,7 +305,14 @@ def test_late_and_missed_lists_the_alerts_of_my_teams(operator_a, team_a, team_b
     panel = client.get("/alerts?limit=1", HTTP_HX_REQUEST="true", HTTP_HX_TARGET="alerts-table")
     panel_body = panel.content.decode()
     assert "<html" not in panel_body and panel_body.count('class="alert-row') == 1
-    assert f"{len(found) - 1} more" in panel_body
+    assert f"{len(found) - 1} more" in panel_body and 'href="/alerts"' in panel_body
+    # The page shows the newest it can; its count of the rest links nowhere (it led to itself).
+    with mock.patch.object(alerts_page, "MOST_SHOWN", 1):
+        page = client.get(
+            "/alerts", HTTP_HX_REQUEST="true", HTTP_HX_TARGET="alerts-table"
+        ).content.decode()
+    assert page.count('class="alert-row') == 1
+    assert f"{len(found) - 1} more, older, not shown" in page and 'href="/alerts"' not in page
 
 
 def test_new_pages_keep_the_csp(operator_a, team_a):

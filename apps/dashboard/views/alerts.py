@@ -37,6 +37,9 @@ def alerts(request: HtmxHttpRequest) -> HttpResponse:
         "chosen_team": chosen,
         "rows": rows,
         "hidden": len(found) - len(rows),
+        # The overview's panel links to the page for the rest; the page itself has no more
+        # to show (its link led back to itself).
+        "whole_page": limit == MOST_SHOWN,
         "window_hours": int(late_and_missed.WINDOW.total_seconds() // 3600),
     }
     return render_page(request, "dashboard/alerts.html", context, regions=("alerts-table",))
