@@ -57,6 +57,11 @@ class ManageView(APIView):
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)
+        # A parameter given twice was read as its last value: `?state=dead&state=ready` listed
+        # ready runs, and `?limit=600&limit=1` passed where `?limit=1&limit=600` did not.
+        repeated = sorted(key for key, values in request.query_params.lists() if len(values) > 1)
+        if repeated:
+            raise ValidationError({key: ["Given more than once."] for key in repeated})
         # Compared, not tested for truth: `[]`, `null`, `""` and `0` are bodies too.
         if request.method in self.bodyless and request.data != {}:
             raise ValidationError({"body": ["This call takes no body."]})

@@ -271,6 +271,17 @@ def test_a_page_whose_runs_go_while_it_is_read_is_short_and_the_walk_goes_on(api
     assert listed.status_code == 200 and listed.json()["results"] == []
 
 
+def test_a_parameter_given_twice_is_refused(api_a):
+    """Its last value was used: `?state=dead&state=ready` listed ready runs."""
+    for path in ("/api/v1/runs?state=dead&state=ready", "/api/v1/dlq?limit=600&limit=1",
+                 "/api/v1/jobs?limit=1&limit=2", "/api/v1/workers?minutes=5&minutes=6"):  # fmt: skip
+        answer = api_a.get(path)
+        assert answer.status_code == 400, (path, answer.text)
+        (field,) = answer.json()["errors"]
+        assert answer.json()["errors"][field] == ["Given more than once."]
+    assert api_a.get("/api/v1/runs?state=dead&limit=5").status_code == 200
+
+
 def test_state_ready_lists_what_the_answers_show_as_ready(api_a, team_a):
     """A run made ready (requeue, retry now) gets available_at = now() of its own transaction,
     which may come after the list's clock: the list still shows it, as `ready`."""
