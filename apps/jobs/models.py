@@ -50,7 +50,11 @@ class LiveDefinitions(models.Manager.from_queryset(JobDefinitionQuerySet)):  # t
 
 
 class JobDefinition(models.Model):
-    name = models.CharField(max_length=200, unique=True)
+    # Ordered by code point whatever the database's locale: lists merged across shard
+    # databases, and the dashboard's keyset pages, compare names in Python. In a database
+    # made under en_US, "b-1" sorted after "b_0" in SQL and before it in Python: the jobs
+    # pager showed one job twice and skipped another.
+    name = models.CharField(max_length=200, unique=True, db_collation="C")
     # No index of its own: job_team_name leads with the team. Every index here is written on
     # each advance of next_due_at (indexed, so never a HOT update), once per fire time.
     # No constraint in the database: with shards on servers of their own, definitions live in

@@ -412,3 +412,19 @@ def test_a_job_whose_stored_payload_is_lost_is_shown_saying_so_and_not_edited(
     edit = client.get(f"/jobs/{job.name}/edit")
     assert edit.status_code == 503
     assert "can still be replaced as a whole" in edit.content.decode()
+
+
+def test_job_names_are_ordered_by_code_point_in_every_database():
+    """The dashboard's jobs pager compares names in Python: in a database made under en_US
+    ("b-1" after "b_0" there, before it in Python) it showed one job twice and skipped another."""
+    from django.db import connections
+
+    from apps.runs import shards
+
+    for alias in shards.databases():
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                "SELECT collation_name FROM information_schema.columns"
+                " WHERE table_name = 'jobs_jobdefinition' AND column_name = 'name'"
+            )
+            assert cursor.fetchone() == ("C",), alias
