@@ -34,3 +34,17 @@ def test_an_event_relayed_late_is_listed_at_its_time_and_paging_keeps_every_even
         if cursor is None:
             break
     assert seen == ["e", "d", "c", "b", "late", "a"]
+
+
+def test_an_event_about_many_runs_links_to_none(operator_a, team_a):
+    """A bulk enqueue's event names "3 runs": linked as a run, it led to a 404."""
+    from tests.dashboard.conftest import client_for
+
+    for target in ("3 runs", "run_1ZE10E"):
+        AuditEvent.objects.create(
+            team=team_a, actor="t", source="cli", action="run.create", target_type="run",
+            target=target,
+        )  # fmt: skip
+    page = client_for(operator_a).get("/audit").content.decode()
+    assert "3 runs" in page and "/runs/3%20runs" not in page
+    assert 'href="/runs/run_1ZE10E"' in page
