@@ -15,7 +15,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema_serializer
 from rest_framework import serializers
 
-from apps.runs import workers
+from apps.runs import limits, workers
 from apps.runs.models import State
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
@@ -203,6 +203,29 @@ PREVIEW_QUERY = [
         "default now.",
     ),
 ]
+
+
+def page(cursor_is: str) -> list[OpenApiParameter]:
+    """A list's `cursor` (what it holds) and `limit`."""
+    return [
+        OpenApiParameter(
+            "cursor",
+            str,
+            description=f"The `cursor` of the `next` link of the previous page ({cursor_is}).",
+        ),
+        OpenApiParameter(
+            "limit",
+            {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": limits.PAGE_MAX,
+                "default": limits.PAGE_DEFAULT,
+            },
+            description=f"Page size (1–{limits.PAGE_MAX}).",
+        ),
+    ]
+
+
 RUN_FILTERS = [
     OpenApiParameter("job", str, description="Only runs of this job (exact name)."),
     OpenApiParameter("queue", str, description="Only runs of this queue."),
@@ -211,16 +234,7 @@ RUN_FILTERS = [
         OpenApiTypes.DATETIME,
         description="Only runs created at or after this ISO 8601 time (with an offset or Z).",
     ),
-    OpenApiParameter(
-        "cursor",
-        str,
-        description="The `cursor` of the `next` link of the previous page (a run id).",
-    ),
-    OpenApiParameter(
-        "limit",
-        {"type": "integer", "minimum": 1, "maximum": 500, "default": 50},
-        description="Page size (1–500).",
-    ),
+    *page("a run id"),
 ]
 RUN_STATE = OpenApiParameter(
     "state",

@@ -14,7 +14,7 @@ from rest_framework.response import Response
 
 from apps.api import schema as doc
 from apps.api.shapes import channels as shape
-from apps.api.views_manage import PAGE_DEFAULT, PAGE_MAX, ManageView
+from apps.api.views_manage import ManageView, next_page, page_limit
 from apps.notify import channels
 from apps.notify.models import Channel, Delivery, State
 from apps.runs.clock import format_utc
@@ -28,18 +28,6 @@ CHANNEL_ID = OpenApiParameter(
     required=True,
     description="The channel's id. Another team's channel is a 404.",
 )
-DELIVERY_PAGE = [
-    OpenApiParameter(
-        "limit",
-        {"type": "integer", "minimum": 1, "maximum": PAGE_MAX, "default": PAGE_DEFAULT},
-        description=f"Page size (1–{PAGE_MAX}).",
-    ),
-    OpenApiParameter(
-        "cursor",
-        str,
-        description="The `cursor` of the `next` link of the previous page (a delivery id).",
-    ),
-]
 
 
 def channel_json(channel: Channel, *, created: bool = False) -> shape.Channel:
@@ -230,18 +218,14 @@ class ChannelDeliveriesView(ChannelView):
             "`manage` scope."
         ),
         tags=["notifications"],
-        parameters=[CHANNEL_ID, *DELIVERY_PAGE],
+        parameters=[CHANNEL_ID, *doc.page("a delivery id")],
         responses=doc.responses({200: shape.DeliveryList}, 400, 404),
     )
     def get(self, request: Request, channel_id: str) -> Response:
         channel = self.channel(request, channel_id)
-        params = request.query_params
-        raw_limit = params.get("limit") or str(PAGE_DEFAULT)
-        limit = _id(raw_limit)
-        if limit is None or not 1 <= limit <= PAGE_MAX:
-            raise ValidationError({"limit": [f"A whole number from 1 to {PAGE_MAX}."]})
+        limit = page_limit(request)
         found = Delivery.objects.filter(channel=channel)
-        cursor = params.get("cursor")
+        cursor = request.query_params.get("cursor")
         if cursor:
             before = _id(cursor)
             if before is None:
@@ -251,7 +235,5 @@ class ChannelDeliveriesView(ChannelView):
         next_url = None
         if len(page) > limit:
             page = page[:limit]
-            query = params.copy()
-            query["cursor"] = str(page[-1].pk)
-            next_url = request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
+            next_url = next_page(request, str(page[-1].pk))
         return Response(shape.DeliveryList(results=[delivery_json(d) for d in page], next=next_url))

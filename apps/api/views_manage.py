@@ -45,9 +45,6 @@ from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import PRIORITIES, Run, State
 from apps.teams import access
 
-PAGE_DEFAULT = 50
-PAGE_MAX = 500
-
 
 class ManageView(APIView):
     required_scope = "manage"
@@ -762,11 +759,25 @@ def run_filter(
     )
 
 
+def page_limit(request: Request) -> int:
+    """A list's `?limit=` (1–PAGE_MAX, default PAGE_DEFAULT of apps/runs/limits.py); a 400
+    otherwise."""
+    limit = whole_number(request.query_params.get("limit") or limits.PAGE_DEFAULT)
+    if limit is None or not 1 <= limit <= limits.PAGE_MAX:
+        raise ValidationError({"limit": [f"A whole number from 1 to {limits.PAGE_MAX}."]})
+    return limit
+
+
+def next_page(request: Request, cursor: str) -> str:
+    """The address of a list's next page: the same query, its `cursor` where this page ended."""
+    query = request.query_params.copy()
+    query["cursor"] = cursor
+    return request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
+
+
 def run_list(request: Request, flt: runlist.RunFilter, now: datetime) -> Response:
     """Keyset pagination, newest first: `?cursor=<last runId>&limit=N`; no COUNT(*)."""
-    limit = whole_number(request.query_params.get("limit") or PAGE_DEFAULT)
-    if limit is None or not 1 <= limit <= PAGE_MAX:
-        raise ValidationError({"limit": [f"A whole number from 1 to {PAGE_MAX}."]})
+    limit = page_limit(request)
     before = None
     cursor = request.query_params.get("cursor")
     if cursor:
@@ -776,11 +787,9 @@ def run_list(request: Request, flt: runlist.RunFilter, now: datetime) -> Respons
     page = runlist.run_page(flt, now, before=before, limit=limit)
     next_url = None
     if page.next_cursor is not None:
-        query = request.query_params.copy()
         # The page's last id, not its last run: every run of the page may be gone by the time
         # their rows are read (retention, a job's delete), and the walk goes on below them.
-        query["cursor"] = public_run_id(page.next_cursor)
-        next_url = request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
+        next_url = next_page(request, public_run_id(page.next_cursor))
     answer = run_shape.RunPage(results=[run_json(run, now) for run in page.runs], next=next_url)
     if page.unavailable:
         answer["unavailableShards"] = page.unavailable

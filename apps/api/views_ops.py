@@ -11,7 +11,7 @@ from rest_framework.response import Response
 from apps.api import schema as doc
 from apps.api.shapes import ops as shape
 from apps.api.shapes import parse
-from apps.api.views_manage import ManageView
+from apps.api.views_manage import ManageView, next_page, page_limit
 from apps.jobs import alerts, backfill, diagnosis, queues, services
 from apps.runs import limits, shards
 from apps.runs.clock import database_now, format_utc
@@ -216,13 +216,35 @@ class AlertsView(ManageView):
     @extend_schema(
         operation_id="listAlerts",
         summary="Late and missed runs of the last 24 h (definitions with a lateness SLO)",
+        description=(
+            "Newest first (by due time, then job, kind and run), a page at a time; `total` "
+            "counts the window's alerts of every page."
+        ),
         tags=["operations"],
-        responses=doc.responses({200: shape.AlertList}),
+        parameters=doc.page("where the previous page ended"),
+        responses=doc.responses({200: shape.AlertList}, 400),
     )
     def get(self, request: Request) -> Response:
+        limit = page_limit(request)
+        after = None
+        if cursor := request.query_params.get("cursor"):
+            after = alerts.Position.from_cursor(cursor)
+            if after is None:
+                raise ValidationError({"cursor": ["Not a cursor from a previous page."]})
         with shards.noting():
-            found = alerts.alerts_for(self.team(request), database_now())
-            answer = shape.AlertList(results=[alert_json(alert) for alert in found])
+            found = alerts.alerts_for(
+                self.team(request), database_now(), limit=limit + 1, after=after
+            )
+            page = found.alerts[:limit]
+            answer = shape.AlertList(
+                results=[alert_json(alert) for alert in page],
+                total=found.total,
+                next=(
+                    next_page(request, page[-1].position.as_cursor())
+                    if len(found.alerts) > limit
+                    else None
+                ),
+            )
             if missed := shards.noted():
                 answer["unavailableShards"] = missed
         return Response(answer)

@@ -201,7 +201,7 @@ def late_and_missed(now: datetime, team_ids: set[int], teams: dict, channels) ->
             key=f"alerts:{team_id}", defaults={"position_at": now - lookback}
         )
         latest: dict[tuple[str, str], alerts.Alert] = {}
-        for alert in alerts.alerts_for(team, now):
+        for alert in alerts.newest_by_job(team, now):
             if alert.due_at < mark.position_at:
                 continue
             key = ("job.late" if alert.kind == "late" else "job.missed", alert.definition.name)

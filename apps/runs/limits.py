@@ -32,6 +32,9 @@ WORKER_ID_RE = re.compile(r"^[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?$")
 WORKER_ID_MAX = 200
 WORKER_ID_RULE = "Printable ASCII without leading or trailing spaces, up to 200 characters."
 
+# A list's page (`?limit=`): its default and most. Lists page by cursor and never count.
+PAGE_DEFAULT = 50
+PAGE_MAX = 500
 
 # A worker's stack trace (`error.stack`): past this many characters its end is kept, where the
 # error is, under a line saying how much of its start was cut; the report is never refused for

@@ -495,7 +495,7 @@ def test_queues_and_alerts_read_every_shard_database_and_name_one_that_is_down(
         f"q-{a}" for a in jobs if a != layout.aliases[-1]
     )
     assert alerts.status_code == 200, alerts.text
-    assert alerts.json() == {"results": [], "unavailableShards": [dead]}
+    assert alerts.json() == {"results": [], "total": 0, "next": None, "unavailableShards": [dead]}
 
 
 def test_a_scheduler_with_one_shard_database_down_materialises_the_others(layout, team_a):

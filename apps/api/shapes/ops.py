@@ -162,4 +162,6 @@ class Alert(TypedDict):
 @typed_config(ANSWER)
 class AlertList(TypedDict):
     results: list[Alert]
+    total: Annotated[int, Field(description="The window's alerts, on every page.")]
+    next: Annotated[str | None, Field(description="The next page, or null on the last.")]
     unavailableShards: NotRequired[UnavailableShards]

@@ -23,11 +23,13 @@ def alerts(request: HtmxHttpRequest) -> HttpResponse:
         limit = max(1, min(MOST_SHOWN, int(request.GET.get("limit", MOST_SHOWN))))
     except ValueError:
         limit = MOST_SHOWN
-    found = []
+    found, total = [], 0
     for team in teams:
         if not chosen or team.slug == chosen:
-            found += [(team, alert) for alert in late_and_missed.alerts_for(team, now)]
-    found.sort(key=lambda item: item[1].due_at, reverse=True)
+            of_team = late_and_missed.alerts_for(team, now, limit=limit)
+            found += [(team, alert) for alert in of_team.alerts]
+            total += of_team.total
+    found.sort(key=lambda item: item[1].position, reverse=True)
     rows = [
         {"team": team, "alert": alert, "about": alert.as_json()} for team, alert in found[:limit]
     ]
@@ -36,7 +38,7 @@ def alerts(request: HtmxHttpRequest) -> HttpResponse:
         "teams": teams,
         "chosen_team": chosen,
         "rows": rows,
-        "hidden": len(found) - len(rows),
+        "hidden": total - len(rows),
         # The overview's panel links to the page for the rest; the page itself has no more
         # to show (its link led back to itself).
         "whole_page": limit == MOST_SHOWN,
