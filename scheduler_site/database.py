@@ -13,7 +13,7 @@ def config_from_url(
     *,
     application_name: str,
     pool_size: int | None = None,
-    lock_timeout: int = 0,
+    lock_timeout: float = 0,
     statement_timeout: int = 0,
 ) -> dict[str, Any]:
     """Django's DATABASES entry; with `pool_size`, connections come from a psycopg pool.
@@ -40,7 +40,7 @@ def config_from_url(
     # jit_above_cost and every claim spent 34 ms compiling for 1 ms of execution.
     settings = "-c plan_cache_mode=force_generic_plan -c jit=off"
     if lock_timeout:
-        settings += f" -c lock_timeout={lock_timeout}s"
+        settings += f" -c lock_timeout={round(lock_timeout * 1000)}ms"
     if statement_timeout:
         settings += f" -c statement_timeout={statement_timeout}s"
     options: dict[str, Any] = {

@@ -103,14 +103,16 @@ TEMPLATES = [
 ]
 
 
+# The management command this process runs ("" for the web process).
+_COMMAND = sys.argv[1] if len(sys.argv) > 1 and sys.argv[0].endswith("manage.py") else ""
+
+
 def _application_name() -> str:
     """Name the connection after the process so pg_stat_activity shows who is who."""
     explicit = env_str("SCHEDULER_APPLICATION_NAME")
     if explicit:
         return explicit
-    if len(sys.argv) > 1 and sys.argv[0].endswith("manage.py"):
-        return f"scheduler:{sys.argv[1]}"
-    return "scheduler:web"
+    return f"scheduler:{_COMMAND}" if _COMMAND else "scheduler:web"
 
 
 DATABASE_URL = env_str("DATABASE_URL")
@@ -124,8 +126,18 @@ DB_POOL_SIZE = (
 # The web process's statements wait at most DB_LOCK_TIMEOUT seconds for a lock and run at most
 # DB_STATEMENT_TIMEOUT: a request behind another session's lock (a psql transaction left open)
 # held a pooled connection, and the process's stop, for as long as that session lived.
-# Daemons are not bounded: retention and materialisation batches may rightly take longer.
-DB_LOCK_TIMEOUT = env_int("SCHEDULER_DB_LOCK_TIMEOUT", 10, low=0) if DB_POOL_SIZE else 0
+# A scheduler's statements wait for a lock at most a third of its shard lease: its leases are
+# renewed by the loop that runs them, and one retention round waiting 10 s behind a session
+# holding the audit table let them lapse (another node took the shards). A statement that gives
+# up fails its tick; the next tick renews first. Their run time is not bounded: retention and
+# materialisation batches may rightly take longer.
+SCHEDULER_SHARD_LEASE_SECONDS = env_int("SCHEDULER_SHARD_LEASE_SECONDS", 10, low=1)
+if DB_POOL_SIZE:
+    DB_LOCK_TIMEOUT: float = env_int("SCHEDULER_DB_LOCK_TIMEOUT", 10, low=0)
+elif _COMMAND == "scheduler":
+    DB_LOCK_TIMEOUT = SCHEDULER_SHARD_LEASE_SECONDS / 3
+else:
+    DB_LOCK_TIMEOUT = 0
 DB_STATEMENT_TIMEOUT = env_int("SCHEDULER_DB_STATEMENT_TIMEOUT", 60, low=0) if DB_POOL_SIZE else 0
 DB_CONNECTION = {
     "pool_size": DB_POOL_SIZE,
@@ -327,7 +339,6 @@ SCHEDULER_TOKEN_FAILURE_WINDOW_SECONDS = env_int(
     "SCHEDULER_TOKEN_FAILURE_WINDOW_SECONDS", 60, low=1
 )
 
-SCHEDULER_SHARD_LEASE_SECONDS = env_int("SCHEDULER_SHARD_LEASE_SECONDS", 10, low=1)
 SCHEDULER_LOOKAHEAD_SECONDS = env_int("SCHEDULER_LOOKAHEAD_SECONDS", 60, low=0)
 SCHEDULER_TICK_SECONDS = env_float("SCHEDULER_TICK_SECONDS", 1.0, low=0.01, high=3600)
 SCHEDULER_MISSED_RUNS_CAP = env_int("SCHEDULER_MISSED_RUNS_CAP", 1000, low=0)
