@@ -11,7 +11,7 @@ run is kept (retention), and concurrent batches naming it create it once (the un
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import orjson
 from django.db import IntegrityError, InterfaceError, OperationalError, transaction
 
-from apps.audit.record import TARGETS_SHOWN, Actor, record, record_denied
+from apps.audit.record import TARGETS_SHOWN, Actor, kept_with_rows, record, record_denied
 from apps.jobs.models import DefinitionGone, JobDefinition, database_of
 from apps.jobs.schedule import shard_for
 from apps.runs import payloads, shards
@@ -116,8 +116,9 @@ def enqueue_many(
 
     1. Find the items' definitions by name (one query per database); a job not of `team_ids` is
        a 404 for its items (another team's is audited once per team, as a denial).
-    2. Insert each database's runs at once; the new ones are audited (one event per job:
-       `run.create`, or `job.trigger` for a job run now on request, `triggered` or manual).
+    2. Insert each database's runs at once; the new ones are audited in the same transaction
+       (one event per job: `run.create`, or `job.trigger` for a job run now on request,
+       `triggered` or manual).
     3. Read the runs the others' keys name (one query), and compare payloads.
     A shard database that cannot be reached answers 503 for its items (apps/runs/shards.py).
     """
@@ -165,9 +166,41 @@ def enqueue_many(
     rows: dict[tuple[int, str], Any] = {}
     runs: dict[tuple[int, str], Any] = {}
     failed: dict[int, str] = {}  # definition id: why its database could not take the runs
-    # The audit event commits with the runs when they share the control database; a shard
-    # database of its own commits its runs first (one transaction per database).
-    with transaction.atomic(using=shards.CONTROL):
+
+    def answered(
+        made: dict[tuple[int, str], Any], part: list[NewRun]
+    ) -> dict[tuple[int, str], Any]:
+        """In the insert's transaction: the runs of `part` by name, new and named by their keys,
+        and the new ones' audit events, kept with them."""
+        if full:
+            here = {
+                name: _new_run(row, by_id[name[0]], teams[name[0]]) for name, row in made.items()
+            }
+        else:
+            here = {
+                (new.definition_id, new.idempotency_key): NamedRun(
+                    pk,
+                    by_id[new.definition_id],
+                    teams[new.definition_id],
+                    new.idempotency_key,
+                    new.due_at,
+                )
+                for new in part
+                if (pk := made.get((new.definition_id, new.idempotency_key))) is not None
+            }
+        # Only the keys that named an existing run are read back.
+        if len(made) < len(part):
+            here.update(
+                _runs_named({(n.definition_id, n.idempotency_key) for n in part} - set(made))
+            )
+        _audit_created(actor, [here[name] for name in made], triggered or trigger != Trigger.API)
+        return here
+
+    # Each database's runs commit with their audit events (`kept_with_rows`: relayed to the
+    # trail once the control database's transaction commits, when that is a shard database of
+    # its own): a database failing at its commit after another committed leaves the runs that
+    # committed with their events (they were written last, in the control database, and lost).
+    with kept_with_rows(), transaction.atomic(using=shards.CONTROL):
         # With shards on databases of their own, the batch's large payloads' blobs are held at
         # once on the control database. Held by each database's insert, two batches naming the
         # same two blobs the other way round deadlocked; and a failure there was taken for the
@@ -177,38 +210,9 @@ def enqueue_many(
         if shards.physical():
             payloads.hold_all(new.payload for new in asked)
         for alias, asked_here in _by_database(asked, by_id).items():
-            made, part = _insert_on(alias, asked_here, by_id, failed, full=full)
-            ids = {new.definition_id for new in part}
-            with shards.using(alias), _unless_unreachable(alias, ids, failed):
-                rows.update(made)
-                if full:
-                    runs.update(
-                        (name, _new_run(row, by_id[name[0]], teams[name[0]]))
-                        for name, row in made.items()
-                    )
-                else:
-                    runs.update(
-                        (
-                            (new.definition_id, new.idempotency_key),
-                            NamedRun(
-                                pk,
-                                by_id[new.definition_id],
-                                teams[new.definition_id],
-                                new.idempotency_key,
-                                new.due_at,
-                            ),
-                        )
-                        for new in part
-                        if (pk := made.get((new.definition_id, new.idempotency_key))) is not None
-                    )
-                # Only the keys that named an existing run are read back.
-                if len(made) < len(part):
-                    runs.update(
-                        _runs_named(
-                            {(n.definition_id, n.idempotency_key) for n in part} - set(made)
-                        )
-                    )
-        _audit_created(actor, [runs[name] for name in rows], triggered or trigger != Trigger.API)
+            made, here = _insert_on(alias, asked_here, by_id, failed, full=full, then=answered)
+            rows.update(made)
+            runs.update(here)
     answers = []
     seen: set[tuple[int, str]] = set()
     for pair in wanted:
@@ -240,32 +244,37 @@ def _insert_on(
     failed: dict[int, str],
     *,
     full: bool,
-) -> tuple[dict[tuple[int, str], Any], list[NewRun]]:
-    """Insert `part` on database `alias` in one statement: what insert_keyed answers, and the
-    runs it was given (none when the database could not be reached).
+    then: Callable[[dict[tuple[int, str], Any], list[NewRun]], dict[tuple[int, str], Any]],
+) -> tuple[dict[tuple[int, str], Any], dict[tuple[int, str], Any]]:
+    """Insert `part` on database `alias` in one statement and call `then(made, part)` in its
+    transaction: what insert_keyed answered and what `then` did, once committed (nothing when
+    the database could not be reached).
 
     The runs of a shard whose move's guard refuses them answer 503 (`failed`), and the others
     are inserted again without them: a move refuses its own shard's runs only, though this
-    process's map may be a second late to know of it. In the control database the insert runs
-    in the audit event's transaction: a savepoint keeps it usable once a shard has moved (two
-    statements more); before any move is known, a refusal there is a 503 for the request."""
+    process's map may be a second late to know of it. A shard database of its own takes each
+    try in a transaction of its own. In the control database the insert runs in the caller's
+    transaction: a savepoint keeps it usable once a shard has moved (two statements more);
+    before any move is known, a refusal there is a 503 for the request."""
     shared = alias == shards.CONTROL
     while part:
         ids = {new.definition_id for new in part}
         moving: list[int] = []
-        savepoint = transaction.atomic(using=alias) if shared and shards.ever_moved() else None
+        own = not shared or shards.ever_moved()
         with shards.using(alias), _unless_unreachable(alias, ids, failed, moving):
-            with savepoint or nullcontext():
-                return insert_keyed(part, full=full), part
+            with transaction.atomic(using=alias) if own else nullcontext():
+                made = insert_keyed(part, full=full)
+                done = then(made, part)
+            return made, done
         if not moving:
-            return {}, []  # the database could not be reached: every item answers 503
-        if shared and savepoint is None:
+            return {}, {}  # the database could not be reached: every item answers 503
+        if not own:
             raise shards.Moving(moving[0])  # its transaction is spoilt: nothing was written
         for pk in ids:
             if by_id[pk].shard != moving[0]:
                 del failed[pk]
         part = [new for new in part if by_id[new.definition_id].shard != moving[0]]
-    return {}, part
+    return {}, {}
 
 
 def _vanished(definition: JobDefinition) -> Enqueued:

@@ -5,10 +5,11 @@ database that is down is named rather than failing the others."""
 from __future__ import annotations
 
 import re
-from unittest import mock
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
-from django.db import OperationalError, connections
+from django.db import connections
 
 from apps.jobs.models import JobDefinition, database_of
 from apps.runs import retention, shards
@@ -27,6 +28,26 @@ def _name_on(alias: str, prefix: str) -> str:
     return next(
         name for name in (f"{prefix}.{n}" for n in range(1000)) if database_of(name) == alias
     )
+
+
+@contextmanager
+def _refused_at_commit(alias: str, table: str) -> Iterator[None]:
+    """Inside the block, a transaction of database `alias` that inserted into `table` fails at
+    its commit (a deferred constraint trigger raises there)."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION refuse_at_commit() RETURNS trigger LANGUAGE plpgsql"
+            " AS $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$;"
+            f" CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER INSERT ON {table}"
+            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_at_commit()"
+        )
+    try:
+        yield
+    finally:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                f"DROP TRIGGER refuse_at_commit ON {table}; DROP FUNCTION refuse_at_commit()"
+            )
 
 
 def _job(api, name: str, **fields) -> dict:
@@ -204,22 +225,9 @@ def test_a_sync_failing_on_one_database_keeps_the_events_of_those_that_committed
     kept, lost = _name_on(committing, "kept"), _name_on(failing, "lost")
     entries = [{"name": kept, "queue": "q"}, {"name": lost, "queue": "q"}]
     plan = sync.plan_sync(team_a, sync.validate(entries, parse_definition), prune=False)
-    with connections[failing].cursor() as cursor:
-        cursor.execute(
-            "CREATE FUNCTION refuse_at_commit() RETURNS trigger LANGUAGE plpgsql"
-            " AS $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$;"
-            " CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER INSERT ON jobs_jobdefinition"
-            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_at_commit()"
-        )
-    try:
+    with _refused_at_commit(failing, "jobs_jobdefinition"):
         with pytest.raises(Exception, match="refused at commit"):
             sync.apply_sync(plan, Actor.cli("deploy"))
-    finally:
-        with connections[failing].cursor() as cursor:
-            cursor.execute(
-                "DROP TRIGGER refuse_at_commit ON jobs_jobdefinition;"
-                " DROP FUNCTION refuse_at_commit()"
-            )
     assert JobDefinition.objects.using(committing).filter(name=kept).exists()
     assert not JobDefinition.objects.using(failing).filter(name=lost).exists()
     created = AuditEvent.objects.filter(action="job.create")
@@ -231,14 +239,14 @@ def test_a_sync_failing_on_one_database_keeps_the_events_of_those_that_committed
 def test_kept_audit_events_a_request_could_not_relay_are_relayed_once_by_retention(
     layout: Layout, api_a
 ):
-    """A request whose relay failed (the control database gone after the commit) leaves its
+    """A request whose relay failed (the trail refused it at its commit) leaves its
     events kept in the shard database: the scheduler's retention round relays them, and a relay
     repeated after a failure at its last step adds each to the trail once."""
     from apps.audit import record
     from apps.audit.models import AuditEvent, PendingEvent
 
     name = _name_on(layout.aliases[1], "relay")
-    with mock.patch.object(record, "relay", side_effect=OperationalError("control gone")):
+    with _refused_at_commit(shards.CONTROL, "audit_auditevent"):
         _job(api_a, name)
     kept = PendingEvent.objects.using(layout.aliases[1])
     assert list(kept.values_list("action", "target")) == [("job.create", name)]
@@ -249,8 +257,7 @@ def test_kept_audit_events_a_request_could_not_relay_are_relayed_once_by_retenti
     with connections[layout.aliases[1]].cursor() as cursor:
         cursor.execute(record.TAKE_PENDING, {"batch": 10})
         rows = cursor.fetchall()
-    with connections[shards.CONTROL].cursor() as cursor:
-        cursor.executemany(record._insert_relayed(), rows)
+    record.copy_to_trail(rows)
     assert AuditEvent.objects.filter(action="job.create").count() == 1
 
     retention.handle_one_round()
@@ -292,23 +299,38 @@ def test_a_cancel_whose_control_database_fails_at_commit_keeps_its_event(
 
     job = layout.job_on(layout.aliases[1], team_a, "cancel")
     (run_pk,) = layout.new_runs(job, 1, "c")
-    with connections[shards.CONTROL].cursor() as cursor:
-        cursor.execute(
-            "CREATE FUNCTION refuse_at_commit() RETURNS trigger LANGUAGE plpgsql"
-            " AS $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$;"
-            " CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER INSERT ON audit_auditevent"
-            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_at_commit()"
-        )
-    try:
+    with _refused_at_commit(shards.CONTROL, "audit_auditevent"):
         answer = api_a.post(f"/api/v1/runs/{public_run_id(run_pk)}/cancel")
-    finally:
-        with connections[shards.CONTROL].cursor() as cursor:
-            cursor.execute(
-                "DROP TRIGGER refuse_at_commit ON audit_auditevent; DROP FUNCTION refuse_at_commit()"
-            )
     assert answer.status_code == 200, answer.text
     assert Run.objects.using(layout.aliases[1]).get(pk=run_pk).state == "cancelled"
     assert not AuditEvent.objects.filter(action="run.cancel").exists()  # not relayed yet
     retention.handle_one_round()
     (event,) = AuditEvent.objects.filter(action="run.cancel")
     assert event.target == public_run_id(run_pk)
+
+
+def test_a_producers_runs_keep_their_event_when_the_trail_fails_at_its_commit(
+    layout: Layout, api_a, team_a
+):
+    """A producer's runs commit in their shard database; their `run.create` event was written
+    in the control database's transaction, committed after: that commit failing answered 500
+    for runs that were made, and lost their event (a retry with the key answered 200). The
+    event is kept with the runs, and relayed once the trail takes it."""
+    from apps.audit.models import AuditEvent
+
+    job = layout.job_on(layout.aliases[1], team_a, "produced")
+    items = [{"job": job.name, "idempotencyKey": f"order-{n}"} for n in range(3)]
+    with _refused_at_commit(shards.CONTROL, "audit_auditevent"):
+        answer = api_a.post("/api/v1/runs", {"runs": items})
+    assert answer.status_code == 200, answer.text
+    assert [item["status"] for item in answer.json()["runs"]] == [201, 201, 201]
+    made = Run.objects.using(layout.aliases[1]).filter(definition_id=job.pk)
+    assert made.count() == 3
+    assert not AuditEvent.objects.filter(action="run.create").exists()  # not relayed yet
+    retention.handle_one_round()
+    (event,) = AuditEvent.objects.filter(action="run.create")
+    assert (event.target, event.after["count"]) == ("3 runs", 3)
+    assert sorted(event.after["runIds"]) == sorted(run.run_id for run in made)
+    again = api_a.post("/api/v1/runs", {"runs": items})
+    assert [item["status"] for item in again.json()["runs"]] == [200, 200, 200]
+    assert AuditEvent.objects.filter(action="run.create").count() == 1
