@@ -78,14 +78,17 @@ def env_choice(name: str, default: str, choices: Iterable[str]) -> str:
 
 
 # DRF's rates: a count, a slash, a period named by its first letter ("20/s", "1000/min").
-RATE = re.compile(r"\d+/[smhd]\w*")
+# At least 1 a period: a rate of 0 refused every call (429) and every batch (400).
+RATE = re.compile(r"0*[1-9]\d*/[smhd]\w*")
 
 
 def env_rate(name: str, default: str) -> str:
     """A rate limit ("20/s"); empty for none."""
     value = os.environ.get(name, default).strip()
     if value and not RATE.fullmatch(value):
-        raise ImproperlyConfigured(f"{name} must be a rate such as 20/s or 1000/min, or empty.")
+        raise ImproperlyConfigured(
+            f"{name} must be a rate of at least 1 such as 20/s or 1000/min, or empty."
+        )
     return value
 
 

@@ -120,9 +120,13 @@ EMBEDDED_DATABASE = not DATABASE_URL
 if EMBEDDED_DATABASE:
     DATABASE_URL = embedded_db.ensure_running(DATA_DIR)
 # asgi.py sets SCHEDULER_DB_POOL: the web process takes connections from a pool of this size.
-DB_POOL_SIZE = (
-    env_int("SCHEDULER_DB_POOL_SIZE", 20, low=1) if env_bool("SCHEDULER_DB_POOL", False) else None
-)
+# The pool's settings are read (and a bad one refused) in every process: read in the web's
+# workers alone, a bad value stopped each worker as it started, and `manage.py web` restarted
+# them without end instead of stopping with the configuration error.
+_POOL_SIZE = env_int("SCHEDULER_DB_POOL_SIZE", 20, low=1)
+_POOL_LOCK_TIMEOUT = env_int("SCHEDULER_DB_LOCK_TIMEOUT", 10, low=0)
+_POOL_STATEMENT_TIMEOUT = env_int("SCHEDULER_DB_STATEMENT_TIMEOUT", 60, low=0)
+DB_POOL_SIZE = _POOL_SIZE if env_bool("SCHEDULER_DB_POOL", False) else None
 # The web process's statements wait at most DB_LOCK_TIMEOUT seconds for a lock and run at most
 # DB_STATEMENT_TIMEOUT: a request behind another session's lock (a psql transaction left open)
 # held a pooled connection, and the process's stop, for as long as that session lived.
@@ -133,12 +137,12 @@ DB_POOL_SIZE = (
 # materialisation batches may rightly take longer.
 SCHEDULER_SHARD_LEASE_SECONDS = env_int("SCHEDULER_SHARD_LEASE_SECONDS", 10, low=1)
 if DB_POOL_SIZE:
-    DB_LOCK_TIMEOUT: float = env_int("SCHEDULER_DB_LOCK_TIMEOUT", 10, low=0)
+    DB_LOCK_TIMEOUT: float = _POOL_LOCK_TIMEOUT
 elif _COMMAND == "scheduler":
     DB_LOCK_TIMEOUT = SCHEDULER_SHARD_LEASE_SECONDS / 3
 else:
     DB_LOCK_TIMEOUT = 0
-DB_STATEMENT_TIMEOUT = env_int("SCHEDULER_DB_STATEMENT_TIMEOUT", 60, low=0) if DB_POOL_SIZE else 0
+DB_STATEMENT_TIMEOUT = _POOL_STATEMENT_TIMEOUT if DB_POOL_SIZE else 0
 DB_CONNECTION = {
     "pool_size": DB_POOL_SIZE,
     "lock_timeout": DB_LOCK_TIMEOUT,
@@ -352,7 +356,8 @@ SCHEDULER_RETENTION_INTERVAL_SECONDS = env_int("SCHEDULER_RETENTION_INTERVAL_SEC
 # read it instead.
 SCHEDULER_CENSUS_SECONDS = env_int("SCHEDULER_CENSUS_SECONDS", 15, low=1)
 SCHEDULER_LIVE_COUNT_LIMIT = env_int("SCHEDULER_LIVE_COUNT_LIMIT", 100_000, low=0)
-SCHEDULER_DEFAULT_LEASE_SECONDS = env_int("SCHEDULER_DEFAULT_LEASE_SECONDS", 60, low=1)
+# A lease call's `leaseSeconds` when it gives none.
+SCHEDULER_DEFAULT_LEASE_SECONDS = env_int("SCHEDULER_DEFAULT_LEASE_SECONDS", 60, low=1, high=86400)
 SCHEDULER_MAX_WAIT_SECONDS = env_int("SCHEDULER_MAX_WAIT_SECONDS", 30, low=0)
 SCHEDULER_MAX_CLAIM = env_int("SCHEDULER_MAX_CLAIM", 1000, low=1)
 SCHEDULER_REAPER_BATCH = env_int("SCHEDULER_REAPER_BATCH", 500, low=1)

@@ -28,7 +28,8 @@ class BackfillPlan:
     times: list[firetimes.FireTime]
     existing: int  # cron times in the range that already have a run
     capped: bool
-    until: datetime  # the range's end as used: the `to` asked for, or now when that is ahead
+    # Where it stops: the `to` asked for, now when that is ahead, or the cap's last time.
+    until: datetime
 
     @property
     def new(self) -> int:
@@ -40,7 +41,8 @@ def plan(definition: JobDefinition, start: datetime, end: datetime) -> BackfillP
 
     1. Refuse a definition without a cron schedule, or a range that ends before it starts or
        starts in the future; one that runs past now stops at now (`until`).
-    2. List the fire times (start inclusive, end inclusive), up to the cap plus one.
+    2. List the fire times (start inclusive, end inclusive), up to the cap plus one; past the
+       cap, it stops at the cap's last time (`until`).
     3. Count those that a run already covers: a scheduled run of the time ((definition, due
        time) is unique), or any run holding the time's key ((definition, key) is unique: the
        insert would skip the time).
@@ -67,6 +69,9 @@ def plan(definition: JobDefinition, start: datetime, end: datetime) -> BackfillP
         raise BackfillError({"from": "The range reaches past the years 1 to 9999."}) from exc
     capped = len(times) > cap
     times = times[:cap]
+    if capped:
+        # The range's end said "done up to `to`" of one that stopped 3 days short of it.
+        end = times[-1].utc
     # The trigger filter lets the partial unique index on (definition, due time) answer the
     # first; the unique (definition, idempotency key) index the second.
     existing = 0

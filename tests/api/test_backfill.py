@@ -177,3 +177,11 @@ def test_a_range_past_the_cap_creates_only_the_cap(api_a, settings):
         done.json()["count"] == 4 and done.json()["capped"] is True and done.json()["created"] == 4
     )
     assert Run.objects.count() == 4
+    # It says where it stopped (it said the range's `to`): the next one starts after it.
+    last = max(Run.objects.values_list("due_at", flat=True))
+    assert done.json()["until"] == format_utc(last) == "2026-01-01T03:30:00Z"
+    rest = api_a.post(
+        "/api/v1/jobs/etl.cron/backfill",
+        {"from": "2026-01-01T03:30:01Z", "to": "2026-01-02T00:00:00Z", "confirm": True},
+    )
+    assert rest.json()["created"] == 4 and rest.json()["until"] == "2026-01-01T07:30:00Z"

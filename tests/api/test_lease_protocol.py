@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime
 
 import pytest
 from django.db import connections
@@ -14,6 +15,7 @@ from apps.runs.models import Attempt, Run
 from tests.conftest import (
     add_ready_runs,
     claim,
+    db_now,
     expire_lease,
     make_definition,
     stored,
@@ -396,3 +398,16 @@ def _skip_backoff(run: Run) -> None:
     Run.objects.using(shards.alias_of_run(run.pk)).filter(pk=run.pk).update(
         available_at=run.created_at
     )
+
+
+def test_a_lease_without_lease_seconds_lasts_the_configured_default(api_a, team_a, settings):
+    """`SCHEDULER_DEFAULT_LEASE_SECONDS` was read and checked, and every such lease lasted 60 s."""
+    settings.SCHEDULER_DEFAULT_LEASE_SECONDS = 300
+    definition = make_definition(team_a, "billing.long", queue="long")
+    add_ready_runs(definition, 2)
+    lasting = []
+    for extra in ({}, {"leaseSeconds": 30}):
+        (lease,) = api_a.lease(["long"], 1, **extra)
+        expires = datetime.fromisoformat(lease["leaseExpiresAt"])
+        lasting.append((expires - db_now()).total_seconds())
+    assert 295 <= lasting[0] <= 300 and 25 <= lasting[1] <= 30, lasting

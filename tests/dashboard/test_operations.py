@@ -232,6 +232,16 @@ def test_preview_creates_nothing_and_confirm_creates_each_cron_time_once(operato
     assert AuditEvent.objects.filter(action="job.backfill").count() == 2
 
 
+def test_a_capped_backfill_preview_says_where_it_stops(operator_a, team_a, settings):
+    """Past the cap it said the range ran to the `to` asked for, "(now: the end asked for is
+    ahead …)" beside it."""
+    settings.SCHEDULER_BACKFILL_CAP = 2
+    job = _cron_job(team_a)
+    body = client_for(operator_a).post(f"/jobs/{job.name}/backfill", RANGE).content.decode()
+    assert "only the first 2 are considered, up to 2026-01-01 11:00:00 UTC" in body
+    assert "to 2026-01-01 11:00:00 UTC" in body and "(now:" not in body
+
+
 def test_backfill_mistakes_are_shown_beside_the_form(operator_a, team_a):
     job = _cron_job(team_a)
     client = client_for(operator_a)

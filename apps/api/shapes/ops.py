@@ -131,7 +131,11 @@ class BackfillAnswer(TypedDict):
     capped: Annotated[bool, Field(description="The range has more cron times than the cap.")]
     confirmed: bool
     until: Annotated[
-        Instant, Field(description="The range's end as used: `to`, or now when `to` is ahead.")
+        Instant,
+        Field(
+            description="Where the backfill stops: `to`, now when `to` is ahead, or the last "
+            "cron time it covers when capped (the next backfill starts after it)."
+        ),
     ]
     sample: Annotated[
         list[str], Field(description="The first local times, ISO 8601 with their offsets.")

@@ -143,7 +143,12 @@ class LeaseRequest(Body):
         json_schema_extra=lambda schema: schema.update(maximum=settings.SCHEDULER_MAX_CLAIM),
     )
     workerId: WorkerId
-    leaseSeconds: int = Field(60, ge=1, le=86400)
+    leaseSeconds: int = Field(
+        default_factory=lambda: settings.SCHEDULER_DEFAULT_LEASE_SECONDS,
+        ge=1,
+        le=86400,
+        description="The lease's length; `SCHEDULER_DEFAULT_LEASE_SECONDS` when not given.",
+    )
     waitSeconds: int = Field(
         0,
         ge=0,

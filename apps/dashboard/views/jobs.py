@@ -171,7 +171,7 @@ def job_backfill(request: HtmxHttpRequest, name: str) -> HttpResponse:
             "more": len(plan.times) - len(sample),
             "start": start,
             "end": plan.until,
-            "cut_at_now": plan.until < end,
+            "cut_at_now": plan.until < end and not plan.capped,
         }
         return render_page(request, "dashboard/job_backfill.html", context, regions=("backfill",))
     message = f"Backfilled {name}: created {plural(created, 'run')}"
