@@ -231,7 +231,9 @@ def act_on_matching(
        statement runs, so nothing changes then.
     2. One UPDATE per shard database; its queues' waiting workers woken when runs are ready.
     3. One audit event per team that had runs changed, with the filter, the states and the
-       count, committed last in the control database.
+       count, committed with the runs: with shards on servers of their own, one per team and
+       database (`shards` in the event names the database's), so that whichever database
+       fails at its commit, the runs changed have their events.
     """
     action = MATCHING[name]
     wanted = sorted(action.states.intersection(states))
@@ -244,7 +246,7 @@ def act_on_matching(
     where, params = flt.where()
     sql = action.sql.format(where=where)
     params = {**params, "teams": sorted(by_id), "states": wanted}
-    changed: dict[int, int] = {}
+    changed = 0
     with shards.writing_everywhere():
         for alias in shards.databases():
             # Django's cursor, which binds on the client: planned for these values, so a group's
@@ -254,19 +256,26 @@ def act_on_matching(
                 rows = cursor.fetchall()
                 if action.wakes:
                     notify_ready(queue for _, queue, _ in rows)
-            for team_id, _, count in rows:
-                changed[team_id] = changed.get(team_id, 0) + count
-        for team_id, count in sorted(changed.items()):
-            record(
-                actor,
-                action.audit,
-                team=by_id[team_id],
-                target_type="filter",
-                target=flt.describe()[:300],
-                before={"filter": flt.as_json(), "states": wanted},
-                after={"state": action.after, "count": count},
-            )
-    return sum(changed.values())
+                by_team: dict[int, int] = {}
+                for team_id, _, count in rows:
+                    by_team[team_id] = by_team.get(team_id, 0) + count
+                # In this database's transaction, with the runs it changed (`kept_with_rows`):
+                # one event per team and database where shards have servers of their own.
+                for team_id, count in sorted(by_team.items()):
+                    after: dict[str, object] = {"state": action.after, "count": count}
+                    if shards.physical():
+                        after["shards"] = shards.span(alias)
+                    record(
+                        actor,
+                        action.audit,
+                        team=by_id[team_id],
+                        target_type="filter",
+                        target=flt.describe()[:300],
+                        before={"filter": flt.as_json(), "states": wanted},
+                        after=after,
+                    )
+                changed += sum(by_team.values())
+    return changed
 
 
 def require_one(changed: list[Run], run: Run, verb: str) -> Run:

@@ -334,3 +334,42 @@ def test_a_producers_runs_keep_their_event_when_the_trail_fails_at_its_commit(
     again = api_a.post("/api/v1/runs", {"runs": items})
     assert [item["status"] for item in again.json()["runs"]] == [200, 200, 200]
     assert AuditEvent.objects.filter(action="run.create").count() == 1
+
+
+def test_a_bulk_action_by_filter_keeps_its_events_with_the_runs_of_each_database(
+    layout: Layout, team_a
+):
+    """The dashboard's action on every run matching a filter changed each database's runs and
+    wrote one event per team last, in the control database: that commit failing failed the
+    action after the runs were requeued, and lost its event. Each database's runs keep an
+    event of their own (its count, its shards)."""
+    from apps.audit.models import AuditEvent
+    from apps.audit.record import Actor
+    from apps.runs import filters, transitions
+
+    def requeue(flt: dict) -> int:
+        return transitions.act_on_matching(
+            "requeue", [team_a], ["dead"], filters.parse_bulk_filter(flt), Actor.cli("oncall")
+        )
+
+    job = layout.job_on(layout.aliases[1], team_a, "bulk")
+    dead = [run.pk for run in layout.dead_runs(job, 3, "d")]
+    with _refused_at_commit(shards.CONTROL, "audit_auditevent"):
+        assert requeue({"job": job.name}) == 3
+    states = (
+        Run.objects.using(layout.aliases[1]).filter(pk__in=dead).values_list("state", flat=True)
+    )
+    assert set(states) == {"ready"}
+    assert not AuditEvent.objects.filter(action="dlq.requeue").exists()  # not relayed yet
+    retention.handle_one_round()
+    (event,) = AuditEvent.objects.filter(action="dlq.requeue")
+    assert event.after == {"state": "ready", "count": 3, "shards": shards.span(layout.aliases[1])}
+    assert event.before["filter"] == {"job": job.name}
+
+    # Across databases: one event each, their counts adding up to the action's.
+    for alias in shards.databases():
+        layout.dead_runs(layout.job_on(alias, team_a, "every"), 2, "e")
+    assert requeue({"queue": "q"}) == 2 * len(shards.databases())
+    events = AuditEvent.objects.filter(action="dlq.requeue").exclude(pk=event.pk)
+    assert sorted(e.after["shards"] for e in events) == sorted(map(shards.span, shards.databases()))
+    assert sum(e.after["count"] for e in events) == 2 * len(shards.databases())
