@@ -210,6 +210,8 @@ class ChannelTestView(ChannelView):
 
 
 class ChannelDeliveriesView(ChannelView):
+    query = {"GET": doc.page("a delivery id")}
+
     @extend_schema(
         operation_id="listChannelDeliveries",
         summary="A channel's delivery log, newest first",
@@ -218,7 +220,7 @@ class ChannelDeliveriesView(ChannelView):
             "`manage` scope."
         ),
         tags=["notifications"],
-        parameters=[CHANNEL_ID, *doc.page("a delivery id")],
+        parameters=[CHANNEL_ID, *query["GET"]],
         responses=doc.responses({200: shape.DeliveryList}, 400, 404),
     )
     def get(self, request: Request, channel_id: str) -> Response:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from django.http import HttpRequest
 from drf_spectacular.utils import (
@@ -18,6 +19,7 @@ from rest_framework import status
 from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
 from apps.api import schema as doc
@@ -51,6 +53,10 @@ class ManageView(APIView):
     # The methods whose calls take no body: one sent anyway (bar an empty object, which clients
     # send by habit) is a 400, as an unknown field is elsewhere, not silently ignored.
     bodyless: frozenset[str] = frozenset({"DELETE"})
+    # The query parameters each method reads, as its OpenAPI description declares them; any
+    # other is a 400, as an unknown field of a body is: `?error=boom` or `?stat=dead` listed
+    # every run as if no filter had been asked for.
+    query: ClassVar[Mapping[str, Sequence[OpenApiParameter]]] = {}
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)
@@ -59,6 +65,18 @@ class ManageView(APIView):
         repeated = sorted(key for key, values in request.query_params.lists() if len(values) > 1)
         if repeated:
             raise ValidationError({key: ["Given more than once."] for key in repeated})
+        # `?format=json` (DRF's override of the Accept header) goes with every call.
+        declared = {api_settings.URL_FORMAT_OVERRIDE} | {
+            parameter.name
+            for parameter in self.query.get(request.method or "", ())
+            if parameter.location == OpenApiParameter.QUERY
+        }
+        if unknown := sorted(set(request.query_params) - declared):
+            known = sorted(declared - {api_settings.URL_FORMAT_OVERRIDE})
+            takes = f"it takes {', '.join(known)}" if known else "it takes none"
+            raise ValidationError(
+                {key: [f"Not a parameter of this call ({takes})."] for key in unknown}
+            )
         # Compared, not tested for truth: `[]`, `null`, `""` and `0` are bodies too.
         if request.method in self.bodyless and request.data != {}:
             raise ValidationError({"body": ["This call takes no body."]})
@@ -670,6 +688,8 @@ def _preview_query(params: Any) -> tuple[int, datetime]:
 
 
 class JobPreviewView(ManageView):
+    query = {"GET": doc.PREVIEW_QUERY}
+
     @extend_schema(
         operation_id="previewJob",
         summary="Preview a job's next fire times",
@@ -679,7 +699,7 @@ class JobPreviewView(ManageView):
             "Needs the `manage` scope."
         ),
         tags=["jobs"],
-        parameters=[doc.JOB_NAME, *doc.PREVIEW_QUERY],
+        parameters=[doc.JOB_NAME, *query["GET"]],
         responses=doc.responses({200: job_shape.Preview}, 400, 404),
     )
     def get(self, request: Request, name: str) -> Response:
@@ -804,6 +824,7 @@ class RunsView(FastPathView, ManageView):
     enqueue_methods = ("POST",)
     # Each item is answered on its own, one holding a value no body may hold too (parsers.py).
     body_items = "runs"
+    query = {"GET": [doc.RUN_STATE, *doc.RUN_FILTERS]}
 
     def answer(self, call: Call) -> run_shape.EnqueueAnswer:
         size = body_size(call.request)
@@ -824,7 +845,7 @@ class RunsView(FastPathView, ManageView):
             "next page. Needs the `manage` scope."
         ),
         tags=["runs"],
-        parameters=[doc.RUN_STATE, *doc.RUN_FILTERS],
+        parameters=query["GET"],
         responses=doc.responses({200: run_shape.RunPage}, 400),
     )
     def get(self, request: Request) -> Response:
@@ -959,6 +980,8 @@ class RunRetryView(ManageView):
 
 
 class DlqView(ManageView):
+    query = {"GET": doc.RUN_FILTERS}
+
     @extend_schema(
         operation_id="listDeadRuns",
         summary="List the dead-letter queue",
@@ -967,13 +990,12 @@ class DlqView(ManageView):
             "for the next page. Needs the `manage` scope."
         ),
         tags=["dlq"],
-        parameters=doc.RUN_FILTERS,
+        parameters=query["GET"],
         responses=doc.responses({200: run_shape.RunPage}, 400),
     )
     def get(self, request: Request) -> Response:
         now = database_now()
-        params = {key: value for key, value in request.query_params.items() if key != "state"}
-        flt = run_filter(self.team_ids(request), params, [(State.DEAD.value, None)])
+        flt = run_filter(self.team_ids(request), request.query_params, [(State.DEAD.value, None)])
         return run_list(request, flt, now)
 
 

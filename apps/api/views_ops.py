@@ -213,6 +213,8 @@ class JobBackfillView(ManageView):
 
 
 class AlertsView(ManageView):
+    query = {"GET": doc.page("where the previous page ended")}
+
     @extend_schema(
         operation_id="listAlerts",
         summary="Late and missed runs of the last 24 h (definitions with a lateness SLO)",
@@ -221,7 +223,7 @@ class AlertsView(ManageView):
             "counts the window's alerts of every page."
         ),
         tags=["operations"],
-        parameters=doc.page("where the previous page ended"),
+        parameters=query["GET"],
         responses=doc.responses({200: shape.AlertList}, 400),
     )
     def get(self, request: Request) -> Response:

@@ -28,6 +28,7 @@ class WorkersView(ManageView):
     # A fleet reads it too (the contract lists it with the worker protocol): a worker token's
     # view of its own team's workers, as a manage token's.
     also_for_scopes = ("worker",)
+    query = {"GET": [doc.WORKER_MINUTES]}
 
     @extend_schema(
         operation_id="listWorkers",
@@ -38,7 +39,7 @@ class WorkersView(ManageView):
             "lease and heartbeat. Needs the `worker` or the `manage` scope."
         ),
         tags=["operations"],
-        parameters=[doc.WORKER_MINUTES],
+        parameters=query["GET"],
         responses=doc.responses({200: shape.WorkerList}, 400),
     )
     def get(self, request: Request) -> Response:

@@ -236,3 +236,20 @@ def test_a_run_time_in_other_digits_or_with_offset_seconds_is_refused(api_a, tea
 def test_a_path_that_is_no_job_name_is_404_saying_why(api_a):
     body = assert_problem(api_a.post("/api/v1/jobs/A%20B/runs", {}), 404)
     assert "No job named 'A B'" in body["detail"] and "lowercase" in body["detail"], body
+
+
+def test_a_query_parameter_a_call_does_not_take_is_a_400_naming_it(api_a, team_a):
+    """`?error=boom` or `?stat=dead` listed every run, as if no filter had been asked for."""
+    make_definition(team_a, "billing.listed", queue="q")
+    for url, unknown, takes in (
+        ("/api/v1/runs?stat=dead", "stat", "it takes cursor, job, limit, queue, since, state"),
+        ("/api/v1/dlq?state=ready", "state", "it takes cursor, job, limit, queue, since"),
+        ("/api/v1/jobs?name=billing.listed", "name", "it takes none"),
+        ("/api/v1/alerts?limits=5", "limits", "it takes cursor, limit"),
+        ("/api/v1/workers?minute=5", "minute", "it takes minutes"),
+        ("/api/v1/jobs/billing.listed/preview?counts=3", "counts", "it takes count, from"),
+    ):
+        body = assert_problem(api_a.get(url), 400)
+        assert body["errors"] == {unknown: [f"Not a parameter of this call ({takes})."]}, url
+    assert api_a.get("/api/v1/runs?state=dead&format=json").status_code == 200
+    assert api_a.get("/api/v1/jobs/billing.listed/preview?count=3").status_code == 200
