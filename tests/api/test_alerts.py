@@ -59,8 +59,9 @@ def test_a_run_still_waiting_past_its_slo_is_late_before_it_starts(api_a, team_a
     assert "has not started" in alert["message"]
 
 
-def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
-    api_a.post(
+def _hourly_job_without_runs(api, *, hours: int) -> None:
+    """An hourly job with a 60 s SLO, made `hours` ago, whose cron times have had no run."""
+    api.post(
         "/api/v1/jobs",
         {
             "name": "slo.hourly",
@@ -70,9 +71,17 @@ def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
             "timeoutSeconds": 60,
         },
     )
-    # The definition has existed for three hours and no scheduler ran: nothing was inserted.
     with connection.cursor() as cursor:
-        cursor.execute("UPDATE jobs_jobdefinition SET created_at = now() - interval '3 hours'")
+        cursor.execute(
+            "UPDATE jobs_jobdefinition SET created_at = now() - make_interval(hours => %s) "
+            "WHERE name = 'slo.hourly'",
+            [hours],
+        )
+
+
+def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
+    # The definition has existed for three hours and no scheduler ran: nothing was inserted.
+    _hourly_job_without_runs(api_a, hours=3)
     missed = [a for a in api_a.get("/api/v1/alerts").json()["results"] if a["kind"] == "missed"]
     assert 2 <= len(missed) <= 3
     assert all(a["dueAt"].endswith(":00:00Z") for a in missed)
@@ -136,21 +145,7 @@ def test_alerts_are_paged_newest_first_each_once_ties_included(api_a, team_a):
         cursor.execute(
             "UPDATE runs_run SET due_at = date_trunc('second', now()) - interval '1 minute'"
         )
-    api_a.post(
-        "/api/v1/jobs",
-        {
-            "name": "slo.hourly",
-            "queue": "slo",
-            "schedule": {"cron": "0 * * * *", "jitterSeconds": 0},
-            "latenessSloSeconds": 60,
-            "timeoutSeconds": 60,
-        },
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE jobs_jobdefinition SET created_at = now() - interval '5 hours' "
-            "WHERE name = 'slo.hourly'"
-        )
+    _hourly_job_without_runs(api_a, hours=5)
     whole = api_a.get("/api/v1/alerts?limit=500").json()
     assert whole["next"] is None and whole["total"] == len(whole["results"]) >= 16
     assert {a["kind"] for a in whole["results"]} == {"late", "missed"}
