@@ -194,3 +194,15 @@ def test_a_page_of_alerts_reads_a_page_of_runs_not_the_whole_backlog(team_a):
     assert reads and all(sql.rstrip().endswith("LIMIT 3") for sql in reads)
     newest = alerts.newest_by_job(team_a, db_now())
     assert [a.run_id for a in newest] == [found.alerts[0].run_id]
+
+
+def test_an_alerts_cursor_keeps_the_due_time_to_the_microsecond():
+    """A run's due time has microseconds (a page's answers show milliseconds): a cursor cut to
+    them would skip or repeat the runs due within that millisecond."""
+    from datetime import UTC, datetime
+
+    from apps.jobs.alerts import Position
+
+    here = Position(datetime(2026, 3, 29, 1, 0, 0, 123456, tzinfo=UTC), "a.b|c", "late", 5)
+    assert Position.from_cursor(here.as_cursor()) == here
+    assert Position.from_cursor(here.as_cursor().replace(".123456", ".123")) != here
