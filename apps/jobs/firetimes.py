@@ -26,11 +26,15 @@ from zoneinfo import ZoneInfo, available_timezones
 
 from apps.jobs.cron import Cron, compile_cron
 
-# A wall-clock run reports the slots a spring-forward gap dropped only if the gap is this recent,
-# which covers the next slot after any gap for every cron whose hour field steps.
+# A wall-clock run reports the slots a spring-forward gap dropped. A gap this recent is found
+# by the offset alone; one further back only for a cron that skips days (`0 * * * 1-5` on
+# Monday after a Friday the zone skipped), whose run looks back to its previous slot: the
+# gap's last one, up to PREVIOUS_SLOT_HORIZON back (a leap day's hourly cron).
 DROP_LOOKBACK = timedelta(hours=48)
+PREVIOUS_SLOT_HORIZON = timedelta(days=4096)
 ONE_SECOND = timedelta(seconds=1)
 ONE_MINUTE = timedelta(minutes=1)
+ONE_DAY = timedelta(days=1)
 TINY = timedelta(microseconds=1)
 
 
@@ -174,7 +178,17 @@ def _dropped_before(cron: Cron, zone: ZoneInfo, run: datetime, offset: timedelta
     utc = (run - offset).replace(tzinfo=UTC)
     earlier = utc - DROP_LOOKBACK
     if _offset_at(earlier, zone) >= offset:
-        return ""
+        # No offset rose within the lookback. A gap further back dropped slots that this run
+        # reports only if its previous slot (the gap's last) is further back too; the gap
+        # moved the clock by a day at most.
+        if cron.first_after(run - DROP_LOOKBACK + ONE_DAY) != run:
+            return ""  # a slot within a day before this one
+        previous = _previous_slot(cron, run)
+        if previous is None:
+            return ""
+        earlier = utc - (run - previous) - ONE_DAY
+        if _offset_at(earlier, zone) >= offset:
+            return ""
     moment = _transition(zone, earlier, utc)
     before, after = _offset_at(moment - ONE_SECOND, zone), _offset_at(moment, zone)
     if after <= before:
@@ -189,6 +203,42 @@ def _dropped_before(cron: Cron, zone: ZoneInfo, run: datetime, offset: timedelta
     if not slots or slot != run:
         return ""
     return _skipped_note(slots, _cause(zone, moment))
+
+
+def _previous_slot(cron: Cron, run: datetime) -> datetime | None:
+    """The cron's last naive slot before ``run``, None past PREVIOUS_SLOT_HORIZON: the window
+    back doubles until it holds one, then is halved down to the minute."""
+
+    def before_run(naive: datetime) -> bool:
+        slot = cron.first_after(naive)
+        return slot is not None and slot < run
+
+    span = DROP_LOOKBACK
+    while not before_run(run - span):
+        span *= 2
+        if span > PREVIOUS_SLOT_HORIZON:
+            return None
+    # Holds a slot before the run after `low`, none after `high`.
+    low, high = run - span, run - ONE_MINUTE
+    while high - low > ONE_MINUTE:
+        middle = low + ONE_MINUTE * (((high - low) // ONE_MINUTE) // 2)
+        if before_run(middle):
+            low = middle
+        else:
+            high = middle
+    return cron.first_after(low)
+
+
+@lru_cache(maxsize=4096)
+def _fires_every_day(cron: Cron) -> bool:
+    """Whether each day has fire times: a slot's previous one is then within a day, and the
+    days before a run need a look only when the offset changed shortly before it."""
+    return (
+        len(cron.months) == 12
+        and cron.days >= frozenset(range(1, 32))
+        and len(cron.weekdays) == 7
+        and not cron.has_month_rules
+    )
 
 
 def iter_fire_times(cron: Cron, zone: ZoneInfo, after: datetime) -> Iterator[FireTime]:
@@ -225,7 +275,12 @@ def iter_fire_times(cron: Cron, zone: ZoneInfo, after: datetime) -> Iterator[Fir
             utc = datetime(y, mo, d, h, mi, 0, 0, UTC) - offset
             if utc > last:
                 note = ""
-                if changed_lately and cron.wall_clock:
+                if cron.wall_clock and (
+                    changed_lately
+                    # A day's first slot of a cron that skips days: its previous slot may be
+                    # before a gap further back (a later one of the day follows one of its own).
+                    or ((h, mi) == (cron.hours[0], cron.minutes[0]) and not _fires_every_day(cron))
+                ):
                     note = _dropped_before(cron, zone, datetime(*slot), offset)
                 yield FireTime(datetime(y, mo, d, h, mi, 0, 0, zone), utc, note)
                 last = utc

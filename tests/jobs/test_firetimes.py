@@ -751,3 +751,35 @@ def test_a_day_skipped_by_a_change_of_the_zones_offset_is_not_called_dst():
         CronSchedule("30 2 * * *", "Europe/Berlin"), at("2026-03-28T12:00:00Z"), 1
     )
     assert berlin[0].note == MOVED.format("02:30")  # a DST change is still called one
+
+
+def test_slots_a_gap_dropped_are_noted_on_the_next_run_however_far_away_it_is():
+    """The note looked two days back only: a cron that skips days, whose next run came later
+    (Monday after Samoa's skipped Friday; next Sunday after New York's spring forward), had no
+    run saying what the gap dropped."""
+    offset = "the zone's UTC offset changed"
+    weekdays = next_fire_times(
+        CronSchedule("0 * * * 1-5", "Pacific/Apia"), at("2011-12-30T08:30:00Z"), 2
+    )
+    assert rendered(weekdays) == [
+        ("2011-12-29T23:00:00-10:00", "2011-12-30T09:00:00Z", ""),
+        ("2012-01-02T00:00:00+14:00", "2012-01-01T10:00:00Z",
+         f"00:00 to 23:00 (24 times) do not exist on this day ({offset}); those runs are skipped"),
+    ]  # fmt: skip
+    sundays = next_fire_times(
+        CronSchedule("0 0-2/2 * * 0", "America/New_York"), at("2026-03-08T06:00:00Z"), 2
+    )
+    assert rendered(sundays) == [
+        ("2026-03-15T00:00:00-04:00", "2026-03-15T04:00:00Z",
+         "02:00 does not exist on this day (DST); that run is skipped"),
+        ("2026-03-15T02:00:00-04:00", "2026-03-15T06:00:00Z", ""),
+    ]  # fmt: skip
+    # A later spring forward of a cron whose slots it did not touch says nothing; a year apart
+    # says nothing either (that gap dropped none of its slots).
+    mondays = next_fire_times(
+        CronSchedule("0 */12 * * 1", "America/New_York"), at("2026-03-08T06:00:00Z"), 1
+    )
+    yearly = next_fire_times(
+        CronSchedule("0 */2 1 4 *", "Europe/Berlin"), at("2027-03-31T00:00:00Z"), 1
+    )
+    assert mondays[0].note == "" and yearly[0].note == ""
