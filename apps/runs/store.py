@@ -1403,7 +1403,9 @@ def _diagnose(
         elif state != "leased":
             detail = f"the run is {state}, not leased"
         elif expired:
-            detail = "the lease has expired"
+            # Not taken yet: its result is still taken until the reaper takes the run.
+            detail = "the lease has expired; a result is still taken until the run is reaped"
+            code = "lease-expired"
         else:
             detail = "the lease could not be updated"
         ended = token == current and state != "leased" and reported

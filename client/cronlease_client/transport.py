@@ -354,10 +354,12 @@ def lease_answer(answer: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]
 
 class Refusal(NamedTuple):
     """A heartbeat the scheduler refused: why, and whether it is because the run was cancelled
-    (the worker should stop it and still report; its problem type ends in `/cancelled`)."""
+    (the worker should stop it and still report; its problem type ends in `/cancelled`) or its
+    lease expired with the run not yet reaped (`/lease-expired`: its result is still taken)."""
 
     detail: str
     cancelled: bool = False
+    expired: bool = False
 
 
 def heartbeat_leases(
@@ -382,6 +384,10 @@ def heartbeat_leases(
             continue
         for item in items:
             if item.get("status") in (404, 409):
-                cancelled = str(item.get("type", "")).endswith("/cancelled")
-                lost[item["runId"]] = Refusal(item.get("detail", ""), cancelled)
+                kind = str(item.get("type", ""))
+                lost[item["runId"]] = Refusal(
+                    item.get("detail", ""),
+                    cancelled=kind.endswith("/cancelled"),
+                    expired=kind.endswith("/lease-expired"),
+                )
     return lost

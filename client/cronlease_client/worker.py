@@ -8,7 +8,10 @@ Threads, each with its own HTTP connection:
 - slots (`concurrency` of them): run one handler at a time (in the thread, or in a pool process);
 - heartbeat: every `heartbeat_interval` extends every held lease in one `POST /api/v1/heartbeats`;
   an item answered 409 or 404 means the run is someone else's now: its context's `lease_lost` is
-  set and whatever its handler returns is dropped;
+  set and whatever its handler returns is dropped; a lease that only expired (`/lease-expired`:
+  the run not reaped yet) is still the worker's: its handler runs on and what it returns is sent,
+  and taken until the reaper takes the run (dropped, the done work was done again), and the
+  heartbeats go on asking, to tell the handler once the run is someone else's;
 - reporter: sends in `POST /api/v1/results` the outcomes the lease loop will not carry soon (it
   is long-polling or backing off, or no slot is free): a batch closes when full, after a 50 ms
   window, or at once when no other handler is running;
@@ -185,6 +188,7 @@ class _Run(LeasedRun):
         self.cancel_flag = cancel_flag  # the handler's ctx.cancelled
         self.lost = False  # the scheduler answered 409/404 to a heartbeat
         self.cancelled = False  # … because the run was cancelled: it still reports
+        self.expired = False  # … because its lease expired, not reaped yet: still this worker's
         self.finished = False  # the handler returned; its report is queued
         self.abandoned = False  # failed by the shutdown; the handler's own outcome is dropped
 
@@ -413,7 +417,11 @@ class Worker(Daemon):
                     "max": asked,
                     "workerId": self.worker_id,
                     "leaseSeconds": self.lease_seconds,
-                    "waitSeconds": self.wait_seconds,
+                    # Results carried are answered at once, not at the long poll's end: their
+                    # runs were heartbeated until then (each refused as not leased, a stale
+                    # token in the scheduler's metrics), and a stop meanwhile sent them again.
+                    # The next request, without them, waits.
+                    "waitSeconds": 0 if carried else self.wait_seconds,
                 }
                 if self._jobs is not None:
                     body["jobs"] = self._jobs
@@ -678,6 +686,8 @@ class Worker(Daemon):
                 continue
             if refused[run.run_id].cancelled:
                 self._mark_cancelled(run)
+            elif refused[run.run_id].expired:
+                self._mark_expired(run, refused[run.run_id].detail)
             else:
                 self._mark_lost(run, refused[run.run_id].detail)
 
@@ -697,6 +707,27 @@ class Worker(Daemon):
             run.attempt,
             extra=run.fields(),
         )
+
+    def _mark_expired(self, run: _Run, detail: str) -> None:
+        """The lease expired, the run not yet reaped: still this worker's. Its handler is not
+        told (one that stopped at `lease_lost` returns what would be taken as done), and what
+        it returns is sent: the scheduler takes it until the reaper takes the run, and answers
+        409 after. The next heartbeats tell when that happened (`_mark_lost`)."""
+        with self._lock:
+            first = not run.expired
+            run.expired = True
+            reported = run.finished
+        if first and not reported:
+            logger.warning(
+                "lease expired run_id=%s job=%s attempt=%s fencing_token=%s: %s; its result "
+                "will still be sent",
+                run.run_id,
+                run.job,
+                run.attempt,
+                run.token,
+                detail,
+                extra=run.fields(),
+            )
 
     def _mark_lost(self, run: _Run, detail: str) -> None:
         with self._lock:

@@ -186,6 +186,91 @@ def test_a_lost_lease_is_signalled_and_the_late_result_not_sent(
     assert outcomes == {1: "lease_expired", 2: ""}
 
 
+def test_an_expired_lease_not_yet_reaped_stays_the_workers_and_its_result_is_taken(
+    team_a, make_worker
+):
+    """A worker stalled past its lease (a pause, a partition) while the reaper had not run: its
+    heartbeat is refused (`/lease-expired`), and it told the handler the lease was lost and
+    dropped the result, which the scheduler would still take: the reaper then retried the run,
+    and its work was done twice. The handler is not told (one that stopped would return what
+    is taken as done) and its result is sent."""
+    definition = make_definition(team_a, "demo.stalled", queue="stalled", retry_base_seconds=0)
+    (pk,) = add_ready_runs(definition, 1)
+    seen: dict[str, Any] = {}
+    release = threading.Event()
+
+    def stalled(ctx: Context) -> dict[str, bool]:
+        seen["ctx"] = ctx
+        release.wait(20)
+        return {"done": True}
+
+    worker = make_worker(
+        ["stalled"],
+        handlers={"demo.stalled": stalled},
+        concurrency=1,
+        lease_seconds=2,
+        heartbeat_interval=0.2,
+    )
+    heartbeats_on = held_heartbeats(worker)
+    worker.start()
+    wait_for(lambda: "ctx" in seen, what="the handler to start")
+    expire_lease(pk)  # and no reaper runs
+    heartbeats_on.set()
+    wait_for(
+        lambda: any(run.expired for run in list(worker._inflight.values())),
+        what="a heartbeat refused as expired",
+    )
+    assert not seen["ctx"].lease_lost.is_set()
+    release.set()
+    wait_for(lambda: Run.objects.get(pk=pk).state == "succeeded", what="the result to be taken")
+    assert worker.stop(timeout=15)
+    run = Run.objects.get(pk=pk)
+    assert (run.attempt, run.result) == (1, {"done": True})
+    assert list(Attempt.objects.filter(run_id=pk).values_list("outcome", flat=True)) == [
+        "succeeded"
+    ]
+
+
+def test_a_result_carried_by_a_lease_request_is_answered_at_once_not_after_its_long_poll(
+    team_a, make_worker
+):
+    """A result rode the next lease request, which long-polled (20 s) before answering: its
+    run was heartbeated meanwhile (each refused: not leased, a stale token in the metrics),
+    and a stop during the poll sent the result again (refused: already recorded)."""
+    definition = make_definition(team_a, "demo.quick", queue="quick")
+    (pk,) = add_ready_runs(definition, 1)
+    worker = make_worker(
+        ["quick"],
+        handlers={"demo.quick": lambda ctx: {"ok": True}},
+        concurrency=1,
+        lease_seconds=3,
+        heartbeat_interval=0.2,
+        wait_seconds=2,
+    )
+    refused: list[str] = []
+    real_extend = worker._extend
+
+    def extend(leases):
+        answer = real_extend(leases)
+        refused.extend(answer)
+        return answer
+
+    worker._extend = extend
+    sent_apart: list[str] = []
+    real_send = worker._send_results
+    worker._send_results = lambda batch: (
+        sent_apart.extend(r.run_id for r, _ in batch),
+        real_send(batch),
+    )[1]
+    worker.start()
+    wait_for(lambda: Run.objects.get(pk=pk).state == "succeeded", what="the run done")
+    time.sleep(1.0)  # five heartbeat rounds, within the long poll that follows
+    assert worker.stop(timeout=15)
+    time.sleep(1.5)  # the server ends its side of that poll
+    assert refused == [] and sent_apart == []
+    assert not worker._inflight
+
+
 def test_a_run_leased_again_to_the_same_worker_keeps_its_new_lease(team_a, make_worker):
     """The older attempt's handler runs on past its lease and this worker, with a free slot,
     leases the retry. The newer attempt is heartbeated and its result taken; the older is told

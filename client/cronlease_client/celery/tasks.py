@@ -350,7 +350,9 @@ def fail_unknown_task(sender: Any = None, message: Any = None, name: str = "", *
 class _LeaseKeeper(threading.Thread):
     """Heartbeat one run while its function runs; on a 409/404 stop, setting `cancelled` when
     the run was cancelled (the function is told, and its outcome is still reported: the run
-    then ends cancelled) and `lost` otherwise (its outcome is dropped)."""
+    then ends cancelled) and `lost` otherwise (its outcome is dropped). A lease that only
+    expired (the run not reaped yet) is still the task's: its outcome is sent, and taken until
+    the reaper takes the run; the heartbeats go on, and set `lost` once it has."""
 
     def __init__(
         self, app: celery.Celery, run_id: str, token: int, interval: float, fields: dict[str, Any]
@@ -371,6 +373,7 @@ class _LeaseKeeper(threading.Thread):
         # cancels a backoff, so a finished task does not keep retrying heartbeats.
         http = Transport(self.url, self.token, attempts=3, cancel=self.done)
         path = f"/api/v1/runs/{self.run_id}/heartbeat"
+        expired = False
         try:
             while not self.done.wait(self.interval):
                 try:
@@ -391,6 +394,18 @@ class _LeaseKeeper(threading.Thread):
                             extra=self.fields,
                         )
                         return
+                    if exc.status == 409 and exc.type.endswith("/lease-expired"):
+                        if not expired:
+                            logger.warning(
+                                "lease expired run_id=%s fencing_token=%s: %s; its result "
+                                "will still be sent",
+                                self.run_id,
+                                self.fencing_token,
+                                exc.detail,
+                                extra=self.fields,
+                            )
+                        expired = True
+                        continue
                     if exc.status in (404, 409):
                         self.lost.set()
                         logger.warning(
