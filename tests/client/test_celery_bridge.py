@@ -421,6 +421,28 @@ def test_a_cancelled_run_tells_its_task_and_its_outcome_is_reported(
 
 
 @e2e
+def test_a_task_whose_lease_expired_unreaped_finishes_and_its_result_is_taken(
+    team_a, spawn, ledger, broker
+):
+    """The lease of a running task expires (its worker stalled), and no reaper has run: the
+    heartbeat's 409 (`/lease-expired`) told the task its lease was lost, which stopped it
+    unsent; the reaper then retried the run. It is still the task's: it runs on and its result
+    is taken, on its first attempt."""
+    definition = make_definition(
+        team_a, "billing.send-invoice", queue="celery-expired", payload={"workSeconds": 4}
+    )
+    (pk,) = add_ready_runs(definition, 1)
+    worker = spawn["celery_worker"]()
+    spawn["bridge"]("celery-expired", "--lease-seconds", "3")
+    ((run_id, _, key, token),) = wait_for(lambda: read_calls(ledger), what="the task to start")
+    expire_lease(pk)  # and no scheduler runs to reap it
+    (run,) = wait_for(runs_when([pk], "succeeded"), timeout=30, what="the run done")
+    assert run.result == {"sent": True, "invoice": key}
+    assert attempts(pk) == [(1, "succeeded", token)]
+    assert f"lease expired run_id={run_id}" in worker.output()
+
+
+@e2e
 def test_the_bridge_leases_no_more_than_prefetch_and_stops_on_sigterm(team_a, spawn, broker):
     definition = make_definition(team_a, "billing.send-invoice", queue="celery-prefetch")
     pks = add_ready_runs(definition, 5)
