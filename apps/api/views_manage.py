@@ -980,7 +980,9 @@ class RunRetryView(ManageView):
 
 
 class DlqView(ManageView):
-    query = {"GET": doc.RUN_FILTERS}
+    # Filtered like the run list, `state` included: the dead runs in that state (`dead`: all
+    # of them; any other: none).
+    query = {"GET": [doc.RUN_STATE, *doc.RUN_FILTERS]}
 
     @extend_schema(
         operation_id="listDeadRuns",
@@ -995,7 +997,9 @@ class DlqView(ManageView):
     )
     def get(self, request: Request) -> Response:
         now = database_now()
-        flt = run_filter(self.team_ids(request), request.query_params, [(State.DEAD.value, None)])
+        dead = [(State.DEAD.value, None)]
+        flt = run_filter(self.team_ids(request), request.query_params, dead)
+        flt = replace(flt, branches=[branch for branch in flt.branches if branch in dead])
         return run_list(request, flt, now)
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from apps.audit.models import AuditEvent
 from apps.jobs.models import JobDefinition
+from apps.runs.ids import public_run_id
 from apps.runs.models import Run
 from tests.conftest import add_ready_runs, make_definition
 
@@ -240,10 +241,11 @@ def test_a_path_that_is_no_job_name_is_404_saying_why(api_a):
 
 def test_a_query_parameter_a_call_does_not_take_is_a_400_naming_it(api_a, team_a):
     """`?error=boom` or `?stat=dead` listed every run, as if no filter had been asked for."""
-    make_definition(team_a, "billing.listed", queue="q")
+    (dead,) = add_ready_runs(make_definition(team_a, "billing.listed", queue="q"), 1)
+    Run.objects.filter(pk=dead).update(state="dead")
     for url, unknown, takes in (
         ("/api/v1/runs?stat=dead", "stat", "it takes cursor, job, limit, queue, since, state"),
-        ("/api/v1/dlq?state=ready", "state", "it takes cursor, job, limit, queue, since"),
+        ("/api/v1/dlq?stat=dead", "stat", "it takes cursor, job, limit, queue, since, state"),
         ("/api/v1/jobs?name=billing.listed", "name", "it takes none"),
         ("/api/v1/alerts?limits=5", "limits", "it takes cursor, limit"),
         ("/api/v1/workers?minute=5", "minute", "it takes minutes"),
@@ -252,4 +254,8 @@ def test_a_query_parameter_a_call_does_not_take_is_a_400_naming_it(api_a, team_a
         body = assert_problem(api_a.get(url), 400)
         assert body["errors"] == {unknown: [f"Not a parameter of this call ({takes})."]}, url
     assert api_a.get("/api/v1/runs?state=dead&format=json").status_code == 200
+    # The DLQ is filtered like the run list: `state` too (dead runs in that state).
+    assert api_a.get("/api/v1/dlq?state=ready").json()["results"] == []
+    listed = api_a.get("/api/v1/dlq?state=dead").json()["results"]
+    assert [run["runId"] for run in listed] == [public_run_id(dead)]
     assert api_a.get("/api/v1/jobs/billing.listed/preview?count=3").status_code == 200
