@@ -156,8 +156,9 @@ def _page_ids(flt: RunFilter, now: datetime, before: int | None, limit: int) -> 
     definition_id = None
     team_ids = flt.team_ids
     if flt.job:
+        # Being deleted too: its runs are listed until they are gone, by its name as well.
         found = (
-            JobDefinition.objects.filter(name=flt.job, team_id__in=flt.team_ids)
+            JobDefinition.everything.filter(name=flt.job, team_id__in=flt.team_ids)
             .values_list("pk", "team_id")
             .first()
         )

@@ -299,12 +299,16 @@ def update_definition(
         was_paused, was_limited = locked.paused, locked.limited
         spec = as_stored(held(spec, locked), locked.schedule)
         schedule_changed = spec.schedule is not locked.schedule
+        replaced_key = locked.payload_key
         _apply_spec(locked, spec, database_now())
         after = snapshot(locked)
         if payloads.same_json(before, after):  # the same body again (1e25 read back whole)
             return locked
         if schedule_changed:
             made_ahead = retention.delete_made_ahead(locked.pk)
+        if replaced_key != locked.payload_key:
+            # The payload it replaced, kept for good once no row referred to it.
+            made_ahead.append(replaced_key)
         if was_paused and not locked.paused:
             locked.next_due_at = _rearmed(locked, database_now())
         locked.save()

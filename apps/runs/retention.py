@@ -132,7 +132,9 @@ def handle_one_round(*, batch: int | None = None) -> int:
     def one_database() -> int:
         alias = shards.current()
         deleted = sum(
-            delete_one_batch(team_id, days or settings.SCHEDULER_RETENTION_DAYS, batch)
+            delete_one_batch(
+                team_id, settings.SCHEDULER_RETENTION_DAYS if days is None else days, batch
+            )
             for team_id, days in teams
         )
         if alias != shards.CONTROL:

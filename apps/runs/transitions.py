@@ -60,8 +60,10 @@ WHERE r.id = ANY(%(ids)s::bigint[]) AND d.id = r.definition_id AND r.state = 'de
 RETURNING r.id, r.queue, r.state
 """
 # A discarded DLQ run is kept (its history stays readable until retention) but leaves the DLQ.
+# Retention counts from the discard: counted from its death, a run that sat in the DLQ longer
+# than the team's retention was deleted by the next round, seconds after.
 DISCARD = """
-UPDATE runs_run SET state = 'cancelled'
+UPDATE runs_run SET state = 'cancelled', finished_at = now()
 WHERE id = ANY(%(ids)s::bigint[]) AND state = 'dead'
 RETURNING id, queue, state
 """
@@ -211,7 +213,9 @@ MATCHING = {
         frozenset({"dead"}),
         "cancelled",
         False,
-        _MATCHING.format(update="UPDATE runs_run r SET state = 'cancelled'\n    WHERE true"),
+        _MATCHING.format(
+            update="UPDATE runs_run r SET state = 'cancelled', finished_at = now()\n    WHERE true"
+        ),
     ),
 }
 

@@ -956,3 +956,24 @@ def test_a_payload_the_storage_cannot_write_is_a_503_and_nothing_is_created(api_
     assert answer.json()["type"].endswith("/payload-unavailable")
     assert "cannot be written to storage" in answer.json()["detail"]
     assert not JobDefinition.objects.exists() and not AuditEvent.objects.exists()
+
+
+def test_a_replaced_payload_is_deleted_once_nothing_refers_to_it(api_a, team_a, payload_folder):
+    """A PUT or PATCH that replaced a job's stored payload left the old one in storage for good
+    (nothing referred to it, and nothing would look at it again); one a run still uses stays."""
+    from apps.runs.models import PayloadBlob
+
+    first, second = ({"rows": [letter * 100 for _ in range(100)]} for letter in "ab")
+    job = {key: value for key, value in EXPORT.items() if key != "name"}
+    assert api_a.put("/api/v1/jobs/blob.swap", {**job, "payload": first}).status_code == 201
+    (first_key,) = JobDefinition.objects.values_list("payload_key", flat=True)
+    assert api_a.put("/api/v1/jobs/blob.swap", {**job, "payload": second}).status_code == 200
+    (second_key,) = JobDefinition.objects.values_list("payload_key", flat=True)
+    assert not (payload_folder / first_key).exists()
+    assert not PayloadBlob.objects.filter(key=first_key).exists()
+    # A run made with the second payload keeps it when the job's is replaced again.
+    assert api_a.post("/api/v1/jobs/blob.swap/trigger").status_code == 201
+    small = api_a.patch("/api/v1/jobs/blob.swap", {"payload": {"small": True}})
+    assert small.status_code == 200, small.text
+    assert (payload_folder / second_key).exists()
+    assert JobDefinition.objects.get().payload_key == ""

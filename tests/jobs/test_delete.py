@@ -13,7 +13,7 @@ from django.db import OperationalError, connection, connections, transaction
 
 from apps.audit.models import AuditEvent
 from apps.audit.record import Actor
-from apps.jobs import services
+from apps.jobs import runlist, services
 from apps.jobs.enqueue import Wanted, enqueue_many
 from apps.jobs.models import DefinitionGone, JobDefinition, database_of
 from apps.runs import retention, shards, store
@@ -166,6 +166,14 @@ def test_a_job_is_gone_for_everyone_from_the_start_of_its_delete(team_a):
         spec = replace(services.spec_of(kept), name=doomed_name)
         with pytest.raises(services.NameTaken, match="is being deleted"):
             services.create_definition(team_a, spec, Actor.cli("test"))
+        # Its runs are still listed until they are gone, by its name too (that list was empty).
+        listed = runlist.run_page(
+            runlist.RunFilter(team_ids=[team_a.pk], job=doomed_name),
+            db_now(),
+            before=None,
+            limit=50,
+        )
+        assert len(listed.runs) == 4
     finally:
         release.set()
         holder.join(10)

@@ -72,6 +72,40 @@ def test_team_retention_overrides_the_default(team_a, team_b):
     assert list(Run.objects.values_list("definition__name", flat=True).distinct()) == ["b.job"]
 
 
+def test_a_team_retention_of_zero_days_is_zero_not_the_default(team_a):
+    """None is the site's default; 0 was read as none and kept the runs 30 days."""
+    team_a.retention_days = 0
+    team_a.save()
+    add_ready_runs(make_definition(team_a, "ret.zero", queue="zero"), 3)
+    finish_all(team_a, "zero")
+    age_finished(1)
+    while retention.handle_one_round(batch=10):
+        pass
+    assert not Run.objects.exists()
+
+
+def test_a_run_discarded_from_the_dlq_is_kept_for_the_retention_after_its_discard(team_a):
+    """Counted from its death, a run that sat in the DLQ longer than the retention was deleted
+    by the next round, seconds after its discard ("its history stays readable")."""
+    from apps.audit.record import Actor
+    from apps.runs import filters, transitions
+
+    dlq = make_definition(team_a, "ret.discarded", queue="discarded", retry_max_attempts=1)
+    add_ready_runs(dlq, 4)
+    finish_all(team_a, "discarded", fail=True)
+    age_finished(40)
+    one, by_filter, *_ = Run.objects.filter(definition=dlq).order_by("pk")
+    assert transitions.discard([one], Actor.cli()) == [one]
+    Run.objects.filter(pk=by_filter.pk).update(queue="elsewhere")
+    flt = filters.parse_bulk_filter({"queue": "elsewhere"})
+    assert transitions.act_on_matching("discard", [team_a], ["dead"], flt, Actor.cli()) == 1
+    while retention.handle_one_round(batch=10):
+        pass
+    states = dict(Run.objects.filter(definition=dlq).values_list("pk", "state"))
+    assert states.pop(one.pk) == states.pop(by_filter.pk) == "cancelled"
+    assert list(states.values()) == ["dead", "dead"]
+
+
 def test_old_audit_events_go(team_a, settings):
     settings.SCHEDULER_AUDIT_RETENTION_DAYS = 365
     AuditEvent.objects.create(actor="x", source="system", action="a", target_type="t", target="1")
