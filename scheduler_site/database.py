@@ -7,6 +7,8 @@ import os
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
+from django.core.exceptions import ImproperlyConfigured
+
 
 def config_from_url(
     url: str,
@@ -26,9 +28,16 @@ def config_from_url(
     """
     parsed = urlparse(url)
     if parsed.scheme not in {"postgres", "postgresql"}:
-        raise ValueError(
-            f"DATABASE_URL must be a postgresql:// URL (SQLite is not supported): {url!r}"
+        raise ImproperlyConfigured(
+            "DATABASE_URL must be a postgresql:// URL (SQLite is not supported); it begins "
+            f"{parsed.scheme + ':' if parsed.scheme else 'with no scheme'}"
         )
+    try:
+        port = parsed.port
+    except ValueError:  # not a number, or past 65535
+        raise ImproperlyConfigured(
+            "DATABASE_URL has a port that is not a number from 0 to 65535."
+        ) from None
     query = {key: values[-1] for key, values in parse_qs(parsed.query).items()}
     host = query.pop("host", None) or parsed.hostname or ""
     # Django turns psycopg's statement preparation off; its own cursors bind on the client and
@@ -62,7 +71,7 @@ def config_from_url(
         "USER": unquote(parsed.username or ""),
         "PASSWORD": unquote(parsed.password or ""),
         "HOST": host,
-        "PORT": str(parsed.port or ""),
+        "PORT": str(port or ""),
         # A pooled connection goes back to the pool at the end of each request (age 0).
         "CONN_MAX_AGE": 0 if pool_size else 60,
         # Checked before use: a connection PostgreSQL has dropped is replaced, not handed out

@@ -48,7 +48,13 @@ def readyz(request: HttpRequest) -> JsonResponse:
     """
     try:
         connection = connections[DEFAULT_DB_ALIAS]
-        pending = _pending_migrations(DEFAULT_DB_ALIAS)
+        # Before the tables are read: on a database not migrated at all, the reason given was
+        # the first missing table's error.
+        if pending := _pending_migrations(DEFAULT_DB_ALIAS):
+            return JsonResponse(
+                {"status": "unavailable", "detail": f"{len(pending)} migrations pending"},
+                status=503,
+            )
         with connection.cursor() as cursor:
             cursor.execute(SCHEDULERS)
             nodes = cursor.fetchall()
@@ -56,10 +62,6 @@ def readyz(request: HttpRequest) -> JsonResponse:
             unowned = cursor.fetchone()[0]
     except Exception as exc:  # noqa: BLE001 - any failure means "not ready"
         return JsonResponse({"status": "unavailable", "detail": str(exc)}, status=503)
-    if pending:
-        return JsonResponse(
-            {"status": "unavailable", "detail": f"{len(pending)} migrations pending"}, status=503
-        )
     schedulers = [
         {
             "node": node,

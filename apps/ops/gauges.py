@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from django.conf import settings
 from django.db import connections
 
 from apps.runs import depth, shards
@@ -107,7 +108,10 @@ def read() -> Snapshot:
     slugs = dict(Team.objects.using(shards.CONTROL).values_list("pk", "slug"))
     with connections[shards.CONTROL].cursor() as cursor:
         cursor.execute(OWNERS)
-        snapshot.owners = dict(cursor.fetchall())
+        # Every shard, those no scheduler ever leased (no row yet) too: with only the rows, a
+        # database no scheduler had run on had no series, and ShardWithoutOwner never fired.
+        snapshot.owners = dict.fromkeys(range(settings.SCHEDULER_SHARD_COUNT), "")
+        snapshot.owners.update(cursor.fetchall())
         cursor.execute(NODES)
         snapshot.nodes = {node: float(age) for node, age in cursor.fetchall()}
         cursor.execute(QUEUE_RATE_LIMITS)

@@ -111,7 +111,9 @@ def observe_results(outcomes: Iterable, call: str) -> None:
     counts: collections.Counter[tuple[Counter, str]] = collections.Counter()
     for outcome in outcomes:
         if outcome.status == 409:
-            if outcome.code != "cancelled":  # a cancel asked for, not a stale token
+            # A cancel asked for, or a lease that expired with its token still the run's (the
+            # reaper counts the expiry): not a stale token.
+            if outcome.code not in ("cancelled", "lease-expired"):
                 counts[STALE_TOKENS, call] += 1
         elif outcome.status == 200 and call != "heartbeat" and outcome.state != "cancelled":
             if outcome.state == "succeeded":
@@ -127,6 +129,8 @@ def observe_results(outcomes: Iterable, call: str) -> None:
 def observe_reaped(reaped: Iterable) -> None:
     for item in reaped:
         LEASE_EXPIRATIONS.labels(item.queue, item.outcome).inc()
+        if item.state == "cancelled":
+            continue  # a cancel the worker never reported: it ends as asked, not as a failure
         RUNS_FAILED.labels(item.queue).inc()
         if item.state == "dead":
             RUNS_DEAD.labels(item.queue).inc()

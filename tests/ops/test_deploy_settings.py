@@ -77,3 +77,18 @@ def test_the_web_process_stops_on_a_bad_pool_setting():
     done = manage("web", "--port", "0", timeout=60, SCHEDULER_DB_POOL_SIZE="abc")
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "Configuration error: SCHEDULER_DB_POOL_SIZE must be an integer" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("postgresql://u:secret@127.0.0.1:notaport/db", "has a port that is not a number"),
+        ("mysql://u:secret@127.0.0.1/db", "must be a postgresql:// URL"),
+    ],
+)
+def test_a_bad_database_url_refuses_to_start_naming_it_not_its_password(url, says):
+    """A port that is not a number ended in a traceback."""
+    done = manage("check", DATABASE_URL=url)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert f"Configuration error: DATABASE_URL {says}" in done.stderr
+    assert "secret" not in done.stderr

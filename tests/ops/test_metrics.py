@@ -69,6 +69,42 @@ def test_counters_follow_the_workload(api_a, team_a):
     assert value(after, "scheduler_dlq_size", team="team-a") == 2
 
 
+def test_a_lease_that_expired_and_a_cancel_ended_by_expiry_are_not_stale_or_failed(api_a, team_a):
+    """A heartbeat of a lease that expired with its token still the run's counted as a stale
+    token (the SDK asks on until the reaper has the run), and a cancelled run whose worker never
+    reported, ended `cancelled` by the reaper, as a failure."""
+    from apps.runs.ids import parse_run_id
+    from apps.runs.models import Run
+
+    definition = make_definition(team_a, "m.expiry", queue="xq", retry_max_attempts=1)
+    add_ready_runs(definition, 2)
+    before = scrape(api_a)
+    expired, cancelled = api_a.lease(["xq"], 2)
+    assert api_a.post(f"/api/v1/runs/{cancelled['runId']}/cancel").status_code == 202
+    for lease in (expired, cancelled):
+        expire_lease(parse_run_id(lease["runId"]))
+    beat = api_a.post(
+        f"/api/v1/runs/{expired['runId']}/heartbeat", {"fencingToken": expired["fencingToken"]}
+    )
+    assert beat.status_code == 409 and beat.json()["type"].endswith("/lease-expired")
+    store.reap()
+    after = scrape(api_a)
+
+    def delta(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert Run.objects.get(pk=parse_run_id(cancelled["runId"])).state == "cancelled"
+    assert delta("scheduler_stale_token_rejections_total", call="heartbeat") == 0
+    assert delta("scheduler_runs_failed_total", queue="xq") == 1
+    assert delta("scheduler_runs_dead_total", queue="xq") == 1
+    expirations = sum(
+        sample - before.get(key, 0.0)
+        for key, sample in after.items()
+        if key[0] == "scheduler_lease_expirations_total" and ("queue", "xq") in key[1]
+    )
+    assert expirations == 2
+
+
 def test_queue_depth_matches_the_database(api_a, team_a):
     add_ready_runs(make_definition(team_a, "m.crit", queue="depth", priority="critical"), 4)
     add_ready_runs(make_definition(team_a, "m.bulk", queue="depth", priority="bulk"), 7)
@@ -90,6 +126,18 @@ def test_queue_depth_matches_the_database(api_a, team_a):
         )
         > 0
     )
+
+
+def test_every_shard_is_reported_owned_or_not_before_any_scheduler_ran(api_a, settings):
+    """Only shards with a lease row had a series: on a database no scheduler had run on, the
+    ShardWithoutOwner alert (`sum by (shard) (scheduler_shard_owned) == 0`) had nothing to see."""
+    samples = scrape(api_a)
+    owned = {
+        dict(labels)["shard"]: sample
+        for (name, labels), sample in samples.items()
+        if name == "scheduler_shard_owned"
+    }
+    assert owned == {str(shard): 0.0 for shard in range(settings.SCHEDULER_SHARD_COUNT)}
 
 
 def test_an_open_transaction_shows_its_age(api_a):
@@ -176,3 +224,22 @@ def test_with_the_database_unreadable_the_counters_are_still_served(api_a, team_
     assert value(samples, "scheduler_database_gauges_readable") == 0
     assert value(samples, "scheduler_runs_started_total", queue="kept", priority="default") >= 1
     assert value(scrape(api_a), "scheduler_database_gauges_readable") == 1
+
+
+def test_every_metric_the_alert_rules_read_is_served(api_a):
+    """docs/alerts.yml is read by Prometheus, not by this code: a rule on a metric renamed or
+    never served cannot fire, and nothing else would tell."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    rules = yaml.safe_load((Path(__file__).parents[2] / "docs/alerts.yml").read_text())
+    read = {
+        re.sub(r"_(bucket|total|count|sum)$", "", name)
+        for group in rules["groups"]
+        for rule in group["rules"]
+        for name in re.findall(r"\bscheduler_[a-z_]+", rule["expr"])
+    }
+    served = {family.name for family in text_string_to_metric_families(api_a.get("/metrics").text)}
+    assert read and read <= served, read - served
