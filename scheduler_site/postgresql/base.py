@@ -72,6 +72,7 @@ class Breaker:
         self.open_until = -math.inf
         self.failure = ""
         self._trying = threading.Lock()  # one request tries a database found down
+        self.proven = False  # the server has answered once: the pool's first request tries it
 
     def is_open(self) -> bool:
         return self.failure != ""
@@ -120,6 +121,12 @@ class DatabaseWrapper(base.DatabaseWrapper):
         if self.settings_dict["OPTIONS"].get("pool") is None:
             return super().get_new_connection(conn_params)
         state = breaker(self.alias)
+        if not state.proven:
+            # The process's first connection to it: a server down from the start held that
+            # request (and a probe's) for the pool's whole timeout (10 s) before the breaker
+            # learnt of it. Down, the breaker opens here at once.
+            self._try_server(conn_params, state)
+            state.proven = True
         if state.admit():
             try:
                 self._try_server(conn_params, state)

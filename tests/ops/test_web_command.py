@@ -160,6 +160,22 @@ def test_the_liveness_probe_answers_at_once_while_the_database_hangs(tmp_path):
         silent.close()
 
 
+def test_a_database_down_from_the_start_is_refused_at_once(tmp_path):
+    """The first request to a database whose server was down from the process's start waited
+    the pool's whole timeout (10 s) before its breaker learnt of it; the probes after it were
+    answered at once."""
+    with closing(socket.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]  # nothing listens there once the probe is closed
+    database = f"postgresql://postgres@127.0.0.1:{closed}/none"
+    with web_process(DATABASE_URL=database, SCHEDULER_DATA_DIR=str(tmp_path)) as (_, url):
+        started = time.monotonic()
+        answer = httpx.get(f"{url}/readyz", timeout=30)
+        took = time.monotonic() - started
+    assert answer.status_code == 503
+    assert took < 5, took
+
+
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_stop_answers_the_long_polls_at_once(tmp_path, team_a, worker_token_a):
