@@ -65,10 +65,13 @@ MOVE_LOCKS = 0x6D6F7665  # "move": the lock space of moves, the shard the key wi
 
 #    The source's session, seen from the target's: the same server and database under another
 #    URL (`localhost` for `127.0.0.1`, say), which must not be taken for a target.
+# The other session's process id and start: a pid alone may be another server's too.
 SAME_DATABASE = """
 SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-               WHERE pid = %(pid)s AND datname = current_database())
+               WHERE pid = %(pid)s AND backend_start = %(started)s
+                 AND datname = current_database())
 """
+THIS_SESSION = "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
 
 # 1. On the target: rows of the shard already there (a leftover of another move) refuse it.
 TARGET_HOLDS = "SELECT EXISTS (SELECT 1 FROM {table} WHERE shard = %(shard)s)"
@@ -234,20 +237,36 @@ def _one_move(shard: int) -> Iterator[None]:
             cursor.execute(UNLOCK_MOVE, params)
 
 
+def _same_database(alias: str, other: str) -> bool:
+    """Whether two aliases reach the same database (whatever their URLs say): `other`'s
+    session is seen from `alias` in its own database."""
+    with connections[other].cursor() as cursor:
+        cursor.execute(THIS_SESSION)
+        pid, started = cursor.fetchone()
+    with connections[alias].cursor() as cursor:
+        cursor.execute(SAME_DATABASE, {"pid": pid, "started": started})
+        return bool(cursor.fetchone()[0])
+
+
 def _move(shard: int, url: str, wait: float, say: Callable[[str], None]) -> Moved:
     target = shards.connect(url)
     source = shards.alias_of_shard(shard)
     if source == target:
         return _finish(shard, target, say)
-    with connections[source].cursor() as cursor:
-        cursor.execute("SELECT pg_backend_pid()")
-        pid = cursor.fetchone()[0]
-    with connections[target].cursor() as cursor:
-        cursor.execute(SAME_DATABASE, {"pid": pid})
-        if cursor.fetchone()[0]:
+    if _same_database(target, source):
+        raise MoveError(
+            f"The target is the database shard {shard} lives in, under another URL:"
+            " nothing to move."
+        )
+    # Another database of the map under another spelling (`localhost` for `127.0.0.1`) was
+    # taken for a new one: its jobs were listed twice, and the same command run again took
+    # the shard for a leftover there and deleted it.
+    for known in dict.fromkeys([shards.CONTROL, *shards.databases()]):
+        if known not in (source, target) and _same_database(target, known):
             raise MoveError(
-                f"The target is the database shard {shard} lives in, under another URL:"
-                " nothing to move."
+                f"The target is the database of shards {shards.span(known) or 'none'} under "
+                "another URL: give it as the map does (SCHEDULER_SHARD_DATABASES, or "
+                "DATABASE_URL for the control database)."
             )
     say(f"migrating the target database ({target})")
     call_command("migrate", database=target, interactive=False, verbosity=0)

@@ -324,6 +324,15 @@ def test_a_move_refuses_the_shards_own_database_a_url_without_one_and_a_second_m
     assert same.returncode == 1
     assert f"The target is the database shard {shard} lives in, under another URL" in same.stderr
     assert "Traceback" not in same.stderr
+    # Another database of the map under another URL was taken for a new one: its jobs were
+    # listed twice, and the command run again deleted the shard there as a leftover.
+    for other in (layout.aliases[1], shards.CONTROL):
+        taken = manage("moveshard", str(shard), "--to", _another_url(child_database_url(other)))
+        assert taken.returncode == 1, taken.stdout + taken.stderr
+        assert f"The target is the database of shards {shards.span(other)} under another URL" in (
+            taken.stderr
+        )
+    assert shards.alias_of_shard(shard) == source
     with pytest.raises(CommandError, match="names no database"):
         call_command("moveshard", str(shard), "--to", "postgresql://")
     # One move of a shard at a time: a second, while the first holds the shard, is refused.
