@@ -26,7 +26,7 @@ from apps.jobs.models import JobDefinition
 from apps.runs import filters, shards
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
-from apps.runs.models import SCHEDULED_TRIGGERS, Run
+from apps.runs.models import SCHEDULED_TRIGGERS, Run, reported_state
 
 WINDOW = timedelta(hours=24)
 MAX_TIMES_PER_DEFINITION = 1440
@@ -68,6 +68,7 @@ class Alert:
     run_pk: int | None = None
     late_by: float | None = None
     state: str = ""  # a missed time's run's state, or "scheduled" for a late run still waiting
+    shown_state: str = ""  # that state as the API and dashboard name it (`ready` once due)
 
     @property
     def run_id(self) -> str | None:
@@ -85,7 +86,8 @@ class Alert:
             return f"{self.run_id} has not started {self.late_by:.1f} s after it was due (SLO {slo} s)."
         if self.kind == "late":
             return f"{self.run_id} started {self.late_by:.1f} s after it was due (SLO {slo} s)."
-        why = f" ({self.run_id} is {self.state})" if self.run_id else " (no run was made)"
+        shown = self.shown_state or self.state
+        why = f" ({self.run_id} is {shown})" if self.run_id else " (no run was made)"
         return f"No successful run for the cron time {format_utc(self.due_at)}{why}."
 
     def as_json(self) -> dict[str, str]:
@@ -203,16 +205,16 @@ def _missed(definition: JobDefinition, since: datetime, now: datetime) -> list[A
     # A cron time has one run at most ((definition, due time) is unique): the one a missed
     # time names, when it was made but failed or still waits.
     made = {
-        due: (pk, state)
-        for due, pk, state in Run.objects.filter(
+        due: (pk, state, reported_state(state, available, now))
+        for due, pk, state, available in Run.objects.filter(
             definition=definition,
             trigger__in=SCHEDULED_TRIGGERS,
             due_at__in=[t.utc for t in times],
-        ).values_list("due_at", "id", "state")
+        ).values_list("due_at", "id", "state", "available_at")
     }
     missed = []
     for t in times:
-        pk, state = made.get(t.utc, (None, ""))
+        pk, state, shown = made.get(t.utc, (None, "", ""))
         if state != "succeeded":
-            missed.append(Alert("missed", definition, t.utc, pk, state=state))
+            missed.append(Alert("missed", definition, t.utc, pk, state=state, shown_state=shown))
     return missed

@@ -120,6 +120,13 @@ def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
     )
     assert (named["kind"], named["runId"]) == ("missed", public_run_id(run.pk))
     assert named["message"].endswith(f"({public_run_id(run.pk)} is ready).")
+    # Stored as scheduled, its time passed: named as the run's page and the API name it (it
+    # said "is scheduled" beside a run shown as ready).
+    Run.objects.filter(pk=run.pk).update(state="scheduled")
+    named = next(
+        a for a in api_a.get("/api/v1/alerts").json()["results"] if a["dueAt"] == min(again)
+    )
+    assert named["message"].endswith(f"({public_run_id(run.pk)} is ready).")
 
 
 def test_definitions_without_an_slo_are_not_watched(api_a, team_a):

@@ -287,3 +287,17 @@ def test_a_succeeded_run_shows_its_earlier_errors_as_history_only(viewer, team_a
     listed = client.get("/runs?state=succeeded").content.decode()
     row = listed.split(f'id="run-row-{run.pk}"')[1].split("</tr>")[0]
     assert "error-text" not in row and "card declined" in row
+
+
+def test_an_empty_filtered_list_says_its_filters_match_nothing(operator, team_a):
+    """ "The dead-letter queue is empty." was shown under a filter matching none of the dead runs
+    that waited: an on-call engineer took the DLQ for clear."""
+    job = make_definition(team_a, "billing.charge", queue="billing")
+    failed_runs(job, 2, retryable=False)
+    client = client_for(operator)
+    for page in ("/dlq", "/failures"):
+        filtered = client.get(f"{page}?error=NoSuchError").content.decode()
+        assert "No runs match these filters." in filtered, page
+        assert "is empty" not in filtered and "Nothing is failing" not in filtered
+    grouped = client.get("/dlq?view=groups&job=nobody.here").content.decode()
+    assert "No failures match these filters." in grouped

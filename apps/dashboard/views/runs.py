@@ -164,6 +164,9 @@ def _run_list(request: HtmxHttpRequest, mode_name: str) -> HttpResponse:
         else [],
         # The filter as the page was asked for it, for the actions on everything it selects.
         "carry": [(key, request.GET[key]) for key in FILTER_FIELDS if request.GET.get(key)],
+        # An empty filtered list says so: "The dead-letter queue is empty." under a filter left
+        # an on-call engineer believing it clear while other dead runs waited.
+        "filtered": any(request.GET.get(key) for key in FILTER_FIELDS if key != "tz"),
         "live": True,
     }
     return render_page(request, "dashboard/runs.html", context, regions=("page", "results"))
