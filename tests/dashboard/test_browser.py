@@ -384,3 +384,23 @@ def test_escape_closes_a_confirmation_and_gives_the_focus_back(web, operator_a, 
     expect(page.get_by_role("dialog")).to_have_count(0)
     expect(opener).to_be_focused()
     assert Run.objects.get(pk=run.pk).state == "dead"
+
+
+@pytest.mark.parametrize("width", [1280, 375])
+def test_a_job_with_a_long_name_leaves_the_other_columns_in_view(web, operator_a, team_a, width):
+    """A name of 190 characters without a space pushed every other column of the jobs list out
+    of view (and, kept in view on a phone, covered them)."""
+    make_definition(team_a, "late.a" + "x" * 190, queue="billing")
+    web.sign_in(operator_a)
+    page = web.page
+    page.set_viewport_size({"width": width, "height": 800})
+    web.goto("/jobs")
+    header = page.locator("th", has_text="Schedule").first
+    expect(header).to_be_visible()
+    box = header.bounding_box()
+    name = page.locator("td", has_text="late.a").first.bounding_box()
+    assert box is not None and name is not None
+    if width == 1280:
+        assert box["x"] + box["width"] <= width, box
+    # The name's cell wraps: it no longer spans the screen, whatever the width.
+    assert name["width"] < 0.6 * width, name
