@@ -178,6 +178,19 @@ class _LocalFlag:
         return self._event.wait(timeout)
 
 
+def _say_lease(run: _Run, what: str, detail: str) -> None:
+    logger.warning(
+        "lease %s run_id=%s job=%s attempt=%s fencing_token=%s: %s",
+        what,
+        run.run_id,
+        run.job,
+        run.attempt,
+        run.token,
+        detail,
+        extra=run.fields(),
+    )
+
+
 class _Run(LeasedRun):
     """The worker's record of one lease, from the claim until the scheduler answers its result."""
 
@@ -718,16 +731,7 @@ class Worker(Daemon):
             run.expired = True
             reported = run.finished
         if first and not reported:
-            logger.warning(
-                "lease expired run_id=%s job=%s attempt=%s fencing_token=%s: %s; its result "
-                "will still be sent",
-                run.run_id,
-                run.job,
-                run.attempt,
-                run.token,
-                detail,
-                extra=run.fields(),
-            )
+            _say_lease(run, "expired", f"{detail}; its result will still be sent")
 
     def _mark_lost(self, run: _Run, detail: str) -> None:
         with self._lock:
@@ -739,15 +743,7 @@ class Worker(Daemon):
             # final word on that result (it answers 409 if the lease really was gone).
             logger.debug("heartbeat refused after the handler returned run_id=%s", run.run_id)
             return
-        logger.warning(
-            "lease lost run_id=%s job=%s attempt=%s fencing_token=%s: %s",
-            run.run_id,
-            run.job,
-            run.attempt,
-            run.token,
-            detail,
-            extra=run.fields(),
-        )
+        _say_lease(run, "lost", detail)
 
     # -- reporting --------------------------------------------------------------------------
 
