@@ -92,20 +92,36 @@ def child_shard_env() -> dict[str, str]:
     return {"SCHEDULER_SHARD_DATABASES": shardmap.render(aliases, urls)}
 
 
-def manage(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-    """`manage.py` in a process of its own, as an operator runs it: on this test's databases
-    (`env` sets more variables, or others), its output captured."""
+def _manage_env(env: dict[str, str]) -> dict[str, str]:
     # The browser tests allow sync ORM calls in their event loop; a deployment must not.
     environment = {k: v for k, v in os.environ.items() if k != "DJANGO_ALLOW_ASYNC_UNSAFE"}
     environment.update(DATABASE_URL=child_database_url(), **child_shard_env())
     environment.update(env)
+    return environment
+
+
+def manage(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    """`manage.py` in a process of its own, as an operator runs it: on this test's databases
+    (`env` sets more variables, or others), its output captured."""
     return subprocess.run(
         [sys.executable, "manage.py", *args],
         cwd=REPO,
-        env=environment,
+        env=_manage_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
+    )
+
+
+def manage_started(*args: str, **env: str) -> subprocess.Popen:
+    """`manage`, started: its output read line by line as it comes (stderr with stdout)."""
+    return subprocess.Popen(
+        [sys.executable, "manage.py", *args],
+        cwd=REPO,
+        env=_manage_env({"PYTHONUNBUFFERED": "1", **env}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 

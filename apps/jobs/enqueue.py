@@ -417,11 +417,14 @@ def _named(alias: str, names: set[str]) -> list[JobDefinition]:
 def _by_database(
     asked: Sequence[NewRun], by_id: dict[int, JobDefinition]
 ) -> dict[str, list[NewRun]]:
+    """The items by database, the control database's first: a move's guard met there spoils
+    the request's transaction and refuses it whole (`_insert_on`), which must happen before
+    another database has committed its items (a 503 for runs that were made)."""
     groups: dict[str, list[NewRun]] = {}
     for new in asked:
         alias = shards.alias_of_shard(by_id[new.definition_id].shard)
         groups.setdefault(alias, []).append(new)
-    return groups
+    return dict(sorted(groups.items(), key=lambda group: group[0] != shards.CONTROL))
 
 
 class _NewRunNames:

@@ -9,6 +9,7 @@ from django.db import connections
 
 from apps.runs import depth, shards
 from apps.runs.floors import OLDEST_TRANSACTION
+from apps.scheduler import moves
 from apps.teams.models import Team
 
 
@@ -37,6 +38,7 @@ class Snapshot:
     dlq: dict[str, int] = field(default_factory=dict)
     lag: dict[int, float] = field(default_factory=dict)
     owners: dict[int, str] = field(default_factory=dict)
+    moves_unfinished: list[int] = field(default_factory=list)  # shards a dead move left
     nodes: dict[str, float] = field(default_factory=dict)
     # The oldest open transaction, dead row versions and autovacuum: the worst of every database.
     oldest_transaction: float = 0.0
@@ -112,6 +114,7 @@ def read() -> Snapshot:
         # database no scheduler had run on had no series, and ShardWithoutOwner never fired.
         snapshot.owners = dict.fromkeys(range(settings.SCHEDULER_SHARD_COUNT), "")
         snapshot.owners.update(cursor.fetchall())
+        snapshot.moves_unfinished = moves.unfinished()
         cursor.execute(NODES)
         snapshot.nodes = {node: float(age) for node, age in cursor.fetchall()}
         cursor.execute(QUEUE_RATE_LIMITS)

@@ -62,6 +62,15 @@ class DatabaseCollector:
         )
         for shard, node in snapshot.owners.items():
             owner.add_metric([str(shard), node or ""], 1 if node else 0)
+        # Every shard, so that the rule's expression has a series to compare whatever happens.
+        unfinished = GaugeMetricFamily(
+            "scheduler_shard_move_unfinished",
+            "1 when a move of the shard died half way (manage.py moveshard finishes or undoes it"
+            " when run again): its runs may wait meanwhile.",
+            labels=["shard"],
+        )
+        for shard in snapshot.owners:
+            unfinished.add_metric([str(shard)], 1 if shard in snapshot.moves_unfinished else 0)
         heartbeat = GaugeMetricFamily(
             "scheduler_node_heartbeat_age_seconds",
             "Seconds since a scheduler node was last seen.",
@@ -137,6 +146,7 @@ class DatabaseCollector:
             dlq,
             lag,
             owner,
+            unfinished,
             heartbeat,
             transaction,
             dead,

@@ -312,6 +312,13 @@ class ShardPlacement(models.Model):
     shard = models.PositiveSmallIntegerField(primary_key=True)
     url = models.TextField(blank=True, default="")  # empty: where the map says
     moving = models.BooleanField(default=False)
+    # Where the move under way takes the shard: a move that died is finished or undone by
+    # the same command, which knows then whose copy the target's rows of the shard are.
+    moving_to = models.TextField(blank=True, default="")
+    # Until then (two map refreshes past the move's flip) no claim leases the shard's runs
+    # in its new database: a process that has not read the move yet would send their
+    # results to the old one.
+    settles_at = models.DateTimeField(null=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     def __str__(self) -> str:

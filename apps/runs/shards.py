@@ -99,6 +99,7 @@ class _Placement:
     map: ShardMap
     moving: frozenset[int] = frozenset()
     relocated: bool = False  # some shard lives away from the settings' map
+    settling: frozenset[int] = frozenset()  # moved a moment ago: not claimed yet
 
 
 # The map this process routes by: the settings' until `refresh` reads the moved shards from the
@@ -111,12 +112,17 @@ _checked_at = -math.inf
 # a request and on each tick of the daemons.
 REFRESH_SECONDS = 1.0
 
-PLACEMENTS = "SELECT shard, url, moving FROM runs_shardplacement"
+PLACEMENTS = (
+    "SELECT shard, url, moving, coalesce(settles_at > now(), false) FROM runs_shardplacement"
+)
 
 # The guard that keeps new rows of a moved shard out of the database it left, one per shard and
 # table: an INSERT trigger `shard_moved_<N>` that raises check_violation under its own name, as
 # a constraint would (apps/scheduler/moves.py).
 MOVED_GUARD_PREFIX = "shard_moved_"
+# The freeze a move puts on the shard's runs in the database it leaves, once their copy is
+# committed: an UPDATE trigger `shard_frozen_<N>` that leaves each row as it is.
+FROZEN_PREFIX = "shard_frozen_"
 
 
 def moving_detail(shard: int) -> str:
@@ -145,11 +151,12 @@ def refresh(*, force: bool = False) -> None:
         # used (a test without one): the last map stays.
         return
     base: ShardMap = settings.SHARD_MAP
-    moved = {shard: url for shard, url, _ in rows if url and shard < len(base.aliases)}
+    moved = {shard: url for shard, url, _, _ in rows if url and shard < len(base.aliases)}
     placement = _Placement(
         shardmap.relocated(base, moved, settings.DATABASE_URL) if moved else base,
-        frozenset(shard for shard, _, moving in rows if moving),
+        frozenset(shard for shard, _, moving, _ in rows if moving),
         bool(moved),
+        frozenset(shard for shard, _, _, settling in rows if settling),
     )
     for alias, url in placement.map.urls.items():
         if alias not in connections.settings:
@@ -188,6 +195,18 @@ def _register(alias: str, url: str) -> None:
 def ever_moved() -> bool:
     """Whether any shard has been moved or is moving (its old database then holds a guard)."""
     return _placement is not None and (_placement.relocated or bool(_placement.moving))
+
+
+def claimed_here(alias: str) -> list[int] | None:
+    """The shards whose runs a claim on `alias` may lease: those the map places there, but for
+    one moved there a moment ago (`settles_at`). None, for every shard, while no shard has
+    been moved. A database a shard left may hold its rows still (a move that died after its
+    flip): they are the old copy, and leasing them there would run them twice."""
+    if not ever_moved():
+        return None
+    aliases = _current_map().aliases
+    settling = _placement.settling if _placement is not None else frozenset()
+    return [s for s, where in enumerate(aliases) if where == alias and s not in settling]
 
 
 def moving() -> frozenset[int]:

@@ -357,6 +357,7 @@ WITH lane AS ({{lanes}}
           AND NOT d.paused AND NOT d.deleting AND d.concurrency IS NULL AND d.concurrency_per_key IS NULL
           AND d.rate_limit_count IS NULL
           AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
+          AND (%(shards)s::int[] IS NULL OR d.shard = ANY(%(shards)s::int[]))
         ORDER BY r.available_at, r.id
         LIMIT least(lane.room, %(max)s)
         FOR UPDATE OF r SKIP LOCKED
@@ -374,6 +375,7 @@ WITH lane AS ({{lanes}}
      -- A spent rate window (set by the claim that found it full) skips the definition whole.
      AND (d.rate_blocked_until IS NULL OR d.rate_blocked_until <= now())
      AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
+     AND (%(shards)s::int[] IS NULL OR d.shard = ANY(%(shards)s::int[]))
     CROSS JOIN LATERAL (
         -- A run keeps the queue and priority it was created with, so match the lane's.
         SELECT r.id, r.team_id, r.queue, r.priority, r.definition_id, d.concurrency,
@@ -479,6 +481,7 @@ WITH lane AS ({{lanes}}
       AND d.concurrency_per_key IS NOT NULL
       AND (d.rate_blocked_until IS NULL OR d.rate_blocked_until <= now())
       AND (%(jobs)s::text[] IS NULL OR d.name = ANY(%(jobs)s::text[]))
+      AND (%(shards)s::int[] IS NULL OR d.shard = ANY(%(shards)s::int[]))
 ){{bounded}}
 SELECT id, team_id, queue, priority, definition_id, concurrency, per_key, concurrency_key,
        rate_count, rate_period, available_at, (SELECT nextval('runs_claim_tick')) AS tick
@@ -979,6 +982,10 @@ def claim(
     if lanes is not None:
         params.update(lanes.params())
     alias = placement.current()
+    # Once a shard has moved, only the shards placed here (a dead move's rows elsewhere are a
+    # copy); NULL otherwise, a filter that costs nothing.
+    shards_here = placement.claimed_here(alias)
+    params["shards"] = _bigints(shards_here) if shards_here is not None else None
     with atomic(savepoint=False), server_cursor() as cursor:
         if floors.due_check(alias):
             cursor.execute(OLDEST_TRANSACTION)

@@ -1,33 +1,43 @@
 """Moving one shard to another database (`manage.py moveshard N --to URL`), in a maintenance
 window, with nothing lost or duplicated.
 
-1. Connect to the target and migrate it; refuse a target that already holds rows of the shard.
+1. Connect to the target and migrate it; refuse a target that already holds rows of the shard
+   (but for a copy a move of the shard that died left there: it is deleted).
 2. Take the shard's scheduler lease (a new epoch: the node that held it can no longer write for
-   it), mark the shard `moving` in the control database (every process refuses its new runs
-   and definition changes within `shards.REFRESH_SECONDS`), and put a guard on the source's
-   tables (an INSERT trigger, apps/runs/migrations/0022) that refuses new rows of the shard
-   outright (a process with an older map). Existing rows are written as usual: leased runs
-   complete, heartbeat and are reaped, and claims that meet the shard's waiting runs lease them
-   until step 3 locks them.
+   it), mark the shard `moving` to the target in the control database (every process refuses
+   its new runs and definition changes within `shards.REFRESH_SECONDS`), and put a guard on the
+   source's tables (an INSERT trigger, apps/runs/migrations/0022) that refuses new rows of the
+   shard outright (a process with an older map). Existing rows are written as usual: leased
+   runs complete, heartbeat and are reaped, and claims that meet the shard's waiting runs lease
+   them until step 3 locks them.
 3. In one transaction on the source: lock (FOR SHARE) every row of the shard that is not
    leased, again and again until none is leased. Claims pass locked runs by (SKIP LOCKED);
    leased runs finish or expire as usual meanwhile. Past `wait` seconds with runs still leased,
    the move is refused and undone, naming them.
 4. Copy definitions, runs, attempts and rate-window starts (COPY, binary) into one
-   transaction on the target, with
-   fencing tokens lifted above the target's own (monotonic per run, as before), and compare
-   the row counts and an MD5 checksum of every copied row on both sides.
-5. Commit the target, then point the shard at the target in the control database (the map's
-   override, `ShardPlacement`) and give the scheduler lease back, then delete the shard's rows
-   from the source and commit it. The guard stays on the source while the shard is away.
+   transaction on the target, with fencing tokens lifted above the target's own (monotonic per
+   run, as before), compare the row counts and an MD5 checksum of every copied row on both
+   sides, and commit the target. No claim leases the copy: a claim leases only the shards the
+   map places in its database (`shards.claimed_here`).
+5. Freeze the shard's runs on the source (an UPDATE trigger, apps/runs/migrations/0026, that
+   leaves each row as it is), in a session of its own: from here the copy is the shard's, and
+   should the move die, its rows on the source are never leased again.
+6. Point the shard at the target in the control database (the map's override,
+   `ShardPlacement`), with claims of it there held for two map refreshes (`settles_at`), and
+   give the scheduler lease back. Meanwhile a process that has not read the map yet still
+   reads the shard's rows on the source (the locks hold them unchanged), and a result it takes
+   for a run leased from the target cannot come: none is. Then delete the shard's rows from the
+   source, commit it and lift the freeze. The INSERT guard stays on the source while the shard
+   is away.
 
 A move holds a session lock on the shard in the control database from start to end: a second
 move of the shard is refused while it runs, and the lock goes with the move's session if the
-process dies. An interrupted move is finished by running the same command again: once the
-control database places the shard on the target, the command only deletes the shard's rows
-elsewhere. A move that died before that (killed, or its undo could not reach a database) left
-the shard refusing new runs: running the command with `--to` where the shard is releases it
-(its `moving` mark, its scheduler lease and the source's guard).
+process dies. A move that died (killed, or its undo could not reach a database) is finished or
+undone by running the command again, and `scheduler_shard_move_unfinished` says so meanwhile:
+once the control database places the shard on the target, the command only deletes the
+shard's rows elsewhere; before that, it deletes the dead move's copy, lifts its freeze and
+starts again, or, with `--to` where the shard is, releases the shard (its `moving` mark, its
+scheduler lease, the source's guard) to take new runs where it was.
 """
 
 from __future__ import annotations
@@ -35,21 +45,25 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from urllib.parse import urlparse
 
+import psycopg
 from django.conf import settings
 from django.core.management import call_command
-from django.db import connections, transaction
+from django.db import OperationalError, connections, transaction
+from django.db.models import Q
 from psycopg import sql as psql
 
 from apps.runs import shards
 from apps.runs.ids import public_run_id
 from apps.runs.models import ShardPlacement
-from apps.runs.shards import MOVED_GUARD_PREFIX
+from apps.runs.shards import FROZEN_PREFIX, MOVED_GUARD_PREFIX
 
 SHARDED_TABLES = ("jobs_jobdefinition", "runs_run")
 log = logging.getLogger(__name__)
@@ -89,6 +103,18 @@ GIVE_LEASE = """
 UPDATE scheduler_shardlease SET owner = '', expires_at = now() - interval '1 second'
 WHERE shard = %(shard)s AND owner = %(owner)s
 """
+#    The shards a move has marked and no move holds (LOCK_MOVE): moves that died, which the
+#    command finishes or undoes when run again (scheduler_shard_move_unfinished).
+UNFINISHED = """
+SELECT p.shard FROM runs_shardplacement p
+WHERE (p.moving OR p.moving_to <> '')
+  AND NOT EXISTS (
+      SELECT 1 FROM pg_locks l
+      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+        AND l.classid = %(space)s AND l.objid = p.shard)
+ORDER BY p.shard
+"""
 #    A dead move's lease (its owner names a move; no move runs: the caller holds LOCK_MOVE).
 GIVE_DEAD_MOVES_LEASE = """
 UPDATE scheduler_shardlease SET owner = '', expires_at = now() - interval '1 second'
@@ -105,6 +131,22 @@ DROP_GUARD = "DROP TRIGGER IF EXISTS {name} ON {table}"
 GUARDED = """
 SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = %(name)s AND tgrelid = %(table)s::regclass)
 """
+#    The freeze (step 5): updates of the shard's runs leave them as they are, claims included
+#    (the claim leases the other runs it met). Deletes are not held: the move's own, and the
+#    clean-up of a move that died, delete the frozen rows.
+FREEZE = (
+    "CREATE TRIGGER {name} BEFORE UPDATE ON runs_run FOR EACH ROW WHEN (OLD.shard = {shard})"
+    " EXECUTE FUNCTION shard_frozen_skip()"
+)
+THAW = "DROP TRIGGER IF EXISTS {name} ON runs_run"
+#    Every change of a table's triggers waits for the sessions using the table, and every
+#    statement on it waits behind that change: a session left open in a transaction would stall
+#    the claims. So each waits this long at most, and is tried again a few times before the move
+#    gives up (undone). The freeze is taken in a session of its own while the move's transaction
+#    holds the shard's rows: a session that waits for those rows (a retention round deleting
+#    some) holds the lock the trigger waits for, a wait no server sees as a deadlock.
+DDL_LOCK_WAIT = "SET LOCAL lock_timeout = '2s'"
+DDL_TRIES = 5
 
 # 3. On the source. No index leads with the shard: each pass reads the runs table once, which
 #    the maintenance window pays for.
@@ -270,6 +312,8 @@ def _move(shard: int, url: str, wait: float, say: Callable[[str], None]) -> Move
             )
     say(f"migrating the target database ({target})")
     call_command("migrate", database=target, interactive=False, verbosity=0)
+    if _clear_dead_move(shard, source):
+        say(f"deleted the copy and lifted the freeze a move of shard {shard} that died had left")
     for table in SHARDED_TABLES:
         with connections[target].cursor() as cursor:
             cursor.execute(TARGET_HOLDS.format(table=table), {"shard": shard})
@@ -283,7 +327,7 @@ def _move(shard: int, url: str, wait: float, say: Callable[[str], None]) -> Move
     say(f"taking shard {shard}'s scheduler lease and refusing its new runs")
     copied = False
     try:
-        _begin(shard, owner, source, target)
+        _begin(shard, url, owner, source, target)
         time.sleep(2 * shards.REFRESH_SECONDS)  # every process has seen `moving`
         with transaction.atomic(using=source):
             report.waited = _lock(shard, source, wait, say)
@@ -292,10 +336,17 @@ def _move(shard: int, url: str, wait: float, say: Callable[[str], None]) -> Move
                 _copy(shard, source, target, report)
             copied = True
             say(f"rows {report.rows}, checksums equal")
+            _freeze(shard, source)
+            say(f"pointing shard {shard} at the target")
             _flip(shard, url, owner)
+            # Until every process has read the map, those that have not read the shard's rows
+            # here, as the locks hold them: a 404 otherwise.
+            time.sleep(2 * shards.REFRESH_SECONDS)
             with connections[source].cursor() as cursor:
                 cursor.execute(DELETE_SHARD, {"shard": shard})
                 cursor.execute(DELETE_DEFINITIONS, {"shard": shard})
+        _thaw(shard, source)
+        _done(shard)
     except BaseException:
         _undo(shard, owner, source, target, copied=copied)
         raise
@@ -304,19 +355,22 @@ def _move(shard: int, url: str, wait: float, say: Callable[[str], None]) -> Move
     return report
 
 
-def _begin(shard: int, owner: str, source: str, target: str) -> None:
+def _begin(shard: int, url: str, owner: str, source: str, target: str) -> None:
     with transaction.atomic(using=shards.CONTROL), connections[shards.CONTROL].cursor() as cursor:
         cursor.execute(TAKE_LEASE, {"shard": shard, "owner": owner})
         ShardPlacement.objects.using(shards.CONTROL).update_or_create(
-            shard=shard, defaults={"moving": True}
+            shard=shard, defaults={"moving": True, "moving_to": url}
         )
+    name = f"{MOVED_GUARD_PREFIX}{shard}"
     for table in SHARDED_TABLES:
-        name = f"{MOVED_GUARD_PREFIX}{shard}"
-        with connections[target].cursor() as cursor:
-            cursor.execute(DROP_GUARD.format(table=table, name=name))
-        with connections[source].cursor() as cursor:
-            cursor.execute(DROP_GUARD.format(table=table, name=name))
-            cursor.execute(ADD_GUARD.format(table=table, name=name, shard=int(shard)))
+        _ddl(target, DROP_GUARD.format(table=table, name=name))
+        _ddl(
+            source,
+            DROP_GUARD.format(table=table, name=name),
+            ADD_GUARD.format(table=table, name=name, shard=int(shard)),
+        )
+    # A freeze a move of the shard away from the target left there once (it came back).
+    _thaw(shard, target)
 
 
 def _lock(shard: int, source: str, wait: float, say: Callable[[str], None]) -> float:
@@ -419,48 +473,149 @@ def _columns(alias: str, table: str) -> list[str]:
 
 
 def _flip(shard: int, url: str, owner: str) -> None:
-    """Point the shard at the target and give its scheduler lease back, in one transaction."""
+    """Point the shard at the target, its claims there held for two map refreshes, and give
+    its scheduler lease back, in one transaction."""
+    settle = timedelta(seconds=2 * shards.REFRESH_SECONDS)
     with transaction.atomic(using=shards.CONTROL), connections[shards.CONTROL].cursor() as cursor:
+        cursor.execute("SELECT now()")
+        settles_at = cursor.fetchone()[0] + settle
         ShardPlacement.objects.using(shards.CONTROL).update_or_create(
-            shard=shard, defaults={"url": url, "moving": False}
+            shard=shard, defaults={"url": url, "moving": False, "settles_at": settles_at}
         )
         cursor.execute(GIVE_LEASE, {"shard": shard, "owner": owner})
 
 
+def _done(shard: int) -> None:
+    """The move has nothing left anywhere: it is no longer unfinished."""
+    ShardPlacement.objects.using(shards.CONTROL).filter(shard=shard).update(moving_to="")
+
+
+def _freeze(shard: int, alias: str) -> None:
+    """Freeze the shard's runs in `alias` (FREEZE), committed at once, in a session of its own
+    (the move's holds the rows)."""
+
+    def freeze() -> None:
+        try:
+            _ddl(alias, FREEZE.format(name=f"{FROZEN_PREFIX}{shard}", shard=int(shard)))
+        finally:
+            connections[alias].close()
+
+    _in_own_session(freeze)
+
+
+def _thaw(shard: int, alias: str) -> bool:
+    """Lift the shard's freeze in `alias`; whether there was one."""
+    name = f"{FROZEN_PREFIX}{shard}"
+    with connections[alias].cursor() as cursor:
+        cursor.execute(GUARDED, {"name": name, "table": "runs_run"})
+        if not cursor.fetchone()[0]:
+            return False
+    _ddl(alias, THAW.format(name=name))
+    return True
+
+
+def _ddl(alias: str, *statements: str) -> None:
+    """Run `statements` in one transaction on `alias`, each lock waited for DDL_LOCK_WAIT at
+    most, DDL_TRIES times; MoveError when the lock could not be had."""
+    for attempt in range(DDL_TRIES):
+        try:
+            with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
+                cursor.execute(DDL_LOCK_WAIT)
+                for statement in statements:
+                    cursor.execute(statement)
+            return
+        except OperationalError as exc:
+            if not isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+                raise
+            log.warning("%s: %s (try %d of %d)", alias, exc, attempt + 1, DDL_TRIES)
+    raise MoveError(
+        f"The runs table of {alias} stayed locked by other sessions (one left open in a"
+        " transaction?): the move could not change its triggers, and is undone."
+    )
+
+
+def _in_own_session(work: Callable[[], None]) -> None:
+    """Run `work` on this process's connections of another thread (sessions of their own)."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # raised again in the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="moveshard-session")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
+def unfinished() -> list[int]:
+    """The shards a move that died left marked (UNFINISHED): run the command again."""
+    with connections[shards.CONTROL].cursor() as cursor:
+        cursor.execute(UNFINISHED, {"space": MOVE_LOCKS})
+        return [row[0] for row in cursor.fetchall()]
+
+
 def _undo(shard: int, owner: str, source: str, target: str, *, copied: bool) -> None:
     """After a refused or failed move: the shard stays where it was and takes new runs again.
-    Once the control database places it on the target, only the source's clean-up is left,
-    which running the move again does (`_finish`). A database the undo cannot reach (the one
-    whose failure ended the move, say) is left as it is: running the command again with `--to`
-    where the shard is releases the rest (`_release`)."""
+    Once the control database places it on the target, only the clean-up is left, which
+    running the move again does (`_finish`). A database the undo cannot reach (the one whose
+    failure ended the move, say) is left as it is: running the command again finishes or
+    undoes the rest."""
     shards.refresh(force=True)
     if shards.alias_of_shard(shard) == target:
         return
     if copied:  # the target committed its copy: nothing reads it there, and it goes
         try:
-            with transaction.atomic(using=target), connections[target].cursor() as cursor:
-                cursor.execute(DELETE_SHARD, {"shard": shard})
-                cursor.execute(DELETE_DEFINITIONS, {"shard": shard})
+            _delete_shard(shard, target)
         except shards.DOWN:
             log.warning("the undo could not delete shard %d's copy on %s", shard, target)
     _release(shard, source, owner)
 
 
+def _delete_shard(shard: int, alias: str) -> tuple[int, int]:
+    """Delete the shard's rows in `alias` and lift its freeze there: (runs, definitions)."""
+    with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
+        cursor.execute(DELETE_SHARD, {"shard": shard})
+        runs = cursor.rowcount
+        cursor.execute(DELETE_DEFINITIONS, {"shard": shard})
+        definitions = cursor.rowcount
+    _thaw(shard, alias)
+    return runs, definitions
+
+
+def _clear_dead_move(shard: int, home: str) -> bool:
+    """Before the shard moves from `home` or is released there: delete the copy a move of it
+    that died before its flip left on its target, and lift the freeze it left on `home`
+    (the caller holds LOCK_MOVE: no move of the shard runs). Whether there was any."""
+    placed = ShardPlacement.objects.using(shards.CONTROL).filter(shard=shard).first()
+    cleared = False
+    if placed is not None and placed.moving_to:
+        copy = shards.connect(placed.moving_to)
+        if copy != home:
+            runs, definitions = _delete_shard(shard, copy)
+            cleared = bool(runs or definitions)
+    return _thaw(shard, home) or cleared
+
+
 def _release(shard: int, home: str, owner: str | None = None) -> bool:
-    """Let the shard take new runs in `home`, where it lives: the guard off `home`, `moving`
-    off, the move's scheduler lease given back (`owner`'s, or any dead move's). Return whether
-    there was anything to release. The guard goes first: while it is on, `moving` still tells
-    every process to refuse the shard's new runs, rather than let the guard refuse them."""
+    """Let the shard take new runs in `home`, where it lives: the guard and the freeze off
+    `home`, `moving` off, the move's scheduler lease given back (`owner`'s, or any dead move's).
+    Return whether there was anything to release. The guard goes first: while it is on,
+    `moving` still tells every process to refuse the shard's new runs, rather than let the
+    guard refuse them."""
     released = False
     try:
         for table in SHARDED_TABLES:
             with connections[home].cursor() as cursor:
                 cursor.execute(GUARDED, {"name": f"{MOVED_GUARD_PREFIX}{shard}", "table": table})
-                if cursor.fetchone()[0]:
-                    released = True
-                    cursor.execute(
-                        DROP_GUARD.format(table=table, name=f"{MOVED_GUARD_PREFIX}{shard}")
-                    )
+                guarded = cursor.fetchone()[0]
+            if guarded:
+                released = True
+                _ddl(home, DROP_GUARD.format(table=table, name=f"{MOVED_GUARD_PREFIX}{shard}"))
+        released |= _thaw(shard, home)
     except shards.DOWN:
         log.warning("shard %d's guard is still on %s, which cannot be reached", shard, home)
         shards.refresh(force=True)
@@ -468,8 +623,9 @@ def _release(shard: int, home: str, owner: str | None = None) -> bool:
     with transaction.atomic(using=shards.CONTROL), connections[shards.CONTROL].cursor() as cursor:
         released |= bool(
             ShardPlacement.objects.using(shards.CONTROL)
-            .filter(shard=shard, moving=True)
-            .update(moving=False)
+            .filter(shard=shard)
+            .filter(Q(moving=True) | ~Q(moving_to=""))
+            .update(moving=False, moving_to="")
         )
         if owner is None:
             cursor.execute(GIVE_DEAD_MOVES_LEASE, {"shard": shard})
@@ -480,20 +636,19 @@ def _release(shard: int, home: str, owner: str | None = None) -> bool:
     return released
 
 
-def _finish(shard: int, target: str, say: Callable[[str], None]) -> Moved:
-    """The shard already lives in `target`: release what a move that died left on it, and
-    delete what an interrupted move left elsewhere."""
-    report = Moved(shard, shards.span(target), finished_only=True)
-    if _release(shard, target):
-        say(f"released shard {shard}: a move that did not finish had left it refusing new runs")
+def _finish(shard: int, home: str, say: Callable[[str], None]) -> Moved:
+    """The shard already lives in `home`: finish or undo what a move that died left (a copy
+    on its target, the freeze and rows of the shard in a database it left, its marks)."""
+    report = Moved(shard, shards.span(home), finished_only=True)
+    if _clear_dead_move(shard, home):
+        say(f"undid a move of shard {shard} that died: deleted its copy, lifted its freeze")
     for alias in shards.databases():
-        if alias == target:
+        if alias == home:
             continue
-        with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
-            cursor.execute(DELETE_SHARD, {"shard": shard})
-            runs = cursor.rowcount
-            cursor.execute(DELETE_DEFINITIONS, {"shard": shard})
-            if runs or cursor.rowcount:
-                say(f"deleted {runs} runs and {cursor.rowcount} definitions left in {alias}")
-    say(f"shard {shard} lives in {target}")
+        runs, definitions = _delete_shard(shard, alias)
+        if runs or definitions:
+            say(f"deleted {runs} runs and {definitions} definitions left in {alias}")
+    if _release(shard, home):
+        say(f"released shard {shard}: a move that did not finish had left it refusing new runs")
+    say(f"shard {shard} lives in {home}")
     return report

@@ -3,6 +3,7 @@ enqueue, and nothing is lost, duplicated or left behind."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from apps.jobs.models import JobDefinition
 from apps.jobs.schedule import shard_for
 from apps.runs import shards, store
 from apps.runs.models import RateStart, Run, ShardPlacement
-from apps.runs.shards import MOVED_GUARD_PREFIX
+from apps.runs.shards import FROZEN_PREFIX, MOVED_GUARD_PREFIX
 from apps.scheduler import moves
 from tests.conftest import (
     Drain,
@@ -30,6 +31,7 @@ from tests.conftest import (
     claim,
     db_now,
     manage,
+    manage_started,
 )
 from tests.waiting import wait_for
 
@@ -48,8 +50,9 @@ def placement_reset() -> Iterator[None]:
     for alias in shards.databases():
         with connections[alias].cursor() as cursor:
             cursor.execute(
-                "SELECT tgrelid::regclass::text, tgname FROM pg_trigger WHERE tgname LIKE %s",
-                [MOVED_GUARD_PREFIX + "%"],
+                "SELECT tgrelid::regclass::text, tgname FROM pg_trigger"
+                " WHERE tgname LIKE %s OR tgname LIKE %s",
+                [MOVED_GUARD_PREFIX + "%", FROZEN_PREFIX + "%"],
             )
             for table, name in cursor.fetchall():
                 cursor.execute(f"DROP TRIGGER {name} ON {table}")
@@ -351,22 +354,173 @@ def test_a_move_that_died_half_way_is_released_by_moving_the_shard_where_it_is(
     source, target = layout.aliases
     shard = shards.shards_on(source)[0]
     job = _job_of_shard(team_a, source, shard)
-    # What a move killed while it waited leaves: the shard marked moving, its scheduler lease
-    # held by the dead move for an hour, the guard on the source.
-    moves._begin(shard, "moveshard:gone:1", source, target)
+    layout.new_runs(job, 2, "kept")
+    # What a move killed after its copy leaves: the shard marked moving, its scheduler lease
+    # held by the dead move for an hour, the guard and the freeze on the source, the copy on
+    # the target.
+    moves._begin(shard, layout.servers[1].url, "moveshard:gone:1", source, target)
+    moves._freeze(shard, source)
+    with shards.using(target):
+        JobDefinition.objects.create(
+            pk=shard + 1024 * 999, team=team_a, name=job.name, queue="q", timeout_seconds=600
+        )
     shards.refresh(force=True)
-    assert shard in shards.moving()
+    assert shard in shards.moving() and moves.unfinished() == [shard]
     with pytest.raises(IntegrityError):
         layout.new_runs(job, 1, "refused")
 
     out = StringIO()
     call_command("moveshard", str(shard), "--to", layout.servers[0].url, stdout=out)
     assert f"released shard {shard}" in out.getvalue()
+    assert f"undid a move of shard {shard} that died" in out.getvalue()
     assert shard not in shards.moving() and shards.alias_of_shard(shard) == source
+    assert moves.unfinished() == []
+    assert not JobDefinition.objects.using(target).filter(shard=shard).exists()
     assert layout.new_runs(job, 1, "taken")  # no guard left either
+    # Nor the freeze: its runs are leased where they are.
+    taken = claim(queues=["q"], max_runs=10, worker_id="w", team_ids=[team_a.pk])
+    assert len(taken) == 3
     with connections[shards.CONTROL].cursor() as cursor:
         cursor.execute("SELECT owner FROM scheduler_shardlease WHERE shard = %s", [shard])
         assert cursor.fetchone()[0] == ""
+
+
+def _started_move(shard: int, alias: str) -> tuple[subprocess.Popen, list[str]]:
+    """`manage.py moveshard` to the database of `alias`, in a process of its own, its lines
+    gathered as they come."""
+    url = child_database_url(alias)
+    process = manage_started("moveshard", str(shard), "--to", url, "--wait", "30")
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    return process, lines
+
+
+def _as_this_process_names(layout: Layout, shard: int) -> None:
+    """The placement a move in a process of its own left, naming the target by that process's
+    URL of it (its test database), under the URL this process's map has for the same database."""
+    child, here = child_database_url(layout.aliases[1]), layout.servers[1].url
+    placed = ShardPlacement.objects.using(shards.CONTROL).filter(shard=shard)
+    placed.filter(url=child).update(url=here)
+    placed.filter(moving_to=child).update(moving_to=here)
+    shards.refresh(force=True)
+
+
+def _frozen_on(alias: str, shard: int) -> bool:
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT 1 FROM pg_trigger WHERE tgname = %s", [f"shard_frozen_{shard}"])
+        return cursor.fetchone() is not None
+
+
+def test_a_move_killed_after_its_flip_leaves_no_run_to_run_twice(
+    layout: Layout, team_a, placement_reset, monkeypatch
+):
+    """Killed while it kept the source's rows for the processes that had not read the map: they
+    were claimable there again, and ran twice (once from each database) until the command was
+    run again. They are frozen there now, leased once from the target, and the command run
+    again deletes them."""
+    source, target = layout.aliases
+    shard = shards.shards_on(source)[0]
+    job = _job_of_shard(team_a, source, shard)
+    made = set(layout.new_runs(job, 20, "r"))
+
+    process, lines = _started_move(shard, target)
+    try:
+        flipped = ShardPlacement.objects.using(shards.CONTROL).filter(shard=shard, url__gt="")
+        wait_for(flipped.exists, 60, interval=0.02)
+        # Its rows stay on the source for the processes that have not read the map yet.
+        assert set(Run.objects.using(source).filter(shard=shard).values_list("pk", flat=True)) == (
+            made
+        )
+    finally:
+        process.kill()
+        process.wait(10)
+    assert "pointing shard" in "".join(lines)
+    assert "now lives in" not in "".join(lines)
+    _as_this_process_names(layout, shard)
+    assert shards.alias_of_shard(shard) == target
+    assert Run.objects.using(source).filter(shard=shard).count() == 20  # its delete undone
+    assert moves.unfinished() == [shard]
+
+    # A process whose map is behind (it would claim the shard on the source) leases none of
+    # them there: frozen, as every other update of them is.
+    with monkeypatch.context() as behind:
+        behind.setattr(shards, "claimed_here", lambda alias: None if alias == source else [])
+        assert claim(queues=["q"], max_runs=50, worker_id="behind", team_ids=[team_a.pk]) == []
+    with connections[source].cursor() as cursor:
+        cursor.execute("UPDATE runs_run SET state = 'cancelled' WHERE shard = %s", [shard])
+        assert cursor.rowcount == 0
+    assert _frozen_on(source, shard)
+    # The target leases them once the flip has settled (every process has read the map), each
+    # once in all.
+    settles_at = ShardPlacement.objects.using(shards.CONTROL).get(shard=shard).settles_at
+    if db_now() < settles_at:
+        assert claim(queues=["q"], max_runs=50, worker_id="w", team_ids=[team_a.pk]) == []
+    wait_for(lambda: db_now() >= settles_at, 10)
+    shards.refresh(force=True)
+    taken = claim(queues=["q"], max_runs=50, worker_id="w", team_ids=[team_a.pk])
+    assert sorted(lease.id for lease in taken) == sorted(made)
+    assert claim(queues=["q"], max_runs=50, worker_id="w", team_ids=[team_a.pk]) == []
+
+    out = StringIO()
+    call_command("moveshard", str(shard), "--to", layout.servers[1].url, stdout=out)
+    assert "deleted 20 runs and 1 definitions left in" in out.getvalue()
+    assert not Run.objects.using(source).filter(shard=shard).exists()
+    assert not _frozen_on(source, shard) and moves.unfinished() == []
+    assert Run.objects.using(target).filter(pk__in=made, state="leased").count() == 20
+
+
+def test_a_move_killed_before_its_flip_leaves_a_copy_no_claim_takes(
+    layout: Layout, team_a, placement_reset, monkeypatch
+):
+    """Killed between its copy and its flip, into a database that holds other shards: the copy
+    was leased there at once (claims take every run of their database), its runs ran, then ran
+    again from the source. The copy is taken by no claim, the source's rows by none either
+    (frozen: the copy was the shard's by then), `scheduler_shard_move_unfinished` says so, and
+    the command run again deletes the copy and moves the shard."""
+    source, target = layout.aliases
+    shard = shards.shards_on(source)[0]
+    job = _job_of_shard(team_a, source, shard)
+    made = set(layout.new_runs(job, 10, "r"))
+
+    process, lines = _started_move(shard, target)
+    holder = psycopg.connect(child_database_url(), autocommit=False)
+    try:
+        wait_for(lambda: "copying shard" in "".join(lines), 60, interval=0.02)
+        # The flip waits for this lock on the shard's placement: the move is held before it.
+        holder.execute("SELECT 1 FROM runs_shardplacement WHERE shard = %s FOR UPDATE", [shard])
+        wait_for(lambda: "pointing shard" in "".join(lines), 60, interval=0.02)
+        time.sleep(0.3)  # at the flip's lock
+    finally:
+        process.kill()
+        process.wait(10)
+        holder.rollback()
+        holder.close()
+    _as_this_process_names(layout, shard)
+    assert shards.alias_of_shard(shard) == source
+    assert Run.objects.using(target).filter(shard=shard).count() == 10  # the copy committed
+    assert _frozen_on(source, shard)
+    assert moves.unfinished() == [shard]
+    assert claim(queues=["q"], max_runs=50, worker_id="w", team_ids=[team_a.pk]) == []
+    with connections[shards.CONTROL].cursor() as cursor:
+        cursor.execute("SELECT owner FROM scheduler_shardlease WHERE shard = %s", [shard])
+        assert cursor.fetchone()[0].startswith("moveshard:")  # held for the hour
+
+    out = StringIO()
+    call_command("moveshard", str(shard), "--to", layout.servers[1].url, stdout=out)
+    assert "deleted the copy and lifted the freeze" in out.getvalue()
+    assert shards.alias_of_shard(shard) == target and moves.unfinished() == []
+    assert not Run.objects.using(source).filter(shard=shard).exists()
+    assert not _frozen_on(source, shard) and not _frozen_on(target, shard)
+    settles_at = ShardPlacement.objects.using(shards.CONTROL).get(shard=shard).settles_at
+    wait_for(lambda: db_now() >= settles_at, 10)
+    shards.refresh(force=True)
+    taken = claim(queues=["q"], max_runs=50, worker_id="w", team_ids=[team_a.pk])
+    assert sorted(lease.id for lease in taken) == sorted(made)
 
 
 def test_a_move_whose_source_is_down_fails_clearly_and_is_released_afterwards(
@@ -411,3 +565,24 @@ def test_a_blob_of_a_shard_just_moved_is_kept_by_a_process_whose_map_is_behind(
         assert (payload_folder / key).exists()
     finally:
         monkeypatch.undo()
+
+
+def test_a_batch_refused_by_a_first_moves_guard_in_the_control_database_wrote_nothing(
+    layout: Layout, team_a, placement_reset, monkeypatch
+):
+    """Before any move is known, a guard met in the control database spoils the request's
+    transaction and refuses the batch whole (503): its items bound for another database had
+    committed before it, runs made under a 503 (a move's start, under load)."""
+    source, _ = layout.aliases
+    far = layout.job_on(source, team_a, "far")
+    near = layout.job_on(shards.CONTROL, team_a, "near")
+    name = f"{MOVED_GUARD_PREFIX}{near.shard}"
+    with connections[shards.CONTROL].cursor() as cursor:
+        cursor.execute(moves.ADD_GUARD.format(name=name, table="runs_run", shard=near.shard))
+    monkeypatch.setattr(shards, "refresh", lambda force=False: None)
+    monkeypatch.setattr(shards, "ever_moved", lambda: False)
+    items = [Wanted(far.name, "f-1"), Wanted(near.name, "n-1")]
+    with pytest.raises(shards.Moving, match=f"shard {near.shard} is moving"):
+        enqueue_many([team_a.pk], items, Actor.system())
+    assert not Run.objects.using(source).filter(definition_id=far.pk).exists()
+    assert not Run.objects.using(shards.CONTROL).filter(definition_id=near.pk).exists()
