@@ -100,6 +100,12 @@ def _sqlstate(exc: BaseException) -> str | None:
     return getattr(exc.__cause__, "sqlstate", None) or getattr(exc, "sqlstate", None)
 
 
+# What a 503 for a database that failed or cannot be reached tells a client to wait before trying
+# again (the API's and the dashboard's): a lock wait or a dropped connection is usually over by
+# then, and the page's own reload or the SDK's backoff takes it from there.
+RETRY_AFTER_SECONDS = 1
+
+
 def failure_words(exc: BaseException) -> str:
     """What a database error that ended a request (its transaction rolled back) means to
     whoever sent it: the API's problem detail and the dashboard's page say it."""

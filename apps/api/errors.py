@@ -16,7 +16,7 @@ from rest_framework.views import exception_handler
 
 from apps.jobs.services import ChangedMeanwhile
 from apps.runs import payloads, shards
-from scheduler_site.database import failure_words, log_failure
+from scheduler_site.database import RETRY_AFTER_SECONDS, failure_words, log_failure
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
     response.data = body
     response.content_type = "application/problem+json"
     if isinstance(exc, DatabaseFailed | ShardUnavailable | PayloadUnavailable):
-        response["Retry-After"] = "1"
+        response["Retry-After"] = str(RETRY_AFTER_SECONDS)
     if isinstance(exc, PreconditionFailed) and exc.etag:
         response["ETag"] = exc.etag
     return response

@@ -16,7 +16,7 @@ from django.shortcuts import render
 from django_htmx.http import HttpResponseClientRedirect
 
 from apps.runs import payloads, shards
-from scheduler_site.database import failure_words, log_failure
+from scheduler_site.database import RETRY_AFTER_SECONDS, failure_words, log_failure
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,13 @@ class UnavailableShardsMiddleware:
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
         if request.path.startswith("/api/"):
             return None
+        page = self._unavailable(request, exception)
+        if page is not None:
+            page["Retry-After"] = str(RETRY_AFTER_SECONDS)  # as the API's 503 says
+        return page
+
+    @staticmethod
+    def _unavailable(request: HttpRequest, exception: Exception) -> HttpResponse | None:
         if isinstance(exception, shards.Unavailable):
             return render(request, "shard_unavailable.html", {"spans": exception.spans}, status=503)
         if isinstance(exception, payloads.Unavailable):

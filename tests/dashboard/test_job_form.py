@@ -348,6 +348,7 @@ def test_a_job_saved_while_another_session_holds_its_row_keeps_the_form_and_says
     assert 'value="k@x.io"' in text
     # An action without a form: a page that says what happened, not "server error".
     assert page.status_code == 503
+    assert page["Retry-After"] == "1"
     assert "Another session held a lock this request needs" in page.content.decode()
     job = JobDefinition.objects.get(name=FORM["name"])
     assert (job.timeout_seconds, job.paused) == (900, False)
@@ -410,7 +411,7 @@ def test_a_job_whose_stored_payload_is_lost_is_shown_saying_so_and_not_edited(
     assert page.status_code == 200
     assert f"Unreadable: the payload {job.payload_key} cannot be read" in page.content.decode()
     edit = client.get(f"/jobs/{job.name}/edit")
-    assert edit.status_code == 503
+    assert (edit.status_code, edit["Retry-After"]) == (503, "1")
     assert "can still be replaced as a whole" in edit.content.decode()
 
 
