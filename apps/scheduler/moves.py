@@ -141,12 +141,13 @@ FREEZE = (
 THAW = "DROP TRIGGER IF EXISTS {name} ON runs_run"
 #    Every change of a table's triggers waits for the sessions using the table, and every
 #    statement on it waits behind that change: a session left open in a transaction would stall
-#    the claims. So each waits this long at most, and is tried again a few times before the move
-#    gives up (undone). The freeze is taken in a session of its own while the move's transaction
-#    holds the shard's rows: a session that waits for those rows (a retention round deleting
-#    some) holds the lock the trigger waits for, a wait no server sees as a deadlock.
-DDL_LOCK_WAIT = "SET LOCAL lock_timeout = '2s'"
-DDL_TRIES = 5
+#    the claims for as long as it stays open. So each waits half a second at most, and is tried
+#    again half a second later, ten seconds in all, before the move gives up (undone). The
+#    freeze is taken in a session of its own while the move's transaction holds the shard's
+#    rows: a session that waits for those rows (a retention round deleting some) holds the lock
+#    the trigger waits for, a wait no server sees as a deadlock.
+DDL_LOCK_WAIT = "SET LOCAL lock_timeout = '500ms'"
+DDL_TRIES = 20
 
 # 3. On the source. No index leads with the shard: each pass reads the runs table once, which
 #    the maintenance window pays for.
@@ -347,9 +348,13 @@ def _move(shard: int, url: str, wait: float, say: Callable[[str], None]) -> Move
                 cursor.execute(DELETE_DEFINITIONS, {"shard": shard})
         _thaw(shard, source)
         _done(shard)
-    except BaseException:
-        _undo(shard, owner, source, target, copied=copied)
-        raise
+    except BaseException as exc:
+        if _undo(shard, owner, source, target, copied=copied):
+            raise
+        raise MoveError(
+            f"Shard {shard} lives in {target} now, but the move could not finish"
+            f" ({str(exc).strip() or type(exc).__name__}): run this command again to finish it."
+        ) from exc
     shards.refresh(force=True)
     say(f"shard {shard} now lives in {target}; its rows left the source")
     return report
@@ -528,9 +533,10 @@ def _ddl(alias: str, *statements: str) -> None:
             if not isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
                 raise
             log.warning("%s: %s (try %d of %d)", alias, exc, attempt + 1, DDL_TRIES)
+            time.sleep(0.5)
     raise MoveError(
-        f"The runs table of {alias} stayed locked by other sessions (one left open in a"
-        " transaction?): the move could not change its triggers, and is undone."
+        f"A table of {alias} stayed locked by other sessions (one left open in a transaction?):"
+        " the move could not change its triggers there."
     )
 
 
@@ -558,21 +564,22 @@ def unfinished() -> list[int]:
         return [row[0] for row in cursor.fetchall()]
 
 
-def _undo(shard: int, owner: str, source: str, target: str, *, copied: bool) -> None:
+def _undo(shard: int, owner: str, source: str, target: str, *, copied: bool) -> bool:
     """After a refused or failed move: the shard stays where it was and takes new runs again.
     Once the control database places it on the target, only the clean-up is left, which
-    running the move again does (`_finish`). A database the undo cannot reach (the one whose
-    failure ended the move, say) is left as it is: running the command again finishes or
-    undoes the rest."""
+    running the move again does (`_finish`): False then. A database the undo cannot reach (the
+    one whose failure ended the move, say) is left as it is: running the command again
+    finishes or undoes the rest."""
     shards.refresh(force=True)
     if shards.alias_of_shard(shard) == target:
-        return
+        return False
     if copied:  # the target committed its copy: nothing reads it there, and it goes
         try:
             _delete_shard(shard, target)
         except shards.DOWN:
             log.warning("the undo could not delete shard %d's copy on %s", shard, target)
     _release(shard, source, owner)
+    return True
 
 
 def _delete_shard(shard: int, alias: str) -> tuple[int, int]:

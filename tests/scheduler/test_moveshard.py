@@ -586,3 +586,23 @@ def test_a_batch_refused_by_a_first_moves_guard_in_the_control_database_wrote_no
         enqueue_many([team_a.pk], items, Actor.system())
     assert not Run.objects.using(source).filter(definition_id=far.pk).exists()
     assert not Run.objects.using(shards.CONTROL).filter(definition_id=near.pk).exists()
+
+
+def test_a_move_behind_a_session_left_open_gives_up_rather_than_stall_the_claims(
+    layout: Layout, team_a, placement_reset, monkeypatch
+):
+    """Its guard waited for a session left open in a transaction on the runs table, and every
+    claim on the database queued behind it, for as long as that session stayed open. Each
+    change of the triggers waits half a second at most, a few times; then the move is undone."""
+    source, _ = layout.aliases
+    shard = shards.shards_on(source)[0]
+    job = _job_of_shard(team_a, source, shard)
+    monkeypatch.setattr(moves, "DDL_TRIES", 2)
+    with psycopg.connect(child_database_url(source)) as idle:
+        idle.execute("UPDATE runs_run SET worker_id = worker_id WHERE false")  # the table held
+        with pytest.raises(CommandError, match="stayed locked by other sessions"):
+            call_command("moveshard", str(shard), "--to", layout.servers[1].url)
+        idle.rollback()
+    assert shards.alias_of_shard(shard) == source and shard not in shards.moving()
+    assert moves.unfinished() == []
+    assert layout.new_runs(job, 1, "after")  # no guard left behind
