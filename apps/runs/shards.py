@@ -99,6 +99,8 @@ class _Placement:
     map: ShardMap
     moving: frozenset[int] = frozenset()
     relocated: bool = False  # some shard lives away from the settings' map
+    # A move marked some shard, which may have left a copy of it in another database.
+    marked: bool = False
     settling: frozenset[int] = frozenset()  # moved a moment ago: not claimed yet
 
 
@@ -112,9 +114,10 @@ _checked_at = -math.inf
 # a request and on each tick of the daemons.
 REFRESH_SECONDS = 1.0
 
-PLACEMENTS = (
-    "SELECT shard, url, moving, coalesce(settles_at > now(), false) FROM runs_shardplacement"
-)
+PLACEMENTS = """
+SELECT shard, url, moving, coalesce(settles_at > now(), false), moving_to <> ''
+FROM runs_shardplacement
+"""
 
 # The guard that keeps new rows of a moved shard out of the database it left, one per shard and
 # table: an INSERT trigger `shard_moved_<N>` that raises check_violation under its own name, as
@@ -151,12 +154,13 @@ def refresh(*, force: bool = False) -> None:
         # used (a test without one): the last map stays.
         return
     base: ShardMap = settings.SHARD_MAP
-    moved = {shard: url for shard, url, _, _ in rows if url and shard < len(base.aliases)}
+    moved = {shard: url for shard, url, *_ in rows if url and shard < len(base.aliases)}
     placement = _Placement(
         shardmap.relocated(base, moved, settings.DATABASE_URL) if moved else base,
-        frozenset(shard for shard, _, moving, _ in rows if moving),
-        bool(moved),
-        frozenset(shard for shard, _, _, settling in rows if settling),
+        moving=frozenset(shard for shard, _, moving, *_ in rows if moving),
+        relocated=bool(moved),
+        marked=any(marked for *_, marked in rows),
+        settling=frozenset(shard for shard, _, _, settling, _ in rows if settling),
     )
     for alias, url in placement.map.urls.items():
         if alias not in connections.settings:
@@ -193,8 +197,11 @@ def _register(alias: str, url: str) -> None:
 
 
 def ever_moved() -> bool:
-    """Whether any shard has been moved or is moving (its old database then holds a guard)."""
-    return _placement is not None and (_placement.relocated or bool(_placement.moving))
+    """Whether any shard has been moved or is moving (its old database then holds a guard), or
+    a move that did not finish may have left a copy of one."""
+    return _placement is not None and (
+        _placement.relocated or bool(_placement.moving) or _placement.marked
+    )
 
 
 def claimed_here(alias: str) -> list[int] | None:

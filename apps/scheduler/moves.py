@@ -573,12 +573,16 @@ def _undo(shard: int, owner: str, source: str, target: str, *, copied: bool) -> 
     shards.refresh(force=True)
     if shards.alias_of_shard(shard) == target:
         return False
+    copy_left = False
     if copied:  # the target committed its copy: nothing reads it there, and it goes
         try:
             _delete_shard(shard, target)
         except shards.DOWN:
             log.warning("the undo could not delete shard %d's copy on %s", shard, target)
-    _release(shard, source, owner)
+            copy_left = True
+    # A copy left keeps the move marked (`moving_to`): no claim leases it meanwhile, and the
+    # command run again deletes it.
+    _release(shard, source, owner, keep_target=copy_left)
     return True
 
 
@@ -607,12 +611,13 @@ def _clear_dead_move(shard: int, home: str) -> bool:
     return _thaw(shard, home) or cleared
 
 
-def _release(shard: int, home: str, owner: str | None = None) -> bool:
+def _release(shard: int, home: str, owner: str | None = None, *, keep_target: bool = False) -> bool:
     """Let the shard take new runs in `home`, where it lives: the guard and the freeze off
     `home`, `moving` off, the move's scheduler lease given back (`owner`'s, or any dead move's).
-    Return whether there was anything to release. The guard goes first: while it is on,
-    `moving` still tells every process to refuse the shard's new runs, rather than let the
-    guard refuse them."""
+    With `keep_target`, `moving_to` stays: the undo left a copy there, which the command run
+    again deletes. Return whether there was anything to release. The guard goes first: while
+    it is on, `moving` still tells every process to refuse the shard's new runs, rather than
+    let the guard refuse them."""
     released = False
     try:
         for table in SHARDED_TABLES:
@@ -632,7 +637,7 @@ def _release(shard: int, home: str, owner: str | None = None) -> bool:
             ShardPlacement.objects.using(shards.CONTROL)
             .filter(shard=shard)
             .filter(Q(moving=True) | ~Q(moving_to=""))
-            .update(moving=False, moving_to="")
+            .update(moving=False, **({} if keep_target else {"moving_to": ""}))
         )
         if owner is None:
             cursor.execute(GIVE_DEAD_MOVES_LEASE, {"shard": shard})

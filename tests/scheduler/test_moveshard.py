@@ -606,3 +606,45 @@ def test_a_move_behind_a_session_left_open_gives_up_rather_than_stall_the_claims
     assert shards.alias_of_shard(shard) == source and shard not in shards.moving()
     assert moves.unfinished() == []
     assert layout.new_runs(job, 1, "after")  # no guard left behind
+
+
+def test_a_copy_the_undo_could_not_delete_is_leased_by_no_claim_until_the_command_deletes_it(
+    layout: Layout, team_a, placement_reset, monkeypatch
+):
+    """A move that failed after its copy, its target down for the undo: the copy stayed there,
+    with nothing left to say so, and claims on the target leased its runs (they ran there and
+    where the shard still lives)."""
+    from django.db import OperationalError
+
+    source, target = layout.aliases
+    shard = shards.shards_on(source)[0]
+    job = _job_of_shard(team_a, source, shard)
+    made = layout.new_runs(job, 5, "r")
+    delete = moves._delete_shard
+
+    def flip(*args) -> None:
+        raise OperationalError("the control database went away")
+
+    def target_down(shard: int, alias: str) -> tuple[int, int]:
+        if alias == target:
+            raise OperationalError("the target went away")
+        return delete(shard, alias)
+
+    with monkeypatch.context() as failing:
+        failing.setattr(moves, "_flip", flip)
+        failing.setattr(moves, "_delete_shard", target_down)
+        with pytest.raises(CommandError, match="went away"):
+            call_command("moveshard", str(shard), "--to", layout.servers[1].url)
+    shards.refresh(force=True)
+    assert shards.alias_of_shard(shard) == source and shard not in shards.moving()
+    assert Run.objects.using(target).filter(shard=shard).count() == 5  # the copy, left
+    assert moves.unfinished() == [shard]
+    taken = claim(queues=["q"], max_runs=50, worker_id="w", team_ids=[team_a.pk])
+    assert sorted(lease.id for lease in taken) == sorted(made)
+    assert not Run.objects.using(target).filter(shard=shard, state="leased").exists()
+
+    out = StringIO()
+    call_command("moveshard", str(shard), "--to", layout.servers[0].url, stdout=out)
+    assert f"undid a move of shard {shard} that died" in out.getvalue()
+    assert not Run.objects.using(target).filter(shard=shard).exists()
+    assert moves.unfinished() == []
