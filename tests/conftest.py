@@ -262,6 +262,7 @@ def claim(
     lease_seconds: int = 60,
     team_ids: list[int] | None = None,
     jobs: list[str] | None = None,
+    wait_seconds: int = 0,
 ) -> list[Lease]:
     """Claim as a lease request does: from every shard database (apps/runs/leasing.py)."""
     request = LeaseRequest(
@@ -272,7 +273,7 @@ def claim(
         max_runs=max_runs,
         worker_id=worker_id,
         lease_seconds=lease_seconds,
-        wait_seconds=0,
+        wait_seconds=wait_seconds,
     )
     return claim_or_wait(request, lambda leases: leases)
 

@@ -166,6 +166,10 @@ def claim_or_wait(
             # A dead worker's long poll must not lease it runs that nobody would run.
             return render([])
         seen = listener.generation
+        # The map of every try, not only the request's start (a long poll waits up to 60 s):
+        # a shard move counts on every claim routing by a map at most a second old, and a
+        # claim by an older map leased a moving shard's copy where the move had put it.
+        shards.refresh()
         lanes = control_state.lanes(request) if shards.physical() else None
         held = _Held()
         try:

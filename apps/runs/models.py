@@ -315,6 +315,9 @@ class ShardPlacement(models.Model):
     # Where the move under way takes the shard: a move that died is finished or undone by
     # the same command, which knows then whose copy the target's rows of the shard are.
     moving_to = models.TextField(blank=True, default="")
+    # And where from: after its flip, the rows it kept there for the processes behind are its
+    # to delete, wherever the map puts the rest.
+    moving_from = models.TextField(blank=True, default="")
     # Until then (two map refreshes past the move's flip) no claim leases the shard's runs
     # in its new database: a process that has not read the move yet would send their
     # results to the old one.

@@ -180,6 +180,11 @@ def connect(url: str) -> str:
     return alias
 
 
+def url_of(alias: str) -> str:
+    """The URL of a database this process reaches, as its map (or DATABASE_URL) gives it."""
+    return settings.DATABASE_URL.strip() if alias == CONTROL else _current_map().urls[alias]
+
+
 def _register(alias: str, url: str) -> None:
     """Make a Django connection alias for a database a shard moved to."""
     template = settings.DATABASES[CONTROL]

@@ -32,12 +32,12 @@ window, with nothing lost or duplicated.
 
 A move holds a session lock on the shard in the control database from start to end: a second
 move of the shard is refused while it runs, and the lock goes with the move's session if the
-process dies. A move that died (killed, or its undo could not reach a database) is finished or
-undone by running the command again, and `scheduler_shard_move_unfinished` says so meanwhile:
-once the control database places the shard on the target, the command only deletes the
-shard's rows elsewhere; before that, it deletes the dead move's copy, lifts its freeze and
-starts again, or, with `--to` where the shard is, releases the shard (its `moving` mark, its
-scheduler lease, the source's guard) to take new runs where it was.
+process dies. A move that died (killed, or its undo could not reach a database) is cleared by
+running the command again, and `scheduler_shard_move_unfinished` says so meanwhile
+(`ShardPlacement.moving_to` and `moving_from` name its databases): before its flip it left a
+copy on its target, deleted then; after, the rows its source kept, deleted then. The command
+then does what it is asked: `--to` where the shard lives releases it (its `moving` mark, the
+dead move's scheduler lease, the source's guard), `--to` another database moves it there.
 """
 
 from __future__ import annotations
@@ -313,8 +313,8 @@ def _move(shard: int, url: str, wait: float, say: Callable[[str], None]) -> Move
             )
     say(f"migrating the target database ({target})")
     call_command("migrate", database=target, interactive=False, verbosity=0)
-    if _clear_dead_move(shard, source):
-        say(f"deleted the copy and lifted the freeze a move of shard {shard} that died had left")
+    if _clear_dead_move(shard, source, say):
+        _release(shard, source)
     for table in SHARDED_TABLES:
         with connections[target].cursor() as cursor:
             cursor.execute(TARGET_HOLDS.format(table=table), {"shard": shard})
@@ -328,7 +328,7 @@ def _move(shard: int, url: str, wait: float, say: Callable[[str], None]) -> Move
     say(f"taking shard {shard}'s scheduler lease and refusing its new runs")
     copied = False
     try:
-        _begin(shard, url, owner, source, target)
+        _begin(shard, (url, shards.url_of(source)), owner, source, target)
         time.sleep(2 * shards.REFRESH_SECONDS)  # every process has seen `moving`
         with transaction.atomic(using=source):
             report.waited = _lock(shard, source, wait, say)
@@ -360,11 +360,13 @@ def _move(shard: int, url: str, wait: float, say: Callable[[str], None]) -> Move
     return report
 
 
-def _begin(shard: int, url: str, owner: str, source: str, target: str) -> None:
+def _begin(shard: int, urls: tuple[str, str], owner: str, source: str, target: str) -> None:
+    """Step 2: the lease, the marks (`urls`: the target's and the source's) and the guard."""
+    to, from_ = urls
     with transaction.atomic(using=shards.CONTROL), connections[shards.CONTROL].cursor() as cursor:
         cursor.execute(TAKE_LEASE, {"shard": shard, "owner": owner})
         ShardPlacement.objects.using(shards.CONTROL).update_or_create(
-            shard=shard, defaults={"moving": True, "moving_to": url}
+            shard=shard, defaults={"moving": True, "moving_to": to, "moving_from": from_}
         )
     name = f"{MOVED_GUARD_PREFIX}{shard}"
     for table in SHARDED_TABLES:
@@ -492,7 +494,9 @@ def _flip(shard: int, url: str, owner: str) -> None:
 
 def _done(shard: int) -> None:
     """The move has nothing left anywhere: it is no longer unfinished."""
-    ShardPlacement.objects.using(shards.CONTROL).filter(shard=shard).update(moving_to="")
+    ShardPlacement.objects.using(shards.CONTROL).filter(shard=shard).update(
+        moving_to="", moving_from=""
+    )
 
 
 def _freeze(shard: int, alias: str) -> None:
@@ -597,18 +601,29 @@ def _delete_shard(shard: int, alias: str) -> tuple[int, int]:
     return runs, definitions
 
 
-def _clear_dead_move(shard: int, home: str) -> bool:
-    """Before the shard moves from `home` or is released there: delete the copy a move of it
-    that died before its flip left on its target, and lift the freeze it left on `home`
-    (the caller holds LOCK_MOVE: no move of the shard runs). Whether there was any."""
+def _clear_dead_move(shard: int, home: str, say: Callable[[str], None]) -> bool:
+    """Before the shard moves from `home`, where it lives, or is released there: delete what a
+    move of it that died left elsewhere, and lift the freeze it left on `home` (the caller
+    holds LOCK_MOVE: no move of the shard runs). Died before its flip, its copy on the target;
+    after, the rows its source kept. Whether there was such a move."""
     placed = ShardPlacement.objects.using(shards.CONTROL).filter(shard=shard).first()
-    cleared = False
-    if placed is not None and placed.moving_to:
-        copy = shards.connect(placed.moving_to)
-        if copy != home:
-            runs, definitions = _delete_shard(shard, copy)
-            cleared = bool(runs or definitions)
-    return _thaw(shard, home) or cleared
+    if placed is None or not placed.moving_to:
+        return _thaw(shard, home)
+    copy = shards.connect(placed.moving_to)
+    if copy != home:
+        runs, definitions = _delete_shard(shard, copy)
+        say(
+            f"a move of shard {shard} to {copy} died before its flip: deleted its copy"
+            f" ({runs} runs, {definitions} definitions)"
+        )
+    elif placed.moving_from and (kept := shards.connect(placed.moving_from)) != home:
+        runs, definitions = _delete_shard(shard, kept)
+        say(
+            f"a move of shard {shard} died after its flip: deleted the {runs} runs and"
+            f" {definitions} definitions its source ({kept}) kept"
+        )
+    _thaw(shard, home)
+    return True
 
 
 def _release(shard: int, home: str, owner: str | None = None, *, keep_target: bool = False) -> bool:
@@ -637,7 +652,7 @@ def _release(shard: int, home: str, owner: str | None = None, *, keep_target: bo
             ShardPlacement.objects.using(shards.CONTROL)
             .filter(shard=shard)
             .filter(Q(moving=True) | ~Q(moving_to=""))
-            .update(moving=False, **({} if keep_target else {"moving_to": ""}))
+            .update(moving=False, **({} if keep_target else {"moving_to": "", "moving_from": ""}))
         )
         if owner is None:
             cursor.execute(GIVE_DEAD_MOVES_LEASE, {"shard": shard})
@@ -652,15 +667,14 @@ def _finish(shard: int, home: str, say: Callable[[str], None]) -> Moved:
     """The shard already lives in `home`: finish or undo what a move that died left (a copy
     on its target, the freeze and rows of the shard in a database it left, its marks)."""
     report = Moved(shard, shards.span(home), finished_only=True)
-    if _clear_dead_move(shard, home):
-        say(f"undid a move of shard {shard} that died: deleted its copy, lifted its freeze")
+    died = _clear_dead_move(shard, home, say)
     for alias in shards.databases():
         if alias == home:
             continue
         runs, definitions = _delete_shard(shard, alias)
         if runs or definitions:
             say(f"deleted {runs} runs and {definitions} definitions left in {alias}")
-    if _release(shard, home):
-        say(f"released shard {shard}: a move that did not finish had left it refusing new runs")
+    if _release(shard, home) or died:
+        say(f"released shard {shard}: a move that did not finish had left it marked")
     say(f"shard {shard} lives in {home}")
     return report

@@ -7,13 +7,14 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from io import StringIO
 from urllib.parse import urlparse, urlunparse
 
 import psycopg
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import IntegrityError, connections
+from django.db import IntegrityError, connections, transaction
 
 from apps.audit.record import Actor
 from apps.jobs.enqueue import Wanted, enqueue_many
@@ -358,7 +359,8 @@ def test_a_move_that_died_half_way_is_released_by_moving_the_shard_where_it_is(
     # What a move killed after its copy leaves: the shard marked moving, its scheduler lease
     # held by the dead move for an hour, the guard and the freeze on the source, the copy on
     # the target.
-    moves._begin(shard, layout.servers[1].url, "moveshard:gone:1", source, target)
+    urls = (layout.servers[1].url, layout.servers[0].url)
+    moves._begin(shard, urls, "moveshard:gone:1", source, target)
     moves._freeze(shard, source)
     with shards.using(target):
         JobDefinition.objects.create(
@@ -372,7 +374,10 @@ def test_a_move_that_died_half_way_is_released_by_moving_the_shard_where_it_is(
     out = StringIO()
     call_command("moveshard", str(shard), "--to", layout.servers[0].url, stdout=out)
     assert f"released shard {shard}" in out.getvalue()
-    assert f"undid a move of shard {shard} that died" in out.getvalue()
+    assert (
+        f"a move of shard {shard} to {target} died before its flip: deleted its copy (0 runs, 1 definitions)"
+        in out.getvalue()
+    )
     assert shard not in shards.moving() and shards.alias_of_shard(shard) == source
     assert moves.unfinished() == []
     assert not JobDefinition.objects.using(target).filter(shard=shard).exists()
@@ -401,12 +406,15 @@ def _started_move(shard: int, alias: str) -> tuple[subprocess.Popen, list[str]]:
 
 
 def _as_this_process_names(layout: Layout, shard: int) -> None:
-    """The placement a move in a process of its own left, naming the target by that process's
-    URL of it (its test database), under the URL this process's map has for the same database."""
-    child, here = child_database_url(layout.aliases[1]), layout.servers[1].url
+    """The placement a move in a process of its own left, naming the databases by that
+    process's URLs of them (its test databases), under the URLs this process's map has for
+    the same databases."""
     placed = ShardPlacement.objects.using(shards.CONTROL).filter(shard=shard)
-    placed.filter(url=child).update(url=here)
-    placed.filter(moving_to=child).update(moving_to=here)
+    for alias, server in zip(layout.aliases, layout.servers, strict=True):
+        child = child_database_url(alias)
+        placed.filter(url=child).update(url=server.url)
+        placed.filter(moving_to=child).update(moving_to=server.url)
+        placed.filter(moving_from=child).update(moving_from=server.url)
     shards.refresh(force=True)
 
 
@@ -468,7 +476,10 @@ def test_a_move_killed_after_its_flip_leaves_no_run_to_run_twice(
 
     out = StringIO()
     call_command("moveshard", str(shard), "--to", layout.servers[1].url, stdout=out)
-    assert "deleted 20 runs and 1 definitions left in" in out.getvalue()
+    assert (
+        f"a move of shard {shard} died after its flip: deleted the 20 runs and 1 definitions"
+        f" its source ({source}) kept"
+    ) in out.getvalue()
     assert not Run.objects.using(source).filter(shard=shard).exists()
     assert not _frozen_on(source, shard) and moves.unfinished() == []
     assert Run.objects.using(target).filter(pk__in=made, state="leased").count() == 20
@@ -512,7 +523,10 @@ def test_a_move_killed_before_its_flip_leaves_a_copy_no_claim_takes(
 
     out = StringIO()
     call_command("moveshard", str(shard), "--to", layout.servers[1].url, stdout=out)
-    assert "deleted the copy and lifted the freeze" in out.getvalue()
+    assert (
+        f"a move of shard {shard} to {target} died before its flip: deleted its copy (10 runs,"
+        " 1 definitions)"
+    ) in out.getvalue()
     assert shards.alias_of_shard(shard) == target and moves.unfinished() == []
     assert not Run.objects.using(source).filter(shard=shard).exists()
     assert not _frozen_on(source, shard) and not _frozen_on(target, shard)
@@ -645,6 +659,44 @@ def test_a_copy_the_undo_could_not_delete_is_leased_by_no_claim_until_the_comman
 
     out = StringIO()
     call_command("moveshard", str(shard), "--to", layout.servers[0].url, stdout=out)
-    assert f"undid a move of shard {shard} that died" in out.getvalue()
+    assert f"a move of shard {shard} to {target} died before its flip" in out.getvalue()
     assert not Run.objects.using(target).filter(shard=shard).exists()
     assert moves.unfinished() == []
+
+
+def test_a_long_poll_opened_before_a_move_leases_no_copy_of_the_shard(
+    layout: Layout, team_a, placement_reset, ready_listener
+):
+    """A long poll read the map at its request's start only: opened before a move, it claimed
+    by a map that knew of none (every shard of every database) and leased a run from both the
+    source and the move's copy, in one answer. Each try reads the map."""
+    source, target = layout.aliases
+    shard = shards.shards_on(source)[0]
+    job = _job_of_shard(team_a, source, shard)
+    with shards.using(source):
+        due = db_now() + timedelta(seconds=3)
+        (run,) = store.insert_runs([store.NewRun(job.pk, "api", due, due, "later")])
+    shards.refresh(force=True)  # no move known
+    got: list = []
+
+    def poll() -> None:
+        try:
+            got.extend(
+                claim(
+                    queues=["q"], max_runs=5, worker_id="w", team_ids=[team_a.pk], wait_seconds=15
+                )
+            )
+        finally:
+            connections.close_all()
+
+    polling = threading.Thread(target=poll)
+    polling.start()
+    time.sleep(0.5)  # waiting for the run
+    # What a move that died after its copy leaves, made without reading the map here.
+    urls = (layout.servers[1].url, layout.servers[0].url)
+    moves._begin(shard, urls, "moveshard:gone:1", source, target)
+    with transaction.atomic(using=source), transaction.atomic(using=target):
+        moves._copy(shard, source, target, moves.Moved(shard, ""))
+    polling.join(20)
+    assert [lease.id for lease in got] == [run]
+    assert Run.objects.using(target).get(pk=run).state == "scheduled"  # the copy, not leased

@@ -1,6 +1,7 @@
 """A shard move that dies at any step leaves nothing that runs twice (apps/scheduler/moves.py).
 
-`moving_to` names the move's target (the copy there is the move's own), `settles_at` holds
+`moving_to` names the move's target (the copy there is the move's own) and `moving_from` its
+source (the rows kept there after the flip are the move's to delete), `settles_at` holds
 claims of the shard in its new database until every process has read the move, and
 `shard_frozen_skip()` is the function of the freeze a move puts on the shard's rows in the
 database it leaves (an UPDATE trigger `shard_frozen_<N>`: the rows are left as they are, so no
@@ -29,6 +30,11 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name="shardplacement",
             name="moving_to",
+            field=models.TextField(blank=True, default=""),
+        ),
+        migrations.AddField(
+            model_name="shardplacement",
+            name="moving_from",
             field=models.TextField(blank=True, default=""),
         ),
         migrations.AddField(
