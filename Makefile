@@ -15,14 +15,18 @@ $(STAMP): pyproject.toml client/pyproject.toml
 run: $(STAMP)
 	$(BIN)/python manage.py dev
 
+# The tests in two processes (pytest-xdist), each with databases of its own; 0 runs them in one.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
+
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy client/cronlease_client
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 	# The same contract again with the 16 shards on three servers (tests/shard_layout.py).
-	$(BIN)/python -m pytest --shard-servers 2 -m "shards or physical" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) --shard-servers 2 -m "shards or physical" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

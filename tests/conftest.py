@@ -47,6 +47,13 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+def redis_test_url(kind: int) -> str:
+    """A Redis database of this test process's own (8 and 9, then two more per pytest-xdist
+    worker): every test that uses one flushes it."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    return f"redis://127.0.0.1:6379/{8 + kind + 2 * worker}"
+
+
 @contextmanager
 def flushed_redis(url: str) -> Iterator[Any]:
     """A client of the Redis database at `url`, flushed before and after; unavailable() when

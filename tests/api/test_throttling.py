@@ -16,7 +16,7 @@ from django.core.cache import cache
 from apps.api import throttling
 from apps.api.throttling import Window
 from apps.teams.models import ApiToken
-from tests.conftest import flushed_redis
+from tests.conftest import flushed_redis, redis_test_url
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +88,7 @@ def test_a_client_that_waits_out_retry_after_is_served(monkeypatch):
     cache.clear()
 
 
-REDIS_URL = os.environ.get("THROTTLE_TEST_REDIS", "redis://127.0.0.1:6379/8")
+REDIS_URL = os.environ.get("THROTTLE_TEST_REDIS") or redis_test_url(0)
 
 
 @pytest.fixture

@@ -32,13 +32,14 @@ from tests.conftest import (
     expire_lease,
     flushed_redis,
     make_definition,
+    redis_test_url,
     unavailable,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_DIR = Path(cronlease_client.__file__).resolve().parents[1]
 # A database of its own, flushed by every test: nothing else on this Redis is touched.
-BROKER_URL = os.environ.get("CELERY_BRIDGE_TEST_BROKER", "redis://127.0.0.1:6379/9")
+BROKER_URL = os.environ.get("CELERY_BRIDGE_TEST_BROKER") or redis_test_url(1)
 CELERY_QUEUE = "celery"  # the example app's default queue
 
 pytestmark = pytest.mark.slow

@@ -396,9 +396,11 @@ def test_a_job_with_a_long_name_leaves_the_other_columns_in_view(web, operator_a
     page.set_viewport_size({"width": width, "height": 800})
     web.goto("/jobs")
     header = page.locator("th", has_text="Schedule").first
+    cell = page.locator("td", has_text="late.a").first
     expect(header).to_be_visible()
+    expect(cell).to_be_visible()
     box = header.bounding_box()
-    name = page.locator("td", has_text="late.a").first.bounding_box()
+    name = cell.bounding_box()
     assert box is not None and name is not None
     if width == 1280:
         assert box["x"] + box["width"] <= width, box

@@ -246,7 +246,7 @@ def test_an_idle_socket_waits_on_redis_past_its_blocking_pop():
             await layer.close_pools()
 
     with flushed_redis(REDIS_URL):
-        asyncio.run(wait())
+        in_own_thread(wait)
 
 
 def test_a_region_that_has_not_changed_is_not_sent_again(operator_a, job_a):

@@ -191,7 +191,7 @@ def test_a_blob_a_new_run_is_about_to_use_is_not_deleted_as_unreferenced(team_a,
         wait_for(
             lambda: watching.execute(
                 "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND query LIKE '%INSERT INTO runs_run %'"
+                " AND datname = current_database() AND query LIKE '%INSERT INTO runs_run %'"
             ).fetchone(),
             what="the insert to wait",
         )
