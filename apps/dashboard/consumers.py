@@ -13,10 +13,14 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from apps.dashboard import live
 
 VOLATILE = re.compile(r'name="csrfmiddlewaretoken" value="[^"]*"|<span class="age">[^<]*</span>')
-CLOSE_UNAUTHORISED = 4401
-CLOSE_BAD_PAGE = 4400
+CLOSE_UNAUTHORISED = 4401  # the session ended
+CLOSE_BAD_PAGE = 4400  # not a live page, or not the user's, when the socket opens
+CLOSE_PAGE_GONE = 4404  # what an open page shows was deleted, or is no longer the user's
 # The overview aggregates the most; on a busy system it need not redraw every second.
 MIN_SECONDS_BETWEEN_RENDERS = {"/": 10.0, "/queues": 3.0}
+# A page asking for its regions again renders them no more often than this.
+MIN_SECONDS_BETWEEN_ASKED_RENDERS = 1.0
+AGAIN = '{"again":true}'
 
 
 class LiveConsumer(AsyncWebsocketConsumer):
@@ -39,7 +43,11 @@ class LiveConsumer(AsyncWebsocketConsumer):
             return
         # The page as it is now: one that is not this user's to see (another team's run, which
         # its view records as an attempt) is refused here, not re-rendered at every change.
-        if await database_sync_to_async(live.render)(self.scope, self.page, opening=True) is None:
+        try:
+            opened = await database_sync_to_async(live.render)(self.scope, self.page, opening=True)
+        except live.PageGone:
+            opened = None
+        if opened is None:
             await self.close(code=CLOSE_BAD_PAGE)
             return
         await self.channel_layer.group_add(live.GROUP, self.channel_name)
@@ -57,7 +65,14 @@ class LiveConsumer(AsyncWebsocketConsumer):
             await self.channel_layer.group_discard(live.GROUP, self.channel_name)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
-        """The page sends nothing; ignore whatever arrives."""
+        """The page asks for its regions again (`{"again":true}`) once its actions have their
+        answers: it held the updates that came meanwhile (static/dashboard/dashboard.js), so what
+        was last sent is not what it shows. At most once a second; anything else is ignored."""
+        if text_data != AGAIN or (self.pending is not None and not self.pending.done()):
+            return
+        self.last_sent = ""
+        wait = self.last_render + MIN_SECONDS_BETWEEN_ASKED_RENDERS - time.monotonic()
+        self.pending = asyncio.get_running_loop().create_task(self._render_after(max(wait, 0.0)))
 
     async def live_changed(self, event: dict) -> None:
         if event["fingerprint"] == self.seen:
@@ -79,8 +94,12 @@ class LiveConsumer(AsyncWebsocketConsumer):
 
     async def _render(self) -> None:
         self.last_render = time.monotonic()
-        html = await database_sync_to_async(live.render)(self.scope, self.page)
-        if html is None:  # signed out, or the page is no longer theirs to see
+        try:
+            html = await database_sync_to_async(live.render)(self.scope, self.page)
+        except live.PageGone:
+            await self.close(code=CLOSE_PAGE_GONE)
+            return
+        if html is None:
             await self.close(code=CLOSE_UNAUTHORISED)
         elif html.strip() and (shown := VOLATILE.sub("", html)) != self.last_sent:
             # What the page shows already is not sent again: every change anywhere re-renders

@@ -136,9 +136,14 @@ def _cookies(scope: dict[str, Any]) -> dict[str, str]:
     return {key: morsel.value for key, morsel in jar.items()}
 
 
+class PageGone(Exception):
+    """What the page shows was deleted, or is no longer the user's to see."""
+
+
 def render(scope: dict[str, Any], path: str, *, opening: bool = False) -> str | None:
     """Render a page's `live` partial as its user would GET it now; "" if there is nothing,
-    None once the page is not theirs to see (the socket is then closed).
+    None once the user is signed out; `PageGone` once the page is not there for them. Either
+    way the socket is then closed, with a code that tells the page which.
 
     The request goes through the page's own view, so the same access checks apply on every
     update: a removed member, a user signed out (or whose session expired, or whose password
@@ -173,10 +178,10 @@ def render(scope: dict[str, Any], path: str, *, opening: bool = False) -> str | 
     CsrfViewMiddleware(lambda r: None).process_request(request)
     try:
         response = match.func(request, *match.args, **match.kwargs)
-    except (Http404, PermissionDenied):  # gone, or no longer the user's to see
-        return None
+    except (Http404, PermissionDenied) as exc:  # gone, or no longer the user's to see
+        raise PageGone(path) from exc
     if response.status_code != 200:
-        return None
+        raise PageGone(path)
     return response.content.decode()
 
 

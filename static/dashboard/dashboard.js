@@ -62,9 +62,11 @@
     if (dot) {
       dot.className = "live live-" + state;
       dot.textContent = state === "open" ? "live" : state === "closed" ? "reconnecting"
-        : state === "signed-out" ? "signed out: reload to sign in" : "";
+        : state === "signed-out" ? "signed out: reload to sign in"
+        : state === "gone" ? "updates stopped: reload" : "";
       dot.title = state === "open" ? "Updates arrive without reloading"
         : state === "signed-out" ? "Your session ended; reloading this page signs you in again and brings you back here"
+        : state === "gone" ? "What this page shows was deleted, or is no longer yours to see; reloading says which"
         : "Live updates paused; reconnecting";
     }
   }
@@ -90,6 +92,38 @@
       button.disabled = false;
       delete button.dataset.busy;
     });
+  });
+
+  // A live update waits while an action is on its way: it replaced the form that sent it, and
+  // the action's answer went to the replaced form, where nothing hears it (a refusal said
+  // nothing; the form's buttons were live again mid-request). When the last action has its
+  // answer, the page asks the server for the page as it is now (apps/dashboard/consumers.py).
+  var actions = new Map();  // request → when it was sent
+  var heldSocket = null;
+  var ACTION_LONGEST_MS = 30000;  // an answer never heard of stops holding updates after this
+  function isAction(event) {
+    var config = event.detail.requestConfig || {};
+    return String(config.verb).toLowerCase() === "post" && event.detail.xhr;
+  }
+  document.addEventListener("htmx:beforeRequest", function (event) {
+    if (isAction(event)) actions.set(event.detail.xhr, Date.now());
+  });
+  document.addEventListener("htmx:afterRequest", function (event) {
+    if (!isAction(event) || !actions.delete(event.detail.xhr) || actions.size) return;
+    delete document.body.dataset.liveHeld;
+    if (heldSocket) heldSocket.send(JSON.stringify({ again: true }));
+    heldSocket = null;
+  });
+  document.addEventListener("htmx:wsBeforeMessage", function (event) {
+    var now = Date.now();
+    actions.forEach(function (sent, request) {
+      if (now - sent > ACTION_LONGEST_MS) actions.delete(request);
+    });
+    if (!actions.size) return;
+    event.preventDefault();
+    event.stopImmediatePropagation();
+    heldSocket = event.detail.socketWrapper;
+    document.body.dataset.liveHeld = "true";
   });
 
   // htmx swaps nothing for an error answer: without this, a refused action (403, 404, 409, a
@@ -138,11 +172,12 @@
   });
 
   document.addEventListener("htmx:wsOpen", function () { liveStatus("open"); });
-  // 4401: the server closed the socket because the session ended (apps/dashboard/consumers.py):
-  // "reconnecting" would never end.
+  // 4401: the server closed the socket because the session ended; 4404: because what the
+  // page shows was deleted or is no longer the user's (apps/dashboard/consumers.py; it said
+  // "signed out" for both). "reconnecting" would never end.
   document.addEventListener("htmx:wsClose", function (event) {
     var code = event.detail && event.detail.event ? event.detail.event.code : 0;
-    liveStatus(code === 4401 ? "signed-out" : "closed");
+    liveStatus(code === 4401 ? "signed-out" : code === 4404 ? "gone" : "closed");
   });
   document.addEventListener("htmx:wsAfterMessage", function () {
     document.body.dataset.liveUpdates = String(Number(document.body.dataset.liveUpdates || 0) + 1);

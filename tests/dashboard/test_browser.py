@@ -16,7 +16,7 @@ from apps.audit.models import AuditEvent
 from apps.jobs import services
 from apps.jobs.models import JobDefinition
 from apps.runs.models import Run
-from apps.teams.models import ApiToken
+from apps.teams.models import ApiToken, Membership
 from tests.conftest import add_ready_runs, make_definition
 from tests.dashboard.conftest import PASSWORD, XSS, BrowserPage, failed_runs
 
@@ -319,8 +319,6 @@ def test_a_double_click_on_an_action_sends_it_once(web, operator_a, job_a):
 
 
 def test_an_action_refused_by_the_server_says_why(web, operator_a, job_a, job_b):
-    from apps.teams.models import Membership
-
     # The page is open; another job of the team is deleted elsewhere before its button is
     # clicked (its page as it was).
     other = make_definition(job_a.team, "billing.other", queue="billing")
@@ -343,6 +341,42 @@ def test_an_action_refused_by_the_server_says_why(web, operator_a, job_a, job_b)
     expect(page.get_by_role("button", name=re.compile("Requeue"))).to_have_count(0)
     web.goto(f"/dlq?team={job_a.team.slug}")
     expect(page.get_by_role("button", name="Requeue all matching…")).to_have_count(1)
+
+
+def test_a_live_update_during_an_action_waits_for_its_answer(web, operator_a, job_a):
+    """The Pause form is in the job page's live region. A change that re-renders the region
+    arrives while the Pause request is on its way (its answer held back here), and the answer
+    is a refusal: the page says why, then shows the region as it is now. Before, the update
+    replaced the form and the refusal, sent to the replaced form, was never shown."""
+    web.sign_in(operator_a)
+    page = web.page
+    web.goto(f"/jobs/{job_a.name}")
+    web.wait_live()
+    held = []
+
+    def hold(route) -> None:
+        held.append(route)
+
+    page.route(f"**/jobs/{job_a.name}/pause", hold)
+    # Refused when it arrives: the operator is made a viewer meanwhile.
+    Membership.objects.filter(user=operator_a, team=job_a.team).update(role="viewer")
+    page.get_by_role("button", name="Pause").click()
+    while not held:
+        page.wait_for_timeout(50)
+
+    (new,) = add_ready_runs(job_a, 1, prefix="meanwhile")  # the page's history changes
+    expect(page.locator("body[data-live-held]")).to_be_attached(timeout=10_000)
+    expect(page.get_by_role("button", name="Pause")).to_be_attached()  # the form stays
+
+    held[0].continue_()
+    expect(page.locator("#messages [role=alert]")).to_contain_text("Not allowed")
+    # Then the region as it is now: the new run, and no actions for a viewer.
+    new_id = Run.objects.get(pk=new).run_id
+    expect(page.locator("#job-history")).to_contain_text(new_id, timeout=10_000)
+    expect(page.get_by_role("button", name="Pause")).to_have_count(0)
+    expect(page.locator("body[data-live-held]")).to_have_count(0)
+    assert not JobDefinition.objects.get(pk=job_a.pk).paused
+    web.screenshot("job-refusal-during-live-update")
 
 
 def test_a_form_larger_than_the_server_reads_is_stopped_with_its_input_kept(

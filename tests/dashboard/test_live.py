@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -101,7 +102,8 @@ def test_a_socket_on_another_teams_page_is_refused_once_and_audited_once(operato
     assert denied.count() == 1
     # A re-render of such a page (were a socket open on it) records nothing more.
     scope = live_scope(operator_a)
-    assert live.render(scope, f"/runs/{theirs.run_id}") is None
+    with pytest.raises(live.PageGone):
+        live.render(scope, f"/runs/{theirs.run_id}")
     assert denied.count() == 1
 
 
@@ -279,3 +281,75 @@ def test_a_region_that_has_not_changed_is_not_sent_again(operator_a, job_a):
     assert in_own_thread(scenario)
     # The first render after the socket opened may be sent (the page may be older); no other.
     assert len(sent) <= 1, len(sent)
+
+
+def test_a_page_that_held_its_updates_is_sent_its_regions_again(operator_a, job_a):
+    """A page holds the updates that arrive while an action is on its way (dashboard.js), then
+    asks for its regions again: they are sent even though they were sent before, at most once
+    a second; anything else the page sends is ignored."""
+    from scheduler_site.asgi import application
+
+    (run,) = failed_runs(job_a)
+    client = Client()
+    client.force_login(operator_a)
+    cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
+    row = f'id="run-row-{run.pk}"'
+
+    async def scenario() -> tuple[bool, list[tuple[str, float]]]:
+        socket = _socket(application, [(b"cookie", cookie)])
+        await socket.send_input({"type": "websocket.connect"})
+        assert (await socket.receive_output(timeout=5))["type"] == "websocket.accept"
+        while not await socket.receive_nothing(timeout=2.5):  # the first render may come
+            await socket.receive_output(timeout=1)
+        await socket.send_input({"type": "websocket.receive", "text": "hello"})
+        ignored = await socket.receive_nothing(timeout=1.5)
+        answers = []
+        for _ in range(2):
+            await socket.send_input({"type": "websocket.receive", "text": '{"again":true}'})
+            answers.append(((await socket.receive_output(timeout=5)).get("text", ""),
+                            time.monotonic()))  # fmt: skip
+        await socket.send_input({"type": "websocket.disconnect", "code": 1000})
+        await socket.wait(timeout=5)
+        await sync_to_async(connections.close_all)()
+        return ignored, answers
+
+    ignored, answers = in_own_thread(scenario)
+    assert ignored
+    assert all(row in text for text, _ in answers), answers
+    # The second ask came as soon as the first answer did: its render waited for the second
+    # to end (a second less the first render's time).
+    assert answers[1][1] - answers[0][1] >= 0.5, answers
+
+
+def test_a_socket_whose_run_is_deleted_says_so_not_signed_out(operator_a, job_a):
+    """The run a page shows is deleted (retention) while it is open: the socket closes with the
+    code the page shows as "updates stopped", not the signed-out one it used (4401)."""
+    from scheduler_site.asgi import application
+
+    (run,) = failed_runs(job_a)
+    client = Client()
+    client.force_login(operator_a)
+    cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
+
+    async def scenario() -> dict:
+        socket = ApplicationCommunicator(
+            application,
+            {
+                "type": "websocket",
+                "path": "/ws/live/",
+                "query_string": f"path=%2Fruns%2F{run.run_id}".encode(),
+                "headers": [(b"origin", b"http://localhost"), (b"host", b"localhost"),
+                            (b"cookie", cookie)],
+                "subprotocols": [],
+            },
+        )  # fmt: skip
+        await socket.send_input({"type": "websocket.connect"})
+        assert (await socket.receive_output(timeout=5))["type"] == "websocket.accept"
+        await sync_to_async(Run.objects.filter(pk=run.pk).delete)()
+        while (answer := await socket.receive_output(timeout=10))["type"] == "websocket.send":
+            pass
+        await sync_to_async(connections.close_all)()
+        return answer
+
+    answer = in_own_thread(scenario)
+    assert (answer["type"], answer["code"]) == ("websocket.close", 4404)
