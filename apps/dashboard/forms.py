@@ -9,6 +9,7 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from django import forms
+from django.http import QueryDict
 from django.utils import timezone
 from pydantic import ValidationError as PydanticError
 from rest_framework.exceptions import ParseError
@@ -413,9 +414,13 @@ class DefinitionForm(forms.Form):
             self.fields["team"].choices = [(instance.team.slug, instance.team.slug)]
         self.spec: DefinitionSpec | None = None
 
+    @classmethod
+    def initial_for(cls, definition: JobDefinition) -> dict[str, Any]:
+        return cls.initial_of(definition.team.slug, services.snapshot_to_edit(definition))
+
     @staticmethod
-    def initial_for(definition: JobDefinition) -> dict[str, Any]:
-        snap = services.snapshot_to_edit(definition)
+    def initial_of(team: str, snap: dict[str, Any]) -> dict[str, Any]:
+        """The form's fields for a definition's fields (`services.snapshot`)."""
         schedule = snap["schedule"] or {}
         kind = (
             "cron" if "cron" in schedule
@@ -423,9 +428,11 @@ class DefinitionForm(forms.Form):
             else "delay" if "delaySeconds" in schedule
             else "none"
         )  # fmt: skip
+        retry = snap["retry"]
+        rate_limit = snap.get("rateLimit") or {}
         return {
-            "team": definition.team.slug,
-            "name": definition.name,
+            "team": team,
+            "name": snap["name"],
             "kind": kind,
             "cron": schedule.get("cron", ""),
             "time_zone": schedule.get("timeZone", "UTC"),
@@ -436,25 +443,75 @@ class DefinitionForm(forms.Form):
             "end_at": schedule.get("endAt", ""),
             "run_at": schedule.get("runAt", ""),
             "delay_seconds": schedule.get("delaySeconds", ""),
-            "queue": definition.queue,
-            "priority": definition.priority_name,
-            "timeout_seconds": definition.timeout_seconds,
-            "retry_max_attempts": definition.retry_max_attempts,
-            "retry_base_seconds": definition.retry_base_seconds,
-            "retry_max_seconds": definition.retry_max_seconds,
-            "concurrency": definition.concurrency,
-            "concurrency_per_key": definition.concurrency_per_key,
-            "concurrency_key_field": definition.concurrency_key_field,
-            "rate_limit_count": definition.rate_limit_count,
-            "rate_limit_period_seconds": definition.rate_limit_period_seconds,
+            "queue": snap["queue"],
+            "priority": snap["priority"],
+            "timeout_seconds": snap["timeoutSeconds"],
+            "retry_max_attempts": retry["maxAttempts"],
+            "retry_base_seconds": retry["baseSeconds"],
+            "retry_max_seconds": retry["maxSeconds"],
+            "concurrency": snap["concurrency"],
+            "concurrency_per_key": snap.get("concurrencyPerKey"),
+            "concurrency_key_field": snap.get("concurrencyKeyField", ""),
+            "rate_limit_count": rate_limit.get("count"),
+            "rate_limit_period_seconds": rate_limit.get("periodSeconds"),
             "payload": json.dumps(snap["payload"], indent=2, sort_keys=True),
-            "paused": definition.paused,
-            "dry_run": definition.dry_run,
+            "paused": snap["paused"],
+            "dry_run": snap.get("dryRun", False),
             "owner": snap.get("owner", ""),
             "runbook_url": snap.get("runbookUrl", ""),
             "lateness_slo_seconds": snap.get("latenessSloSeconds"),
             "seen": services.version_of(snap),
         }
+
+    @classmethod
+    def after_conflict(
+        cls, data: QueryDict, *, teams: list[Any], instance: JobDefinition, seen: str
+    ) -> DefinitionForm:
+        """The form again after a save refused because the job changed since the form was
+        opened at version `seen`: a field the reader left as it was takes the job's value now
+        (saving it back undid a pause made meanwhile); a field both changed keeps what was
+        typed, with the other value beside it. The form is marked as seen over the job as it is
+        now, so saving again is a choice made knowing of the change."""
+        now = cls.initial_for(instance)
+        opened_fields = services.fields_at(instance, seen) if seen else None
+        data = data.copy()
+        data["seen"] = now["seen"]
+        fields = cls(teams=teams, instance=instance).fields
+        theirs: list[str] = []
+        both: list[str] = []
+        if opened_fields is not None:
+            opened = cls.initial_of(instance.team.slug, opened_fields)
+            for name, field in fields.items():
+                if field.disabled or name == "seen" or opened[name] == now[name]:
+                    continue
+                typed = field.widget.value_from_datadict(data, None, name)
+                if not field.has_changed(opened[name], typed):
+                    _put(data, name, field, now[name])
+                    theirs.append(name)
+                elif field.has_changed(now[name], typed):
+                    both.append(name)
+        form = cls(data, teams=teams, instance=instance)
+        form.is_valid()
+        for name in both:
+            form.add_error(
+                name, f"Changed meanwhile to {_shown(fields[name], now[name])}; "
+                "saving again writes what you typed over it."
+            )  # fmt: skip
+        if opened_fields is None:
+            form.add_error(
+                None,
+                "Not saved: someone changed this job since this form was opened (its audit "
+                "trail says what). Check the fields against the job's page, then save again.",
+            )
+            return form
+        words = ["Not saved: someone changed this job since this form was opened."]
+        if theirs:
+            words.append(f"Their change to {_labels(fields, theirs)} is now in the form.")
+        if both:
+            words.append(f"You both changed {_labels(fields, both)}: check beside each.")
+        words.append("Save again to keep the form as it is now.")
+        form.add_error(None, " ".join(words))
+        return form
 
     def clean_payload(self) -> Any:
         raw = (self.cleaned_data.get("payload") or "").strip() or "{}"
@@ -637,3 +694,26 @@ class ChannelForm(forms.Form):
                 continue
             for reason in reasons:
                 self.add_error(field, reason if path == field else f"{path}: {reason}")
+
+
+def _put(data: QueryDict, name: str, field: forms.Field, value: Any) -> None:
+    """Write a field's value into a form's data as a browser would send it."""
+    if isinstance(field, forms.BooleanField):
+        if value:
+            data[name] = "on"
+        elif name in data:
+            del data[name]
+    else:
+        data[name] = "" if value is None else str(value)
+
+
+def _shown(field: forms.Field, value: Any) -> str:
+    if isinstance(field, forms.BooleanField):
+        return "on" if value else "off"
+    return "empty" if value in (None, "") else f"“{value}”"
+
+
+def _labels(fields: dict[str, forms.Field], names: list[str]) -> str:
+    return ", ".join(
+        str(fields[name].label or name.replace("_", " ").capitalize()) for name in names
+    )

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from django.db import IntegrityError, transaction
 
+from apps.audit.models import AuditEvent
 from apps.audit.record import Actor, record
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
@@ -142,6 +143,33 @@ def version_of(fields: dict[str, Any]) -> str:
 def version(definition: JobDefinition) -> str:
     """The definition's version now: the API's ETag of it."""
     return version_of(snapshot(definition))
+
+
+# How far back through a job's audit trail `fields_at` looks for the version a form was opened on.
+FIELDS_AT_EVENTS = 100
+
+
+def fields_at(definition: JobDefinition, seen: str) -> dict[str, Any] | None:
+    """The definition's fields (`snapshot`) as they were at version `seen`: its fields now, with
+    the `before` of each change its audit trail records put back, newest first, until they are
+    at that version. None when the trail does not lead there (another job of the name before
+    it, a change whose event is not in the trail yet, more than FIELDS_AT_EVENTS events)."""
+    fields = snapshot(definition)
+    events = (
+        AuditEvent.objects.filter(
+            team_id=definition.team_id, target_type="job", target=definition.name
+        )
+        .order_by("-id")
+        .values_list("action", "before")[:FIELDS_AT_EVENTS]
+    )
+    for action, before in events:
+        if version_of(fields) == seen:
+            return fields
+        if action in ("job.create", "job.delete"):
+            return None
+        if isinstance(before, dict):  # a trigger, a backfill change no field: no `before`
+            fields = {**fields, **before}
+    return fields if version_of(fields) == seen else None
 
 
 # The versions a change was prepared on (an edit form's, an If-Match's): the change is made

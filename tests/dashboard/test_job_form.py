@@ -7,6 +7,7 @@ import json
 import pytest
 
 from apps.api.parsers import parse_json
+from apps.api.shapes.jobs import parse_definition
 from apps.audit.models import AuditEvent
 from apps.jobs.models import JobDefinition
 from apps.jobs.schedule import shard_for
@@ -377,12 +378,17 @@ def test_a_save_over_a_change_made_since_the_form_was_opened_is_refused_and_kept
     edit = {**FORM, "timeout_seconds": "77", "seen": seen}  # the form had it unpaused
     refused = client.post(f"/jobs/{FORM['name']}/edit", edit)
     assert refused.status_code == 200
-    assert "someone changed this job since this form was opened" in refused.content.decode()
-    assert 'value="77"' in refused.content.decode()
+    html = refused.content.decode()
+    assert "someone changed this job since this form was opened" in html
+    assert 'value="77"' in html
+    # The pause, a field the editor left alone, is in the form now (saving again as it was
+    # refused unpaused the job), and the refusal names it.
+    assert re.search(r'<input[^>]*name="paused"[^>]*checked', html)
+    assert "Their change to Paused is now in the form" in html
     job.refresh_from_db()
     assert (job.paused, job.timeout_seconds) == (True, 900)
 
-    (again,) = re.findall(r'name="seen" value="([0-9a-f]+)"', refused.content.decode())
+    (again,) = re.findall(r'name="seen" value="([0-9a-f]+)"', html)
     assert again != seen
     saved = client.post(f"/jobs/{FORM['name']}/edit", {**edit, "seen": again, "paused": "on"})
     assert saved.status_code == 302
@@ -395,6 +401,47 @@ def test_a_save_over_a_change_made_since_the_form_was_opened_is_refused_and_kept
     )
     assert client.post(f"/jobs/{FORM['name']}/edit", {**edit, "seen": fresh, "paused": "on",
                        "timeout_seconds": "78"}).status_code == 302  # fmt: skip
+
+
+def test_a_field_both_changed_since_the_form_was_opened_keeps_what_was_typed_and_says_so(
+    editor_a,
+):
+    """Someone else set the timeout and the queue (through the API) after the form was opened;
+    the editor changed the timeout too. The refused form keeps the editor's timeout with the
+    other value beside it, takes the other's queue, and a save of it writes both."""
+    import re
+
+    from apps.audit.record import Actor
+    from apps.jobs import services
+
+    client = client_for(editor_a)
+    assert client.post("/jobs/new", FORM).status_code == 302
+    opened = client.get(f"/jobs/{FORM['name']}/edit").content.decode()
+    (seen,) = re.findall(r'name="seen" value="([0-9a-f]+)"', opened)
+    job = JobDefinition.objects.get(name=FORM["name"])
+    services.set_paused(job, True, Actor.system("incident"))  # two changes in the trail
+    services.update_definition(
+        job,
+        lambda fields: parse_definition({**fields, "timeoutSeconds": 50, "queue": "billing-slow"}),
+        Actor.system("api"),
+    )
+
+    refused = client.post(
+        f"/jobs/{FORM['name']}/edit", {**FORM, "timeout_seconds": "77", "seen": seen}
+    )
+    html = refused.content.decode()
+    assert "You both changed Timeout (s): check beside each." in html
+    assert "Changed meanwhile to “50”; saving again writes what you typed over it." in html
+    assert 'value="77"' in html and 'value="billing-slow"' in html
+    assert re.search(r'<input[^>]*name="paused"[^>]*checked', html)
+    job.refresh_from_db()
+    assert (job.timeout_seconds, job.queue, job.paused) == (50, "billing-slow", True)
+
+    (again,) = re.findall(r'name="seen" value="([0-9a-f]+)"', html)
+    resent = {**FORM, "timeout_seconds": "77", "queue": "billing-slow", "paused": "on"}
+    assert client.post(f"/jobs/{FORM['name']}/edit", {**resent, "seen": again}).status_code == 302
+    job.refresh_from_db()
+    assert (job.timeout_seconds, job.queue, job.paused) == (77, "billing-slow", True)
 
 
 def test_a_job_whose_stored_payload_is_lost_is_shown_saying_so_and_not_edited(

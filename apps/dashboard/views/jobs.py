@@ -287,17 +287,9 @@ def job_edit(request: HtmxHttpRequest, name: str) -> HttpResponse:
             definition, form.spec, actor(request), versions=[seen] if seen else None
         )
     except services.ChangedMeanwhile:
-        # The form keeps what was typed, now marked as seen over the job as it is: saving
-        # again is a choice made knowing of the other change.
         definition = _definition(request, name)
-        data = request.POST.copy()
-        data["seen"] = services.version(definition)
-        form = DefinitionForm(data, teams=teams, instance=definition)
-        form.is_valid()
-        form.add_error(
-            None,
-            "Not saved: someone changed this job since this form was opened (its audit trail "
-            "says what). Check the fields against the job's page, then save again.",
+        form = DefinitionForm.after_conflict(
+            request.POST, teams=teams, instance=definition, seen=seen or ""
         )
         return _form_page(request, form, definition)
     except shards.Unavailable as exc:
