@@ -290,6 +290,11 @@ def test_editing_a_cron_previews_it_saves_it_and_the_audit_shows_the_diff(web, e
     expect(row).to_contain_text("schedule.cron")
     expect(row.locator(".before")).to_contain_text('"0 2 * * *"')
     expect(row.locator(".after")).to_contain_text('"30 2 * * *"')
+    # A screen reader reads the change as a table: each field heads its row, under column
+    # headers it does not show (the cells had no header at all).
+    diff = row.get_by_role("table")
+    expect(diff.get_by_role("rowheader", name="schedule.cron")).to_have_count(1)
+    expect(diff.get_by_role("columnheader")).to_have_text(["Field", "Before → after"])
     web.screenshot("audit-edit-diff")
     assert web.console_errors == []
 
