@@ -54,7 +54,27 @@
 
   document.addEventListener("keydown", function (event) {
     if (event.key === "Escape") closeDialog();
+    if (event.key === "Tab") holdFocusIn(event);
   });
+  // While the confirmation is open, Tab goes round its own buttons and links (it is modal: the
+  // page behind it does not take the focus, as a keyboard reader lost it there).
+  function holdFocusIn(event) {
+    var modal = document.querySelector("#dialog .modal");
+    if (!modal) return;
+    var parts = Array.prototype.filter.call(
+      modal.querySelectorAll("a[href], button, input:not([type=hidden]), select, textarea, [tabindex]"),
+      function (el) { return !el.disabled && el.tabIndex >= 0 && el.getClientRects().length; });
+    if (!parts.length) return;
+    var first = parts[0], last = parts[parts.length - 1], active = document.activeElement;
+    var inside = modal.contains(active);
+    if (event.shiftKey && (!inside || active === first)) {
+      event.preventDefault();
+      last.focus();
+    } else if (!event.shiftKey && (!inside || active === last)) {
+      event.preventDefault();
+      first.focus();
+    }
+  }
 
   function liveStatus(state) {
     document.body.dataset.live = state;

@@ -409,7 +409,9 @@ def test_a_form_larger_than_the_server_reads_is_stopped_with_its_input_kept(
     assert api.status_code == 413 and api.headers["content-type"] == "application/problem+json"
 
 
-def test_escape_closes_a_confirmation_and_gives_the_focus_back(web, operator_a, job_a):
+def test_a_confirmation_holds_the_focus_and_escape_closes_it_giving_the_focus_back(
+    web, operator_a, job_a
+):
     (run,) = failed_runs(job_a, 1)
     web.sign_in(operator_a)
     page = web.page
@@ -418,7 +420,14 @@ def test_escape_closes_a_confirmation_and_gives_the_focus_back(web, operator_a, 
     opener = page.get_by_role("button", name="Discard selected…")
     opener.focus()
     page.keyboard.press("Enter")
-    expect(page.get_by_role("dialog")).to_contain_text("Discard 1 run?")
+    dialog = page.get_by_role("dialog")
+    expect(dialog).to_contain_text("Discard 1 run?")
+    # Tab and Shift+Tab go round the dialog's own controls (they went on into the page).
+    expect(dialog.get_by_role("link", name="Cancel")).to_be_focused()
+    inside = "document.querySelector('#dialog .modal').contains(document.activeElement)"
+    for key in ["Tab"] * 4 + ["Shift+Tab"] * 4:
+        page.keyboard.press(key)
+        assert page.evaluate(inside), key
     page.keyboard.press("Escape")
     expect(page.get_by_role("dialog")).to_have_count(0)
     expect(opener).to_be_focused()
