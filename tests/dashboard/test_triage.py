@@ -4,6 +4,7 @@ one audit event), the run-id search, and what a run's page says about its errors
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from html import escape
 
@@ -107,7 +108,11 @@ def test_a_group_action_shows_the_count_then_changes_it_in_one_audited_step(oper
 
     confirm = client.post("/runs/matching", ask, HTTP_HX_REQUEST="true").content.decode()
     assert "Requeue 40 runs?" in confirm
-    assert f'group</dt><dd class="mono">{fingerprints.to_hex(keyed)}' in confirm
+    # The group by its error, as the list shows it, not by its key.
+    described = confirm.split('id="confirm-filter"')[1].split("</dl>")[0]
+    words = escape("KeyError: '<str>'")
+    assert f'error group</dt><dd><span class="mono">{words}</span>' in described
+    assert fingerprints.to_hex(keyed) not in described
     assert Run.objects.filter(state="dead").count() == 47  # nothing changed yet
 
     done = client.post("/runs/matching", {**ask, "confirm": "yes"})
@@ -139,7 +144,13 @@ def test_everything_matching_a_filter_is_counted_and_acted_on_with_the_window_it
     assert "Discard 12 runs?" in confirm
     # The relative range travels on as the absolute window it meant at the count.
     assert 'name="due_from" value="' in confirm and 'name="range"' not in confirm
+    # Shown as a time the page writes in the reader's zone (it was the UTC text of the filter).
+    described = confirm.split('id="confirm-filter"')[1].split("</dl>")[0]
+    assert re.search(r'due from</dt><dd><time datetime="[^"]+" [^>]*data-when=', described)
     client.post("/runs/matching", {**ask, "confirm": "yes"})
+    # The message says the window as times the page writes in the reader's zone.
+    said = client.get("/dlq").content.decode().split('id="messages"')[1].split("</ul>")[0]
+    assert "Discarded 12 runs matching job billing.charge; due from <time datetime=" in said
     assert Run.objects.filter(definition=job, state="cancelled").count() == 12
     assert Run.objects.filter(definition=other, state="dead").count() == 3
     (event,) = AuditEvent.objects.filter(action="dlq.discard")
@@ -232,7 +243,7 @@ def test_acting_on_a_filter_needs_the_operator_role_and_a_list_that_offers_it(
     assert client.post("/runs/matching", {**ask, "team": "team-b"}).status_code == 403
     confirm = client.post("/runs/matching", {"mode": "dlq", "action": "requeue"}).content.decode()
     assert "Requeue 2 runs?" in confirm
-    assert 'teams</dt><dd class="mono">team-a</dd>' in confirm
+    assert 'teams</dt><dd><span class="mono">team-a</span></dd>' in confirm
     client.post("/runs/matching", ask)
     assert Run.objects.filter(state="ready").count() == 2
     assert Run.objects.filter(definition=theirs, state="dead").count() == 3

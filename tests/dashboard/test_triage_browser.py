@@ -72,7 +72,7 @@ def test_5000_dead_runs_are_requeued_by_filter_after_their_count(screen, operato
 
     dialog.get_by_role("button", name="Requeue 5000 runs").click()
     expect(page.locator(".messages")).to_contain_text(
-        f"Requeued 5000 runs matching job={job_a.name}."
+        f"Requeued 5000 runs matching job {job_a.name}."
     )
     # Back on the list as it was filtered, now empty (the live updates kept its filter).
     expect(page).to_have_url(re.compile(rf"/dlq\?job={re.escape(job_a.name)}$"))
@@ -149,7 +149,9 @@ def test_grouped_failures_lead_to_a_folded_stack_and_are_retried_per_group(scree
     dialog = page.get_by_role("dialog")
     expect(dialog).to_contain_text("Retry 41 runs?")
     dialog.get_by_role("button", name="Retry 41 runs").click()
-    expect(page.locator(".messages")).to_contain_text("Retried 41 runs matching group=")
+    # The group by its error, not by its key.
+    expect(page.locator(".messages")).to_contain_text("Retried 41 runs matching error group ")
+    expect(page.locator(".messages")).not_to_contain_text(fingerprints.to_hex(keyed))
     expect(page.locator("#groups tr.group-row")).to_have_count(1)  # the timeouts are left
     assert Run.objects.filter(error_fingerprint=keyed, state="ready").count() == 41
     assert AuditEvent.objects.filter(action="run.retry").count() == 1

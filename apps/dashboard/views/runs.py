@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.contrib import messages
@@ -15,6 +17,8 @@ from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse
 from django.shortcuts import redirect
 from django.urls import reverse
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
 from django.views.decorators.http import require_POST
 
 from apps.audit.record import Actor
@@ -30,6 +34,7 @@ from apps.dashboard.http import (
     render_page,
     signed_in,
 )
+from apps.dashboard.templatetags.dashboard import when
 from apps.jobs import diagnosis, runlist, triage
 from apps.runs import filters, payloads, transitions
 from apps.runs.clock import database_now, format_utc
@@ -317,6 +322,39 @@ def bulk(request: HtmxHttpRequest) -> HttpResponse:
     return done(request, fallback, message, messages.SUCCESS if changed else messages.WARNING)
 
 
+class Described(NamedTuple):
+    """One line of what a confirmation acts on: words, or a time the page shows in the
+    reader's zone."""
+
+    label: str
+    text: str = ""
+    at: datetime | None = None
+
+
+def _described(flt: filters.BulkFilter, teams: Sequence[Any], states: list[str]) -> list[Described]:
+    """What an action on everything matching acts on, for the person confirming it: an error
+    group by its error (its key meant nothing to them), times as times (UTC text before)."""
+    lines = [Described("teams", ", ".join(t.slug for t in teams))]
+    if flt.everything:
+        lines.append(Described("runs", "everything"))
+    if flt.job is not None:
+        lines.append(Described("job", flt.job))
+    if flt.queue is not None:
+        lines.append(Described("queue", flt.queue))
+    for label, at in (
+        ("failed since", flt.since), ("due from", flt.due_from), ("due before", flt.due_to)
+    ):  # fmt: skip
+        if at is not None:
+            lines.append(Described(label, at=at))
+    if flt.error is not None:
+        lines.append(Described("error contains", flt.error))
+    if flt.fingerprint is not None:
+        grouping = triage.groups([t.pk for t in teams], states, flt, limit=1)
+        label = grouping.groups[0].label if grouping.groups else "no run of it matches now"
+        lines.append(Described("error group", label))
+    return lines
+
+
 @require_POST
 @signed_in
 def bulk_matching(request: HtmxHttpRequest) -> HttpResponse:
@@ -371,7 +409,7 @@ def bulk_matching(request: HtmxHttpRequest) -> HttpResponse:
             "spec": spec,
             "matching": True,
             "count": filters.count([t.pk for t in chosen], states, flt),
-            "described": {"teams": ", ".join(t.slug for t in chosen), **flt.as_json()},
+            "described": _described(flt, chosen, states),
             "states": states,
             "mode_name": mode_name,
             "carry": carry,
@@ -381,11 +419,22 @@ def bulk_matching(request: HtmxHttpRequest) -> HttpResponse:
     failed_by = filters.parse_instant(request.POST.get("failed_by"))
     if failed_by is not None:
         flt = dataclasses.replace(flt, failed_by=failed_by)
+    # Described before the action: a group's error is read from its runs, which it changes.
+    matching = "." if flt.everything else format_html(" matching {}.", _in_words(
+        _described(flt, chosen, states)[1:]
+    ))  # fmt: skip
     changed = transitions.act_on_matching(spec.name, chosen, states, flt, actor(request))
     return done(
         request,
         fallback,
-        f"{spec.past} {plural(changed, 'run')}"
-        + ("." if flt.everything else f" matching {flt.describe()}."),
+        format_html("{} {}{}", spec.past, plural(changed, "run"), matching),
         messages.SUCCESS if changed else messages.WARNING,
+    )
+
+
+def _in_words(lines: list[Described]) -> SafeString:
+    """A confirmation's lines in a message, times as the page shows times (the reader's zone;
+    the filter's UTC text before)."""
+    return format_html_join(
+        "; ", "{} {}", ((line.label, when({}, line.at) if line.at else line.text) for line in lines)
     )
