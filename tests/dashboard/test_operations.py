@@ -17,6 +17,7 @@ from playwright.sync_api import expect
 
 from apps.audit.models import AuditEvent
 from apps.dashboard.live import render as render_live
+from apps.dashboard.templatetags.dashboard import instants
 from apps.dashboard.views import alerts as alerts_page
 from apps.jobs import alerts, diagnosis
 from apps.jobs import schedule as sched
@@ -83,6 +84,32 @@ def test_a_waiting_run_shows_why_with_the_holders_linked(viewer_a, team_a):
     assert "Why is this not running?" not in client.get(f"/runs/{holder.run_id}").content.decode()
     (dead,) = failed_runs(make_definition(team_a, "billing.other", queue="other"))
     assert "Why is this not running?" not in client.get(f"/runs/{dead.run_id}").content.decode()
+
+
+def test_the_instants_a_reason_names_are_times_the_page_shows_in_the_readers_zone(viewer_a, team_a):
+    """A reason's words are built on the server, in UTC; the page writes every other time in
+    the reader's zone. Its instants are `<time>`s the page's script writes likewise."""
+    from django.utils.safestring import mark_safe
+
+    from apps.runs.clock import format_utc
+
+    job = make_definition(team_a, "billing.later", queue="billing")
+    (pk,) = add_ready_runs(job, 1)
+    Run.objects.filter(pk=pk).update(available_at=db_now() + timedelta(minutes=5))
+    stamp = format_utc(Run.objects.get(pk=pk).available_at)
+    body = client_for(viewer_a).get(f"/runs/{public_run_id(pk)}").content.decode()
+    messages = re.findall(r'<span class="reason-message">(.*?)</span>', body, re.S)
+    (message,) = [message for message in messages if stamp in message]
+    assert stamp not in message.split("<time")[0]  # no instant left as text
+    assert f'<time datetime="{stamp}" title="{stamp}" data-when="long">' in message
+
+    # Words are escaped; what is already HTML, and what only looks like an instant, is left.
+    assert instants("<b> at 2026-03-15T02:00:03.250Z") == (
+        '&lt;b&gt; at <time datetime="2026-03-15T02:00:03.250Z" title="2026-03-15T02:00:03.250Z"'
+        ' data-when="long">2026-03-15 02:00:03 UTC</time>'
+    )
+    assert instants("hour 2026-03-15T25:00:00Z") == "hour 2026-03-15T25:00:00Z"
+    assert instants(mark_safe("<b>")) == "<b>"
 
 
 def test_a_run_later_than_its_slo_carries_a_late_badge(viewer_a, team_a):
@@ -297,7 +324,7 @@ def test_late_and_missed_lists_the_alerts_of_my_teams(operator_a, team_a, team_b
     assert {alert.kind for alert in found} == {"late", "missed"}
     for alert in found:
         about = alert.as_json()
-        assert escape(about["message"]) in body
+        assert instants(about["message"]) in body  # its instants as times
     assert body.count('class="alert-row') == len(found)
     assert f'href="/runs/{late_run}"' in body and f'href="/jobs/{job.name}"' in body
     assert escape(f"ops {XSS}") in body and XSS not in body

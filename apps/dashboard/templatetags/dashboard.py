@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
 from django import template
 from django.utils import timezone
-from django.utils.html import format_html
-from django.utils.safestring import mark_safe
+from django.utils.html import conditional_escape, format_html
+from django.utils.safestring import SafeData, mark_safe
 
 from apps.jobs import schedule as sched
 from apps.runs.clock import format_utc
@@ -40,6 +41,32 @@ def utc(value: datetime | None) -> str:
     if value is None:
         return "—"
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+# An instant as `format_utc` writes it into words built on the server (a run's reasons, an
+# alert's message, a flash message).
+INSTANT = re.compile(r"\b\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,6})?Z")
+
+
+@register.filter
+def instants(text: Any) -> str:
+    """Words built on the server with each instant they name as a `<time>`, which the page's
+    script writes in the reader's zone as it writes every other time (they read UTC where the
+    rest of the page read local time). Text already made HTML is left as it is."""
+    if isinstance(text, SafeData):
+        return text
+    return mark_safe(INSTANT.sub(_time_element, str(conditional_escape(text))))
+
+
+def _time_element(match: re.Match[str]) -> str:
+    try:
+        at = datetime.fromisoformat(match.group(0))
+    except ValueError:  # the shape of an instant, not one (a 25th hour)
+        return match.group(0)
+    return format_html(
+        '<time datetime="{}" title="{}" data-when="long">{}</time>',
+        format_utc(at), format_utc(at), utc(at),
+    )  # fmt: skip
 
 
 @register.filter
