@@ -177,6 +177,76 @@
         "takes. What you typed is kept.");
   }, true);
 
+  // A form sent after the session ended (it expired, or another tab signed out) lands on the
+  // sign-in page, and what was typed was lost. A form marked `data-keep-draft` keeps what it
+  // sends in the tab (sessionStorage), and puts it back when the reader comes back to it from
+  // signing in again; any other page after it (the saved job's) forgets it. An edit form's
+  // draft is put back only over the version of the job it was typed on.
+  var DRAFT_LONGEST_MS = 12 * 3600 * 1000;  // the session's own default lifetime
+  function draftKey(form) { return "draft:" + location.pathname + "#" + form.id; }
+  document.addEventListener("submit", function (event) {
+    var form = event.target;
+    if (!form.matches || !form.matches("form[data-keep-draft]")) return;
+    var fields = [];
+    new FormData(form).forEach(function (value, name) {
+      if (name !== "csrfmiddlewaretoken" && typeof value === "string") fields.push([name, value]);
+    });
+    try {
+      sessionStorage.setItem(draftKey(form), JSON.stringify({ at: Date.now(), fields: fields }));
+    } catch (e) { /* storage full or refused: the form is sent as before */ }
+  }, true);
+  function restoreDrafts() {
+    var signIn = document.body.dataset.signIn || "";
+    if (signIn && location.pathname === signIn) return;  // on the way back to the form
+    var kept = {};
+    document.querySelectorAll("form[data-keep-draft]").forEach(function (form) {
+      kept[draftKey(form)] = form;
+    });
+    var fromSignIn = false;
+    try { fromSignIn = !!signIn && new URL(document.referrer).pathname === signIn; } catch (e) { /* none */ }
+    for (var i = sessionStorage.length - 1; i >= 0; i--) {
+      var key = sessionStorage.key(i);
+      if (!key || key.indexOf("draft:") !== 0) continue;
+      var raw = sessionStorage.getItem(key);
+      sessionStorage.removeItem(key);
+      if (kept[key] && fromSignIn) putBack(kept[key], JSON.parse(raw));
+    }
+  }
+  function putBack(form, draft) {
+    if (!draft || Date.now() - draft.at > DRAFT_LONGEST_MS) return;
+    var values = {};
+    draft.fields.forEach(function (pair) { (values[pair[0]] = values[pair[0]] || []).push(pair[1]); });
+    var seen = form.querySelector("input[name=seen]");
+    var note = document.createElement("p");
+    note.className = "callout draft-note";
+    note.setAttribute("role", "status");
+    if (seen && values.seen && values.seen[0] !== seen.value) {
+      note.textContent = "What you typed before signing in again was not put back: the job " +
+        "changed meanwhile (its audit trail says how). Type it again over the job as it is.";
+      form.insertBefore(note, form.firstChild);
+      return;
+    }
+    var changed = [];
+    Array.prototype.forEach.call(form.elements, function (field) {
+      if (!field.name || field.disabled || field.type === "hidden" || field.type === "submit") return;
+      var sent = values[field.name] || [];
+      if (field.type === "checkbox" || field.type === "radio") {
+        var checked = sent.indexOf(field.value) >= 0;
+        if (field.checked !== checked) { field.checked = checked; changed.push(field); }
+      } else if (sent.length && field.value !== sent[0]) {
+        field.value = sent[0];
+        changed.push(field);
+      }
+    });
+    note.textContent = "What you typed before signing in again is back in the form; nothing is " +
+      "saved until you save it.";
+    form.insertBefore(note, form.firstChild);
+    changed.forEach(function (field) {  // what follows a field (the schedule's preview)
+      field.dispatchEvent(new Event("change", { bubbles: true }));
+    });
+  }
+  try { restoreDrafts(); } catch (e) { /* sessionStorage unavailable: nothing was kept */ }
+
   document.addEventListener("htmx:responseError", function (event) {
     var xhr = event.detail.xhr;
     var page = new DOMParser().parseFromString(xhr.responseText || "", "text/html");

@@ -384,6 +384,42 @@ def test_a_live_update_during_an_action_waits_for_its_answer(web, operator_a, jo
     web.screenshot("job-refusal-during-live-update")
 
 
+def test_a_job_form_sent_after_the_session_ended_is_back_with_what_was_typed(web, editor_a, job_a):
+    """The session ends while an edit is typed (it expired; another tab signed out): Save lands
+    on the sign-in page, and what was typed was lost. Signed in again, the reader is back on
+    the form with it; saved, it is the job's; the form opened again later is the job's own."""
+    from django.contrib.sessions.models import Session
+
+    web.sign_in(editor_a)
+    page = web.page
+    web.goto(f"/jobs/{job_a.name}/edit")
+    page.fill("#id_owner", "typed@example.com")
+    page.fill("#id_timeout_seconds", "77")
+    page.check("#id_dry_run")
+    Session.objects.all().delete()
+    page.get_by_role("button", name="Save changes").click()
+    expect(page).to_have_url(re.compile(r"/accounts/login/"))
+    page.fill("#id_username", editor_a.username)
+    page.fill("#id_password", PASSWORD)
+    page.click("button[type=submit]")
+
+    expect(page).to_have_url(re.compile(rf"/jobs/{re.escape(job_a.name)}/edit$"))
+    expect(page.locator(".draft-note")).to_contain_text("What you typed before signing in again")
+    expect(page.locator("#id_owner")).to_have_value("typed@example.com")
+    expect(page.locator("#id_timeout_seconds")).to_have_value("77")
+    expect(page.locator("#id_dry_run")).to_be_checked()
+    web.screenshot("job-form-draft-put-back")
+    page.get_by_role("button", name="Save changes").click()
+    expect(page.locator(".messages")).to_contain_text(f"Saved {job_a.name}")
+    job = JobDefinition.objects.get(pk=job_a.pk)
+    assert (job.owner, job.timeout_seconds, job.dry_run) == ("typed@example.com", 77, True)
+
+    web.goto(f"/jobs/{job_a.name}/edit")  # nothing is put back once it was saved
+    expect(page.locator("#id_timeout_seconds")).to_have_value("77")
+    expect(page.locator(".draft-note")).to_have_count(0)
+    assert web.console_errors == []
+
+
 def test_a_form_larger_than_the_server_reads_is_stopped_with_its_input_kept(
     web, editor_a, job_a, asgi_server
 ):
