@@ -98,7 +98,15 @@ def dispatch(view: APIView, request: HttpRequest, answer: Callable[[Call], dict]
             raise exceptions.Throttled(max((w for w in waits if w is not None), default=None))
         body = request.body
         # DRF reads an empty body as an empty object, whatever its type.
-        call.data = parse_json(body, items=getattr(view, "body_items", None)) if body else {}
+        call.data = (
+            parse_json(
+                body,
+                items=getattr(view, "body_items", None),
+                repeated_keys=getattr(view, "repeated_keys", False),
+            )
+            if body
+            else {}
+        )
         data = answer(call)
         return HttpResponse(
             render_json(data), content_type="application/json", headers=headers | call.headers

@@ -309,6 +309,7 @@ def test_limits_are_set_in_the_form_and_a_half_given_rate_limit_is_refused_besid
         ('{"\\u0000": 1}', "NUL"),
         ('{"a": NaN}', "Not valid JSON"),
         ('{"a": Infinity}', "Not valid JSON"),
+        ('{"a": 1, "a": 2}', 'The key "a" is given twice'),
     ],
 )
 def test_a_payload_the_api_refuses_is_a_form_error_too(editor_a, payload, reason):
