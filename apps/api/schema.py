@@ -99,7 +99,13 @@ AUTH_PROBLEMS = (401, 403, 429)
 BODY_PROBLEMS = (400, 413, 415)
 
 
-SUCCESS_DESCRIPTIONS = {200: "OK", 201: "Created", 202: "Accepted", 204: "No content"}
+SUCCESS_DESCRIPTIONS = {
+    200: "OK",
+    201: "Created",
+    202: "Accepted",
+    204: "No content",
+    207: "Made in part: the answer says what was made and what was not",
+}
 
 # What any call may be refused with though its declaration does not say so: added to every
 # operation by `declare_refusals` (SPECTACULAR_SETTINGS' POSTPROCESSING_HOOKS).

@@ -46,6 +46,7 @@ from apps.runs.clock import database_now
 from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import PRIORITIES, Run, State
 from apps.teams import access
+from scheduler_site.database import RETRY_AFTER_SECONDS
 
 
 class ManageView(APIView):
@@ -265,7 +266,7 @@ class JobsView(ManageView):
         tags=["jobs"],
         request=job_shape.SyncRequest,
         responses=doc.responses(
-            {200: job_shape.SyncAnswer},
+            {200: job_shape.SyncAnswer, 207: job_shape.SyncAnswer},
             *doc.BODY_PROBLEMS,
             409,
             e409="A job to create was created by another client meanwhile, or is being deleted.",
@@ -289,22 +290,43 @@ class JobsView(ManageView):
             raise PermissionDenied(" ".join(exc.errors["jobs"])) from exc
         except sync.SyncError as exc:
             raise ValidationError(exc.errors) from exc
-        if not body.dryRun:
-            try:
+        not_applied = {change.name for change in plan.changes} if body.dryRun else set()
+        try:
+            if not body.dryRun:
                 sync.apply_sync(plan, self.actor(request))
-            except services.NameTaken as exc:  # created (or not yet deleted) meanwhile
-                raise Conflict(f"Nothing was changed: {exc}") from exc
-        return Response(
-            job_shape.SyncAnswer(
-                changes=[sync_change_json(change) for change in plan.changes],
-                summary=job_shape.SyncSummary(**plan.summary()),
-                applied=not body.dryRun,
+        except services.NameTaken as exc:  # created (or not yet deleted) meanwhile
+            raise Conflict(f"Nothing was changed: {exc}") from exc
+        except sync.PartlyApplied as exc:
+            # Not a 5xx: some changes committed, and the answer says which (a client that read
+            # a 503 as "nothing changed" would be wrong).
+            answer = self.sync_answer(plan, set(exc.not_applied), applied=True, complete=False)
+            answer["detail"] = (
+                f"{exc}. Send the same body again to make the rest: a sync brings the jobs in "
+                "line with it, so what was made is left as it is."
             )
+            return Response(
+                answer,
+                status=status.HTTP_207_MULTI_STATUS,
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+        return Response(self.sync_answer(plan, not_applied, applied=not body.dryRun))
+
+    @staticmethod
+    def sync_answer(
+        plan: sync.SyncPlan, not_applied: set[str], *, applied: bool, complete: bool = True
+    ) -> job_shape.SyncAnswer:
+        return job_shape.SyncAnswer(
+            changes=[
+                sync_change_json(change, change.name not in not_applied) for change in plan.changes
+            ],
+            summary=job_shape.SyncSummary(**plan.summary()),
+            applied=applied,
+            complete=complete,
         )
 
 
-def sync_change_json(change: sync.Change) -> job_shape.SyncChange:
-    answer = job_shape.SyncChange(action=change.action, name=change.name)
+def sync_change_json(change: sync.Change, applied: bool) -> job_shape.SyncChange:
+    answer = job_shape.SyncChange(action=change.action, name=change.name, applied=applied)
     if change.action == "update":
         answer["fields"] = {
             key: job_shape.FieldChange(before=change.before[key], after=change.after[key])

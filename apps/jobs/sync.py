@@ -11,7 +11,7 @@ from typing import Any
 
 from apps.audit.record import Actor
 from apps.jobs import services
-from apps.jobs.models import DefinitionGone, JobDefinition
+from apps.jobs.models import DefinitionGone, JobDefinition, database_of
 from apps.runs import payloads, shards
 
 
@@ -147,22 +147,46 @@ def plan_sync(team, specs: dict[str, services.DefinitionSpec], *, prune: bool) -
     return plan
 
 
+class PartlyApplied(Exception):
+    """A database failed at its commit after others had committed (the sync is not two-phase):
+    the changes of those are applied, with their audit events; the others are not. The same
+    plan applied again finishes it (a sync is brought in line, not replayed)."""
+
+    def __init__(self, applied: list[str], not_applied: list[str]) -> None:
+        self.applied = applied
+        self.not_applied = not_applied
+        super().__init__(
+            f"{len(applied)} of {len(applied) + len(not_applied)} changes were applied; a "
+            f"database failed at its commit before {', '.join(not_applied)} could be"
+        )
+
+
 def apply_sync(plan: SyncPlan, actor: Actor) -> None:
     """Apply a plan in one transaction per database (`shards.writing_everywhere`); each change
     writes its own audit event. A job it deletes is marked deleted in that transaction, gone
-    for every call from its commit; its runs then go in batches, after it (as a DELETE's)."""
+    for every call from its commit; its runs then go in batches, after it (as a DELETE's).
+    PartlyApplied when a database failed at its commit after others had committed."""
     doomed: list[services.Doomed] = []
-    with shards.writing_everywhere():
-        for change in plan.changes:
-            if change.action == "create":
-                services.create_definition(plan.team, plan.specs[change.name], actor)
-                continue
-            definition = JobDefinition.objects.named(change.name).filter(team=plan.team).first()
-            if definition is None:  # deleted by another client since the plan was made
-                raise DefinitionGone(change.name)
-            if change.action == "update":
-                services.update_definition(definition, plan.specs[change.name], actor)
-            else:
-                doomed.append(services.begin_delete(definition, actor))
+    try:
+        with shards.writing_everywhere():
+            for change in plan.changes:
+                if change.action == "create":
+                    services.create_definition(plan.team, plan.specs[change.name], actor)
+                    continue
+                definition = JobDefinition.objects.named(change.name).filter(team=plan.team).first()
+                if definition is None:  # deleted by another client since the plan was made
+                    raise DefinitionGone(change.name)
+                if change.action == "update":
+                    services.update_definition(definition, plan.specs[change.name], actor)
+                else:
+                    doomed.append(services.begin_delete(definition, actor))
+    except shards.PartlyCommitted as exc:
+        done = set(exc.committed)
+        for marked in doomed:
+            if marked.alias in done:
+                services.finish_or_leave(marked)
+        applied = [c.name for c in plan.changes if database_of(c.name) in done]
+        not_applied = [c.name for c in plan.changes if database_of(c.name) not in done]
+        raise PartlyApplied(applied, not_applied) from exc
     for marked in doomed:
         services.finish_or_leave(marked)

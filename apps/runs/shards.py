@@ -33,6 +33,7 @@ from typing import TypeVar
 from django.conf import settings
 from django.db import (
     DEFAULT_DB_ALIAS,
+    DatabaseError,
     InterfaceError,
     OperationalError,
     ProgrammingError,
@@ -372,19 +373,53 @@ def writing(alias: str) -> Iterator[str]:
         yield alias
 
 
+class PartlyCommitted(OperationalError):
+    """A database failed at its commit after others had committed (`writing_everywhere`):
+    `committed` names those, `failed` the one that failed; the rest were rolled back. A
+    database error still (a caller that does not look at it answers as for one)."""
+
+    def __init__(self, committed: list[str], failed: str) -> None:
+        self.committed = committed
+        self.failed = failed
+        super().__init__(
+            f"database {failed} failed at its commit after {', '.join(committed)} had committed"
+        )
+
+
 @contextmanager
 def writing_everywhere() -> Iterator[None]:
     """One transaction on the control database and one on each shard database, committed at the
     end of the block, the shard databases first. Not two-phase: a database that fails at
-    commit leaves those before it committed; the audit events of their rows committed with
-    them (`kept_with_rows`: those written while the rows' database is current)."""
-    with ExitStack() as stack:
-        stack.enter_context(kept_with_rows())
-        stack.enter_context(transaction.atomic(using=CONTROL))
-        for alias in databases():
-            with reaching(alias):  # opening the transaction connects
-                stack.enter_context(transaction.atomic(using=alias))
-        yield
+    commit leaves those before it committed, and raises PartlyCommitted saying which (from the
+    database's error); the audit events of their rows committed with them (`kept_with_rows`:
+    those written while the rows' database is current)."""
+    committed: list[str] = []
+    failing: list[str] = []
+
+    @contextmanager
+    def committing(alias: str) -> Iterator[None]:
+        failing.append(alias)  # until its commit is through
+        with transaction.atomic(using=alias):
+            yield
+        failing.remove(alias)
+        committed.append(alias)
+
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(kept_with_rows())
+            stack.enter_context(committing(CONTROL))
+            for alias in databases():
+                if alias == CONTROL:  # in the transaction above
+                    continue
+                with reaching(alias):  # opening the transaction connects
+                    stack.enter_context(committing(alias))
+            yield
+    except DatabaseError as exc:
+        if not committed:
+            raise
+        # The commits run from the last database entered back to the first: the one that
+        # failed is the last of those still waiting for theirs.
+        raise PartlyCommitted(committed, failing[-1]) from exc
 
 
 def gather(read: Callable[[], T], *, strict: bool = False) -> tuple[list[T], list[str]]:

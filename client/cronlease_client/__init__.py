@@ -40,6 +40,7 @@ from cronlease_client.errors import (
     Retryable,
     RunCancelled,
     ServerError,
+    SyncIncomplete,
     Unauthorized,
     Unavailable,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "Run",
     "RunCancelled",
     "ServerError",
+    "SyncIncomplete",
     "SyncChange",
     "SyncResult",
     "Unauthorized",

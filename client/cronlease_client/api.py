@@ -27,6 +27,7 @@ from cronlease_client.errors import (
     NetworkError,
     RateLimited,
     ServerError,
+    SyncIncomplete,
     Unavailable,
     error_for,
 )
@@ -673,9 +674,7 @@ class Api:
         """Make the team's definitions these (jobs as code): create and update them, and with
         `prune` delete the others. `dry_run` answers the changes and makes none."""
         body = {"jobs": [_definition(job) for job in jobs], "prune": prune, "dryRun": dry_run}
-        return Call(
-            "PUT", "/api/v1/jobs", SyncResult.parse, content=_sendable(body), idempotent=True
-        )
+        return Call("PUT", "/api/v1/jobs", _complete_sync, content=_sendable(body), idempotent=True)
 
     def pause_job(self, name: str, *, if_match: str | None = None) -> Call[Job]:
         return self._job_action(name, "pause", if_match)
@@ -747,3 +746,12 @@ class Api:
         limit = None if count is None else {"count": count, "periodSeconds": period_seconds}
         path = f"/api/v1/queues/{_name(name)}"
         return Call("PUT", path, Queue.parse, {"rateLimit": limit}, idempotent=True)
+
+
+def _complete_sync(answer: Any) -> SyncResult:
+    """A sync's answer; SyncIncomplete (retried, as the call is idempotent) when a database
+    failed at its commit after others had committed."""
+    result = SyncResult.parse(answer)
+    if not result.complete:
+        raise SyncIncomplete(result)
+    return result

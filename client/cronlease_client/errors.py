@@ -102,6 +102,20 @@ class ApiError(Exception):
         return self.status is None or self.status == 429 or self.status >= 500
 
 
+class SyncIncomplete(ApiError):
+    """207 to `apply_jobs`: a database of the scheduler failed at its commit after others had
+    committed; `result` says which changes were made. The same call again makes the rest, so it
+    is retried as a 503 is."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__(207, result.detail or "some changes were not made")
+        self.result = result
+
+    @property
+    def transient(self) -> bool:
+        return True
+
+
 class BadAnswer(ApiError):
     """A success status whose body is not the answer the call expects: not JSON, cut short, an
     HTML page, or JSON of another shape. Something between the worker and the scheduler (a proxy,

@@ -219,6 +219,7 @@ class SyncChange(Model):
     action: str = ""
     name: str = ""
     fields: dict[str, dict[str, Any]] = field(default_factory=dict)
+    applied: bool = False
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,10 @@ class SyncResult(Model):
     changes: tuple[SyncChange, ...] = _many(SyncChange)
     summary: dict[str, int] = field(default_factory=dict)
     applied: bool = False
+    # False when a database failed at its commit after others had committed: the changes whose
+    # `applied` is False were not made (apply_jobs raises SyncIncomplete, after its retries).
+    complete: bool = True
+    detail: str = ""
 
 
 @dataclass(frozen=True)

@@ -226,14 +226,50 @@ def test_a_sync_failing_on_one_database_keeps_the_events_of_those_that_committed
     entries = [{"name": kept, "queue": "q"}, {"name": lost, "queue": "q"}]
     plan = sync.plan_sync(team_a, sync.validate(entries, parse_definition), prune=False)
     with _refused_at_commit(failing, "jobs_jobdefinition"):
-        with pytest.raises(Exception, match="refused at commit"):
+        with pytest.raises(sync.PartlyApplied, match="1 of 2 changes were applied") as raised:
             sync.apply_sync(plan, Actor.cli("deploy"))
+    assert (raised.value.applied, raised.value.not_applied) == ([kept], [lost])
+    assert "refused at commit" in str(raised.value.__cause__.__cause__)
     assert JobDefinition.objects.using(committing).filter(name=kept).exists()
     assert not JobDefinition.objects.using(failing).filter(name=lost).exists()
     created = AuditEvent.objects.filter(action="job.create")
     assert list(created.values_list("target", "actor")) == [(kept, "deploy")]
     assert created.get().relayed_from is not None
     assert not PendingEvent.objects.using(committing).exists()  # relayed, not left
+
+
+def test_a_sync_failing_on_one_database_answers_what_it_made_and_is_finished_when_sent_again(
+    layout: Layout, api_a, live_server, token_a
+):
+    """A sync whose second database fails at its commit after the first committed answered a
+    503 over changes made: a client reading it as "nothing changed" was wrong. It answers 207
+    naming what was made and what was not; the same body sent again makes the rest. The client
+    library retries it as a 503, then raises SyncIncomplete with the answer."""
+    from cronlease_client import Client, SyncIncomplete
+
+    failing, committing = layout.aliases[0], layout.aliases[-1]
+    kept, lost = _name_on(committing, "kept"), _name_on(failing, "lost")
+    body = {"jobs": [{"name": kept, "queue": "q"}, {"name": lost, "queue": "q"}]}
+    with _refused_at_commit(failing, "jobs_jobdefinition"):
+        answer = api_a.put("/api/v1/jobs", body)
+        assert answer.status_code == 207, answer.text
+        assert answer.headers["Retry-After"] == "1"
+        made = answer.json()
+        assert (made["applied"], made["complete"]) == (True, False)
+        assert {c["name"]: c["applied"] for c in made["changes"]} == {kept: True, lost: False}
+        assert lost in made["detail"] and "Send the same body again" in made["detail"]
+        with Client(live_server.url, token_a, retries=1, backoff_base=0.01) as client:
+            with pytest.raises(SyncIncomplete) as raised:
+                client.apply_jobs(body["jobs"])
+        assert [(c.name, c.applied) for c in raised.value.result.changes] == [(lost, False)]
+    assert JobDefinition.objects.using(committing).filter(name=kept).exists()
+    assert not JobDefinition.objects.using(failing).filter(name=lost).exists()
+
+    again = api_a.put("/api/v1/jobs", body)
+    assert again.status_code == 200, again.text
+    assert again.json()["complete"] is True
+    assert [(c["name"], c["applied"]) for c in again.json()["changes"]] == [(lost, True)]
+    assert JobDefinition.objects.using(failing).filter(name=lost).exists()
 
 
 def test_kept_audit_events_a_request_could_not_relay_are_relayed_once_by_retention(

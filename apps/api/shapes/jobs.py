@@ -563,6 +563,9 @@ class FieldChange(TypedDict):
 class SyncChange(TypedDict):
     action: Literal["create", "update", "delete"]
     name: str
+    applied: Annotated[
+        bool, Field(description="Made (false in a dry run, and for a change not made: `complete`).")
+    ]
     fields: NotRequired[
         Annotated[dict[str, FieldChange], Field(description="For updates: what changed.")]
     ]
@@ -581,3 +584,12 @@ class SyncAnswer(TypedDict):
     changes: list[SyncChange]
     summary: SyncSummary
     applied: bool
+    complete: Annotated[
+        bool,
+        Field(
+            description="False when a database failed at its commit after others had committed "
+            "(a sync is not two-phase): the changes with `applied` false were not made. The same "
+            "body sent again makes them (answered 207, with `detail` and `Retry-After`)."
+        ),
+    ]
+    detail: NotRequired[str]

@@ -86,6 +86,10 @@ class Command(BaseCommand):
             sync.apply_sync(plan, Actor.cli(f"apply {path.name}"))
         except (DefinitionGone, services.NameTaken) as exc:
             raise CommandError(f"{exc} Nothing was changed: run apply again.") from exc
+        except sync.PartlyApplied as exc:
+            for name in exc.not_applied:
+                self.stderr.write(f"not applied: {name}")
+            raise CommandError(f"{exc}. Run apply again to make the rest.") from exc
         self.stdout.write(f"Applied: {self._counts(plan)}.")
 
     def _print(self, plan: sync.SyncPlan) -> None:
