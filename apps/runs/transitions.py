@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
@@ -237,7 +237,8 @@ def act_on_matching(
     3. One audit event per team that had runs changed, with the filter, the states and the
        count, committed with the runs: with shards on servers of their own, one per team and
        database (`shards` in the event names the database's), so that whichever database
-       fails at its commit, the runs changed have their events.
+       fails at its commit, the runs changed have their events; PartlyChanged then says how
+       many were changed and which shards were not.
     """
     action = MATCHING[name]
     wanted = sorted(action.states.intersection(states))
@@ -250,36 +251,69 @@ def act_on_matching(
     where, params = flt.where()
     sql = action.sql.format(where=where)
     params = {**params, "teams": sorted(by_id), "states": wanted}
-    changed = 0
-    with shards.writing_everywhere():
-        for alias in shards.databases():
-            # Django's cursor, which binds on the client: planned for these values, so a group's
-            # states prove the partial index's predicate (a prepared, generic plan could not).
-            with shards.using(alias), shards.cursor() as cursor:
-                cursor.execute(sql, params)
-                rows = cursor.fetchall()
-                if action.wakes:
-                    notify_ready(queue for _, queue, _ in rows)
-                by_team: dict[int, int] = {}
-                for team_id, _, count in rows:
-                    by_team[team_id] = by_team.get(team_id, 0) + count
-                # In this database's transaction, with the runs it changed (`kept_with_rows`):
-                # one event per team and database where shards have servers of their own.
-                for team_id, count in sorted(by_team.items()):
-                    after: dict[str, object] = {"state": action.after, "count": count}
-                    if shards.physical():
-                        after["shards"] = shards.span(alias)
-                    record(
-                        actor,
-                        action.audit,
-                        team=by_id[team_id],
-                        target_type="filter",
-                        target=flt.describe()[:300],
-                        before={"filter": flt.as_json(), "states": wanted},
-                        after=after,
-                    )
-                changed += sum(by_team.values())
-    return changed
+    changed: dict[str, int] = {}
+    try:
+        with shards.writing_everywhere():
+            _matching_everywhere(action, sql, params, by_id, wanted, flt, actor, changed)
+    except shards.PartlyCommitted as exc:
+        done = set(exc.committed)
+        raise PartlyChanged(
+            exc,
+            sum(n for alias, n in changed.items() if alias in done),
+            [shards.span(alias) for alias in shards.databases() if alias not in done],
+        ) from exc
+    return sum(changed.values())
+
+
+class PartlyChanged(shards.PartlyCommitted):
+    """An action on everything matching changed `count` runs, in the databases that committed
+    theirs; one failed at its commit, and the runs of the shards `spans` were not changed."""
+
+    def __init__(self, cause: shards.PartlyCommitted, count: int, spans: list[str]) -> None:
+        super().__init__(cause.committed, cause.failed)
+        self.count = count
+        self.spans = spans
+
+
+def _matching_everywhere(
+    action: MatchingAction,
+    sql: str,
+    params: dict[str, Any],
+    by_id: dict[int, Team],
+    wanted: list[str],
+    flt: BulkFilter,
+    actor: Actor,
+    changed: dict[str, int],
+) -> None:
+    """act_on_matching's statements, inside its transactions; `changed` gets each database's
+    count."""
+    for alias in shards.databases():
+        # Django's cursor, which binds on the client: planned for these values, so a group's
+        # states prove the partial index's predicate (a prepared, generic plan could not).
+        with shards.using(alias), shards.cursor() as cursor:
+            cursor.execute(sql, params)
+            rows = cursor.fetchall()
+            if action.wakes:
+                notify_ready(queue for _, queue, _ in rows)
+            by_team: dict[int, int] = {}
+            for team_id, _, count in rows:
+                by_team[team_id] = by_team.get(team_id, 0) + count
+            # In this database's transaction, with the runs it changed (`kept_with_rows`):
+            # one event per team and database where shards have servers of their own.
+            for team_id, count in sorted(by_team.items()):
+                after: dict[str, object] = {"state": action.after, "count": count}
+                if shards.physical():
+                    after["shards"] = shards.span(alias)
+                record(
+                    actor,
+                    action.audit,
+                    team=by_id[team_id],
+                    target_type="filter",
+                    target=flt.describe()[:300],
+                    before={"filter": flt.as_json(), "states": wanted},
+                    after=after,
+                )
+            changed[alias] = sum(by_team.values())
 
 
 def require_one(changed: list[Run], run: Run, verb: str) -> Run:

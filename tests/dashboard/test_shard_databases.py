@@ -81,3 +81,32 @@ def test_a_job_saved_on_a_database_that_is_down_keeps_the_form_and_says_why(
     assert 'value="kept@example.com"' in text
     with shards.using(down):
         assert not JobDefinition.objects.filter(name=name).exists()
+
+
+def test_an_action_on_everything_matching_that_fails_on_one_database_says_what_it_changed(
+    layout: Layout, team_a, operator_a
+):
+    """Its databases commit one after the other (not two-phase): when the second fails at its
+    commit after the first committed, the page said "database failed" (a 503) over runs it had
+    changed. It says how many were changed and which shards were not."""
+    from django.db.models import Q
+
+    from apps.runs.models import Run
+    from tests.api.test_shard_databases_manage import _refused_at_commit
+
+    failing, committing = layout.aliases[0], layout.aliases[-1]
+    kept = layout.dead_runs(layout.job_on(committing, team_a, "kept"), 2, "k")
+    lost = layout.dead_runs(layout.job_on(failing, team_a, "lost"), 3, "l")
+    client = client_for(operator_a)
+    ask = {"mode": "dlq", "action": "requeue", "confirm": "yes", "next": "/dlq"}
+    with _refused_at_commit(failing, "audit_pendingevent"):
+        answer = client.post("/runs/matching", ask, follow=True)
+    assert answer.status_code == 200
+    said = answer.content.decode().split('id="messages"')[1].split("</ul>")[0]
+    assert "Requeued 2 runs." in said
+    assert "The runs of shards " in said and shards.span(failing) in said.split("shards")[1]
+    assert shards.span(committing) not in said.split("shards")[1]
+    assert [r.state for r in Run.objects.using(committing).filter(pk__in=[r.pk for r in kept])] == [
+        "ready", "ready"
+    ]  # fmt: skip
+    assert not Run.objects.using(failing).filter(Q(pk__in=[r.pk for r in lost]), ~Q(state="dead"))

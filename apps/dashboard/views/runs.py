@@ -423,7 +423,19 @@ def bulk_matching(request: HtmxHttpRequest) -> HttpResponse:
     matching = "." if flt.everything else format_html(" matching {}.", _in_words(
         _described(flt, chosen, states)[1:]
     ))  # fmt: skip
-    changed = transitions.act_on_matching(spec.name, chosen, states, flt, actor(request))
+    try:
+        changed = transitions.act_on_matching(spec.name, chosen, states, flt, actor(request))
+    except transitions.PartlyChanged as exc:  # not a 503 page over runs that were changed
+        return done(
+            request,
+            fallback,
+            format_html(
+                "{} {}{} The runs of shards {} were not changed: a database failed as the "
+                "change was saved. Do it again to change them.",
+                spec.past, plural(exc.count, "run"), matching, ", ".join(exc.spans),
+            ),
+            messages.WARNING,
+        )  # fmt: skip
     return done(
         request,
         fallback,
