@@ -485,10 +485,10 @@ class DefinitionForm(forms.Form):
                 if field.disabled or name == "seen" or opened[name] == now[name]:
                     continue
                 typed = field.widget.value_from_datadict(data, None, name)
-                if not field.has_changed(opened[name], typed):
+                if not _differs(field, opened[name], typed):
                     _put(data, name, field, now[name])
                     theirs.append(name)
-                elif field.has_changed(now[name], typed):
+                elif _differs(field, now[name], typed):
                     both.append(name)
         form = cls(data, teams=teams, instance=instance)
         form.is_valid()
@@ -694,6 +694,20 @@ class ChannelForm(forms.Form):
                 continue
             for reason in reasons:
                 self.add_error(field, reason if path == field else f"{path}: {reason}")
+
+
+def _differs(field: forms.Field, initial: Any, typed: Any) -> bool:
+    """Whether what was typed says something else than `initial`: a browser sends a text
+    area's lines ended by CRLF (a payload shown as several lines read as changed), and a
+    payload is the JSON it says, however it is laid out."""
+    if isinstance(typed, str):
+        typed = typed.replace("\r\n", "\n")
+    if isinstance(field.widget, forms.Textarea) and isinstance(initial, str):
+        try:
+            return json.loads(initial) != json.loads(typed)
+        except (TypeError, ValueError, RecursionError):
+            pass
+    return field.has_changed(initial, typed)
 
 
 def _put(data: QueryDict, name: str, field: forms.Field, value: Any) -> None:

@@ -445,6 +445,35 @@ def test_a_field_both_changed_since_the_form_was_opened_keeps_what_was_typed_and
     assert (job.timeout_seconds, job.queue, job.paused) == (77, "billing-slow", True)
 
 
+def test_a_payload_left_alone_takes_a_change_made_meanwhile_whatever_its_line_ends(editor_a):
+    """A browser sends a text area's lines ended by CRLF, where the form shows the payload's
+    with LF: a payload left alone read as changed by both, and saving again wrote the form's
+    old payload over the one changed meanwhile."""
+    import re
+    from html import unescape
+
+    from apps.audit.record import Actor
+    from apps.jobs import services
+
+    client = client_for(editor_a)
+    assert client.post("/jobs/new", FORM).status_code == 302
+    opened = client.get(f"/jobs/{FORM['name']}/edit").content.decode()
+    (seen,) = re.findall(r'name="seen" value="([0-9a-f]+)"', opened)
+    (shown,) = re.findall(r'<textarea name="payload"[^>]*>\n?(.*?)</textarea>', opened, re.S)
+    assert "\n" in unescape(shown)  # several lines, as the browser sends them back
+    job = JobDefinition.objects.get(name=FORM["name"])
+    services.update_definition(
+        job, lambda fields: parse_definition({**fields, "payload": {"b": [1, 2]}}), Actor.cli()
+    )
+
+    sent = {**FORM, "owner": "me", "payload": unescape(shown).replace("\n", "\r\n"), "seen": seen}
+    html = client.post(f"/jobs/{FORM['name']}/edit", sent).content.decode()
+    assert "Their change to Payload is now in the form" in html
+    assert "You both changed" not in html
+    (kept,) = re.findall(r'<textarea name="payload"[^>]*>\n?(.*?)</textarea>', html, re.S)
+    assert json.loads(unescape(kept)) == {"b": [1, 2]}
+
+
 def test_a_job_whose_stored_payload_is_lost_is_shown_saying_so_and_not_edited(
     editor_a, payload_folder
 ):
