@@ -180,8 +180,9 @@
   // A form sent after the session ended (it expired, or another tab signed out) lands on the
   // sign-in page, and what was typed was lost. A form marked `data-keep-draft` keeps what it
   // sends in the tab (sessionStorage), and puts it back when the reader comes back to it from
-  // signing in again; any other page after it (the saved job's) forgets it. An edit form's
-  // draft is put back only over the version of the job it was typed on.
+  // signing in again; any other page after it (the saved job's) forgets it. It is put back
+  // only for the person who typed it (another could sign in on the same page), and an edit
+  // form's only over the version of the job it was typed on.
   var DRAFT_LONGEST_MS = 12 * 3600 * 1000;  // the session's own default lifetime
   function draftKey(form) { return "draft:" + location.pathname + "#" + form.id; }
   document.addEventListener("submit", function (event) {
@@ -191,8 +192,9 @@
     new FormData(form).forEach(function (value, name) {
       if (name !== "csrfmiddlewaretoken" && typeof value === "string") fields.push([name, value]);
     });
+    var draft = { at: Date.now(), user: document.body.dataset.user || "", fields: fields };
     try {
-      sessionStorage.setItem(draftKey(form), JSON.stringify({ at: Date.now(), fields: fields }));
+      sessionStorage.setItem(draftKey(form), JSON.stringify(draft));
     } catch (e) { /* storage full or refused: the form is sent as before */ }
   }, true);
   function restoreDrafts() {
@@ -214,6 +216,7 @@
   }
   function putBack(form, draft) {
     if (!draft || Date.now() - draft.at > DRAFT_LONGEST_MS) return;
+    if (!draft.user || draft.user !== document.body.dataset.user) return;
     var values = {};
     draft.fields.forEach(function (pair) { (values[pair[0]] = values[pair[0]] || []).push(pair[1]); });
     var seen = form.querySelector("input[name=seen]");

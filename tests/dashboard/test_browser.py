@@ -18,7 +18,7 @@ from apps.jobs.models import JobDefinition
 from apps.runs.models import Run
 from apps.teams.models import ApiToken, Membership
 from tests.conftest import add_ready_runs, make_definition
-from tests.dashboard.conftest import PASSWORD, XSS, BrowserPage, failed_runs
+from tests.dashboard.conftest import PASSWORD, XSS, BrowserPage, failed_runs, make_user
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -416,6 +416,21 @@ def test_a_job_form_sent_after_the_session_ended_is_back_with_what_was_typed(web
 
     web.goto(f"/jobs/{job_a.name}/edit")  # nothing is put back once it was saved
     expect(page.locator("#id_timeout_seconds")).to_have_value("77")
+    expect(page.locator(".draft-note")).to_have_count(0)
+
+    # Another person signing in on that page gets the form empty, not what was typed there.
+    other = make_user("olga-editor", job_a.team, "editor")
+    web.goto("/jobs/new")
+    page.fill("#id_name", "secret.job")
+    page.fill("#id_payload", '{"apiKey": "secret"}')
+    Session.objects.all().delete()
+    page.get_by_role("button", name="Create job").click()
+    expect(page).to_have_url(re.compile(r"/accounts/login/"))
+    page.fill("#id_username", other.username)
+    page.fill("#id_password", PASSWORD)
+    page.click("button[type=submit]")
+    expect(page).to_have_url(re.compile(r"/jobs/new$"))
+    expect(page.locator("#id_name")).to_have_value("")
     expect(page.locator(".draft-note")).to_have_count(0)
     assert web.console_errors == []
 
