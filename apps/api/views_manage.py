@@ -1041,7 +1041,9 @@ class DlqActionView(ManageView):
         ),
         tags=["dlq"],
         request=run_shape.DlqSelection,
-        responses=doc.responses({200: run_shape.DlqActionAnswer}, *doc.BODY_PROBLEMS),
+        responses=doc.responses(
+            {200: run_shape.DlqActionAnswer, 207: run_shape.DlqActionAnswer}, *doc.BODY_PROBLEMS
+        ),
     )
     def post(self, request: Request) -> Response:
         body = self.body(request, run_shape.DlqSelection)
@@ -1071,7 +1073,18 @@ class DlqActionView(ManageView):
             self._deny(request, team, "run", run_ids)
         runs = sorted(runs, key=lambda run: run.pk)[:DLQ_ACTION_MAX]
         action = transitions.requeue if self.action_name == "requeue" else transitions.discard
-        changed = action(runs, self.actor(request))
+        try:
+            changed = action(runs, self.actor(request))
+        except transitions.PartlyTransitioned as exc:  # not a 5xx over runs that changed
+            return Response(
+                run_shape.DlqActionAnswer(
+                    count=len(exc.changed),
+                    runIds=[run.run_id for run in exc.changed],
+                    unavailableShards=exc.spans,
+                ),
+                status=status.HTTP_207_MULTI_STATUS,
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
         return Response(
             run_shape.DlqActionAnswer(count=len(changed), runIds=[run.run_id for run in changed])
         )
@@ -1088,7 +1101,9 @@ class DlqActionView(ManageView):
         ),
         tags=["dlq"],
         request=run_shape.DlqSelection,
-        responses=doc.responses({200: run_shape.DlqActionAnswer}, *doc.BODY_PROBLEMS),
+        responses=doc.responses(
+            {200: run_shape.DlqActionAnswer, 207: run_shape.DlqActionAnswer}, *doc.BODY_PROBLEMS
+        ),
     )
 )
 class DlqDiscardView(DlqActionView):

@@ -6,11 +6,12 @@ runs of a definition is `apps.jobs.enqueue`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 
 from apps.audit.record import Actor, kept_with_rows, record
 from apps.runs import shards
@@ -19,6 +20,8 @@ from apps.runs.filters import BulkFilter
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run, reported_state
 from apps.runs.store import atomic, notify_ready, server_cursor
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from apps.teams.models import Team
@@ -78,21 +81,43 @@ def _transition(
     for run in runs:  # a shard being moved takes no changes (apps/scheduler/moves.py)
         shards.writable(run.shard)
     changed: list[tuple[int, str, str]] = []
+    unreached: list[str] = []
     # Each run's event is written in its database's transaction, with the change
     # (`kept_with_rows`: relayed to the trail after the commit where that is a shard database
     # of its own), so that a run changed has its event whichever database fails at its commit.
     with kept_with_rows(), transaction.atomic(using=shards.CONTROL):
         for alias, ids in shards.runs_by_database(list(by_id)).items():
-            with shards.using(alias), atomic(savepoint=False), server_cursor() as cursor:
-                cursor.execute(sql, {"ids": ids})
-                done = cursor.fetchall()
-                if wakes:
-                    notify_ready(queue for _, queue, _ in done)
-                for run_id, _, state in done:
-                    _audit_one(by_id[run_id], state, actor, action)
+            try:
+                with shards.using(alias), atomic(savepoint=False), server_cursor() as cursor:
+                    cursor.execute(sql, {"ids": ids})
+                    done = cursor.fetchall()
+                    if wakes:
+                        notify_ready(queue for _, queue, _ in done)
+                    for run_id, _, state in done:
+                        _audit_one(by_id[run_id], state, actor, action)
+            except DatabaseError:
+                if alias == shards.CONTROL or not changed:
+                    raise  # nothing was changed: the caller's 503 says so
+                # Down, or failed at its commit: the others' changes stand. Go on, then say so.
+                log.warning("runs of %s not changed", alias, exc_info=True)
+                unreached.append(alias)
+                continue
             changed += done
     changed_ids = {run_id for run_id, _, _ in changed}
-    return [run for run in runs if run.pk in changed_ids]
+    made = [run for run in runs if run.pk in changed_ids]
+    if unreached:
+        raise PartlyTransitioned(made, [shards.span(alias) for alias in unreached])
+    return made
+
+
+class PartlyTransitioned(Exception):
+    """A change of runs in several databases reached some and not others (down, or failed at
+    their commit): `changed` are the runs changed, `spans` the shards whose runs were not."""
+
+    def __init__(self, changed: list[Run], spans: list[str]) -> None:
+        self.changed = changed
+        self.spans = spans
+        super().__init__(f"shards {', '.join(spans)} are unavailable: their runs were not changed")
 
 
 def _audit_one(run: Run, state: str, actor: Actor, action: str) -> None:

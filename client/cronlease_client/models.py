@@ -245,6 +245,9 @@ class DlqResult(Model):
 
     count: int = 0
     run_ids: tuple[str, ...] = field(default=(), metadata={_CONVERT: tuple})
+    # Answered 207: the shards whose database could not be reached; their runs were not
+    # changed (the same call again changes them).
+    unavailable_shards: tuple[str, ...] = field(default=(), metadata={_CONVERT: tuple})
 
 
 @dataclass(frozen=True)

@@ -272,6 +272,51 @@ def test_a_sync_failing_on_one_database_answers_what_it_made_and_is_finished_whe
     assert JobDefinition.objects.using(failing).filter(name=lost).exists()
 
 
+def test_a_dlq_action_on_runs_of_two_databases_one_down_answers_what_it_changed(
+    layout: Layout, api_a, team_a, live_server, token_a
+):
+    """Runs are changed one database after the other: when a later one fails at its commit
+    (or goes down after the runs were read), the earlier ones' changes stand, and the answer
+    said 5xx over them. It answers 207 with the runs changed and the shards whose runs were
+    not; the same call again changes those. A database down before anything changed is a 503."""
+    from cronlease_client import Client, Unavailable
+
+    one = layout.dead_runs(layout.job_on(layout.aliases[0], team_a, "one"), 1, "o")[0]
+    two = layout.dead_runs(layout.job_on(layout.aliases[1], team_a, "two"), 1, "t")[0]
+    first, later = sorted([one, two], key=lambda run: run.pk)  # the order they are changed in
+    down = layout.aliases.index(shards.alias_of_run(later.pk))
+    body = {"runIds": [one.run_id, two.run_id]}
+    span = shards.span(layout.aliases[down])
+    with _refused_at_commit(layout.aliases[down], "audit_pendingevent"):
+        with Client(live_server.url, token_a, retries=0) as client:
+            result = client.requeue(body["runIds"])
+    with layout.down(down), Client(live_server.url, token_a, retries=0) as client:
+        with pytest.raises(Unavailable):  # nothing changed
+            client.requeue(body["runIds"])
+    assert (result.count, result.run_ids, result.unavailable_shards) == (
+        1, (first.run_id,), (span,)
+    )  # fmt: skip
+    assert Run.objects.using(shards.alias_of_run(first.pk)).get(pk=first.pk).state == "ready"
+    assert Run.objects.using(layout.aliases[down]).get(pk=later.pk).state == "dead"
+
+    again = api_a.post("/api/v1/dlq/requeue", body)
+    assert again.status_code == 200 and again.json()["runIds"] == [later.run_id], again.text
+    # The 207 as it is on the wire.
+    more = layout.dead_runs(layout.job_on(layout.aliases[0], team_a, "three"), 1, "p")[0]
+    other = layout.dead_runs(layout.job_on(layout.aliases[1], team_a, "four"), 1, "q")[0]
+    first, later = sorted([more, other], key=lambda run: run.pk)
+    down = layout.aliases.index(shards.alias_of_run(later.pk))
+    with _refused_at_commit(layout.aliases[down], "audit_pendingevent"):
+        answer = api_a.post("/api/v1/dlq/discard", {"runIds": [more.run_id, other.run_id]})
+    assert answer.status_code == 207, answer.text
+    assert answer.headers["Retry-After"] == "1"
+    assert answer.json() == {
+        "count": 1,
+        "runIds": [first.run_id],
+        "unavailableShards": [shards.span(layout.aliases[down])],
+    }
+
+
 def test_kept_audit_events_a_request_could_not_relay_are_relayed_once_by_retention(
     layout: Layout, api_a
 ):

@@ -110,3 +110,26 @@ def test_an_action_on_everything_matching_that_fails_on_one_database_says_what_i
         "ready", "ready"
     ]  # fmt: skip
     assert not Run.objects.using(failing).filter(Q(pk__in=[r.pk for r in lost]), ~Q(state="dead"))
+
+
+def test_ticked_runs_of_two_databases_one_failing_at_its_commit_are_said_as_they_are(
+    layout: Layout, team_a, operator_a
+):
+    """The runs of each database are changed in its own transaction, one after the other: when
+    a later one fails at its commit, the earlier ones' changes stand (a 500 page said nothing
+    of them). The message says how many were changed and which shards' were not."""
+    from apps.runs.models import Run
+    from tests.api.test_shard_databases_manage import _refused_at_commit
+
+    one = layout.dead_runs(layout.job_on(layout.aliases[0], team_a, "one"), 1, "o")[0]
+    two = layout.dead_runs(layout.job_on(layout.aliases[1], team_a, "two"), 1, "t")[0]
+    first, later = sorted([one, two], key=lambda run: run.pk)  # the order they are changed in
+    failing = shards.alias_of_run(later.pk)
+    ask = {"action": "requeue", "ids": [one.run_id, two.run_id], "confirm": "yes", "next": "/dlq"}
+    with _refused_at_commit(failing, "audit_pendingevent"):
+        answer = client_for(operator_a).post("/runs/bulk", ask, follow=True)
+    assert answer.status_code == 200
+    said = answer.content.decode().split('id="messages"')[1].split("</ul>")[0]
+    assert f"Requeued 1 run. The runs of shards {shards.span(failing)} were not changed" in said
+    assert Run.objects.using(shards.alias_of_run(first.pk)).get(pk=first.pk).state == "ready"
+    assert Run.objects.using(failing).get(pk=later.pk).state == "dead"

@@ -245,6 +245,16 @@ class RunPage(TypedDict):
 class DlqActionAnswer(TypedDict):
     count: Annotated[int, Field(ge=0, description="How many runs changed.")]
     runIds: Annotated[list[str], Field(description="The runs changed.")]
+    unavailableShards: NotRequired[
+        Annotated[
+            list[str],
+            Field(
+                description='Answered 207: the shards ("5-10") whose database could not be '
+                "reached or failed at its commit after others had committed; their runs were not "
+                "changed. The same call again changes them."
+            ),
+        ]
+    ]
 
 
 @typed_config(ANSWER)

@@ -314,12 +314,21 @@ def bulk(request: HtmxHttpRequest) -> HttpResponse:
             "next": request.POST.get("next", ""),
         }
         return render_page(request, "dashboard/bulk_confirm.html", context, regions=("dialog",))
-    changed = spec.change(eligible, actor(request))
-    skipped = len(selected) - len(changed)
+    unreached: list[str] = []
+    try:
+        changed = spec.change(eligible, actor(request))
+    except transitions.PartlyTransitioned as exc:  # not a 503 page over runs that changed
+        changed, unreached = exc.changed, exc.spans
     message = f"{spec.past} {plural(len(changed), 'run')}."
-    if skipped:
+    if unreached:
+        message += (
+            f" The runs of shards {', '.join(unreached)} were not changed: their database could "
+            "not be reached. Do it again to change them."
+        )
+    elif skipped := len(selected) - len(changed):
         message += f" {plural(skipped, 'run')} had changed state and {'was' if skipped == 1 else 'were'} left as {'it was' if skipped == 1 else 'they were'}."
-    return done(request, fallback, message, messages.SUCCESS if changed else messages.WARNING)
+    level = messages.SUCCESS if changed and not unreached else messages.WARNING
+    return done(request, fallback, message, level)
 
 
 class Described(NamedTuple):
