@@ -131,7 +131,10 @@
   document.addEventListener("htmx:afterRequest", function (event) {
     if (!isAction(event) || !actions.delete(event.detail.xhr) || actions.size) return;
     delete document.body.dataset.liveHeld;
-    if (heldSocket) heldSocket.send(JSON.stringify({ again: true }));
+    var xhr = event.detail.xhr;
+    var leaving = xhr.getResponseHeader && (xhr.getResponseHeader("HX-Redirect") ||
+      xhr.getResponseHeader("HX-Refresh"));  // the next page is the page as it is now
+    if (heldSocket && !leaving) heldSocket.send(JSON.stringify({ again: true }));
     heldSocket = null;
   });
   document.addEventListener("htmx:wsBeforeMessage", function (event) {
