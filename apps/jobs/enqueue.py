@@ -10,6 +10,7 @@ run is kept (retention), and concurrent batches naming it create it once (the un
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -18,7 +19,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 import orjson
-from django.db import IntegrityError, InterfaceError, OperationalError, transaction
+from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, transaction
 
 from apps.audit.record import TARGETS_SHOWN, Actor, kept_with_rows, record, record_denied
 from apps.jobs.models import DefinitionGone, JobDefinition, database_of
@@ -30,6 +31,8 @@ from apps.runs.models import Run, Trigger
 from apps.runs.store import NewRun, array_literal, insert_keyed, server_cursor, unavailable
 from apps.runs.transitions import TransitionError
 from apps.teams.models import Team
+
+log = logging.getLogger(__name__)
 
 
 class IdempotencyConflict(TransitionError):
@@ -200,19 +203,37 @@ def enqueue_many(
     # trail once the control database's transaction commits, when that is a shard database of
     # its own): a database failing at its commit after another committed leaves the runs that
     # committed with their events (they were written last, in the control database, and lost).
-    with kept_with_rows(), transaction.atomic(using=shards.CONTROL):
-        # With shards on databases of their own, the batch's large payloads' blobs are held at
-        # once on the control database. Held by each database's insert, two batches naming the
-        # same two blobs the other way round deadlocked; and a failure there was taken for the
-        # shard database's (its items 503, then a 500 on the spoilt transaction): here it
-        # fails the request (503). One database needs neither (and is spared measuring each
-        # payload twice: ~2 ms for 1 000).
-        if shards.physical():
-            payloads.hold_all(new.payload for new in asked)
-        for alias, asked_here in _by_database(asked, by_id).items():
-            made, here = _insert_on(alias, asked_here, by_id, failed, full=full, then=answered)
-            rows.update(made)
-            runs.update(here)
+    by_database = _by_database(asked, by_id)
+    committed: list[str] = []  # the shard databases of their own whose insert has committed
+    try:
+        with kept_with_rows(), transaction.atomic(using=shards.CONTROL):
+            # With shards on databases of their own, the batch's large payloads' blobs are held
+            # at once on the control database. Held by each database's insert, two batches
+            # naming the same two blobs the other way round deadlocked; and a failure there was
+            # taken for the shard database's (its items 503, then a 500 on the spoilt
+            # transaction): here it fails the request (503). One database needs neither (and is
+            # spared measuring each payload twice: ~2 ms for 1 000).
+            if shards.physical():
+                payloads.hold_all(new.payload for new in asked)
+            for alias, asked_here in by_database.items():
+                made, here = _insert_on(alias, asked_here, by_id, failed, full=full, then=answered)
+                rows.update(made)
+                runs.update(here)
+                if alias != shards.CONTROL:
+                    committed.append(alias)
+    except DatabaseError as exc:
+        # The control database's transaction commits last: when it fails (or a statement in it
+        # did), the runs of databases that committed before stand, and are answered as such (a
+        # 503 for the whole batch invited a retry that duplicated them without keys). The
+        # items of the others were not created.
+        if not committed:
+            raise
+        log.warning("enqueue: the control database failed after shard databases committed",
+                    exc_info=True)  # fmt: skip
+        why = unavailable(shards.CONTROL, exc)
+        for alias, asked_here in by_database.items():
+            if alias not in committed:
+                failed.update(dict.fromkeys((new.definition_id for new in asked_here), why))
     answers = []
     seen: set[tuple[int, str]] = set()
     for pair in wanted:
@@ -301,21 +322,24 @@ def _unless_unreachable(
     guard refused a row is added to `moving`."""
     try:
         yield
-    except (OperationalError, InterfaceError) as exc:
+    except DatabaseError as exc:
+        # A process whose map is a moment older than a finished move wrote to the shard's old
+        # database, whose guard refuses it (apps/scheduler/moves.py): the same answer as during
+        # the move.
+        diag = getattr(exc.__cause__, "diag", None)
+        constraint = getattr(diag, "constraint_name", "") or ""
+        if isinstance(exc, IntegrityError) and constraint.startswith(shards.MOVED_GUARD_PREFIX):
+            shard = int(constraint.removeprefix(shards.MOVED_GUARD_PREFIX))
+            down.update(dict.fromkeys(keys, shards.moving_detail(shard)))
+            if moving is not None:
+                moving.append(shard)
+            return
         if not shards.physical():
             raise
+        # Down, or failed at its commit (any database error): its items alone answer 503.
+        if not isinstance(exc, OperationalError | InterfaceError):
+            log.warning("enqueue: not inserted on %s", alias, exc_info=True)
         down.update(dict.fromkeys(keys, unavailable(alias, exc)))
-    except IntegrityError as exc:
-        # A process whose map is a moment older than a finished move wrote to the shard's old
-        # database, whose guard refuses it (apps/scheduler/moves.py): the same answer as during the
-        # move.
-        constraint = getattr(getattr(exc.__cause__, "diag", None), "constraint_name", "") or ""
-        if not constraint.startswith(shards.MOVED_GUARD_PREFIX):
-            raise
-        shard = int(constraint.removeprefix(shards.MOVED_GUARD_PREFIX))
-        down.update(dict.fromkeys(keys, shards.moving_detail(shard)))
-        if moving is not None:
-            moving.append(shard)
 
 
 def _definitions(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import psycopg
-from django.db import InterfaceError, OperationalError, connections
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
 
 from apps.runs import shards, store
 from apps.runs.activity import note_lease_activity
@@ -211,26 +211,33 @@ class _Held(dict[str, ExitStack]):
 
 def _finish(held: _Held, error: BaseException | None) -> list[str]:
     """Commit each database's claim transaction (roll back, given the `error` that ended the
-    request); return the shard databases whose commit failed (their server went away).
+    request); return the shard databases whose commit failed (their server went away, or it
+    raised at its commit: any database error).
 
     The control database's comes first when the request took rooms in rate-limited queues
     (`_queue_rooms`): when it fails to commit, the starts it recorded are gone, so every other
-    claim rolls back with it."""
+    claim rolls back with it. Every transaction is closed whatever fails: one left open kept
+    its connection inside an atomic block, and the process answered 500 for that database
+    until it was restarted."""
     lost = []
+    failure: DatabaseError | None = None
     for alias, transaction in held.items():
         try:
             if error is None:
                 transaction.close()
             else:
                 transaction.__exit__(type(error), error, error.__traceback__)
-        except (OperationalError, InterfaceError) as exc:
+        except DatabaseError as exc:
             if not shards.physical() or error is not None:
-                raise
+                failure = failure or exc  # raised once the others are closed
+                continue
             logger.warning("shard database %s failed to commit a claim", alias, exc_info=True)
             lost.append(alias)
             if held.rated and alias == shards.CONTROL:
                 error = exc
                 lost.extend(other for other in held if other != alias)
+    if failure is not None:
+        raise failure
     return lost
 
 

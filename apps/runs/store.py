@@ -1427,8 +1427,9 @@ def _apply(
     team_ids: Sequence[int],
 ) -> list[Outcome]:
     """Run a batch statement on each database that holds some of the items' runs (one
-    transaction each); one Outcome per item, in order. A database that cannot be reached
-    answers 503 for its items alone: the others' changes stand."""
+    transaction each); one Outcome per item, in order. A database that cannot be reached, or
+    fails at its commit (any database error), answers 503 for its items alone: the others'
+    changes stand (a 500 answered over them)."""
     groups = placement.runs_by_database([item[0] for item in items])
     outcomes: dict[int, Outcome] = {}
     for alias, run_ids in groups.items():
@@ -1437,9 +1438,11 @@ def _apply(
         try:
             with placement.using(alias):
                 outcomes.update(_apply_on(sql, params_of(part), part, team_ids))
-        except (OperationalError, InterfaceError) as exc:
+        except DatabaseError as exc:
             if not placement.physical():
                 raise
+            if not isinstance(exc, OperationalError | InterfaceError):
+                log.warning("batch not applied on %s", alias, exc_info=True)
             detail = unavailable(alias, exc)
             outcomes.update((run_id, Outcome(run_id, 503, detail=detail)) for run_id in run_ids)
     return [outcomes[item[0]] for item in items]

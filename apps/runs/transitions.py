@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError
 
 from apps.audit.record import Actor, kept_with_rows, record
 from apps.runs import shards
@@ -85,8 +85,12 @@ def _transition(
     # Each run's event is written in its database's transaction, with the change
     # (`kept_with_rows`: relayed to the trail after the commit where that is a shard database
     # of its own), so that a run changed has its event whichever database fails at its commit.
-    with kept_with_rows(), transaction.atomic(using=shards.CONTROL):
-        for alias, ids in shards.runs_by_database(list(by_id)).items():
+    # One transaction per database, the control database's first: committed last, inside the
+    # others, its failure came after theirs had committed and was answered as if none had.
+    groups = shards.runs_by_database(list(by_id))
+    with kept_with_rows():
+        for alias in sorted(groups, key=lambda alias: alias != shards.CONTROL):
+            ids = groups[alias]
             try:
                 with shards.using(alias), atomic(savepoint=False), server_cursor() as cursor:
                     cursor.execute(sql, {"ids": ids})
@@ -96,7 +100,7 @@ def _transition(
                     for run_id, _, state in done:
                         _audit_one(by_id[run_id], state, actor, action)
             except DatabaseError:
-                if alias == shards.CONTROL or not changed:
+                if not changed:
                     raise  # nothing was changed: the caller's 503 says so
                 # Down, or failed at its commit: the others' changes stand. Go on, then say so.
                 log.warning("runs of %s not changed", alias, exc_info=True)

@@ -31,14 +31,15 @@ def _name_on(alias: str, prefix: str) -> str:
 
 
 @contextmanager
-def _refused_at_commit(alias: str, table: str) -> Iterator[None]:
-    """Inside the block, a transaction of database `alias` that inserted into `table` fails at
-    its commit (a deferred constraint trigger raises there)."""
+def _refused_at_commit(alias: str, table: str, events: str = "INSERT") -> Iterator[None]:
+    """Inside the block, a transaction of database `alias` that wrote `events` ("INSERT",
+    "INSERT OR UPDATE") to `table` fails at its commit (a deferred constraint trigger raises
+    there)."""
     with connections[alias].cursor() as cursor:
         cursor.execute(
             "CREATE FUNCTION refuse_at_commit() RETURNS trigger LANGUAGE plpgsql"
             " AS $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$;"
-            f" CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER INSERT ON {table}"
+            f" CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER {events} ON {table}"
             " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_at_commit()"
         )
     try:
