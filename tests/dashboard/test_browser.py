@@ -384,24 +384,30 @@ def test_a_live_update_during_an_action_waits_for_its_answer(web, operator_a, jo
     web.screenshot("job-refusal-during-live-update")
 
 
+def _sent_signed_out_then_signed_in(page, button: str, user) -> None:
+    """The session ends (every one is deleted), the form is sent, and `user` signs in on the
+    page it lands on."""
+    from django.contrib.sessions.models import Session
+
+    Session.objects.all().delete()
+    page.get_by_role("button", name=button).click()
+    expect(page).to_have_url(re.compile(r"/accounts/login/"))
+    page.fill("#id_username", user.username)
+    page.fill("#id_password", PASSWORD)
+    page.click("button[type=submit]")
+
+
 def test_a_job_form_sent_after_the_session_ended_is_back_with_what_was_typed(web, editor_a, job_a):
     """The session ends while an edit is typed (it expired; another tab signed out): Save lands
     on the sign-in page, and what was typed was lost. Signed in again, the reader is back on
     the form with it; saved, it is the job's; the form opened again later is the job's own."""
-    from django.contrib.sessions.models import Session
-
     web.sign_in(editor_a)
     page = web.page
     web.goto(f"/jobs/{job_a.name}/edit")
     page.fill("#id_owner", "typed@example.com")
     page.fill("#id_timeout_seconds", "77")
     page.check("#id_dry_run")
-    Session.objects.all().delete()
-    page.get_by_role("button", name="Save changes").click()
-    expect(page).to_have_url(re.compile(r"/accounts/login/"))
-    page.fill("#id_username", editor_a.username)
-    page.fill("#id_password", PASSWORD)
-    page.click("button[type=submit]")
+    _sent_signed_out_then_signed_in(page, "Save changes", editor_a)
 
     expect(page).to_have_url(re.compile(rf"/jobs/{re.escape(job_a.name)}/edit$"))
     expect(page.locator(".draft-note")).to_contain_text("What you typed before signing in again")
@@ -423,12 +429,7 @@ def test_a_job_form_sent_after_the_session_ended_is_back_with_what_was_typed(web
     web.goto("/jobs/new")
     page.fill("#id_name", "secret.job")
     page.fill("#id_payload", '{"apiKey": "secret"}')
-    Session.objects.all().delete()
-    page.get_by_role("button", name="Create job").click()
-    expect(page).to_have_url(re.compile(r"/accounts/login/"))
-    page.fill("#id_username", other.username)
-    page.fill("#id_password", PASSWORD)
-    page.click("button[type=submit]")
+    _sent_signed_out_then_signed_in(page, "Create job", other)
     expect(page).to_have_url(re.compile(r"/jobs/new$"))
     expect(page.locator("#id_name")).to_have_value("")
     expect(page.locator(".draft-note")).to_have_count(0)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 import time
+from urllib.parse import quote
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -80,17 +81,7 @@ def test_a_socket_on_another_teams_page_is_refused_once_and_audited_once(operato
     cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
 
     async def scenario() -> dict:
-        socket = ApplicationCommunicator(
-            application,
-            {
-                "type": "websocket",
-                "path": "/ws/live/",
-                "query_string": f"path=%2Fruns%2F{theirs.run_id}".encode(),
-                "headers": [(b"origin", b"http://localhost"), (b"host", b"localhost"),
-                            (b"cookie", cookie)],
-                "subprotocols": [],
-            },
-        )  # fmt: skip
+        socket = _socket(application, [(b"cookie", cookie)], f"/runs/{theirs.run_id}")
         await socket.send_input({"type": "websocket.connect"})
         answer = await socket.receive_output(timeout=5)
         await sync_to_async(connections.close_all)()
@@ -137,14 +128,16 @@ def in_own_thread(scenario):
     return outcome["value"]
 
 
-def _socket(application, headers: list[tuple[bytes, bytes]]) -> ApplicationCommunicator:
+def _socket(
+    application, headers: list[tuple[bytes, bytes]], page: str = "/failures"
+) -> ApplicationCommunicator:
     # channels.testing needs daphne; the ASGI messages are few enough to write by hand.
     return ApplicationCommunicator(
         application,
         {
             "type": "websocket",
             "path": "/ws/live/",
-            "query_string": b"path=%2Ffailures",
+            "query_string": b"path=" + quote(page, safe="").encode(),
             "headers": [(b"origin", b"http://localhost"), (b"host", b"localhost"), *headers],
             "subprotocols": [],
         },
@@ -332,17 +325,7 @@ def test_a_socket_whose_run_is_deleted_says_so_not_signed_out(operator_a, job_a)
     cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
 
     async def scenario() -> dict:
-        socket = ApplicationCommunicator(
-            application,
-            {
-                "type": "websocket",
-                "path": "/ws/live/",
-                "query_string": f"path=%2Fruns%2F{run.run_id}".encode(),
-                "headers": [(b"origin", b"http://localhost"), (b"host", b"localhost"),
-                            (b"cookie", cookie)],
-                "subprotocols": [],
-            },
-        )  # fmt: skip
+        socket = _socket(application, [(b"cookie", cookie)], f"/runs/{run.run_id}")
         await socket.send_input({"type": "websocket.connect"})
         assert (await socket.receive_output(timeout=5))["type"] == "websocket.accept"
         await sync_to_async(Run.objects.filter(pk=run.pk).delete)()
