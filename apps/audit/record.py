@@ -132,6 +132,11 @@ def relay_kept(database: str, rows: list[list[Any]]) -> None:
             "audit events kept in %s are left for the scheduler to relay: %s",
             database, type(exc).__name__,
         )  # fmt: skip
+        # A connection the failure left dead is not handed to the rest of the request: the
+        # answer of the change that did commit read the clock on it, and was a 503.
+        for alias in (router.db_for_write(AuditEvent), database):
+            if not connections[alias].in_atomic_block:
+                connections[alias].close_if_unusable_or_obsolete()
 
 
 def relay(database: str, batch: int = 1000) -> int:

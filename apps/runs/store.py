@@ -1596,11 +1596,13 @@ def reap(*, shards: Sequence[int] | None = None, batch: int = 500) -> list[Reape
                     )
                     for row in _rows(cursor)
                 ]
-        except placement.DOWN as exc:
-            # The other databases are reaped all the same; this one's leases wait for it.
+        except DatabaseError as exc:
+            # Down, or failed at its commit (any error): the other databases are reaped all
+            # the same, and this one's leases wait for it (one that raised at its commit held
+            # back every database's reap, and the scheduler's whole tick, until it stopped).
             if not placement.physical():
                 raise
-            log.warning("reap: %s", unavailable(alias, exc))
+            log.warning("reap: %s", unavailable(alias, exc), exc_info=True)
             connections[alias].close()
     metrics.observe_reaped(reaped)
     for item in reaped if logs.runs_logged() else ():

@@ -239,13 +239,14 @@ class Scheduler:
                 self.handle_one_renewal()
                 if not self.handle_one_materialise(shard):
                     break
-        except shards.DOWN:
+        except DatabaseError:  # down, or failed at its commit: the others go on
             self._pass_over(alias, "wait for the next tick")
 
     def _pass_over(self, alias: str, what: str) -> None:
-        """In an `except shards.DOWN` block: with shards on servers of their own, a database
-        that is down holds back its own shards only (noted for this tick; the others are
-        served all the same). The control database's failure (its lease check is part of every
+        """In an `except DatabaseError` block: with shards on servers of their own, a database
+        that is down, or fails at its commit whatever the error, holds back its own shards only
+        (noted for this tick; the others are served all the same, and retention and the audit
+        relay after them). The control database's failure (its lease check is part of every
         batch) is raised again, failing the tick as before: the loop starts the next one on a
         fresh connection."""
         if (

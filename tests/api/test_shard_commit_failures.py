@@ -5,6 +5,9 @@ never a 5xx over a commit, never a lease that is not answered, nothing left half
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 from django.db import connections
 
@@ -114,3 +117,107 @@ def test_a_dlq_action_whose_control_database_fails_changes_nothing_elsewhere(
         alias = shards.alias_of_run(run.pk)
         assert Run.objects.using(alias).get(pk=run.pk).state == "dead", alias
     assert not connections[shards.CONTROL].in_atomic_block
+
+
+@pytest.mark.parametrize("path", ["/api/v1/leases", "/api/v1/results"])
+def test_results_naming_another_teams_run_are_answered_when_the_trail_fails(
+    layout: Layout, api_a, api_b, team_a, team_b, path
+):
+    """A result naming another team's run is audited as a denial in the control database,
+    after the items' own changes committed: a trail refusing it turned the answer into a 500
+    over a result that had been recorded."""
+    mine = layout.job_on(layout.aliases[0], team_a, "own")
+    theirs = layout.job_on(layout.aliases[1], team_b, "their")
+    layout.new_runs(mine, 1, "m")
+    layout.new_runs(theirs, 1, "t")
+    (own,) = api_a.lease(["q"], 1)
+    (other,) = api_b.lease(["q"], 1)
+    results = [
+        {"runId": lease["runId"], "fencingToken": lease["fencingToken"], "outcome": "succeeded"}
+        for lease in (own, other)
+    ]
+    body = {"results": results}
+    if path.endswith("leases"):
+        body |= {"queues": ["q"], "max": 1, "workerId": "w"}
+    with _refused_at_commit(shards.CONTROL, "audit_auditevent"):
+        answer = api_a.post(path, body)
+    assert answer.status_code == 200, answer.text
+    statuses = [item["status"] for item in answer.json()["results"]]
+    assert statuses == [200, 404]
+    assert Run.objects.using(layout.aliases[0]).get(state="succeeded").run_id == own["runId"]
+    assert Run.objects.using(layout.aliases[1]).get().state == "leased"
+
+
+@contextmanager
+def _connection_lost_on_insert(alias: str, table: str) -> Iterator[None]:
+    """Inside the block, the session that inserts into `table` of database `alias` loses its
+    connection there (its backend is terminated by its own trigger)."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION lose_connection() RETURNS trigger LANGUAGE plpgsql AS $$"
+            " BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); RETURN NEW; END $$;"
+            f" CREATE TRIGGER lose_connection AFTER INSERT ON {table}"
+            " FOR EACH ROW EXECUTE FUNCTION lose_connection()"
+        )
+    try:
+        yield
+    finally:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                f"DROP TRIGGER lose_connection ON {table}; DROP FUNCTION lose_connection()"
+            )
+
+
+@pytest.mark.parametrize("action", ["cancel", "retry"])
+def test_a_run_changed_whose_event_the_trail_lost_is_answered_as_changed(
+    layout: Layout, api_a, team_a, action
+):
+    """The change of one run commits in its shard database, its event is then copied to the
+    trail: a connection lost there was left to the answer, which read the clock on it and said
+    503 over a run that had changed (the event is relayed later all the same)."""
+    from apps.audit.models import PendingEvent
+
+    job = layout.job_on(layout.aliases[0], team_a, "one")
+    if action == "cancel":
+        (pk,) = layout.new_runs(job, 1, "c")
+    else:
+        pk = layout.dead_runs(job, 1, "r")[0].pk
+        Run.objects.using(layout.aliases[0]).filter(pk=pk).update(state="retrying")
+    run = Run.objects.using(layout.aliases[0]).get(pk=pk)
+    with _connection_lost_on_insert(shards.CONTROL, "audit_auditevent"):
+        answer = api_a.post(f"/api/v1/runs/{run.run_id}/{action}", {})
+    assert answer.status_code == 200, answer.text
+    state = Run.objects.using(layout.aliases[0]).get(pk=pk).state
+    assert answer.json()["state"] == state == ("cancelled" if action == "cancel" else "ready")
+    assert PendingEvent.objects.using(layout.aliases[0]).count() == 1  # kept for the relay
+
+
+def test_a_scheduler_tick_goes_on_past_a_database_that_fails_at_its_commit(layout, team_a):
+    """A shard database raising at its commit (not a lost connection) failed every tick at its
+    reap, before any cron time of the other databases was materialised, and before retention
+    and the audit relay ran."""
+    from apps.jobs.models import JobDefinition
+    from apps.scheduler.daemon import Scheduler
+    from tests.conftest import db_now
+
+    victim = min(layout.aliases, key=lambda alias: shards.shards_on(alias)[0])
+    jobs = {alias: layout.job_on(alias, team_a, f"tick{n}")
+            for n, alias in enumerate(shards.databases())}  # fmt: skip
+    scheduler = Scheduler(node_id="test-node")
+    scheduler.tick()  # takes every shard; nothing is due yet
+    for alias, job in jobs.items():
+        with shards.using(alias):
+            JobDefinition.objects.filter(pk=job.pk).update(
+                schedule={"cron": "* * * * *", "jitterSeconds": 0},
+                next_due_at=db_now().replace(second=0, microsecond=0),  # this minute's: due
+            )
+    expired = layout.leased_runs(jobs[victim], 1)
+    Run.objects.using(victim).filter(pk=expired[0].pk).update(lease_expires_at=db_now())
+    with _refused_at_commit(victim, "runs_run", "INSERT OR UPDATE"):
+        scheduler.tick()
+    for alias, job in jobs.items():
+        made = Run.objects.using(alias).filter(definition_id=job.pk, trigger="cron").exists()
+        assert made == (alias != victim), alias
+    scheduler.tick()  # back: its shards catch up
+    assert Run.objects.using(victim).filter(definition_id=jobs[victim].pk, trigger="cron").exists()
+    assert Run.objects.using(victim).get(pk=expired[0].pk).state != "leased"
