@@ -68,9 +68,11 @@ class LiveConsumer(AsyncWebsocketConsumer):
         """The page asks for its regions again (`{"again":true}`) once its actions have their
         answers: it held the updates that came meanwhile (static/dashboard/dashboard.js), so what
         was last sent is not what it shows. At most once a second; anything else is ignored."""
-        if text_data != AGAIN or (self.pending is not None and not self.pending.done()):
+        if text_data != AGAIN:
             return
-        self.last_sent = ""
+        self.last_sent = ""  # a render already due is sent, whatever was sent before
+        if self.pending is not None and not self.pending.done():
+            return
         wait = self.last_render + MIN_SECONDS_BETWEEN_ASKED_RENDERS - time.monotonic()
         self.pending = asyncio.get_running_loop().create_task(self._render_after(max(wait, 0.0)))
 

@@ -165,10 +165,31 @@ def discard(runs: Sequence[Run], actor: Actor) -> list[Run]:
 
 
 def retry(runs: Sequence[Run], actor: Actor) -> list[Run]:
-    """Run now: a retrying run skips the rest of its backoff; a dead one is requeued."""
+    """Run now: a retrying run skips the rest of its backoff; a dead one is requeued. Two
+    changes, each a transaction per database: what one made stands whatever the other meets
+    (PartlyTransitioned says both halves' runs and shards)."""
     dead = [run for run in runs if run.state == "dead"]
     waiting = [run for run in runs if run.state != "dead"]
-    return _transition(RETRY_NOW, waiting, actor, "run.retry", wakes=True) + requeue(dead, actor)
+    made: list[Run] = []
+    unreached: list[str] = []
+    for change in (
+        lambda: _transition(RETRY_NOW, waiting, actor, "run.retry", wakes=True),
+        lambda: requeue(dead, actor),
+    ):
+        try:
+            made += change()
+        except PartlyTransitioned as exc:
+            made += exc.changed
+            unreached += [span for span in exc.spans if span not in unreached]
+        except DatabaseError:
+            if not made:
+                raise  # nothing was changed
+            log.warning("retry: the dead runs were not requeued", exc_info=True)
+            unreached += [shards.span(alias) for alias in shards.runs_by_database(
+                [run.pk for run in dead]) if shards.span(alias) not in unreached]  # fmt: skip
+    if unreached:
+        raise PartlyTransitioned(made, unreached)
+    return made
 
 
 # --- everything a filter selects ------------------------------------------------------------

@@ -176,6 +176,8 @@ class RetryPolicy:
             # The call was made and its answer lost on the way, as with a lost connection.
             if not call.idempotent:
                 return None
+        elif isinstance(error, SyncIncomplete):
+            pass  # made in part: the same call makes the rest (it is idempotent)
         elif not (
             isinstance(error, ServerError) and error.status in GATEWAY_ERRORS and call.idempotent
         ):

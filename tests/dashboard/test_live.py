@@ -336,3 +336,20 @@ def test_a_socket_whose_run_is_deleted_says_so_not_signed_out(operator_a, job_a)
 
     answer = in_own_thread(scenario)
     assert (answer["type"], answer["code"]) == ("websocket.close", 4404)
+
+
+def test_asking_again_while_a_render_is_due_has_that_render_sent():
+    """The page asks for its regions again while a render is already due (a change came within
+    the page's gap between renders): that render was compared with what was last sent, which
+    the page had held back, and not sent when equal."""
+    from apps.dashboard.consumers import AGAIN, LiveConsumer
+
+    async def scenario() -> str:
+        consumer = LiveConsumer()
+        consumer.last_sent = "the regions the page held back"
+        consumer.pending = asyncio.get_running_loop().create_future()  # a render is due
+        await consumer.receive(text_data=AGAIN)
+        consumer.pending.cancel()
+        return consumer.last_sent
+
+    assert in_own_thread(scenario) == ""

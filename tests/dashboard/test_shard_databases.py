@@ -133,3 +133,27 @@ def test_ticked_runs_of_two_databases_one_failing_at_its_commit_are_said_as_they
     assert f"Requeued 1 run. The runs of shards {shards.span(failing)} were not changed" in said
     assert Run.objects.using(shards.alias_of_run(first.pk)).get(pk=first.pk).state == "ready"
     assert Run.objects.using(failing).get(pk=later.pk).state == "dead"
+
+
+def test_a_retry_of_waiting_and_dead_runs_says_what_it_changed_when_the_dead_ones_fail(
+    layout: Layout, team_a, operator_a
+):
+    """A retry is two changes: the retrying runs skip their backoff, the dead ones are
+    requeued. The second failing on its database answered a 503 page over the first's runs,
+    which had changed."""
+    from apps.runs.models import Run
+    from tests.api.test_shard_databases_manage import _refused_at_commit
+
+    waiting = layout.dead_runs(layout.job_on(layout.aliases[0], team_a, "wait"), 1, "w")[0]
+    Run.objects.using(layout.aliases[0]).filter(pk=waiting.pk).update(state="retrying")
+    dead = layout.dead_runs(layout.job_on(layout.aliases[1], team_a, "dead"), 1, "d")[0]
+    ask = {"action": "retry", "ids": [waiting.run_id, dead.run_id], "confirm": "yes",
+           "next": "/failures"}  # fmt: skip
+    with _refused_at_commit(layout.aliases[1], "runs_run", "UPDATE"):
+        answer = client_for(operator_a).post("/runs/bulk", ask, follow=True)
+    assert answer.status_code == 200
+    said = answer.content.decode().split('id="messages"')[1].split("</ul>")[0]
+    span = shards.span(layout.aliases[1])
+    assert f"Retried 1 run. The runs of shards {span} were not changed" in said
+    assert Run.objects.using(layout.aliases[0]).get(pk=waiting.pk).state == "ready"
+    assert Run.objects.using(layout.aliases[1]).get(pk=dead.pk).state == "dead"
