@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from urllib.parse import parse_qs, urlsplit
@@ -13,6 +14,8 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from apps.dashboard import live
 
 VOLATILE = re.compile(r'name="csrfmiddlewaretoken" value="[^"]*"|<span class="age">[^<]*</span>')
+log = logging.getLogger(__name__)
+
 CLOSE_UNAUTHORISED = 4401  # the session ended
 CLOSE_BAD_PAGE = 4400  # not a live page, or not the user's, when the socket opens
 CLOSE_PAGE_GONE = 4404  # what an open page shows was deleted, or is no longer the user's
@@ -47,6 +50,11 @@ class LiveConsumer(AsyncWebsocketConsumer):
             opened = await database_sync_to_async(live.render)(self.scope, self.page, opening=True)
         except live.PageGone:
             opened = None
+        except live.PASSING:
+            # A database blip as the socket opens: the page was served a moment ago, and
+            # refusing it showed "updates stopped" for good (the next change renders it).
+            log.warning("live page %s not rendered as its socket opened", self.page, exc_info=True)
+            opened = ""
         if opened is None:
             await self.close(code=CLOSE_BAD_PAGE)
             return
@@ -100,6 +108,12 @@ class LiveConsumer(AsyncWebsocketConsumer):
             html = await database_sync_to_async(live.render)(self.scope, self.page)
         except live.PageGone:
             await self.close(code=CLOSE_PAGE_GONE)
+            return
+        except live.PASSING:
+            # A database down or failing for a moment: the page keeps what it shows and its
+            # socket (an error here closed it, and its updates stopped until a reload); the
+            # next change renders it again.
+            log.warning("live page %s not rendered", self.page, exc_info=True)
             return
         if html is None:
             await self.close(code=CLOSE_UNAUTHORISED)

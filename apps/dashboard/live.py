@@ -26,7 +26,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.contrib.auth import get_user
 from django.core.exceptions import PermissionDenied
-from django.db import close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections
 from django.http import Http404, HttpRequest, QueryDict
 from django.middleware.csrf import CsrfViewMiddleware
 from django.urls import Resolver404, resolve
@@ -140,10 +140,20 @@ class PageGone(Exception):
     """What the page shows was deleted, or is no longer the user's to see."""
 
 
+class RenderFailed(Exception):
+    """The page could not be rendered now (its view answered 5xx): the socket keeps its page
+    and renders it again at the next change, as for a database error raised on the way."""
+
+
+# What the socket keeps its page through: the next change renders it again.
+PASSING = (RenderFailed, DatabaseError, shards.Unavailable)
+
+
 def render(scope: dict[str, Any], path: str, *, opening: bool = False) -> str | None:
     """Render a page's `live` partial as its user would GET it now; "" if there is nothing,
     None once the user is signed out; `PageGone` once the page is not there for them. Either
-    way the socket is then closed, with a code that tells the page which.
+    way the socket is then closed, with a code that tells the page which. A view answering
+    5xx raises RenderFailed, and a database's error goes through: neither ends the socket.
 
     The request goes through the page's own view, so the same access checks apply on every
     update: a removed member, a user signed out (or whose session expired, or whose password
@@ -180,6 +190,8 @@ def render(scope: dict[str, Any], path: str, *, opening: bool = False) -> str | 
         response = match.func(request, *match.args, **match.kwargs)
     except (Http404, PermissionDenied) as exc:  # gone, or no longer the user's to see
         raise PageGone(path) from exc
+    if response.status_code >= 500:
+        raise RenderFailed(f"{path} answered {response.status_code}")
     if response.status_code != 200:
         raise PageGone(path)
     return response.content.decode()

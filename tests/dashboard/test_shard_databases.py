@@ -157,3 +157,43 @@ def test_a_retry_of_waiting_and_dead_runs_says_what_it_changed_when_the_dead_one
     assert f"Retried 1 run. The runs of shards {span} were not changed" in said
     assert Run.objects.using(layout.aliases[0]).get(pk=waiting.pk).state == "ready"
     assert Run.objects.using(layout.aliases[1]).get(pk=dead.pk).state == "dead"
+
+
+def test_a_live_page_whose_database_is_down_for_a_moment_keeps_its_socket(
+    layout: Layout, team_a, operator_a
+):
+    """A run's page re-rendered while its database is down: the error ended the socket, and
+    the page's updates stopped until a reload. It keeps the socket and what it shows; once
+    the database is back, the next render is sent."""
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    from apps.dashboard.consumers import LiveConsumer
+    from tests.dashboard.conftest import live_scope
+    from tests.dashboard.test_live import in_own_thread
+
+    run = layout.dead_runs(layout.job_on(layout.aliases[1], team_a, "live"), 1, "l")[0]
+    scope = live_scope(operator_a)
+
+    async def render() -> tuple[list, list]:
+        consumer = LiveConsumer()
+        consumer.scope, consumer.page = scope, f"/runs/{run.run_id}"
+        closed: list = []
+        sent: list = []
+
+        async def close(code=None, reason=None) -> None:
+            closed.append(code)
+
+        async def send(text_data=None, bytes_data=None, close=False) -> None:
+            sent.append(text_data)
+
+        consumer.close, consumer.send = close, send  # type: ignore[method-assign]
+        await consumer._render()
+        await sync_to_async(connections.close_all)()
+        return closed, sent
+
+    with layout.down(1):
+        closed, sent = in_own_thread(render)
+    assert (closed, sent) == ([], [])
+    closed, sent = in_own_thread(render)
+    assert closed == [] and len(sent) == 1 and run.run_id in sent[0]
