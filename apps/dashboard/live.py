@@ -29,6 +29,7 @@ from django.core.exceptions import PermissionDenied
 from django.db import DatabaseError, close_old_connections, connections
 from django.http import Http404, HttpRequest, QueryDict
 from django.middleware.csrf import CsrfViewMiddleware
+from django.template.loader import render_to_string
 from django.urls import Resolver404, resolve
 from django_htmx.middleware import HtmxDetails
 
@@ -186,15 +187,23 @@ def render(scope: dict[str, Any], path: str, *, opening: bool = False) -> str | 
     request.from_socket = not opening  # type: ignore[attr-defined]
     request.htmx = HtmxDetails(request)
     CsrfViewMiddleware(lambda r: None).process_request(request)
-    try:
-        response = match.func(request, *match.args, **match.kwargs)
-    except (Http404, PermissionDenied) as exc:  # gone, or no longer the user's to see
-        raise PageGone(path) from exc
-    if response.status_code >= 500:
-        raise RenderFailed(f"{path} answered {response.status_code}")
-    if response.status_code != 200:
-        raise PageGone(path)
-    return response.content.decode()
+    with shards.noting():  # as UnavailableShardsMiddleware does for a page
+        try:
+            response = match.func(request, *match.args, **match.kwargs)
+        except (Http404, PermissionDenied) as exc:  # gone, or no longer the user's to see
+            raise PageGone(path) from exc
+        if response.status_code >= 500:
+            raise RenderFailed(f"{path} answered {response.status_code}")
+        if response.status_code != 200:
+            raise PageGone(path)
+        html = response.content.decode()
+        if not html.strip():
+            return html
+        # The banner of the shards it could not read, with the regions: a database that went
+        # down left a list without its rows and no word of why (and it goes once it is back).
+        return html + render_to_string(
+            "dashboard/_unavailable.html", {"unavailable_shards": shards.noted()}
+        )
 
 
 def _signed_in(scope: dict[str, Any]) -> Any:

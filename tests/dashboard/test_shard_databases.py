@@ -197,3 +197,22 @@ def test_a_live_page_whose_database_is_down_for_a_moment_keeps_its_socket(
     assert (closed, sent) == ([], [])
     closed, sent = in_own_thread(render)
     assert closed == [] and len(sent) == 1 and run.run_id in sent[0]
+
+
+def test_a_live_update_names_the_shards_it_could_not_read(layout: Layout, team_a, operator_a):
+    """A list open while a database goes down: its live update dropped that database's rows
+    without the banner a page load shows, so they looked gone. The update carries the banner,
+    and takes it away once the database is back."""
+    from apps.dashboard import live
+    from tests.dashboard.conftest import live_scope
+
+    for alias in layout.aliases:
+        layout.new_runs(layout.job_on(alias, team_a, f"list{alias}"), 1, "r")
+    scope = live_scope(operator_a)
+    span = shards.span(layout.aliases[1])
+    with layout.down(1):
+        html = live.render(scope, "/runs")
+    assert f"Shards {span} are unavailable" in html
+    assert 'id="unavailable-banner"' in html
+    html = live.render(scope, "/runs")
+    assert 'id="unavailable-banner"></div>' in html and "are unavailable" not in html

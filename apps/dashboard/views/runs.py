@@ -323,7 +323,7 @@ def bulk(request: HtmxHttpRequest) -> HttpResponse:
     if unreached:
         message += (
             f" The runs of shards {', '.join(unreached)} were not changed: their database could "
-            "not be reached. Do it again to change them."
+            "not be reached or failed as the change was saved. Do it again to change them."
         )
     elif skipped := len(selected) - len(changed):
         message += f" {plural(skipped, 'run')} had changed state and {'was' if skipped == 1 else 'were'} left as {'it was' if skipped == 1 else 'they were'}."
