@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -392,6 +392,15 @@ class Layout:
             return JobDefinition.objects.create(
                 team=team, name=name, queue="q", shard=shard_for(name), timeout_seconds=600
             )
+
+    def due_every_minute(self, jobs: Iterable[JobDefinition]) -> None:
+        """Give each job an every-minute cron whose fire time this minute is due now."""
+        for job in jobs:
+            with shards.using(shards.alias_of_shard(job.shard)):
+                JobDefinition.objects.filter(pk=job.pk).update(
+                    schedule={"cron": "* * * * *", "jitterSeconds": 0},
+                    next_due_at=db_now().replace(second=0, microsecond=0),
+                )
 
     def new_runs(self, definition: JobDefinition, count: int, tag: str) -> list[int]:
         """Runs of `definition`, claimable now, inserted by the store on its database."""

@@ -196,7 +196,6 @@ def test_a_scheduler_tick_goes_on_past_a_database_that_fails_at_its_commit(layou
     """A shard database raising at its commit (not a lost connection) failed every tick at its
     reap, before any cron time of the other databases was materialised, and before retention
     and the audit relay ran."""
-    from apps.jobs.models import JobDefinition
     from apps.scheduler.daemon import Scheduler
     from tests.conftest import db_now
 
@@ -205,12 +204,7 @@ def test_a_scheduler_tick_goes_on_past_a_database_that_fails_at_its_commit(layou
             for n, alias in enumerate(shards.databases())}  # fmt: skip
     scheduler = Scheduler(node_id="test-node")
     scheduler.tick()  # takes every shard; nothing is due yet
-    for alias, job in jobs.items():
-        with shards.using(alias):
-            JobDefinition.objects.filter(pk=job.pk).update(
-                schedule={"cron": "* * * * *", "jitterSeconds": 0},
-                next_due_at=db_now().replace(second=0, microsecond=0),  # this minute's: due
-            )
+    layout.due_every_minute(jobs.values())
     expired = layout.leased_runs(jobs[victim], 1)
     Run.objects.using(victim).filter(pk=expired[0].pk).update(lease_expires_at=db_now())
     with _refused_at_commit(victim, "runs_run", "INSERT OR UPDATE"):

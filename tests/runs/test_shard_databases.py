@@ -23,7 +23,6 @@ from tests.conftest import (
     Layout,
     assert_invariants_everywhere,
     claim,
-    db_now,
     stored_run,
 )
 from tests.runs.test_claim_concurrency import run_in_threads
@@ -510,12 +509,7 @@ def test_a_scheduler_with_one_shard_database_down_materialises_the_others(layout
     }
     scheduler = Scheduler(node_id="test-node")
     scheduler.tick()  # takes every shard; nothing is due yet
-    for alias, job in jobs.items():
-        with shards.using(alias):
-            JobDefinition.objects.filter(pk=job.pk).update(
-                schedule={"cron": "* * * * *", "jitterSeconds": 0},
-                next_due_at=db_now().replace(second=0, microsecond=0),  # this minute's: due
-            )
+    layout.due_every_minute(jobs.values())
     with layout.down(layout.aliases.index(victim)):
         scheduler.tick()
         with shards.using(alive):
