@@ -158,13 +158,22 @@ class BrowserPage:
         self.server = server
         self.page = context.new_page()
         self.console_errors: list[str] = []
+        # htmx's log of a live-update socket's `error` event ("[object Event]"), kept apart: seen
+        # twice in a browser test under the whole suite's load, never alone, and a socket that
+        # does not come back is caught where it matters (the live dot, `wait_live`).
+        self.socket_errors: list[str] = []
         self.dialogs: list[str] = []
-        self.page.on(
-            "console",
-            lambda message: (
-                self.console_errors.append(message.text) if message.type == "error" else None
-            ),
-        )
+
+        def on_console(message) -> None:
+            if message.type != "error":
+                return
+            url = (message.location or {}).get("url", "")
+            if message.text == "[object Event]" and url.endswith("/htmx.min.js"):
+                self.socket_errors.append(f"{self.page.url}: {message.text}")
+            else:
+                self.console_errors.append(message.text)
+
+        self.page.on("console", on_console)
         self.page.on("pageerror", lambda error: self.console_errors.append(str(error)))
 
         def on_dialog(dialog) -> None:
