@@ -321,10 +321,7 @@ def bulk(request: HtmxHttpRequest) -> HttpResponse:
         changed, unreached = exc.changed, exc.spans
     message = f"{spec.past} {plural(len(changed), 'run')}."
     if unreached:
-        message += (
-            f" The runs of shards {', '.join(unreached)} were not changed: their database could "
-            "not be reached or failed as the change was saved. Do it again to change them."
-        )
+        message += f" {_not_changed(unreached)}"
     elif skipped := len(selected) - len(changed):
         message += f" {plural(skipped, 'run')} had changed state and {'was' if skipped == 1 else 'were'} left as {'it was' if skipped == 1 else 'they were'}."
     level = messages.SUCCESS if changed and not unreached else messages.WARNING
@@ -435,21 +432,24 @@ def bulk_matching(request: HtmxHttpRequest) -> HttpResponse:
     try:
         changed = transitions.act_on_matching(spec.name, chosen, states, flt, actor(request))
     except transitions.PartlyChanged as exc:  # not a 503 page over runs that were changed
-        return done(
-            request,
-            fallback,
-            format_html(
-                "{} {}{} The runs of shards {} were not changed: a database failed as the "
-                "change was saved. Do it again to change them.",
-                spec.past, plural(exc.count, "run"), matching, ", ".join(exc.spans),
-            ),
-            messages.WARNING,
-        )  # fmt: skip
+        said = format_html(
+            "{} {}{} {}", spec.past, plural(exc.count, "run"), matching, _not_changed(exc.spans)
+        )
+        return done(request, fallback, said, messages.WARNING)
     return done(
         request,
         fallback,
         format_html("{} {}{}", spec.past, plural(changed, "run"), matching),
         messages.SUCCESS if changed else messages.WARNING,
+    )
+
+
+def _not_changed(spans: list[str]) -> str:
+    """What an action on runs of several databases says of those one failed before their
+    change committed (the others' stand)."""
+    return (
+        f"The runs of shards {', '.join(spans)} were not changed: their database could not be "
+        "reached or failed as the change was saved. Do it again to change them."
     )
 
 
