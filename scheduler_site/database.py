@@ -8,6 +8,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
 from django.core.exceptions import ImproperlyConfigured
+from django.db import OperationalError
 
 
 def config_from_url(
@@ -64,9 +65,9 @@ def config_from_url(
         # min_size is kept open; a request waits up to `timeout` for a connection beyond it.
         options["pool"] = {"min_size": min(2, pool_size), "max_size": pool_size, "timeout": 10}
     return {
-        # Django's backend, with pooled connections checked by the backend rather than by the
-        # pool (scheduler_site/postgresql/base.py).
-        "ENGINE": "scheduler_site.postgresql" if pool_size else "django.db.backends.postgresql",
+        # Django's backend, with a refused commit said as such, and pooled connections checked
+        # by the backend rather than by the pool (scheduler_site/postgresql/base.py).
+        "ENGINE": "scheduler_site.postgresql",
         "NAME": unquote(parsed.path.lstrip("/")) or "postgres",
         "USER": unquote(parsed.username or ""),
         "PASSWORD": unquote(parsed.password or ""),
@@ -81,6 +82,18 @@ def config_from_url(
         # Parallel test sessions on one server each name their own test database.
         "TEST": {"NAME": os.environ.get("TEST_DATABASE_NAME") or None},
     }
+
+
+class CommitRefused(OperationalError):
+    """The database answered a COMMIT with an error (a deferred constraint or trigger): the
+    transaction was rolled back and nothing of it was written. An OperationalError, as a lock
+    wait past its bound is: whatever answers a transaction that failed ("nothing was changed;
+    try again") answers this one. The database's own error is its cause."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.sqlstate = _sqlstate(error)
+        self.kind = type(getattr(error, "__cause__", None) or error).__name__
+        super().__init__(f"the database refused the commit: {error}")
 
 
 # lock_not_available, query_canceled: the bounds the web process sets on its statements.
@@ -121,5 +134,10 @@ def failure_words(exc: BaseException) -> str:
         return (
             f"the database statement ran past {settings.DB_STATEMENT_TIMEOUT} s "
             "(SCHEDULER_DB_STATEMENT_TIMEOUT) or was cancelled; nothing was changed"
+        )
+    if isinstance(exc, CommitRefused):
+        return (
+            f"the database refused this change at its commit ({exc.kind}, SQLSTATE "
+            f"{exc.sqlstate}); nothing was changed"
         )
     return f"the database failed this request ({type(exc).__name__})"

@@ -211,6 +211,13 @@ def bad_request(request, exception=None) -> JsonResponse:
 
 
 def not_found(request, exception=None) -> JsonResponse:
+    # A name or run id sent with an encoded slash (`/api/v1/jobs/a%2Fb`) reaches the router
+    # decoded, as two segments that match no route: it is bad input, as other bad names are
+    # (400), not a missing resource. The raw path is the ASGI server's (the web process's).
+    raw_path = getattr(request, "scope", {}).get("raw_path") or b""
+    if b"%2f" in raw_path.lower():
+        detail = "A path segment holds an encoded slash (%2F): no name or run id contains '/'."
+        return json_problem(400, detail, errors={"path": [detail]})
     return json_problem(404, "No such resource.")
 
 

@@ -16,7 +16,12 @@ from django.shortcuts import render
 from django_htmx.http import HttpResponseClientRedirect
 
 from apps.runs import payloads, shards
-from scheduler_site.database import RETRY_AFTER_SECONDS, failure_words, log_failure
+from scheduler_site.database import (
+    RETRY_AFTER_SECONDS,
+    CommitRefused,
+    failure_words,
+    log_failure,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +94,13 @@ class UnavailableShardsMiddleware:
             logger.warning("%s", exception, exc_info=exception.__cause__)
             return render(request, "payload_unavailable.html", {"why": str(exception)}, status=503)
         if isinstance(exception, OperationalError | InterfaceError):
-            # A lock wait or a statement past its timeout, a dropped connection: the request's
-            # transaction was rolled back, and the page says so rather than "server error".
+            # A lock wait or a statement past its timeout, a dropped connection, a commit the
+            # database refused: the request's transaction was rolled back, and the page says so
+            # rather than "server error".
             log_failure(exception, logger)
-            words = failure_words(exception)
-            return render(request, "database_failed.html", {"words": words}, status=503)
+            context = {
+                "words": failure_words(exception),
+                "refused": isinstance(exception, CommitRefused),
+            }
+            return render(request, "database_failed.html", context, status=503)
         return None

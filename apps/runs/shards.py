@@ -45,7 +45,7 @@ from django.db.models import QuerySet
 
 from apps.audit.record import kept_with_rows
 from scheduler_site import shardmap
-from scheduler_site.database import config_from_url
+from scheduler_site.database import CommitRefused, config_from_url
 from scheduler_site.shardmap import ShardMap
 
 # Shards a key of a run or definition can name: keys are a multiple of this plus the shard. The
@@ -353,8 +353,8 @@ def reaching(alias: str) -> Iterator[str]:
         with using(alias):
             yield alias
     except DOWN as exc:
-        if alias == CONTROL:
-            raise
+        if alias == CONTROL or isinstance(exc, CommitRefused):
+            raise  # a database that refused a commit answered: it is not unavailable
         raise Unavailable([span(alias)]) from exc
 
 

@@ -33,6 +33,7 @@ from apps.runs.ids import public_run_id
 from apps.runs.logs import run_event
 from apps.runs.models import SCHEDULED_TRIGGERS
 from apps.runs.shards import ID_SPACE
+from scheduler_site.database import CommitRefused
 
 T = TypeVar("T", bound=tuple)
 
@@ -1449,7 +1450,12 @@ def _apply(
 
 
 def unavailable(alias: str, exc: DatabaseError) -> str:
-    """What a request is told about a shard database it could not reach."""
+    """What a request is told about a shard database that failed its part (a 503)."""
+    if isinstance(exc, CommitRefused):
+        return (
+            f"the database of shards {placement.span(alias)} refused the change at its commit"
+            f" ({exc.kind}); nothing of it was written"
+        )
     return (
         f"shards {placement.span(alias)} are unavailable (their database cannot be reached:"
         f" {type(exc).__name__})"

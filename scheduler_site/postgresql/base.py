@@ -1,4 +1,5 @@
-"""Django's PostgreSQL backend, with pooled connections checked out without a round trip and
+"""Django's PostgreSQL backend, with a commit the database refused said as such
+(`CommitRefused`), and pooled connections checked out without a round trip and
 without a stall, and a database that is down refused at once.
 
 Django has psycopg's pool check each connection it hands out (`CONN_HEALTH_CHECKS`): an empty
@@ -38,8 +39,11 @@ import time
 from typing import Any
 
 import psycopg
+from django.db import DatabaseError, InterfaceError, OperationalError
 from django.db.backends.postgresql import base
 from psycopg_pool import ConnectionPool
+
+from scheduler_site.database import CommitRefused
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +121,17 @@ def breaker(alias: str) -> Breaker:
 
 
 class DatabaseWrapper(base.DatabaseWrapper):
+    def _commit(self) -> None:
+        try:
+            super()._commit()
+        except DatabaseError as exc:
+            # A deferred constraint or trigger raised (IntegrityError, ProgrammingError…): the
+            # server answered, so the transaction is rolled back, not in doubt as when the
+            # connection is lost on the way (OperationalError, raised as it is).
+            if isinstance(exc, OperationalError | InterfaceError):
+                raise
+            raise CommitRefused(exc) from exc
+
     def get_new_connection(self, conn_params: dict[str, Any]) -> Any:
         if self.settings_dict["OPTIONS"].get("pool") is None:
             return super().get_new_connection(conn_params)

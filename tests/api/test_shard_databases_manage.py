@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pytest
 from django.db import connections
@@ -237,6 +237,24 @@ def test_a_sync_failing_on_one_database_keeps_the_events_of_those_that_committed
     assert list(created.values_list("target", "actor")) == [(kept, "deploy")]
     assert created.get().relayed_from is not None
     assert not PendingEvent.objects.using(committing).exists()  # relayed, not left
+
+
+def test_a_sync_whose_first_database_refuses_its_commit_changes_nothing_and_says_so(
+    layout: Layout, api_a
+):
+    """The first database to commit refusing it left every change undone: a 500 said so no
+    better than a crash. A 503: nothing was changed, try again."""
+    names = [_name_on(alias, "first") for alias in layout.aliases]
+    with ExitStack() as refusing:
+        for alias in layout.aliases:
+            refusing.enter_context(_refused_at_commit(alias, "jobs_jobdefinition"))
+        answer = api_a.put("/api/v1/jobs", {"jobs": [{"name": n, "queue": "q"} for n in names]})
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["Retry-After"] == "1"
+    assert answer.json()["detail"].endswith("; nothing was changed; try again.")
+    assert "refused this change at its commit" in answer.json()["detail"]
+    for alias in layout.aliases:
+        assert not JobDefinition.objects.using(alias).filter(name__in=names).exists()
 
 
 def test_a_sync_failing_on_one_database_answers_what_it_made_and_is_finished_when_sent_again(

@@ -499,9 +499,11 @@ def test_a_job_with_a_long_name_leaves_the_other_columns_in_view(web, operator_a
     cell = page.locator("td", has_text="late.a").first
     expect(header).to_be_visible()
     expect(cell).to_be_visible()
-    box = header.bounding_box()
-    name = cell.bounding_box()
-    assert box is not None and name is not None
+    # Read where each is laid out, waiting for it: bounding_box() gave None when a live update
+    # replaced the table between the check above and the read (seen once under the suite).
+    box, name = (
+        locator.evaluate("e => e.getBoundingClientRect().toJSON()") for locator in (header, cell)
+    )
     if width == 1280:
         assert box["x"] + box["width"] <= width, box
     # The name's cell wraps: it no longer spans the screen, whatever the width.

@@ -112,6 +112,30 @@ def test_an_action_on_everything_matching_that_fails_on_one_database_says_what_i
     assert not Run.objects.using(failing).filter(Q(pk__in=[r.pk for r in lost]), ~Q(state="dead"))
 
 
+def test_an_action_on_everything_matching_whose_first_database_refuses_says_nothing_changed(
+    layout: Layout, team_a, operator_a
+):
+    """A 500 page ("something failed on our side") before, over runs left as they were."""
+    from contextlib import ExitStack
+
+    from apps.runs.models import Run
+    from tests.api.test_shard_databases_manage import _refused_at_commit
+
+    dead = [run for alias in layout.aliases
+            for run in layout.dead_runs(layout.job_on(alias, team_a, f"m{alias}"), 1, "m")]  # fmt: skip
+    ask = {"mode": "dlq", "action": "requeue", "confirm": "yes", "next": "/dlq"}
+    with ExitStack() as refusing:
+        for alias in layout.aliases:
+            refusing.enter_context(_refused_at_commit(alias, "audit_pendingevent"))
+        answer = client_for(operator_a).post("/runs/matching", ask)
+    assert answer.status_code == 503, answer.content[:300]
+    text = answer.content.decode()
+    assert "The database refused this change at its commit" in text
+    assert "nothing was changed" in text
+    for run in dead:
+        assert Run.objects.using(shards.alias_of_run(run.pk)).get(pk=run.pk).state == "dead"
+
+
 def test_ticked_runs_of_two_databases_one_failing_at_its_commit_are_said_as_they_are(
     layout: Layout, team_a, operator_a
 ):

@@ -134,6 +134,23 @@ def test_a_body_without_a_content_type_is_415_saying_so(asgi_server):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("path", ["jobs/a%2Fb", "queues/a%2fb/pause", "runs/run_1%2F2"])
+def test_a_name_with_an_encoded_slash_is_bad_input_not_a_missing_resource(asgi_server, path):
+    """The server decodes %2F before routing: the name became two segments and a 404, where
+    every other bad name is a 400."""
+    from apps.teams.models import ApiToken, Team
+
+    token = ApiToken.issue(Team.objects.create(slug="slash", name="Slash"), ["manage"])[1]
+    headers = {"Authorization": f"Bearer {token}"}
+    answer = httpx.get(f"{asgi_server.url}/api/v1/{path}", headers=headers)
+    assert answer.status_code == 400, answer.text
+    assert answer.headers["Content-Type"] == "application/problem+json"
+    assert "encoded slash" in answer.json()["errors"]["path"][0]
+    # A path that names nothing is still a 404.
+    assert httpx.get(f"{asgi_server.url}/api/v1/jobs/a/b", headers=headers).status_code == 404
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_body_over_the_limit_is_refused_before_it_is_stored(asgi_server, settings):
     from apps.runs.models import Run
 
