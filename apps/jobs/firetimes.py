@@ -127,8 +127,11 @@ def _plain_day(zone: ZoneInfo, year: int, month: int, day: int) -> tuple[timedel
     # Local midnight at +14 h is 14 h before UTC midnight; 23:59 at -12 h is 36 h after it.
     day_hours = range(-16, 40, 3)
     lookback_hours = range(-16 - 48, -16, 3)
-    day_offsets = {_offset_at(midnight + timedelta(hours=h), zone) for h in day_hours}
-    earlier_offsets = {_offset_at(midnight + timedelta(hours=h), zone) for h in lookback_hours}
+    try:
+        day_offsets = {_offset_at(midnight + timedelta(hours=h), zone) for h in day_hours}
+        earlier_offsets = {_offset_at(midnight + timedelta(hours=h), zone) for h in lookback_hours}
+    except OverflowError:  # the last days of year 9999: samples past datetime's range
+        return None, True
     plain = next(iter(day_offsets)) if len(day_offsets) == 1 else None
     return plain, len(day_offsets | earlier_offsets) > 1
 
@@ -170,29 +173,41 @@ def _dropped_before(cron: Cron, zone: ZoneInfo, run: datetime, offset: timedelta
     Computed from the run alone (not from where iteration started) so that every caller gets the
     same note for the same run.
 
-    1. Find an offset increase in the lookback window; none means nothing was dropped.
-    2. Binary-search its instant and derive the skipped wall-clock interval [start, end).
-    3. Collect the cron's slots in that interval.
-    4. Attach them only if this run is the first slot at or after the interval's end.
+    1. An offset that rose within the lookback window: its gap (`_dropped_in`).
+    2. Else, or when that gap dropped none of the cron's slots: the gap the cron's previous slot
+       fell in, if it fell in one. The stretch back to that slot may hold other changes (a
+       yearly cron's fall back and next spring forward): searched whole, it gave the wrong one.
     """
     utc = (run - offset).replace(tzinfo=UTC)
     earlier = utc - DROP_LOOKBACK
-    if _offset_at(earlier, zone) >= offset:
-        # No offset rose within the lookback. A gap further back dropped slots that this run
-        # reports only if its previous slot (the gap's last) is further back too; the gap
-        # moved the clock by a day at most.
-        if cron.first_after(run - DROP_LOOKBACK + ONE_DAY) != run:
-            return ""  # a slot within a day before this one
-        previous = _previous_slot(cron, run)
-        if previous is None:
-            return ""
-        earlier = utc - (run - previous) - ONE_DAY
-        if _offset_at(earlier, zone) >= offset:
-            return ""
-    moment = _transition(zone, earlier, utc)
+    if _offset_at(earlier, zone) < offset:
+        note = _dropped_in(cron, zone, _transition(zone, earlier, utc), run)
+        if note is not None:
+            return note
+    # A gap further back dropped slots that this run reports only if its previous slot (the
+    # gap's last) is further back too; a gap moves the clock by a day at most.
+    if cron.first_after(run - DROP_LOOKBACK + ONE_DAY) != run:
+        return ""  # a slot within a day before this one
+    previous = _previous_slot(cron, run)
+    if previous is None:
+        return ""
+    first, second = _offsets(zone, previous)
+    if first >= second:
+        return ""  # the slot before this run exists: none was dropped in between
+    # The two readings of `previous` bracket exactly the change that made its gap.
+    moment = _transition(zone, *((previous - o).replace(tzinfo=UTC) for o in (second, first)))
+    return _dropped_in(cron, zone, moment, run) or ""
+
+
+def _dropped_in(cron: Cron, zone: ZoneInfo, moment: datetime, run: datetime) -> str | None:
+    """The note ``run`` carries for the slots the gap made at UTC instant ``moment`` dropped:
+    "" when another run is the first after the gap, None when it dropped none.
+
+    The gap is the wall-clock interval [start, end) the change skipped; the note goes to the
+    first slot at or after its end."""
     before, after = _offset_at(moment - ONE_SECOND, zone), _offset_at(moment, zone)
     if after <= before:
-        return ""
+        return None
     gap_start = (moment + before).replace(tzinfo=None)
     gap_end = (moment + after).replace(tzinfo=None)
     slots: list[datetime] = []
@@ -200,9 +215,9 @@ def _dropped_before(cron: Cron, zone: ZoneInfo, run: datetime, offset: timedelta
     while slot is not None and slot < gap_end:
         slots.append(slot)
         slot = cron.first_after(slot)
-    if not slots or slot != run:
-        return ""
-    return _skipped_note(slots, _cause(zone, moment))
+    if not slots:
+        return None
+    return _skipped_note(slots, _cause(zone, moment)) if slot == run else ""
 
 
 def _previous_slot(cron: Cron, run: datetime) -> datetime | None:

@@ -5,6 +5,7 @@ Pure functions: no database, no Django settings needed.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
@@ -13,7 +14,12 @@ from zoneinfo import ZoneInfo
 import pytest
 from cronsim import CronSim
 
-from apps.jobs.firetimes import FireTime, fire_times_between, next_fire_times
+from apps.jobs.firetimes import (
+    FireTime,
+    fire_times_between,
+    next_fire_times,
+    schedule_fire_times,
+)
 from apps.jobs.schedule import CronSchedule
 from apps.runs.clock import format_utc
 
@@ -726,6 +732,47 @@ def test_fire_times_between_stops_at_the_end_bound_and_the_limit():
         "2026-05-01T11:00:00Z",
     ]
     assert capped == every[:2]
+
+
+def test_a_gap_that_dropped_slots_is_noted_with_other_clock_changes_before_the_next_run():
+    """The gap was searched for between the next run and a day before the slot before it:
+    with a fall back and another spring forward in between (a yearly cron), the search found
+    the wrong change and the dropped slots were noted nowhere."""
+    yearly = next_fire_times(
+        CronSchedule("0 0-2/1 29 3 *", "Europe/Berlin"), at("2026-03-28T00:00:00Z"), 4
+    )
+    assert rendered(yearly) == [
+        ("2026-03-29T00:00:00+01:00", "2026-03-28T23:00:00Z", ""),
+        ("2026-03-29T01:00:00+01:00", "2026-03-29T00:00:00Z", ""),
+        ("2027-03-29T00:00:00+02:00", "2027-03-28T22:00:00Z",
+         "02:00 does not exist on this day (DST); that run is skipped"),
+        ("2027-03-29T01:00:00+02:00", "2027-03-28T23:00:00Z", ""),
+    ]  # fmt: skip
+    # Samoa's skipped Friday, whose next December Friday is a year on.
+    fridays = next_fire_times(
+        CronSchedule("0 * * 12 5", "Pacific/Apia"), at("2011-12-29T00:00:00Z"), 2
+    )
+    assert [(fire.local.isoformat(), fire.note) for fire in fridays] == [
+        ("2012-12-07T00:00:00+14:00", "00:00 to 23:00 (24 times) do not exist on this day"
+         " (the zone's UTC offset changed); those runs are skipped"),
+        ("2012-12-07T01:00:00+14:00", ""),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "zone, last",
+    [("UTC", "23:00"), ("Pacific/Kiritimati", "23:00"), ("Pacific/Pago_Pago", "00:00")],
+)
+def test_the_last_day_datetime_can_hold_has_its_fire_times(zone, last):
+    """Sampling the offsets around 9999-12-31 left datetime's range: its times were never
+    listed (the preview stopped at the day before). West of UTC its evening is past the range
+    once in UTC: the times end there (the preview stops at the OverflowError)."""
+    fires = schedule_fire_times(CronSchedule("0 0,23 31 12 *", zone), at("9998-12-31T23:59:00Z"))
+    listed = []
+    with contextlib.suppress(OverflowError):
+        listed.extend(fire.local.strftime("%Y-%m-%d %H:%M") for fire in fires)
+    assert listed[-1] == f"9999-12-31 {last}"
+    assert "9999-12-31 00:00" in listed
 
 
 def test_a_day_skipped_by_a_change_of_the_zones_offset_is_not_called_dst():
