@@ -8,6 +8,7 @@ own secret), are shown whole once, in the answer to their creation.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -56,11 +57,17 @@ def shown_target(channel: Channel) -> str:
 
 
 def snapshot(channel: Channel) -> dict:
-    """The channel as the audit trail keeps it (never its secret)."""
+    """The channel as the audit trail keeps it (never its secret). A Slack URL is kept as its
+    host and a fingerprint (the first 8 hex digits of its SHA-256): without it, a new URL on
+    the same host compared equal and the change was not audited; a webhook's token has too
+    many bits for 32 of a hash to give it away."""
+    target = shown_target(channel)
+    if channel.kind == Kind.SLACK:
+        target += f" (fingerprint {hashlib.sha256(channel.target.encode()).hexdigest()[:8]})"
     return {
         "name": channel.name,
         "kind": channel.kind,
-        "target": shown_target(channel),
+        "target": target,
         "events": list(channel.events),
         "jobs": list(channel.jobs),
         "queues": list(channel.queues),

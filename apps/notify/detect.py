@@ -221,7 +221,8 @@ def late_and_missed(now: datetime, team_ids: set[int], teams: dict, channels) ->
                     # A run still waiting is late (or its time missed) for as long as it waits:
                     # each look keeps the incident open, and its quiet time counts from the
                     # last (a recovery said "no job.late for 36 s" of a run started 3 s before).
-                    condition=alert.state == "scheduled",
+                    # A later run late in its turn is another occurrence, the one messages name.
+                    waiting=alert.state == "scheduled",
                 ),
                 channels,
                 now,

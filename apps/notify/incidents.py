@@ -49,6 +49,10 @@ class Occurrence:
     # A condition (a full DLQ, shards without an owner) is found again on every look while it
     # lasts: each look keeps its incident open without counting as a new occurrence.
     condition: bool = False
+    # A run still waiting (late, or its cron time missed) is found again on every look while
+    # it waits: each look keeps the incident open, and only a later time (another run late in
+    # its turn) is another occurrence.
+    waiting: bool = False
 
 
 def _body(incident: Incident, event: str, phase: str, summary: str, at: datetime) -> str:
@@ -125,7 +129,7 @@ def occurred(occurrence: Occurrence, channels: list[Channel], now: datetime) -> 
 
 
 def _refresh(incident: Incident, o: Occurrence, now: datetime) -> None:
-    if o.condition:
+    if o.condition or (o.waiting and o.at <= incident.last_event_at):
         incident.last_seen_at = now
         incident.last_event_at = max(incident.last_event_at, o.at)
         incident.summary = o.summary

@@ -82,6 +82,21 @@ def test_a_webhook_channel_is_created_tested_logged_changed_and_deleted(api_a, r
     assert update.after["enabled"] is False
 
 
+def test_a_slack_channels_new_url_on_the_same_host_is_audited_without_showing_it(
+    api_a, team_a, receiver
+):
+    """The trail keeps a Slack URL as its host alone (the URL is the secret): a new URL on the
+    same host compared equal, so sending the team's pages elsewhere left no event."""
+    channel = make_channel(team_a, receiver.url + "/T1/B1/first", kind="slack")
+    answer = api_a.patch(f"/api/v1/channels/{channel.pk}", {"target": receiver.url + "/T1/B1/new"})
+    assert answer.status_code == 200, answer.text
+    update = AuditEvent.objects.get(action="channel.update")
+    assert update.before["target"] != update.after["target"]
+    host = "/".join(receiver.url.split("/")[:3])  # scheme://host:port
+    for kept in (update.before["target"], update.after["target"]):
+        assert "/T1/" not in kept and kept.startswith(f"{host}/… (fingerprint "), kept
+
+
 REFUSED = [
     "http://127.0.0.1:9/hook",
     "http://localhost:9/hook",

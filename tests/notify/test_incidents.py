@@ -291,6 +291,65 @@ def test_a_run_late_while_it_waits_keeps_its_incident_open_until_it_stops_waitin
     assert messages_of(receiver) == [("job.late", "open"), ("job.recovered", "resolved")]
 
 
+def test_a_later_run_late_in_its_turn_is_another_occurrence_and_the_one_messages_name(
+    team_a, receiver, notifier, settings
+):
+    """Each look found the newest late run and took its words, but kept the first run's id and
+    count: a reminder said "1 occurrence … run B has not started" and linked run A."""
+    from apps.runs.ids import public_run_id
+
+    job = make_definition(team_a, "billing.stalled", queue="stalled", lateness_slo_seconds=5)
+    make_channel(team_a, receiver.url, events=["job.late"])
+    (first,) = add_ready_runs(job, 1, prefix="a", age_seconds=300)
+    notifier.handle_one_detection(force=True)
+    notifier.handle_one_detection(force=True)  # the same run again: no other occurrence
+    late = Incident.objects.get(event="job.late")
+    assert (late.occurrences, late.run_id) == (1, public_run_id(first))
+    (second,) = add_ready_runs(job, 1, prefix="b", age_seconds=200)
+    notifier.handle_one_detection(force=True)
+    notifier.handle_one_detection(force=True)
+    late.refresh_from_db()
+    assert (late.occurrences, late.run_id) == (2, public_run_id(second))
+    settings.SCHEDULER_NOTIFY_REMINDER_SECONDS = 60
+    Incident.objects.update(last_notified_at=F("last_notified_at") - timedelta(minutes=2))
+    notifier.handle_one_detection(force=True)
+    drain(notifier)
+    assert messages_of(receiver) == [("job.late", "open"), ("job.late", "reminder")]
+    reminder = orjson.loads(receiver.requests[1].body)
+    assert reminder["runId"] == public_run_id(second)
+    assert reminder["url"].endswith(f"/runs/{public_run_id(second)}")
+    assert ", 2 occurrences (last seen" in reminder["summary"]
+    assert public_run_id(second) in reminder["summary"]
+
+
+def test_a_channel_added_during_an_incident_hears_its_recovery_once_it_had_a_reminder(
+    team_a, receiver, notifier, settings
+):
+    """The README's rule: not paged for an incident already open; reminded; and told of the
+    recovery if it was told of the incident (a reminder), not otherwise."""
+    job = make_definition(team_a, "billing.midway", queue="billing", retry_max_attempts=1)
+    make_channel(team_a, receiver.url + "?first", name="first")
+    die(job, "a")
+    notifier.handle_one_detection(force=True)
+    make_channel(team_a, receiver.url + "?reminded", name="reminded")
+    settings.SCHEDULER_NOTIFY_REMINDER_SECONDS = 60
+    Incident.objects.update(last_notified_at=F("last_notified_at") - timedelta(minutes=2))
+    notifier.handle_one_detection(force=True)
+    make_channel(team_a, receiver.url + "?late", name="late")
+    succeed(job, "ok")
+    settings.SCHEDULER_NOTIFY_RECOVERY_SECONDS = 0
+    notifier.handle_one_detection(force=True)
+    drain(notifier)
+    heard = sorted(
+        (request.path.split("?")[1], orjson.loads(request.body)["phase"])
+        for request in receiver.requests
+    )
+    assert heard == [
+        ("first", "open"), ("first", "reminder"), ("first", "resolved"),
+        ("reminded", "reminder"), ("reminded", "resolved"),
+    ]  # fmt: skip
+
+
 def test_a_reminder_counts_every_occurrence_of_its_incident(team_a, receiver, notifier, settings):
     job = make_definition(team_a, "billing.flaky", queue="billing", retry_max_attempts=1)
     make_channel(team_a, receiver.url, events=["run.dead"])
