@@ -113,3 +113,31 @@ def test_the_longest_names_wrap_at_a_phones_width(browser, asgi_server, admin_a,
         expect(page.locator(".field-error").filter(has_text="z" * 20).first).to_be_visible()
         too_wide["/jobs/new with a long time zone"] = wider_than_a_phone(web)
         assert {path: width for path, width in too_wide.items() if width} == {}
+
+
+def test_the_audit_trail_and_the_jobs_list_fit_a_phone_with_their_key_column_readable(
+    browser, asgi_server, admin_a, team_a, job_a
+):
+    """The audit trail's change tables (a hidden header each, placed outside the scrolling
+    panel) widened the page to 614 px; the first column of the jobs list and the trail was
+    squeezed to 58 px, a job's name broken over seven lines."""
+    from apps.audit.models import AuditEvent
+
+    fields = {f"field_{n}": "value " * 6 for n in range(8)}
+    AuditEvent.objects.create(
+        team=team_a, actor="t", source="cli", action="job.create", target_type="job",
+        target=job_a.name, after=fields,
+    )  # fmt: skip
+    AuditEvent.objects.create(
+        team=team_a, actor="t", source="cli", action="job.update", target_type="job",
+        target=job_a.name, before={"cron": "0 2 * * *", "payload": '{"a": 1}' * 6},
+        after={"cron": "0 3 * * *", "payload": '{"b": 2}' * 6},
+    )  # fmt: skip
+    make_definition(team_a, "billing.export-invoices-weekly", queue="billing")
+    with on_a_phone(browser, asgi_server, admin_a) as web:
+        too_wide = {path: wider_than_a_phone(web, path) for path in ("/audit", "/jobs")}
+        assert {path: width for path, width in too_wide.items() if width} == {}
+        for path in ("/audit", "/jobs"):
+            web.goto(path)
+            first = web.page.locator("#results table tbody tr td").first
+            assert first.evaluate("e => e.getBoundingClientRect().width") >= 120, path
