@@ -35,6 +35,7 @@ urlpatterns = [
     path("jobs/new", jobs.job_new, name="job-new"),
     # Job names start with a letter or digit, so "-" cannot collide with one.
     path("jobs/-/preview", jobs.job_preview, name="job-preview"),
+    path("jobs/-/check", jobs.job_check, name="job-check"),
     path("jobs/<str:name>", jobs.job_detail, name="job"),
     path("jobs/<str:name>/edit", jobs.job_edit, name="job-edit"),
     path("jobs/<str:name>/pause", jobs.job_pause, {"paused": True}, name="job-pause"),

@@ -30,19 +30,38 @@
 
   // The element that opened the confirmation dialog gets the focus back when it closes (a
   // keyboard user was sent to the top of the page).
+  // A live update may have replaced it meanwhile (the list and its bar are re-rendered): its
+  // replacement, found by the same id, or the same form, name, value and words, gets it then.
   var opener = null;
+  function keyOf(el) {
+    var form = el.closest("form[id]");
+    return { id: el.id, form: form ? form.id : "", name: el.getAttribute("name") || "",
+             value: el.getAttribute("value") || "", text: el.textContent, tag: el.tagName };
+  }
+  function replacementOf(key) {
+    if (key.id) return document.getElementById(key.id);
+    var scope = key.form ? document.getElementById(key.form) : document;
+    var same = scope ? Array.prototype.filter.call(scope.getElementsByTagName(key.tag), function (el) {
+      return (el.getAttribute("name") || "") === key.name && el.textContent === key.text &&
+        (el.getAttribute("value") || "") === key.value;
+    }) : [];
+    return same.length === 1 ? same[0] : null;
+  }
   document.addEventListener("htmx:beforeRequest", function (event) {
     var target = event.detail.target, elt = event.detail.elt;
     if (!target || target.id !== "dialog" || !elt || elt.closest("#dialog")) return;
     var active = document.activeElement;  // the button pressed, focused by the press
-    opener = active && active !== document.body && elt.contains(active) ? active
+    var pressed = active && active !== document.body && elt.contains(active) ? active
       : elt.tagName === "FORM" ? elt.querySelector("button:not([type=button])") : elt;
+    opener = pressed ? { element: pressed, key: keyOf(pressed) } : null;
   });
   function closeDialog() {
     var dialog = document.getElementById("dialog");
     if (!dialog || !dialog.innerHTML) return false;
     dialog.innerHTML = "";
-    if (opener && document.body.contains(opener)) opener.focus();
+    var back = opener && (document.body.contains(opener.element) ? opener.element
+      : replacementOf(opener.key));
+    if (back) back.focus();
     opener = null;
     return true;
   }
@@ -169,16 +188,27 @@
   }
   // A form larger than the server reads is refused unread (413), and a plain form's input
   // lost with the page: it is stopped here, its input kept. Captured before htmx sees it.
+  function sizeOver(form) {
+    var limit = Number(document.body.dataset.maxBody || 0);
+    var size = limit ? new URLSearchParams(new FormData(form)).toString().length : 0;
+    return size > limit ? size : 0;
+  }
   document.addEventListener("submit", function (event) {
-    var form = event.target, limit = Number(document.body.dataset.maxBody || 0);
-    if (!limit || !form || form.tagName !== "FORM" || form.method.toLowerCase() !== "post") return;
-    var size = new URLSearchParams(new FormData(form)).toString().length;
-    if (size <= limit) return;
+    var form = event.target;
+    if (!form || form.tagName !== "FORM" || form.method.toLowerCase() !== "post") return;
+    var size = sizeOver(form);
+    if (!size) return;
     event.preventDefault();
     event.stopPropagation();
-    say("Not sent: the form is " + size + " bytes, more than the " + limit + " the server " +
-        "takes. What you typed is kept.");
+    say("Not sent: the form is " + size + " bytes, more than the " +
+        document.body.dataset.maxBody + " the server takes. What you typed is kept.");
   }, true);
+  // A form's check of its fields as they are typed (`data-form-check`) is not sent either: its
+  // 413 was said as if the form had been.
+  document.addEventListener("htmx:beforeRequest", function (event) {
+    var elt = event.detail.elt, form = elt && elt.closest && elt.closest("form");
+    if (form && elt.hasAttribute("data-form-check") && sizeOver(form)) event.preventDefault();
+  });
 
   // A form sent after the session ended (it expired, or another tab signed out) lands on the
   // sign-in page, and what was typed was lost. A form marked `data-keep-draft` keeps what it

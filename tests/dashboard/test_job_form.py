@@ -11,6 +11,7 @@ from apps.api.shapes.jobs import parse_definition
 from apps.audit.models import AuditEvent
 from apps.jobs.models import JobDefinition
 from apps.jobs.schedule import shard_for
+from tests.conftest import make_definition
 from tests.dashboard.conftest import client_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -506,3 +507,35 @@ def test_job_names_are_ordered_by_code_point_in_every_database():
                 " WHERE table_name = 'jobs_jobdefinition' AND column_name = 'name'"
             )
             assert cursor.fetchone() == ("C",), alias
+
+
+def test_the_fields_outside_the_schedule_are_checked_as_they_are_typed(editor_a, viewer_a, team_b):
+    """Each reason goes beside its field before saving, for a new job and an edited one; the
+    check acts on nothing and is the editor's alone."""
+    client = client_for(editor_a)
+    typed = {**FORM, "payload": '{"a": 1, oops', "queue": "bad queue!", "timeout_seconds": "0"}
+    answer = client.post("/jobs/-/check", typed, HTTP_HX_REQUEST="true")
+    assert answer.status_code == 200
+    text = answer.content.decode()
+    assert 'id="err-payload" hx-swap-oob="true">Not valid JSON' in text
+    assert 'id="err-queue" hx-swap-oob="true"></span>' not in text
+    assert 'id="err-timeout_seconds" hx-swap-oob="true"></span>' not in text
+    assert 'id="err-owner" hx-swap-oob="true"></span>' in text  # a field with nothing wrong
+    assert 'id="err-cron"' not in text  # the preview's
+    assert not JobDefinition.objects.exists()
+
+    assert client.post("/jobs/new", FORM).status_code == 302
+    edited = {**FORM, "editing": FORM["name"], "payload": "[1, 2"}
+    text = client.post("/jobs/-/check", edited, HTTP_HX_REQUEST="true").content.decode()
+    assert 'id="err-payload" hx-swap-oob="true">Not valid JSON' in text
+    assert 'id="err-name" hx-swap-oob="true"></span>' in text  # its own name is no conflict
+    assert client_for(viewer_a).post("/jobs/-/check", edited).status_code == 403
+    # The session ended while typing: nothing is checked, and the page is not sent away from
+    # (to the sign-in page, with what was typed) by a check; Save keeps what was typed.
+    from django.test import Client
+
+    signed_out = Client().post("/jobs/-/check", edited, HTTP_HX_REQUEST="true")
+    assert signed_out.status_code == 204 and "HX-Redirect" not in signed_out.headers
+    theirs = make_definition(team_b, "search.reindex", queue="search")
+    other = {**FORM, "editing": theirs.name}
+    assert client.post("/jobs/-/check", other).status_code == 404

@@ -7,6 +7,7 @@ import logging
 from datetime import UTC, date, datetime, time, timedelta
 
 from django.contrib import messages
+from django.contrib.auth.decorators import login_not_required
 from django.core.exceptions import PermissionDenied
 from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpResponse
@@ -321,6 +322,37 @@ def job_preview(request: HtmxHttpRequest) -> HttpResponse:
         "oob": True,
     }
     return render_page(request, "dashboard/job_form.html#preview", context)
+
+
+# The fields the form checks as they are typed, beside the schedule's (the preview's).
+CHECKED_FIELDS = tuple(
+    name for name in DefinitionForm.base_fields if name not in {*SCHEDULE_FIELDS, "kind", "seen"}
+)
+
+
+@login_not_required
+@require_POST
+def job_check(request: HtmxHttpRequest) -> HttpResponse:
+    """The form's live validation of the fields outside its schedule (the preview judges
+    those): each field's reason beside it as saving would give it, before saving (a payload
+    that is not JSON was said only once saved). `editing` names the job an edit form is of.
+
+    Signed out (the session ended while typing), nothing is checked and the page stays: sent
+    to the sign-in page by a check, the reader lost what was typed; Save keeps it."""
+    if not request.user.is_authenticated:
+        return HttpResponse(status=204)
+    editing = request.POST.get("editing")
+    if editing:
+        definition = _changeable(request, editing, Role.EDITOR)
+        form = DefinitionForm(request.POST, teams=[definition.team], instance=definition)
+    else:
+        teams = access.teams_with_role(request.user, Role.EDITOR)
+        if not teams:
+            raise PermissionDenied("Creating a job needs the editor role in a team.")
+        form = DefinitionForm(request.POST, teams=teams)
+    form.is_valid()
+    checked = {name: " ".join(form.errors.get(name, [])) for name in CHECKED_FIELDS}
+    return render_page(request, "dashboard/job_form.html#checked", {"checked": checked})
 
 
 def _changeable(request: HtmxHttpRequest, name: str, role: str) -> JobDefinition:
