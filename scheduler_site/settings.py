@@ -123,9 +123,9 @@ if EMBEDDED_DATABASE:
 # The pool's settings are read (and a bad one refused) in every process: read in the web's
 # workers alone, a bad value stopped each worker as it started, and `manage.py web` restarted
 # them without end instead of stopping with the configuration error.
-_POOL_SIZE = env_int("SCHEDULER_DB_POOL_SIZE", 20, low=1)
-_POOL_LOCK_TIMEOUT = env_int("SCHEDULER_DB_LOCK_TIMEOUT", 10, low=0)
-_POOL_STATEMENT_TIMEOUT = env_int("SCHEDULER_DB_STATEMENT_TIMEOUT", 60, low=0)
+_POOL_SIZE = env_int("SCHEDULER_DB_POOL_SIZE", 20, low=1, high=1000)
+_POOL_LOCK_TIMEOUT = env_int("SCHEDULER_DB_LOCK_TIMEOUT", 10, low=0, high=86400)
+_POOL_STATEMENT_TIMEOUT = env_int("SCHEDULER_DB_STATEMENT_TIMEOUT", 60, low=0, high=86400)
 DB_POOL_SIZE = _POOL_SIZE if env_bool("SCHEDULER_DB_POOL", False) else None
 # The web process's statements wait at most DB_LOCK_TIMEOUT seconds for a lock and run at most
 # DB_STATEMENT_TIMEOUT: a request behind another session's lock (a psql transaction left open)
@@ -135,7 +135,7 @@ DB_POOL_SIZE = _POOL_SIZE if env_bool("SCHEDULER_DB_POOL", False) else None
 # holding the audit table let them lapse (another node took the shards). A statement that gives
 # up fails its tick; the next tick renews first. Their run time is not bounded: retention and
 # materialisation batches may rightly take longer.
-SCHEDULER_SHARD_LEASE_SECONDS = env_int("SCHEDULER_SHARD_LEASE_SECONDS", 10, low=1)
+SCHEDULER_SHARD_LEASE_SECONDS = env_int("SCHEDULER_SHARD_LEASE_SECONDS", 10, low=1, high=3600)
 if DB_POOL_SIZE:
     DB_LOCK_TIMEOUT: float = _POOL_LOCK_TIMEOUT
 elif _COMMAND == "scheduler":
@@ -213,7 +213,7 @@ STORAGES = {
 LOGIN_URL = "/accounts/login/"
 
 # A session lasts 12 hours from sign-in, then the engineer signs in again.
-SESSION_COOKIE_AGE = env_int("SESSION_COOKIE_AGE", 12 * 3600, low=60)
+SESSION_COOKIE_AGE = env_int("SESSION_COOKIE_AGE", 12 * 3600, low=60, high=366 * 86400)
 SESSION_SAVE_EVERY_REQUEST = False
 SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SAMESITE = "Lax"
@@ -274,7 +274,7 @@ CACHES = {
     )
 }
 # How often each web process with open dashboard sockets looks for changed runs (seconds).
-DASHBOARD_LIVE_INTERVAL = env_float("DASHBOARD_LIVE_INTERVAL", 1.0, low=0.05)
+DASHBOARD_LIVE_INTERVAL = env_float("DASHBOARD_LIVE_INTERVAL", 1.0, low=0.05, high=3600)
 # Every dashboard page: scripts and styles from this origin only, never inline.
 DASHBOARD_CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -312,13 +312,17 @@ SPECTACULAR_SETTINGS = {
 }
 
 # Request bodies up to the payload cap plus room for the envelope; anything larger is a 413.
-SCHEDULER_PAYLOAD_MAX_BYTES = env_int("SCHEDULER_PAYLOAD_MAX_BYTES", 1024 * 1024, low=1)
+SCHEDULER_PAYLOAD_MAX_BYTES = env_int(
+    "SCHEDULER_PAYLOAD_MAX_BYTES", 1024 * 1024, low=1, high=256 * 1024 * 1024
+)
 DATA_UPLOAD_MAX_MEMORY_SIZE = SCHEDULER_PAYLOAD_MAX_BYTES + 64 * 1024
 # Objects and lists nested deeper than this in any JSON body, payload, result or file are a 400
 # (apps/runs/limits.py): what is accepted must be storable and renderable.
 SCHEDULER_JSON_MAX_DEPTH = env_int("SCHEDULER_JSON_MAX_DEPTH", 64, low=2, high=1000)
 # A run may not be asked for further in the past than this (backfill is the tool for the past).
-SCHEDULER_RUN_AT_PAST_SECONDS = env_int("SCHEDULER_RUN_AT_PAST_SECONDS", 86400, low=0)
+SCHEDULER_RUN_AT_PAST_SECONDS = env_int(
+    "SCHEDULER_RUN_AT_PAST_SECONDS", 86400, low=0, high=3660 * 86400
+)
 
 # Requests per token and scope ("N/s", "N/min", "N/hour"); an empty value turns a limit off.
 SCHEDULER_API_RATES = {
@@ -328,39 +332,51 @@ SCHEDULER_API_RATES = {
     "enqueue": env_rate("SCHEDULER_API_RATE_ENQUEUE", "5000/s"),
 }
 # Most runs one POST /api/v1/runs may create.
-SCHEDULER_MAX_ENQUEUE = env_int("SCHEDULER_MAX_ENQUEUE", 1000, low=1)
+SCHEDULER_MAX_ENQUEUE = env_int("SCHEDULER_MAX_ENQUEUE", 1000, low=1, high=100_000)
 
 # Failed sign-ins (apps/teams/lockout.py): a user name, or a client address, with this many
 # failures within the window is refused, even the right password, until the oldest of them leaves
 # the window. Counted in the database, so the limits hold across web processes. 0 turns one off.
-SCHEDULER_LOGIN_FAILURES_PER_USER = env_int("SCHEDULER_LOGIN_FAILURES_PER_USER", 5, low=0)
-SCHEDULER_LOGIN_FAILURES_PER_ADDRESS = env_int("SCHEDULER_LOGIN_FAILURES_PER_ADDRESS", 20, low=0)
-SCHEDULER_LOGIN_LOCKOUT_SECONDS = env_int("SCHEDULER_LOGIN_LOCKOUT_SECONDS", 900, low=1)
+SCHEDULER_LOGIN_FAILURES_PER_USER = env_int(
+    "SCHEDULER_LOGIN_FAILURES_PER_USER", 5, low=0, high=1_000_000
+)
+SCHEDULER_LOGIN_FAILURES_PER_ADDRESS = env_int(
+    "SCHEDULER_LOGIN_FAILURES_PER_ADDRESS", 20, low=0, high=1_000_000
+)
+SCHEDULER_LOGIN_LOCKOUT_SECONDS = env_int(
+    "SCHEDULER_LOGIN_LOCKOUT_SECONDS", 900, low=1, high=366 * 86400
+)
 # Unknown or revoked bearer tokens (apps/api/auth.py): a client address with this many within the
 # window gets 429 for the rest of it, without a database lookup. Counted per web process.
-SCHEDULER_TOKEN_FAILURES_PER_ADDRESS = env_int("SCHEDULER_TOKEN_FAILURES_PER_ADDRESS", 30, low=0)
+SCHEDULER_TOKEN_FAILURES_PER_ADDRESS = env_int(
+    "SCHEDULER_TOKEN_FAILURES_PER_ADDRESS", 30, low=0, high=1_000_000
+)
 SCHEDULER_TOKEN_FAILURE_WINDOW_SECONDS = env_int(
-    "SCHEDULER_TOKEN_FAILURE_WINDOW_SECONDS", 60, low=1
+    "SCHEDULER_TOKEN_FAILURE_WINDOW_SECONDS", 60, low=1, high=86400
 )
 
-SCHEDULER_LOOKAHEAD_SECONDS = env_int("SCHEDULER_LOOKAHEAD_SECONDS", 60, low=0)
+SCHEDULER_LOOKAHEAD_SECONDS = env_int("SCHEDULER_LOOKAHEAD_SECONDS", 60, low=0, high=86400)
 SCHEDULER_TICK_SECONDS = env_float("SCHEDULER_TICK_SECONDS", 1.0, low=0.01, high=3600)
-SCHEDULER_MISSED_RUNS_CAP = env_int("SCHEDULER_MISSED_RUNS_CAP", 1000, low=0)
-SCHEDULER_BACKFILL_CAP = env_int("SCHEDULER_BACKFILL_CAP", 10000, low=1)
-SCHEDULER_RETENTION_DAYS = env_int("SCHEDULER_RETENTION_DAYS", 30, low=1)
-SCHEDULER_AUDIT_RETENTION_DAYS = env_int("SCHEDULER_AUDIT_RETENTION_DAYS", 365, low=1)
-SCHEDULER_RETENTION_BATCH = env_int("SCHEDULER_RETENTION_BATCH", 1000, low=1)
-SCHEDULER_RETENTION_INTERVAL_SECONDS = env_int("SCHEDULER_RETENTION_INTERVAL_SECONDS", 60, low=1)
+SCHEDULER_MISSED_RUNS_CAP = env_int("SCHEDULER_MISSED_RUNS_CAP", 1000, low=0, high=1_000_000)
+SCHEDULER_BACKFILL_CAP = env_int("SCHEDULER_BACKFILL_CAP", 10000, low=1, high=1_000_000)
+SCHEDULER_RETENTION_DAYS = env_int("SCHEDULER_RETENTION_DAYS", 30, low=1, high=36_600)
+SCHEDULER_AUDIT_RETENTION_DAYS = env_int("SCHEDULER_AUDIT_RETENTION_DAYS", 365, low=1, high=36_600)
+SCHEDULER_RETENTION_BATCH = env_int("SCHEDULER_RETENTION_BATCH", 1000, low=1, high=100_000)
+SCHEDULER_RETENTION_INTERVAL_SECONDS = env_int(
+    "SCHEDULER_RETENTION_INTERVAL_SECONDS", 60, low=1, high=86400
+)
 # The census of each shard database's runs (apps/runs/census.py): how often the scheduler takes
 # it, and how many runs of theirs the overview and queues pages count on each load before they
 # read it instead.
-SCHEDULER_CENSUS_SECONDS = env_int("SCHEDULER_CENSUS_SECONDS", 15, low=1)
-SCHEDULER_LIVE_COUNT_LIMIT = env_int("SCHEDULER_LIVE_COUNT_LIMIT", 100_000, low=0)
+SCHEDULER_CENSUS_SECONDS = env_int("SCHEDULER_CENSUS_SECONDS", 15, low=1, high=86400)
+SCHEDULER_LIVE_COUNT_LIMIT = env_int(
+    "SCHEDULER_LIVE_COUNT_LIMIT", 100_000, low=0, high=1_000_000_000
+)
 # A lease call's `leaseSeconds` when it gives none.
 SCHEDULER_DEFAULT_LEASE_SECONDS = env_int("SCHEDULER_DEFAULT_LEASE_SECONDS", 60, low=1, high=86400)
-SCHEDULER_MAX_WAIT_SECONDS = env_int("SCHEDULER_MAX_WAIT_SECONDS", 30, low=0)
-SCHEDULER_MAX_CLAIM = env_int("SCHEDULER_MAX_CLAIM", 1000, low=1)
-SCHEDULER_REAPER_BATCH = env_int("SCHEDULER_REAPER_BATCH", 500, low=1)
+SCHEDULER_MAX_WAIT_SECONDS = env_int("SCHEDULER_MAX_WAIT_SECONDS", 30, low=0, high=3600)
+SCHEDULER_MAX_CLAIM = env_int("SCHEDULER_MAX_CLAIM", 1000, low=1, high=100_000)
+SCHEDULER_REAPER_BATCH = env_int("SCHEDULER_REAPER_BATCH", 500, low=1, high=100_000)
 # /metrics and /readyz answer clients in these networks only (/healthz answers everyone, for load
 # balancers): loopback and the private ranges unless set; "0.0.0.0/0,::/0" opens them to all.
 # The client is the one apps/teams/lockout.py's client_address names (SCHEDULER_BEHIND_PROXY).
@@ -382,33 +398,49 @@ SCHEDULER_OPS_TOKEN = env_str("SCHEDULER_OPS_TOKEN")
 SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS = env_bool("SCHEDULER_NOTIFY_ALLOW_PRIVATE_TARGETS", False)
 # How often the scheduler looks for dead runs, late and missed runs, a full DLQ, shards without
 # an owner, and recoveries (seconds).
-SCHEDULER_NOTIFY_INTERVAL_SECONDS = env_float("SCHEDULER_NOTIFY_INTERVAL_SECONDS", 10.0, low=0.1)
+SCHEDULER_NOTIFY_INTERVAL_SECONDS = env_float(
+    "SCHEDULER_NOTIFY_INTERVAL_SECONDS", 10.0, low=0.1, high=3600
+)
 # An open incident is paged again this often (0: never).
-SCHEDULER_NOTIFY_REMINDER_SECONDS = env_int("SCHEDULER_NOTIFY_REMINDER_SECONDS", 3600, low=0)
+SCHEDULER_NOTIFY_REMINDER_SECONDS = env_int(
+    "SCHEDULER_NOTIFY_REMINDER_SECONDS", 3600, low=0, high=366 * 86400
+)
 # An incident closes (with a recovery message) once it has seen nothing new for this long and
 # its job's latest run succeeded (or its condition is over): a flapping job stays one incident.
-SCHEDULER_NOTIFY_RECOVERY_SECONDS = env_int("SCHEDULER_NOTIFY_RECOVERY_SECONDS", 300, low=0)
+SCHEDULER_NOTIFY_RECOVERY_SECONDS = env_int(
+    "SCHEDULER_NOTIFY_RECOVERY_SECONDS", 300, low=0, high=366 * 86400
+)
 # A team's dead-letter queue at or over this many runs opens a `dlq.threshold` incident.
-SCHEDULER_NOTIFY_DLQ_THRESHOLD = env_int("SCHEDULER_NOTIFY_DLQ_THRESHOLD", 100, low=1)
+SCHEDULER_NOTIFY_DLQ_THRESHOLD = env_int(
+    "SCHEDULER_NOTIFY_DLQ_THRESHOLD", 100, low=1, high=1_000_000_000
+)
 # A shard whose lease has been expired (or never taken) this long is `scheduler.shard_unowned`.
 SCHEDULER_NOTIFY_SHARD_UNOWNED_SECONDS = env_int(
-    "SCHEDULER_NOTIFY_SHARD_UNOWNED_SECONDS", 30, low=1
+    "SCHEDULER_NOTIFY_SHARD_UNOWNED_SECONDS", 30, low=1, high=86400
 )
 # How far back the first look of a new installation goes for dead, late and missed runs.
-SCHEDULER_NOTIFY_LOOKBACK_SECONDS = env_int("SCHEDULER_NOTIFY_LOOKBACK_SECONDS", 900, low=0)
+SCHEDULER_NOTIFY_LOOKBACK_SECONDS = env_int(
+    "SCHEDULER_NOTIFY_LOOKBACK_SECONDS", 900, low=0, high=366 * 86400
+)
 # Deliveries: attempts before giving up, the backoff before attempt n (base · 2^(n-2), capped),
 # and the timeout of one HTTP or SMTP conversation.
-SCHEDULER_NOTIFY_MAX_ATTEMPTS = env_int("SCHEDULER_NOTIFY_MAX_ATTEMPTS", 8, low=1)
-SCHEDULER_NOTIFY_BACKOFF_SECONDS = env_int("SCHEDULER_NOTIFY_BACKOFF_SECONDS", 15, low=0)
-SCHEDULER_NOTIFY_BACKOFF_MAX_SECONDS = env_int("SCHEDULER_NOTIFY_BACKOFF_MAX_SECONDS", 3600, low=0)
-SCHEDULER_NOTIFY_TIMEOUT_SECONDS = env_float("SCHEDULER_NOTIFY_TIMEOUT_SECONDS", 10.0, low=0.1)
+SCHEDULER_NOTIFY_MAX_ATTEMPTS = env_int("SCHEDULER_NOTIFY_MAX_ATTEMPTS", 8, low=1, high=1000)
+SCHEDULER_NOTIFY_BACKOFF_SECONDS = env_int(
+    "SCHEDULER_NOTIFY_BACKOFF_SECONDS", 15, low=0, high=86400
+)
+SCHEDULER_NOTIFY_BACKOFF_MAX_SECONDS = env_int(
+    "SCHEDULER_NOTIFY_BACKOFF_MAX_SECONDS", 3600, low=0, high=366 * 86400
+)
+SCHEDULER_NOTIFY_TIMEOUT_SECONDS = env_float(
+    "SCHEDULER_NOTIFY_TIMEOUT_SECONDS", 10.0, low=0.1, high=3600
+)
 # Threads of each scheduler process that send deliveries, one at a time each (a database
 # connection each).
-SCHEDULER_NOTIFY_SENDERS = env_int("SCHEDULER_NOTIFY_SENDERS", 4)
+SCHEDULER_NOTIFY_SENDERS = env_int("SCHEDULER_NOTIFY_SENDERS", 4, low=1, high=64)
 if SCHEDULER_NOTIFY_SENDERS < 1:
     raise ImproperlyConfigured("SCHEDULER_NOTIFY_SENDERS must be 1 or more.")
 # Most channels per team.
-SCHEDULER_NOTIFY_MAX_CHANNELS = env_int("SCHEDULER_NOTIFY_MAX_CHANNELS", 50, low=1)
+SCHEDULER_NOTIFY_MAX_CHANNELS = env_int("SCHEDULER_NOTIFY_MAX_CHANNELS", 50, low=1, high=10_000)
 # The dashboard's address as people reach it: the links in notifications start with it.
 SCHEDULER_PUBLIC_URL = env_str("SCHEDULER_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/")
 # Email channels: Django's mail backends, SMTP unless EMAIL_BACKEND says otherwise
