@@ -356,9 +356,13 @@ def test_a_crashed_celery_worker_is_recovered_by_lease_expiry_alone(team_a, spaw
 
 
 @e2e
+@pytest.mark.parametrize("restarted", [False, True], ids=["gone", "restarted-same-name"])
 def test_a_run_waiting_in_a_killed_celery_worker_is_let_go_within_a_few_heartbeats(
-    team_a, spawn, ledger, broker
+    team_a, spawn, ledger, broker, restarted
 ):
+    """`restarted`: the worker is started again under its name at once, as a supervisor does.
+    Its heartbeats were taken for the killed process's, whose held run stayed leased, and
+    unrun, for --max-queued-seconds (600 s)."""
     pks = dawdling_runs(team_a, "celery-held", 2)
     worker = spawn["celery_worker"]("w1", heartbeat=True)
     bridge = spawn["bridge"]("celery-held", "--prefetch", "2", "--lease-seconds", "2")
@@ -372,6 +376,8 @@ def test_a_run_waiting_in_a_killed_celery_worker_is_let_go_within_a_few_heartbea
 
     worker.kill()
     Run.objects.filter(pk__in=pks).update(payload={})  # the retries need not dawdle
+    if restarted:
+        spawn["celery_worker"]("w1", heartbeat=True)
     # Silent for three heartbeats (at least 5 s): the bridge stops extending the held run's
     # lease, which then expires; it waited --max-queued-seconds (600 s) before. (A message in
     # the broker has no holder, and a worker under --without-heartbeat is never judged: both
@@ -384,7 +390,8 @@ def test_a_run_waiting_in_a_killed_celery_worker_is_let_go_within_a_few_heartbea
     assert reaped == {held: "lease_expired"}
     assert "was received by Celery worker w1@" in bridge.output()
 
-    spawn["celery_worker"]("w2", heartbeat=True)
+    if not restarted:
+        spawn["celery_worker"]("w2", heartbeat=True)
     # The reaper's part too: the started run's lease expired with its task.
     done = wait_for(
         lambda: store.reap() is None or runs_when(pks, "succeeded")(),

@@ -64,6 +64,7 @@ class _Pending(LeasedRun):
 
     sent_at: float  # time.monotonic()
     holder: str = ""  # the Celery worker that received its message, once it has said so
+    holder_start: str = ""  # which start of that worker's process (its `workerStart`)
 
 
 def _leased(lease: Mapping[str, Any]) -> LeasedRun:
@@ -136,9 +137,10 @@ class Bridge(Daemon):
         # the next lease request; the lease loop's alone.
         self._unanswered: list[tuple[Mapping[str, Any], Report]] = []
         self._receiver: Any = None
-        # Celery workers heard to send heartbeats: hostname → (last heard, their interval), by
-        # time.monotonic(). Only those are judged: one under --without-heartbeat never is.
-        self._heard: dict[str, tuple[float, float]] = {}
+        # Celery workers heard to send heartbeats: hostname → (last heard, their interval, the
+        # start of the process heard), by time.monotonic(). Only those are judged: one under
+        # --without-heartbeat never is.
+        self._heard: dict[str, tuple[float, float, str]] = {}
         self._listening_since: float | None = None  # the event subscription's last (re)start
 
     def pending(self) -> list[str]:
@@ -228,6 +230,7 @@ class Bridge(Daemon):
             pending = self._pending.get(event.get("runId"))  # type: ignore[arg-type]
             if pending is not None and pending.token == event.get("fencingToken"):
                 pending.holder = str(event.get("hostname") or "")
+                pending.holder_start = str(event.get("workerStart") or "")
 
     def _on_alive(self, event: Mapping[str, Any]) -> None:
         hostname = str(event.get("hostname") or "")
@@ -236,23 +239,33 @@ class Bridge(Daemon):
         except (TypeError, ValueError):
             interval = 2.0
         with self._lock:
-            self._heard[hostname] = (time.monotonic(), interval)
+            self._heard[hostname] = (
+                time.monotonic(),
+                interval,
+                str(event.get("workerStart") or ""),
+            )
 
     def _on_leaving(self, event: Mapping[str, Any]) -> None:
-        hostname = str(event.get("hostname") or "")
+        hostname, start = str(event.get("hostname") or ""), str(event.get("workerStart") or "")
         with self._lock:
             self._heard.pop(hostname, None)
             for pending in self._pending.values():
-                if pending.holder == hostname:
+                if pending.holder == hostname and (
+                    not start or pending.holder_start in ("", start)
+                ):
                     pending.holder = ""  # back in the broker, for another worker
 
     def _silent_holder(self, pending: _Pending, now: float) -> str | None:
         """The worker holding the run's message, when it has fallen silent while the bridge
-        was listening the whole time (a bridge cut off from the broker judges no one)."""
+        was listening the whole time (a bridge cut off from the broker judges no one), or when
+        its name is heard from another start of the process (it was killed and started again:
+        what it held died with it)."""
         heard = self._heard.get(pending.holder) if pending.holder else None
         if heard is None or self._listening_since is None:
             return None
-        last, interval = heard
+        last, interval, start = heard
+        if start and pending.holder_start and start != pending.holder_start:
+            return pending.holder
         silence = max(SILENT_MIN_SECONDS, SILENT_BEATS * interval)
         if now - last <= silence or now - self._listening_since <= silence:
             return None
@@ -306,7 +319,8 @@ class Bridge(Daemon):
                 self._lock.notify_all()
         for pending, holder in stranded:
             logger.warning(
-                "run_id=%s job=%s attempt=%s was received by Celery worker %s, silent since: "
+                "run_id=%s job=%s attempt=%s was received by Celery worker %s, since silent or "
+                "started again: "
                 "no longer extending its lease (the scheduler retries it when it expires)",
                 pending.run_id,
                 pending.job,

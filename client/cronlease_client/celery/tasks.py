@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -52,6 +53,11 @@ HANDOFF_ROUTING_KEY = "cronlease.#"
 RECEIVED_EVENT = "cronlease-received"
 ALIVE_EVENT = "cronlease-alive"
 LEAVING_EVENT = "cronlease-leaving"
+# Which start of the worker process sent them: a worker killed and started again under the same
+# name (a supervisor's restart, within Celery's heartbeats) was taken for the one that held the
+# messages, so their runs stayed leased, and unrun, for max_queued_seconds. A process id is not
+# enough: a container's worker has the same one after every restart.
+WORKER_START = uuid.uuid4().hex
 
 # Celery's own retry machinery: accepted so existing tasks move over unchanged, but dropped,
 # since the job definition's retry policy is the only one (see cronlease_client.celery).
@@ -302,6 +308,7 @@ def announce_received(sender: Any = None, request: Any = None, **_: Any) -> None
             bridge=bridge["id"],
             runId=run_id,
             fencingToken=token,
+            workerStart=WORKER_START,
         )
 
 
@@ -310,14 +317,20 @@ def announce_alive(sender: Any = None, **_: Any) -> None:
     """With each of Celery's worker heartbeats (`sender` is celery.worker.heartbeat.Heart).
     Lost now and then, it costs nothing: a bridge waits several heartbeats."""
     eventer = sender.eventer
-    _send_event(eventer.app, eventer.hostname, ALIVE_EVENT, interval=sender.interval)
+    _send_event(
+        eventer.app,
+        eventer.hostname,
+        ALIVE_EVENT,
+        interval=sender.interval,
+        workerStart=WORKER_START,
+    )
 
 
 @signals.worker_shutdown.connect
 def announce_leaving(sender: Any = None, **_: Any) -> None:
     """A worker that stops cleanly gives its waiting messages back to the broker, where
     another worker takes them: the bridges keep extending their leases meanwhile."""
-    _send_event(sender.app, sender.hostname, LEAVING_EVENT)
+    _send_event(sender.app, sender.hostname, LEAVING_EVENT, workerStart=WORKER_START)
 
 
 @signals.task_unknown.connect
