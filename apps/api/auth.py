@@ -150,6 +150,16 @@ def authenticate_bearer(request) -> tuple[TokenUser, ApiToken] | None:
     return TokenUser(token), token
 
 
+def still_active(token: ApiToken) -> None:
+    """Refuse (401) a token revoked or deleted since its request began, as its next call would
+    be: a long poll asks again after each wait (apps/runs/leasing.py)."""
+    now = time.monotonic()
+    with _cache_lock:
+        hit = _cache.get(token.token_hash)
+    if (hit is None or hit[0] <= now) and _lookup(token.token_hash, now) is None:
+        raise exceptions.AuthenticationFailed("The token was revoked while this request waited.")
+
+
 class BearerTokenAuthentication(authentication.BaseAuthentication):
     keyword = KEYWORD
 

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, connections
 from drf_spectacular.utils import extend_schema, extend_schema_view
-from rest_framework.exceptions import NotFound
+from rest_framework.exceptions import AuthenticationFailed, NotFound
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.api import schema as doc
+from apps.api.auth import still_active
 from apps.api.errors import Conflict, ShardUnavailable, problem
 from apps.api.fastpath import Call, FastPathView
 from apps.api.renderers import Rendered, render_json
@@ -154,15 +156,18 @@ class LeasesView(WorkerView):
         )
         # Set by the ASGI handler when the worker hangs up (absent under WSGI and in tests).
         gone = getattr(call.request, "client_gone", None)
+        allowed = functools.partial(still_active, call.token)
         if results is None:
-            return leasing.claim_or_wait(request, render_leases, gone=gone)
+            return leasing.claim_or_wait(request, render_leases, gone=gone, allowed=allowed)
         if any(item["status"] == 503 for item in results):
             # A result its database could not take: no new work until it has been reported.
             return render_leases([], results)
         try:
             return leasing.claim_or_wait(
-                request, lambda leases: render_leases(leases, results), gone=gone
+                request, lambda leases: render_leases(leases, results), gone=gone, allowed=allowed
             )
+        except AuthenticationFailed:
+            return render_leases([], results)  # revoked while it waited: its results stand
         except Exception:
             # The results are committed: they are answered (a 5xx would have the worker send
             # them again). The claim, whatever failed it (its database, an answer that could

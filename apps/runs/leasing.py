@@ -147,8 +147,11 @@ def claim_or_wait(
     render: Callable[[list[store.Lease]], T],
     *,
     gone: threading.Event | None = None,
+    allowed: Callable[[], None] | None = None,
 ) -> T:
     """Claim up to `max_runs`; with `wait_seconds`, wait for work first. Answer `render(leases)`.
+    `allowed` raises when the caller may lease no more (its token was revoked while it waited:
+    the long poll leased runs to a worker whose every next call was refused).
 
     1. Note which worker asked for which queues (a few writes a minute, not one per call).
     2. Claim in a transaction; render the leases in it; commit only if the worker is still
@@ -161,10 +164,13 @@ def claim_or_wait(
     deadline = time.monotonic() + request.wait_seconds
     if request.wait_seconds:
         listener.ensure_started()
+    waited = False
     while True:
         if gone is not None and gone.is_set():
             # A dead worker's long poll must not lease it runs that nobody would run.
             return render([])
+        if waited and allowed is not None:
+            allowed()
         seen = listener.generation
         # The map of every try, not only the request's start (a long poll waits up to 60 s):
         # a shard move counts on every claim routing by a map at most a second old, and a
@@ -195,6 +201,7 @@ def claim_or_wait(
         alarm = min(left, _until_next_available(request, lanes, held.reopens_in))
         _release_pooled_connections()
         listener.wait(seen, alarm)
+        waited = True
 
 
 _rotation = itertools.count()

@@ -73,3 +73,44 @@ def test_a_deleted_teams_token_is_401_on_the_management_path(live_server, team_a
     team_a.delete()
     assert_unauthenticated(api.get("/api/v1/jobs"))
     assert_unauthenticated(api.post("/api/v1/jobs", {"name": "late.job", "schedule": {}}))
+
+
+@pytest.mark.parametrize("carrying_results", [False, True])
+def test_a_long_poll_waiting_when_its_token_is_revoked_leases_nothing(
+    live_server, team_a, token_a, ready_listener, carrying_results
+):
+    """The poll waited on with the token it began with: a run enqueued after the revocation
+    was leased to it, a worker whose every next call was refused (the run then sat leased
+    until its lease expired). Results it carried stand, and are answered."""
+    import threading
+    import time
+
+    from apps.runs.ids import public_run_id
+    from apps.runs.models import Run
+    from tests.conftest import claim
+
+    definition = make_definition(team_a, "poll.revoked", queue="q")
+    api = Api(live_server.url, token_a)
+    body = {**LEASE, "waitSeconds": 10}
+    if carrying_results:
+        add_ready_runs(definition, 1, prefix="done")
+        (held,) = claim(queues=["q"], max_runs=1, worker_id="w", team_ids=[team_a.pk])
+        body["results"] = [{"runId": public_run_id(held.id), "fencingToken": held.fencing_token,
+                            "outcome": "succeeded"}]  # fmt: skip
+    answers = []
+    poll = threading.Thread(target=lambda: answers.append(api.post("/api/v1/leases", body)))
+    poll.start()
+    time.sleep(1)  # waiting now (the results, if any, applied)
+    token = ApiToken.objects.get(team=team_a)
+    assert services.revoke_token(token, Actor.system())
+    (pk,) = add_ready_runs(definition, 1, prefix="after")
+    poll.join(15)
+    (answer,) = answers
+    if carrying_results:
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["leases"] == []
+        assert [item["status"] for item in answer.json()["results"]] == [200]
+    else:
+        assert_unauthenticated(answer)
+        assert "revoked while this request waited" in answer.json()["detail"]
+    assert Run.objects.get(pk=pk).state == "scheduled"  # stored so; claimable, not leased
