@@ -10,7 +10,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.audit.record import Actor, record
-from apps.teams import access
+from apps.teams import access, labels
 from apps.teams.models import ApiToken, Membership, Role, Scope, Team
 from apps.teams.signals import token_revoked
 
@@ -30,6 +30,8 @@ def issue_token(
     wanted = sorted(set(scopes))
     if not wanted or set(wanted) - set(Scope.values):
         raise TeamChangeError("Choose the worker and/or manage scope.")
+    if labels.unreadable(name):  # shown in the team's list and its audit trail
+        raise TeamChangeError(f"Name: {labels.UNREADABLE}")
     with transaction.atomic():
         _lock_members(team, actor)
         token, raw = ApiToken.issue(team, wanted, name=name.strip()[:100], created_by=actor.user)
@@ -70,7 +72,13 @@ def revoke_token(token: ApiToken, actor: Actor) -> bool:
 
 
 def _other_admins(team: Team, user) -> bool:
-    return Membership.objects.filter(team=team, role=Role.ADMIN).exclude(user=user).exists()
+    """Whether the team has an admin besides `user` who can sign in: a deactivated account
+    counted, and the team was left to it, with no one to manage it."""
+    return (
+        Membership.objects.filter(team=team, role=Role.ADMIN, user__is_active=True)
+        .exclude(user=user)
+        .exists()
+    )
 
 
 def _lock_members(team: Team, actor: Actor) -> None:

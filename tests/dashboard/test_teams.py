@@ -12,31 +12,67 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def test_a_new_token_is_shown_once_and_only_its_hash_is_kept(admin_a, team_a):
+    """Shown in the answer to its creation alone: kept in the session for the page after a
+    redirect, the secret stayed in the session table until that page was opened, and the
+    browser's Back showed it again (the page was cacheable)."""
+    from django.contrib.sessions.models import Session
+
     client = client_for(admin_a)
-    response = client.post(
-        "/teams/team-a/tokens", {"name": "billing workers", "scopes": ["worker"]}
-    )
-    assert response.status_code == 302
+    page = client.get("/teams/team-a").content.decode()
+    once = page.split('name="once" value="')[1].split('"')[0]
+    form = {"name": "billing workers", "scopes": ["worker"], "once": once}
+    response = client.post("/teams/team-a/tokens", form)
+    assert response.status_code == 200
+    assert response["Cache-Control"] == "no-store"
     token = ApiToken.objects.get(team=team_a)
-    first = client.get("/teams/team-a").content.decode()
-    raw = first.split("<code>")[1].split("</code>")[0]
+    shown = response.content.decode()
+    raw = shown.split("<code>")[1].split("</code>")[0]
     assert raw.startswith(token.prefix) and token.matches(raw)
+    assert "New token billing workers" in shown
     assert raw not in client.get("/teams/team-a").content.decode()  # never again
+    for session in Session.objects.all():
+        assert raw not in str(session.get_decoded())
     assert (token.name, token.scopes, token.created_by) == ("billing workers", ["worker"], admin_a)
     event = AuditEvent.objects.get(action="token.create")
     assert (event.source, event.target) == ("dashboard", token.prefix)
     assert raw not in str(event.after)
+    # The same form sent again (a reload of the answer, Back) makes no second token.
+    again = client.post("/teams/team-a/tokens", form, follow=True).content.decode()
+    assert "This form was sent already" in again and "<code>" not in again
+    assert ApiToken.objects.filter(team=team_a).count() == 1
 
 
-def test_a_new_token_is_shown_only_on_its_own_teams_page(admin_a, team_a, team_b):
-    Membership.objects.create(user=admin_a, team=team_b, role="viewer")
+def test_a_token_named_with_control_or_direction_characters_is_refused(admin_a, team_a):
     client = client_for(admin_a)
-    form = {"name": "alpha-ci", "scopes": ["worker"], "next": "/teams/team-b"}
-    assert client.post("/teams/team-a/tokens", form)["Location"] == "/teams/team-b"
-    (token,) = ApiToken.objects.filter(team=team_a)
-    assert token.prefix not in client.get("/teams/team-b").content.decode()
-    mine = client.get("/teams/team-a").content.decode()
-    assert "New token alpha-ci" in mine and token.matches(mine.split("<code>")[1].split("<")[0])
+    for name in ("a\x01b\x1b[31m", "\u202eevil"):
+        said = client.post(
+            "/teams/team-a/tokens", {"name": name, "scopes": ["worker"]}, follow=True
+        ).content.decode()
+        assert "No control or text-direction characters." in said
+    assert not ApiToken.objects.filter(team=team_a).exists()
+
+
+def test_a_deactivated_admin_does_not_keep_a_team_administered(admin_a, team_a):
+    """The last-admin guard counted an account that cannot sign in: the team was left to it."""
+    ghost = make_user("ghost-admin", team_a, "admin")
+    ghost.is_active = False
+    ghost.save()
+    client = client_for(admin_a)
+    said = client.post(
+        "/teams/team-a/members", {"username": admin_a.username, "role": "viewer"}, follow=True
+    ).content.decode()
+    assert "A team keeps at least one admin." in said
+    assert "(deactivated: cannot sign in)" in said
+    assert Membership.objects.get(team=team_a, user=admin_a).role == "admin"
+
+
+def test_an_admin_who_removes_themselves_lands_on_their_teams(admin_a, team_a):
+    make_user("other-admin", team_a, "admin")
+    client = client_for(admin_a)
+    mine = Membership.objects.get(team=team_a, user=admin_a)
+    answer = client.post(f"/teams/team-a/members/{mine.pk}/remove")
+    assert answer.status_code == 302 and answer["Location"] == "/teams"
+    assert "Removed " in client.get("/teams").content.decode()
 
 
 def test_two_admins_demoting_each_other_at_once_leave_one_admin(admin_a, team_a):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import unicodedata
 from typing import Annotated, Literal, NotRequired
 
 from pydantic import AfterValidator, Field
@@ -14,6 +13,7 @@ from apps.api.shapes.jobs import Text, _patch_of
 from apps.api.shapes.worker import JobName, QueueName
 from apps.notify.channels import MAX_FILTERS, ChannelSpec
 from apps.notify.targets import MAX_TARGET
+from apps.teams import labels
 
 EventName = TypeAliasType(
     "EventName",
@@ -34,10 +34,6 @@ Phase = TypeAliasType("Phase", Literal["open", "reminder", "resolved", "test"])
 # --- requests ---------------------------------------------------------------------------------
 
 
-# Unicode's explicit direction embeddings, overrides and isolates (U+202A-E, U+2066-9).
-TEXT_DIRECTION = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-
-
 def _label(value: str) -> str:
     # Strings are taken as sent (never trimmed): a name of spaces, or one that only spaces tell
     # from another, is refused instead.
@@ -45,9 +41,8 @@ def _label(value: str) -> str:
         raise problem("blank", "This field may not be blank.")
     if value != value.strip():
         raise problem("spaces", "No leading or trailing spaces.")
-    if any(unicodedata.category(ch) == "Cc" or ch in TEXT_DIRECTION for ch in value):
-        # A tab, or a right-to-left override that makes a name read as another in a list.
-        raise problem("control-characters", "No control or text-direction characters.")
+    if labels.unreadable(value):
+        raise problem("control-characters", labels.UNREADABLE)
     return value
 
 

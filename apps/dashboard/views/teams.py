@@ -3,6 +3,8 @@ channels (apps/dashboard/views/channels.py)."""
 
 from __future__ import annotations
 
+import secrets
+
 from django.contrib import messages
 from django.http import Http404, HttpResponse
 from django.urls import reverse
@@ -14,7 +16,10 @@ from apps.dashboard.views import channels as channel_views
 from apps.teams import access, services
 from apps.teams.models import ApiToken, Membership, Role, Team
 
-NEW_TOKEN_KEY = "dashboard_new_token"
+# The create-token forms already sent, by the one-time value each page gives its form: sent
+# again (a reload of the answer, Back), it makes no second token. The last few are enough.
+SENT_TOKEN_FORMS_KEY = "dashboard_sent_token_forms"
+SENT_TOKEN_FORMS_KEPT = 20
 
 
 @signed_in
@@ -42,9 +47,11 @@ def team_detail(request: HtmxHttpRequest, slug: str) -> HttpResponse:
     return team_detail_page(request, _team(request, slug, role=None))
 
 
-def team_detail_page(request: HtmxHttpRequest, team: Team, *, channel_form=None) -> HttpResponse:
+def team_detail_page(
+    request: HtmxHttpRequest, team: Team, *, channel_form=None, new_token: dict | None = None
+) -> HttpResponse:
     """The team page: members, tokens and notification channels (`channel_form`: the create
-    form with its errors)."""
+    form with its errors; `new_token`: the token just created, with its secret)."""
     context = {
         "team": team,
         "can_admin": access.has_role(request.user, team, Role.ADMIN),
@@ -57,19 +64,11 @@ def team_detail_page(request: HtmxHttpRequest, team: Team, *, channel_form=None)
         "member_form": MemberForm(),
         "token_form": TokenForm(),
         "roles": Role.choices,
-        # Shown once: taken out of the session by the first page of its team that displays
-        # it (another team's page, opened first, leaves it there).
-        "new_token": _new_token(request, team),
+        "new_token": new_token,
+        "token_form_once": secrets.token_urlsafe(16),
         **channel_views.team_context(request, team, channel_form),
     }
     return render_page(request, "dashboard/team_detail.html", context)
-
-
-def _new_token(request: HtmxHttpRequest, team: Team) -> dict | None:
-    new = request.session.get(NEW_TOKEN_KEY)
-    if not isinstance(new, dict) or new.get("team") != team.pk:
-        return None
-    return request.session.pop(NEW_TOKEN_KEY)
 
 
 def _back(slug: str) -> str:
@@ -106,7 +105,11 @@ def member_remove(request: HtmxHttpRequest, slug: str, member_id: int) -> HttpRe
         services.remove_member(membership, actor(request))
     except services.TeamChangeError as exc:
         return done(request, _back(slug), str(exc), messages.ERROR)
-    return done(request, _back(slug), f"Removed {membership.user.get_username()}.")
+    access.forget(request.user)
+    # Who removed themselves no longer sees the team: its page was a 404 after the removal.
+    gone = not access.visible_teams(request.user).filter(pk=team.pk).exists()
+    after = reverse("dashboard:teams") if gone else _back(slug)
+    return done(request, after, f"Removed {membership.user.get_username()}.")
 
 
 @require_POST
@@ -120,19 +123,30 @@ def token_create(request: HtmxHttpRequest, slug: str) -> HttpResponse:
             for field, errors in form.errors.items()
         )
         return done(request, _back(slug), said, messages.ERROR)
+    once = request.POST.get("once", "")[:64]
+    sent = request.session.get(SENT_TOKEN_FORMS_KEY, [])
+    if once and once in sent:
+        return done(
+            request,
+            _back(slug),
+            "This form was sent already: its token was made then and shown once.",
+            messages.WARNING,
+        )
     try:
         token, raw = services.issue_token(
             team, form.cleaned_data["scopes"], actor(request), name=form.cleaned_data["name"]
         )
     except services.TeamChangeError as exc:
         return done(request, _back(slug), str(exc), messages.ERROR)
-    request.session[NEW_TOKEN_KEY] = {
-        "team": team.pk,
-        "raw": raw,
-        "prefix": token.prefix,
-        "name": token.name,
-    }
-    return done(request, _back(slug))
+    if once:
+        request.session[SENT_TOKEN_FORMS_KEY] = [*sent, once][-SENT_TOKEN_FORMS_KEPT:]
+    # The secret is in this answer alone: kept in the session for the page after a redirect,
+    # it stayed in the session table until that page was opened, and Back showed it again.
+    response = team_detail_page(
+        request, team, new_token={"raw": raw, "prefix": token.prefix, "name": token.name}
+    )
+    response["Cache-Control"] = "no-store"
+    return response
 
 
 @require_POST
