@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, connections
+from django.utils.text import capfirst
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework.exceptions import AuthenticationFailed, NotFound
 from rest_framework.request import Request
@@ -28,6 +29,7 @@ from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import PRIORITY_NAMES
 from apps.teams import access
 from apps.teams.models import Team
+from scheduler_site.database import failure_words, log_failure
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -397,7 +399,8 @@ def report_results(
     view: WorkerView, call: Call, items: list[shape.ResultItem]
 ) -> list[shape.ResultDone | shape.ItemRefused]:
     """Complete or fail each item's run; an answer per item, in order. An error that stops
-    them (a database gone mid-statement, not a shard known to be down) propagates."""
+    them before anything committed (a database gone mid-statement, not a shard known to be
+    down) propagates; the failures' after the completions committed answers their items 503."""
     parsed = _parsed(items)
     known = [(pk, item) for pk, item in parsed if pk is not None]
     team_ids = view.team_ids(call)
@@ -409,12 +412,20 @@ def report_results(
         for pk, item in known
         if item.outcome == "failed"
     ]
+    outcomes = store.complete(succeeded, team_ids=team_ids) if succeeded else []
+    if failed:
+        try:
+            outcomes += store.fail(failed, team_ids=team_ids)
+        except DatabaseError as exc:
+            if not outcomes:
+                raise  # nothing was changed: the request's 503 says so
+            # The completions committed in a transaction of their own: answered as made (a
+            # 503 over them said "nothing was changed"); the failures, not made, answer 503.
+            log_failure(exc, logger)
+            detail = f"{capfirst(failure_words(exc))}; try again."
+            outcomes += [store.Outcome(item[0], 503, detail=detail) for item in failed]
     by_pk: dict[int, store.Outcome] = {}
-    for outcome in view.checked(
-        call,
-        (store.complete(succeeded, team_ids=team_ids) if succeeded else [])
-        + (store.fail(failed, team_ids=team_ids) if failed else []),
-    ):
+    for outcome in view.checked(call, outcomes):
         by_pk[outcome.id] = outcome
     return _per_item(
         parsed,

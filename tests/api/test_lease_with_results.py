@@ -202,3 +202,43 @@ def test_a_claim_that_fails_after_the_results_committed_still_answers_them(
     assert answer.json()["leases"] == []
     states = sorted(run.state for run in stored(Run))
     assert states.count("succeeded") == 1 and "leased" not in states  # the claim rolled back
+
+
+@pytest.mark.parametrize("path", ["/api/v1/results", "/api/v1/leases"])
+def test_failures_refused_after_the_completions_committed_answer_alone(api_a, team_a, path):
+    """A batch's completions and failures are two transactions: the failures' refused (a lock
+    wait past its bound, a lost connection, a commit refused) after the completions had
+    committed answered the whole request 503, "nothing was changed"."""
+    job = make_definition(team_a, "jobs.halves", queue="q", retry_max_attempts=3)
+    add_ready_runs(job, 2)
+    done, failing = api_a.lease(["q"], 2)
+    alias = shards.alias_of_run(parse_run_id(done["runId"]))
+    items = [
+        _succeeded(done),
+        {"runId": failing["runId"], "fencingToken": failing["fencingToken"],
+         "outcome": "failed", "error": {"message": "boom"}, "retryable": True},
+    ]  # fmt: skip
+    with connections[alias].cursor() as cursor:  # refuses a failed run's row at its commit
+        cursor.execute(
+            "CREATE FUNCTION refuse_failed() RETURNS trigger LANGUAGE plpgsql"
+            " AS $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$;"
+            " CREATE CONSTRAINT TRIGGER refuse_failed AFTER UPDATE ON runs_run"
+            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW"
+            " WHEN (NEW.state IN ('retrying', 'dead')) EXECUTE FUNCTION refuse_failed()"
+        )
+    try:
+        if path == "/api/v1/results":
+            answer = api_a.post(path, {"results": items})
+        else:
+            answer = _lease(api_a, items)
+    finally:
+        with connections[alias].cursor() as cursor:
+            cursor.execute("DROP TRIGGER refuse_failed ON runs_run; DROP FUNCTION refuse_failed()")
+    assert answer.status_code == 200, answer.text
+    made, refused = answer.json()["results"]
+    assert (made["status"], made["state"]) == (200, "succeeded")
+    assert refused["status"] == 503 and "refused" in refused["detail"]
+    assert stored_run(parse_run_id(done["runId"])).state == "succeeded"
+    assert stored_run(parse_run_id(failing["runId"])).state == "leased"
+    if path == "/api/v1/leases":
+        assert answer.json()["leases"] == []  # no new work while a result is unsettled
