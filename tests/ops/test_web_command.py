@@ -101,6 +101,35 @@ def test_serves_with_several_workers_and_stops_on_sigterm():
     assert any('"GET /healthz HTTP/1.1" 200' in line["msg"] for line in lines), output
 
 
+def _running(pid: int) -> bool:
+    """Whether the process runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_workers_stop_when_their_supervisor_is_killed_and_free_the_port():
+    """Killed with -9, the supervisor left its workers serving on the port, unsupervised: the
+    web process started in its place could not bind it and exited."""
+    with web_process("--workers", "2") as (web, url):
+        found = subprocess.run(["pgrep", "-P", str(web.pid)], capture_output=True, text=True)
+        workers = [int(pid) for pid in found.stdout.split()]
+        assert len(workers) >= 2, found
+        web.kill()
+        web.wait()
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in workers):
+            assert time.monotonic() < deadline, "the workers outlived their supervisor"
+            time.sleep(0.2)
+        port = int(url.rsplit(":", 1)[1])
+        with closing(socket.socket()) as taker:  # as the next web process binds it
+            taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            taker.bind(("127.0.0.1", port))
+
+
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_several_workers_add_up_their_counters_without_a_folder_given(

@@ -10,11 +10,14 @@ its headers, 40 ms on every request.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
+import multiprocessing
 import os
 import shutil
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 from types import FrameType
@@ -31,6 +34,8 @@ APPLICATION = "apps.ops.management.commands.web:application"
 # bounded apart: long polls answer at the stop, statements wait at most SCHEDULER_DB_LOCK_TIMEOUT
 # for a lock and run at most SCHEDULER_DB_STATEMENT_TIMEOUT.
 GRACEFUL_STOP_SECONDS = 30
+# prctl(2): the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
 
 
 def _bounded(low: int, high: int):
@@ -72,7 +77,22 @@ def application() -> Any:
         stop = signal.getsignal(sig)
         if callable(stop):
             signal.signal(sig, functools.partial(_stopping, stop))
+    _stop_with_the_supervisor()
     return site
+
+
+def _stop_with_the_supervisor() -> None:
+    """Have Linux send this worker SIGTERM (the stop above) when its supervisor dies: killed
+    (-9), the supervisor left its workers serving, unsupervised, and holding the port, so the
+    one started in its place could not bind it and exited."""
+    supervisor = multiprocessing.parent_process()  # uvicorn spawns its workers
+    if not sys.platform.startswith("linux") or supervisor is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if os.getppid() != supervisor.pid:  # it died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _stopping(stop: Any, signum: int, frame: FrameType | None) -> None:
