@@ -32,42 +32,59 @@ class TransitionError(Exception):
 
 
 # Served by the primary key; the state list in each WHERE is the transition's precondition.
-# Every statement answers (id, queue, state after).
+# Every statement answers (id, queue, state after). Each locks its runs in id order first (the
+# subquery), as every statement that changes several runs does (store.leased_targets,
+# store.MARK_LIMITED): in the order a plan happened to read them, a requeue and a discard of the
+# same dead runs, or a requeue and an edit of their job's limits, each held a run the other
+# waited for, and the deadlock detector failed one (a 503 to an operator).
 #
 # Cancel: a waiting run at once; a leased run is not taken from its worker: the next heartbeat
 # tells it to stop (409, `…/cancelled`), and its report or its lease's expiry ends it cancelled
 # (store.py). One statement for both, so that a run changing state under the cancel (a reaper or
-# a claim committing first: the UPDATE waits for it, then re-reads the row) is cancelled as it
+# a claim committing first: the lock waits for it, then re-reads the row) is cancelled as it
 # then is, never refused for what it was.
-CANCEL = """
+CANCELLABLE = (
+    "(state IN ('scheduled', 'ready', 'retrying') OR (state = 'leased' AND NOT cancel_requested))"
+)
+CANCEL = f"""
 UPDATE runs_run
 SET state = CASE WHEN state = 'leased' THEN state ELSE 'cancelled' END,
     finished_at = CASE WHEN state = 'leased' THEN finished_at ELSE now() END,
     cancel_requested = cancel_requested OR state = 'leased'
-WHERE id = ANY(%(ids)s::bigint[])
-  AND (state IN ('scheduled', 'ready', 'retrying') OR (state = 'leased' AND NOT cancel_requested))
+WHERE id IN (
+    SELECT id FROM runs_run WHERE id = ANY(%(ids)s::bigint[]) AND {CANCELLABLE}
+    ORDER BY id FOR UPDATE
+) AND {CANCELLABLE}
 RETURNING id, queue, state
 """
 RETRY_NOW = """
 UPDATE runs_run SET state = 'ready', available_at = now()
-WHERE id = ANY(%(ids)s::bigint[]) AND state = 'retrying'
+WHERE id IN (
+    SELECT id FROM runs_run WHERE id = ANY(%(ids)s::bigint[]) AND state = 'retrying'
+    ORDER BY id FOR UPDATE
+) AND state = 'retrying'
 RETURNING id, queue, state
 """
+# The dead runs of a list, locked in id order.
+LOCK_DEAD = """
+    SELECT id FROM runs_run WHERE id = ANY(%(ids)s::bigint[]) AND state = 'dead'
+    ORDER BY id FOR UPDATE
+"""
 # A requeued run gets a fresh attempt budget: as many more attempts as its definition allows.
-REQUEUE = """
+REQUEUE = f"""
 UPDATE runs_run r
 SET state = 'ready', available_at = now(), finished_at = NULL,
     max_attempts = r.attempt + d.retry_max_attempts
 FROM jobs_jobdefinition d
-WHERE r.id = ANY(%(ids)s::bigint[]) AND d.id = r.definition_id AND r.state = 'dead'
+WHERE r.id IN ({LOCK_DEAD}) AND d.id = r.definition_id AND r.state = 'dead'
 RETURNING r.id, r.queue, r.state
 """
 # A discarded DLQ run is kept (its history stays readable until retention) but leaves the DLQ.
 # Retention counts from the discard: counted from its death, a run that sat in the DLQ longer
 # than the team's retention was deleted by the next round, seconds after.
-DISCARD = """
+DISCARD = f"""
 UPDATE runs_run SET state = 'cancelled', finished_at = now()
-WHERE id = ANY(%(ids)s::bigint[]) AND state = 'dead'
+WHERE id IN ({LOCK_DEAD}) AND state = 'dead'
 RETURNING id, queue, state
 """
 
@@ -209,11 +226,17 @@ class MatchingAction:
     sql: str  # the UPDATE, up to its WHERE's filter conditions
 
 
+# The runs are locked in id order first, as the statements above lock theirs.
 _MATCHING = """
 WITH changed AS (
     {update}
-      AND r.team_id = ANY(%(teams)s::bigint[]) AND r.state = ANY(%(states)s::text[])
-      AND {{where}}
+      AND r.id IN (
+        SELECT r.id FROM runs_run r
+        WHERE r.team_id = ANY(%(teams)s::bigint[]) AND r.state = ANY(%(states)s::text[])
+          AND {{where}}
+        ORDER BY r.id FOR UPDATE
+      )
+      AND r.state = ANY(%(states)s::text[])
     RETURNING r.team_id, r.queue
 )
 SELECT team_id, queue, count(*) FROM changed GROUP BY team_id, queue

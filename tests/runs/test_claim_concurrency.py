@@ -167,3 +167,40 @@ def test_runs_not_yet_available_are_not_claimed(team_a):
     with shards.using(shards.alias_of_shard(definition.shard)):
         insert_runs([NewRun(definition.pk, "api", later, later, "k")])
     assert claim(queues=["later"], max_runs=10, worker_id="w", lease_seconds=60) == []
+
+
+def test_a_requeue_and_a_discard_of_the_same_dead_runs_at_once_do_not_deadlock(team_a):
+    """Each locked the runs in the order its plan read them (the requeue's join with the
+    definitions, the discard's index): an operator's requeue and another's discard of one
+    dead-letter queue each held runs the other waited for, and the deadlock detector failed
+    one (a 503). They lock in id order now: one waits for the other, and each run is
+    requeued or discarded, once."""
+    from apps.audit.record import Actor
+    from apps.runs import shards, transitions
+
+    definition = make_definition(team_a, "load.dead", queue="dead", retry_max_attempts=1)
+    alias = shards.alias_of_shard(definition.shard)
+    for round_ in range(3):
+        ids = add_ready_runs(definition, 1000, prefix=f"dead-{round_}")
+        with connections[alias].cursor() as cursor:
+            # Written last to first: the table's order is the reverse of the ids'.
+            cursor.executemany(
+                "UPDATE runs_run SET state = 'dead' WHERE id = %s", [[pk] for pk in ids[::-1]]
+            )
+        with shards.using(alias):
+            runs = list(Run.objects.filter(pk__in=ids))
+
+        def act(i: int, runs: list = runs) -> list:
+            if i % 2:  # this one's plan reads the table in its order, the others by the index
+                with connections[alias].cursor() as cursor:
+                    cursor.execute("SET enable_indexscan = off; SET enable_bitmapscan = off")
+            action = transitions.requeue if i % 2 else transitions.discard
+            return action(runs, Actor.system())
+
+        done = run_in_threads(6, act)
+        requeued = sum(len(made) for i, made in enumerate(done) if i % 2)
+        discarded = sum(len(made) for i, made in enumerate(done) if not i % 2)
+        assert requeued + discarded == 1000
+        with shards.using(alias):
+            states = Counter(Run.objects.filter(pk__in=ids).values_list("state", flat=True))
+        assert states == Counter(ready=requeued, cancelled=discarded)
