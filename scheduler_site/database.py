@@ -119,6 +119,12 @@ def _sqlstate(exc: BaseException) -> str | None:
 RETRY_AFTER_SECONDS = 1
 
 
+def failure_detail(exc: BaseException) -> str:
+    """`failure_words` as an API problem's detail says them (a sentence, and what to do)."""
+    words = failure_words(exc)
+    return f"{words[:1].upper()}{words[1:]}; try again."
+
+
 def failure_words(exc: BaseException) -> str:
     """What a database error that ended a request (its transaction rolled back) means to
     whoever sent it: the API's problem detail and the dashboard's page say it."""

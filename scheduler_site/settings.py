@@ -437,8 +437,6 @@ SCHEDULER_NOTIFY_TIMEOUT_SECONDS = env_float(
 # Threads of each scheduler process that send deliveries, one at a time each (a database
 # connection each).
 SCHEDULER_NOTIFY_SENDERS = env_int("SCHEDULER_NOTIFY_SENDERS", 4, low=1, high=64)
-if SCHEDULER_NOTIFY_SENDERS < 1:
-    raise ImproperlyConfigured("SCHEDULER_NOTIFY_SENDERS must be 1 or more.")
 # Most channels per team.
 SCHEDULER_NOTIFY_MAX_CHANNELS = env_int("SCHEDULER_NOTIFY_MAX_CHANNELS", 50, low=1, high=10_000)
 # The dashboard's address as people reach it: the links in notifications start with it.

@@ -9,14 +9,13 @@ from django.conf import settings
 from django.core.exceptions import DisallowedHost, RequestDataTooBig, TooManyFieldsSent
 from django.db import InterfaceError, OperationalError
 from django.http import JsonResponse
-from django.utils.text import capfirst
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
 from apps.jobs.services import ChangedMeanwhile
 from apps.runs import payloads, shards
-from scheduler_site.database import RETRY_AFTER_SECONDS, failure_words, log_failure
+from scheduler_site.database import RETRY_AFTER_SECONDS, failure_detail, log_failure
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +147,7 @@ def problem_exception_handler(exc: Exception, context: dict) -> Response | None:
         exc = PayloadUnavailable(f"{exc}; try again.")
     elif isinstance(exc, OperationalError | InterfaceError):
         log_failure(exc, logger)
-        exc = DatabaseFailed(f"{capfirst(failure_words(exc))}; try again.")
+        exc = DatabaseFailed(failure_detail(exc))
     elif isinstance(exc, exceptions.UnsupportedMediaType):
         # DRF's own words for a body without a Content-Type were: Unsupported media type "".
         request = context.get("request")

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, connections
-from django.utils.text import capfirst
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework.exceptions import AuthenticationFailed, NotFound
 from rest_framework.request import Request
@@ -29,7 +28,7 @@ from apps.runs.ids import parse_run_id, public_run_id
 from apps.runs.models import PRIORITY_NAMES
 from apps.teams import access
 from apps.teams.models import Team
-from scheduler_site.database import failure_words, log_failure
+from scheduler_site.database import failure_detail, log_failure
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -422,7 +421,7 @@ def report_results(
             # The completions committed in a transaction of their own: answered as made (a
             # 503 over them said "nothing was changed"); the failures, not made, answer 503.
             log_failure(exc, logger)
-            detail = f"{capfirst(failure_words(exc))}; try again."
+            detail = failure_detail(exc)
             outcomes += [store.Outcome(item[0], 503, detail=detail) for item in failed]
     by_pk: dict[int, store.Outcome] = {}
     for outcome in view.checked(call, outcomes):

@@ -413,6 +413,8 @@ class DefinitionForm(forms.Form):
             self.fields["team"].disabled = True
             self.fields["team"].choices = [(instance.team.slug, instance.team.slug)]
         self.spec: DefinitionSpec | None = None
+        # A field's note after a save refused over a change made meanwhile (`after_conflict`).
+        self.notes: dict[str, str] = {}
 
     @classmethod
     def initial_for(cls, definition: JobDefinition) -> dict[str, Any]:
@@ -492,11 +494,13 @@ class DefinitionForm(forms.Form):
                     both.append(name)
         form = cls(data, teams=teams, instance=instance)
         form.is_valid()
+        # Notes, not errors: the form's check as the reader types (apps/dashboard/views/
+        # jobs.py, `job_check`) puts each field's errors again, and wiped these.
         for name in both:
-            form.add_error(
-                name, f"Changed meanwhile to {_shown(fields[name], now[name])}; "
+            form.notes[name] = (
+                f"Changed meanwhile to {_shown(fields[name], now[name])}; "
                 "saving again writes what you typed over it."
-            )  # fmt: skip
+            )
         if opened_fields is None:
             form.add_error(
                 None,

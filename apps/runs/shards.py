@@ -85,6 +85,12 @@ DOWN = (OperationalError, InterfaceError)
 UNREADABLE = (*DOWN, ProgrammingError)
 
 
+def down(exc: BaseException) -> bool:
+    """Whether a database error means its database is down or cannot be reached: DOWN's, but
+    not a commit it refused (it answered: a CommitRefused is an OperationalError too)."""
+    return isinstance(exc, DOWN) and not isinstance(exc, CommitRefused)
+
+
 class Unavailable(Exception):
     """A shard database could not be reached; `spans` names its shards ("5-10")."""
 
@@ -353,7 +359,7 @@ def reaching(alias: str) -> Iterator[str]:
         with using(alias):
             yield alias
     except DOWN as exc:
-        if alias == CONTROL or isinstance(exc, CommitRefused):
+        if alias == CONTROL or not down(exc):
             raise  # a database that refused a commit answered: it is not unavailable
         raise Unavailable([span(alias)]) from exc
 

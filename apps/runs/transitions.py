@@ -226,7 +226,9 @@ class MatchingAction:
     sql: str  # the UPDATE, up to its WHERE's filter conditions
 
 
-# The runs are locked in id order first, as the statements above lock theirs.
+# The runs are locked in id order first, as the statements above lock theirs. The outer WHERE
+# repeats the conditions so that it too is served by run_team_state: with the state alone it
+# scanned every team's runs in those states (472 ms against 238 for 14 000 of 600 000 dead).
 _MATCHING = """
 WITH changed AS (
     {update}
@@ -236,7 +238,8 @@ WITH changed AS (
           AND {{where}}
         ORDER BY r.id FOR UPDATE
       )
-      AND r.state = ANY(%(states)s::text[])
+      AND r.team_id = ANY(%(teams)s::bigint[]) AND r.state = ANY(%(states)s::text[])
+      AND {{where}}
     RETURNING r.team_id, r.queue
 )
 SELECT team_id, queue, count(*) FROM changed GROUP BY team_id, queue

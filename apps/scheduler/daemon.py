@@ -300,12 +300,12 @@ class Scheduler:
             try:
                 with shards.using(alias):
                     seconds = census.take()
-            except shards.DOWN:
-                self._pass_over(alias, "are not counted")
-                continue
-            except DatabaseError:
-                # Not migrated yet (a deploy under way), say: the pages count live meanwhile,
-                # and the tick's other work never waits on a census.
+            except DatabaseError as exc:
+                if shards.down(exc):
+                    self._pass_over(alias, "are not counted")
+                    continue
+                # Not migrated yet (a deploy under way), or its commit refused, say: the pages
+                # count live meanwhile, and the tick's other work never waits on a census.
                 log.warning(
                     "%s: no census of shards %s", self.node_id, shards.span(alias), exc_info=True
                 )

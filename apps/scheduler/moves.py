@@ -258,8 +258,9 @@ def move(
         with _one_move(shard):
             return _move(shard, url, wait, say)
     except shards.DOWN as exc:
+        what = "cannot be reached" if shards.down(exc) else "refused a commit"
         raise MoveError(
-            f"A database of the move cannot be reached ({str(exc).strip()}). Once it is back,"
+            f"A database of the move {what} ({str(exc).strip()}). Once that is resolved,"
             f" if shard {shard} refuses new runs, run this command with --to the URL of the"
             " database it is in: that releases it."
         ) from exc

@@ -434,6 +434,14 @@ def test_a_field_both_changed_since_the_form_was_opened_keeps_what_was_typed_and
     html = refused.content.decode()
     assert "You both changed Timeout (s): check beside each." in html
     assert "Changed meanwhile to “50”; saving again writes what you typed over it." in html
+    # A note beside the field, apart from its errors, which the form's check as one types puts
+    # again (it wiped the note when it was one of them).
+    assert 'id="note-timeout_seconds">Changed meanwhile to “50”' in html
+    checked = client.post(
+        "/jobs/-/check", {**FORM, "timeout_seconds": "77", "editing": FORM["name"]}
+    ).content.decode()
+    assert 'id="err-timeout_seconds" hx-swap-oob="true"></span>' in checked
+    assert 'id="note-' not in checked
     assert 'value="77"' in html and 'value="billing-slow"' in html
     assert re.search(r'<input[^>]*name="paused"[^>]*checked', html)
     job.refresh_from_db()

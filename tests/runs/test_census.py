@@ -252,3 +252,26 @@ def test_a_database_without_the_census_table_fails_no_tick(team_a, settings):
         everywhere("ALTER TABLE runs_census_away RENAME TO runs_census")
         node.leave()
     assert queries.overview([team_a.pk], db_now()).counts["ready"] == 2
+
+
+def test_a_census_whose_commit_is_refused_fails_no_tick(team_a, settings):
+    """A refused commit is an OperationalError, which the census took for its database being
+    down: with one database the whole tick failed, every tick."""
+    job = make_definition(team_a, "census.refused", queue="refused")
+    add_ready_runs(job, 2)
+    node = Scheduler(node_id="census-refused", lease_seconds=10)
+    everywhere(
+        "CREATE FUNCTION refuse_census() RETURNS trigger LANGUAGE plpgsql"
+        " AS $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$;"
+        " CREATE CONSTRAINT TRIGGER refuse_census AFTER INSERT OR UPDATE ON runs_census"
+        " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_census()"
+    )
+    try:
+        report = node.tick()
+        assert report.counted == [] and sorted(node.held) == list(
+            range(settings.SCHEDULER_SHARD_COUNT)
+        )
+        assert node.tick().counted == []  # not tried again at once
+    finally:
+        everywhere("DROP TRIGGER refuse_census ON runs_census; DROP FUNCTION refuse_census()")
+        node.leave()
