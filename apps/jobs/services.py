@@ -311,7 +311,8 @@ def update_definition(
     versions: Versions = None,
 ) -> JobDefinition:
     """Replace a definition's fields; a changed schedule restarts from the next fire time,
-    and the runs made ahead of time by the old one that nobody has claimed are deleted.
+    and the runs made ahead of time by the old one that nobody has claimed are deleted, as
+    they are when it pauses the definition (and a resume restarts from the next fire time).
 
     `spec` may be a function of the definition's fields (`snapshot`) as they are once its row
     is locked: a change of some fields (a PATCH) is then made to what another client changed
@@ -332,7 +333,9 @@ def update_definition(
         after = snapshot(locked)
         if payloads.same_json(before, after):  # the same body again (1e25 read back whole)
             return locked
-        if schedule_changed:
+        # Paused here as by set_paused: its runs made ahead go, or the pause was back-filled
+        # by them (a PUT, a PATCH or a sync stating `paused` left them waiting).
+        if schedule_changed or (locked.paused and not was_paused):
             made_ahead = retention.delete_made_ahead(locked.pk)
         if replaced_key != locked.payload_key:
             # The payload it replaced, kept for good once no row referred to it.

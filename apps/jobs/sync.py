@@ -174,12 +174,19 @@ def apply_sync(plan: SyncPlan, actor: Actor) -> None:
                     services.create_definition(plan.team, plan.specs[change.name], actor)
                     continue
                 definition = JobDefinition.objects.named(change.name).filter(team=plan.team).first()
-                if definition is None:  # deleted by another client since the plan was made
-                    raise DefinitionGone(change.name)
                 if change.action == "update":
+                    if definition is None:  # deleted by another client since the plan was made
+                        raise DefinitionGone(change.name)
                     services.update_definition(definition, plan.specs[change.name], actor)
-                else:
-                    doomed.append(services.begin_delete(definition, actor))
+                    continue
+                # A job to delete that another client deleted meanwhile is as the sync wants
+                # it: the same sync sent again (a client's retry after its timeout, when the
+                # first had applied) answered 404 over the whole body.
+                try:
+                    if definition is not None:
+                        doomed.append(services.begin_delete(definition, actor))
+                except DefinitionGone:
+                    continue
     except shards.PartlyCommitted as exc:
         done = set(exc.committed)
         for marked in doomed:

@@ -977,3 +977,56 @@ def test_a_replaced_payload_is_deleted_once_nothing_refers_to_it(api_a, team_a, 
     assert small.status_code == 200, small.text
     assert (payload_folder / second_key).exists()
     assert JobDefinition.objects.get().payload_key == ""
+
+
+def test_a_jobs_file_entry_states_its_queue(api_a):
+    """An entry of a name alone was a job of defaults: a forgotten line moved a production job
+    to queue `default` and dropped its schedule and limits. It is a 400, as a PUT's is."""
+    job = {"name": "ops.stated", "queue": "ops", "schedule": {"cron": "0 2 * * *"},
+           "concurrency": 3}  # fmt: skip
+    assert api_a.put("/api/v1/jobs", {"jobs": [job]}).status_code == 200
+    for dry in (True, False):
+        answer = api_a.put("/api/v1/jobs", {"jobs": [{"name": "ops.stated"}], "dryRun": dry})
+        assert answer.status_code == 400, answer.text
+        assert "jobs[0].queue" in answer.json()["errors"]
+    kept = JobDefinition.objects.get(name="ops.stated")
+    assert (kept.queue, kept.concurrency, kept.schedule["cron"]) == ("ops", 3, "0 2 * * *")
+
+
+@pytest.mark.parametrize("how", ["patch", "put", "sync"])
+def test_a_pause_however_stated_drops_the_runs_made_ahead_and_is_not_back_filled(api_a, how):
+    """Only the pause endpoint dropped them: paused through a PUT, a PATCH or a sync, the runs
+    made ahead stayed, and were claimable once it resumed (the pause back-filled)."""
+    body = {"name": "ops.paused", "queue": "ops", "schedule": {"cron": "* * * * *"}}
+    assert api_a.put("/api/v1/jobs/ops.paused", body).status_code == 201
+    job = JobDefinition.objects.get(name="ops.paused")
+    due = db_now() + timedelta(seconds=40)
+    with shards.using(shards.alias_of_shard(job.shard)):
+        (ahead,) = store.insert_runs([store.NewRun(job.pk, "cron", due, due, "ahead")])
+    if how == "patch":
+        answer = api_a.patch("/api/v1/jobs/ops.paused", {"paused": True})
+    elif how == "put":
+        answer = api_a.put("/api/v1/jobs/ops.paused", {**body, "paused": True})
+    else:
+        answer = api_a.put("/api/v1/jobs", {"jobs": [{**body, "paused": True}]})
+    assert answer.status_code == 200, answer.text
+    assert JobDefinition.objects.get(pk=job.pk).paused
+    assert not Run.objects.filter(pk=ahead).exists()
+
+
+def test_a_sync_sent_again_after_its_deletes_were_applied_is_answered(team_a):
+    """A client resending a prune after its timeout, when the first had applied it: the plan
+    named jobs another sync had deleted meanwhile, and the whole body answered 404."""
+    from apps.api.shapes.jobs import parse_entry
+    from apps.jobs import sync
+
+    keep = {"name": "ops.keep", "queue": "ops"}
+    gone = {"name": "ops.gone", "queue": "ops"}
+    first = sync.plan_sync(team_a, sync.validate([keep, gone], parse_entry), prune=False)
+    sync.apply_sync(first, Actor.cli("deploy"))
+    specs = sync.validate([keep], parse_entry)
+    plans = [sync.plan_sync(team_a, specs, prune=True) for _ in range(2)]  # both made first
+    for plan in plans:
+        sync.apply_sync(plan, Actor.cli("deploy"))
+    assert list(JobDefinition.objects.values_list("name", flat=True)) == ["ops.keep"]
+    assert AuditEvent.objects.filter(action="job.delete").count() == 1

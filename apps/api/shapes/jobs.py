@@ -399,6 +399,14 @@ class DefinitionReplace(Definition):
     queue: QueueName  # type: ignore[assignment]
 
 
+class DefinitionEntry(Definition):
+    """One job of a jobs-as-code file or sync: it states the definition, as a PUT does, so the
+    queue is stated (an entry of a name alone moved a job to queue `default`, schedule and
+    limits dropped)."""
+
+    queue: QueueName  # type: ignore[assignment]
+
+
 def _patch_of(model: type[Body], name: str, doc: str) -> type[Body]:
     """`model`'s fields, each optional and without a default: the body of a PATCH, which the
     view merges into the stored definition and then validates whole as `model`."""
@@ -433,20 +441,25 @@ DefinitionPatch = _patch_of(
 )
 
 
-def parse_definition(entry: Any) -> DefinitionSpec:
-    """Validate one definition (jobs as code, the edit form); raise InvalidEntry naming every
-    bad field, or PayloadTooLarge."""
+def parse_definition(entry: Any, shape: type[Definition] = Definition) -> DefinitionSpec:
+    """Validate one definition (the edit form; a jobs file's entry as `DefinitionEntry`, by
+    `parse_entry`); raise InvalidEntry naming every bad field, or PayloadTooLarge."""
     try:
-        body = Definition.model_validate(entry, context={"body_size": UNMEASURED})
+        body = shape.model_validate(entry, context={"body_size": UNMEASURED})
     except PydanticError as exc:
         raise InvalidEntry(field_errors(exc)) from None
     return body.to_spec()
 
 
+def parse_entry(entry: Any) -> DefinitionSpec:
+    """A jobs file's entry (`manage.py apply`), as a sync's."""
+    return parse_definition(entry, DefinitionEntry)
+
+
 class SyncRequest(Body):
     """The team's definitions, as kept in its repository."""
 
-    jobs: list[Definition]
+    jobs: list[DefinitionEntry]
     prune: bool = Field(False, description="Delete the team's definitions not listed.")
     dryRun: bool = Field(False, description="Answer the diff; change nothing.")
 

@@ -21,7 +21,7 @@ from rest_framework.exceptions import ValidationError
 
 from apps.api.errors import PayloadTooLarge
 from apps.api.parsers import parse_json
-from apps.api.shapes.jobs import parse_definition
+from apps.api.shapes.jobs import parse_entry
 from apps.audit.record import Actor
 from apps.jobs import services, sync
 from apps.jobs.models import DefinitionGone
@@ -69,7 +69,7 @@ class Command(BaseCommand):
             )
             raise CommandError(f"{file} is not valid ({found}); nothing was changed.") from exc
         try:
-            plan = sync.plan_sync(owner, sync.validate(entries, parse_definition), prune=prune)
+            plan = sync.plan_sync(owner, sync.validate(entries, parse_entry), prune=prune)
         except PayloadTooLarge as exc:
             raise CommandError(f"{file}: {exc.detail}") from exc
         except services.NameTaken as exc:
