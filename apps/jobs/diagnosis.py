@@ -37,12 +37,21 @@ def _queue(definition: JobDefinition) -> Queue | None:
     return Queue.objects.filter(team_id=definition.team_id, name=definition.queue).first()
 
 
-def _holders(definition: JobDefinition) -> list[str]:
-    # Served by the partial index run_leased_by_def.
-    ids = Run.objects.filter(definition=definition, state="leased").values_list("pk", flat=True)[
-        :50
-    ]
-    return [public_run_id(pk) for pk in ids]
+# How many of a limit's holders a reason names; it counts them all, up to the limit (a limit
+# above this was never found held: the first 50 were compared with it).
+HOLDERS_NAMED = 50
+
+
+def _holders(definition: JobDefinition, limit: int) -> list[str]:
+    """The definition's leased runs, up to `limit`. Served by the partial index
+    run_leased_by_def."""
+    ids = Run.objects.filter(definition=definition, state="leased").values_list("pk", flat=True)
+    return [public_run_id(pk) for pk in ids[: max(limit, 1)]]
+
+
+def _named(holders: list[str]) -> str:
+    more = len(holders) - HOLDERS_NAMED
+    return ", ".join(holders[:HOLDERS_NAMED]) + (f" and {more} more" if more > 0 else "")
 
 
 def _count_ahead(run: Run, now: datetime) -> tuple[int, int]:
@@ -77,17 +86,25 @@ def _count_ahead(run: Run, now: datetime) -> tuple[int, int]:
         return cursor.fetchone()
 
 
-# The starts within the definition's rate window, and the oldest of them (when it leaves the
-# window a slot opens). Served by ratestart_window (definition_id, started_at).
+# The starts within the definition's rate window, and the one whose leaving the window opens a
+# slot: with the window full, the oldest; with more starts in it than the limit (the limit was
+# lowered), the one that leaves it below the limit (the oldest said a slot opened 40 s early).
+# Served by ratestart_window (definition_id, started_at).
 RATE_WINDOW = """
-SELECT count(*), min(started_at) FROM runs_ratestart
-WHERE definition_id = %(definition)s AND started_at > %(now)s - make_interval(secs => %(period)s)
+WITH window_starts AS (
+    SELECT started_at FROM runs_ratestart
+    WHERE definition_id = %(definition)s
+      AND started_at > %(now)s - make_interval(secs => %(period)s)
+)
+SELECT (SELECT count(*) FROM window_starts),
+       (SELECT started_at FROM window_starts ORDER BY started_at
+        OFFSET greatest((SELECT count(*) FROM window_starts) - %(limit)s, 0) LIMIT 1)
 """
 # The leased runs of one concurrency key: the partial index run_leased_by_key.
 KEY_HOLDERS = """
 SELECT id FROM runs_run
 WHERE definition_id = %(definition)s AND concurrency_key = %(key)s AND state = 'leased'
-ORDER BY id LIMIT 50
+ORDER BY id LIMIT %(limit)s
 """
 
 # The keys of a definition whose limit is held while runs of theirs are ready to start: leased
@@ -114,11 +131,13 @@ KEYS_SHOWN = 10
 def _rate_limited(definition: JobDefinition, now: datetime) -> list[Reason]:
     count, period = definition.rate_limit_count, definition.rate_limit_period_seconds
     with shards.cursor() as cursor:
-        cursor.execute(RATE_WINDOW, {"definition": definition.pk, "now": now, "period": period})
-        started, oldest = cursor.fetchone()
+        cursor.execute(
+            RATE_WINDOW, {"definition": definition.pk, "now": now, "period": period, "limit": count}
+        )
+        started, leaving = cursor.fetchone()
     if started < count:
         return []
-    opens = max(0.0, (oldest + timedelta(seconds=period) - now).total_seconds())
+    opens = max(0.0, (leaving + timedelta(seconds=period) - now).total_seconds())
     return [
         Reason(
             "rate_limit",
@@ -153,7 +172,14 @@ def _key_held(run: Run) -> list[Reason]:
     if definition.concurrency_per_key is None or run.concurrency_key is None:
         return []
     with shards.cursor() as cursor:
-        cursor.execute(KEY_HOLDERS, {"definition": definition.pk, "key": run.concurrency_key})
+        cursor.execute(
+            KEY_HOLDERS,
+            {
+                "definition": definition.pk,
+                "key": run.concurrency_key,
+                "limit": definition.concurrency_per_key,
+            },
+        )
         holders = [public_run_id(row[0]) for row in cursor.fetchall()]
     if len(holders) < definition.concurrency_per_key:
         return []
@@ -161,11 +187,11 @@ def _key_held(run: Run) -> list[Reason]:
         Reason(
             "key_concurrency_limit",
             f"The limit of {definition.concurrency_per_key} per key is held for the key "
-            f"{run.concurrency_key!r} by {', '.join(holders)}.",
+            f"{run.concurrency_key!r} by {_named(holders)}.",
             {
                 "limit": definition.concurrency_per_key,
                 "key": run.concurrency_key,
-                "heldBy": holders,
+                "heldBy": holders[:HOLDERS_NAMED],
             },
         )
     ]
@@ -203,13 +229,14 @@ def _holds_of_definition(
     if queue is not None and queue.paused:
         reasons.append(Reason("queue_paused", f"The queue {definition.queue} is paused."))
     if definition.concurrency is not None:
-        holders = _holders(definition)
+        holders = _holders(definition, definition.concurrency)
         if len(holders) >= definition.concurrency:
             reasons.append(
                 Reason(
                     "concurrency_limit",
-                    f"The job's concurrency limit ({definition.concurrency}) is held by {', '.join(holders)}.",
-                    {"limit": definition.concurrency, "heldBy": holders},
+                    f"The job's concurrency limit ({definition.concurrency}) is held by "
+                    f"{_named(holders)}.",
+                    {"limit": definition.concurrency, "heldBy": holders[:HOLDERS_NAMED]},
                 )
             )
     if definition.rate_limit_count is not None:
@@ -360,7 +387,8 @@ def why_definition(definition: JobDefinition, now: datetime) -> list[Reason]:
                 {"nextDueAt": due, "shard": definition.shard},
             )
         )
-    elif next_due is not None and next_due > now:
+    elif next_due is not None and next_due > now and not definition.paused:
+        # A paused job fires at none: its resume restarts from the next fire time then.
         reasons.append(
             Reason(
                 "next_fire",

@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from django.db.models import Count, Min
-
 from apps.jobs.models import JobDefinition, Queue, QueueStart
 from apps.runs import depth, shards
 from apps.runs.clock import database_now
@@ -31,14 +29,17 @@ def rate_window(queue: Queue, now: datetime) -> RateWindow | None:
     if queue.rate_limit_count is None:
         return None
     period = queue.rate_limit_period_seconds
-    found = QueueStart.objects.filter(
-        queue=queue, started_at__gt=now - timedelta(seconds=period)
-    ).aggregate(used=Count("id"), oldest=Min("started_at"))
-    oldest = found["oldest"]
+    starts = QueueStart.objects.filter(queue=queue, started_at__gt=now - timedelta(seconds=period))
+    used = starts.count()
     opens = None
-    if oldest is not None:
-        opens = max(0.0, (oldest + timedelta(seconds=period) - now).total_seconds())
-    return RateWindow(queue.rate_limit_count, period, found["used"], opens)
+    if used:
+        # A slot opens when the start that leaves the window below the limit leaves it: the
+        # oldest while the window holds no more than the limit, a later one after the limit
+        # was lowered (the oldest said a slot opened early).
+        skip = max(used - queue.rate_limit_count, 0)
+        leaving = starts.order_by("started_at").values_list("started_at", flat=True)[skip]
+        opens = max(0.0, (leaving + timedelta(seconds=period) - now).total_seconds())
+    return RateWindow(queue.rate_limit_count, period, used, opens)
 
 
 @dataclass

@@ -47,6 +47,12 @@ def test_why_job_says_paused(api_a, team_a):
     make_definition(team_a, "ops.paused", queue="q", paused=True)
     reasons = api_a.get("/api/v1/jobs/ops.paused/why").json()["reasons"]
     assert reasons[0]["code"] == "definition_paused"
+    # A cron job paused has no next fire time (it was given one it would not fire at).
+    assert api_a.put("/api/v1/jobs/ops.cron", {"queue": "q", "schedule": {"cron": "0 2 * * *"}}
+                     ).status_code == 201  # fmt: skip
+    assert api_a.post("/api/v1/jobs/ops.cron/pause").status_code == 200
+    codes = [r["code"] for r in api_a.get("/api/v1/jobs/ops.cron/why").json()["reasons"]]
+    assert "definition_paused" in codes and "next_fire" not in codes
 
 
 def test_other_teams_queue_pause_does_not_touch_ours(api_a, api_b, team_a):

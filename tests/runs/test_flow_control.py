@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 from django.db import connections
 
-from apps.jobs.models import Queue, QueueStart
+from apps.jobs.models import JobDefinition, Queue, QueueStart
 from apps.jobs.schedule import shard_for
 from apps.runs import leasing, shards, store
 from apps.runs.models import Run
@@ -337,3 +337,48 @@ def test_a_free_key_past_a_long_stretch_of_full_ones_is_reached(team_a):
             break
     assert got == [late]
     assert set(full) >= {lease.id for lease in holders} - {free}
+
+
+def test_why_says_when_a_slot_opens_after_a_rate_limit_was_lowered(team_a):
+    """The next slot was counted from the oldest start in the window, right only when the
+    window holds exactly the limit: lowered from 2 to 1 with starts 20 s apart, it said the
+    slot opened 20 s before it did."""
+    from apps.jobs import diagnosis
+    from apps.runs.clock import database_now
+
+    rated = make_definition(
+        team_a, "mail.lowered", queue="lowered", rate_limit_count=2, rate_limit_period_seconds=60
+    )
+    add_ready_runs(rated, 3)
+    assert len(claim_all(team_a, "lowered")) == 2
+    alias = shards.alias_of_shard(rated.shard)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "UPDATE runs_ratestart SET started_at = started_at - interval '20 seconds'"
+            " WHERE id = (SELECT min(id) FROM runs_ratestart WHERE definition_id = %s)",
+            [rated.pk],
+        )
+    with shards.using(alias):
+        JobDefinition.objects.filter(pk=rated.pk).update(rate_limit_count=1)
+        rated.refresh_from_db()
+        reasons = diagnosis.why_definition(rated, database_now())
+    (limit,) = [reason for reason in reasons if reason.code == "rate_limit"]
+    assert 55 < limit.detail["nextSlotInSeconds"] <= 60, limit.detail
+
+
+def test_why_names_a_concurrency_limit_above_fifty_as_held(team_a):
+    """The holders were read 50 at most, then compared with the limit: a limit of 60 held by
+    60 runs was never said, and the waiting run's `why` said nothing held it."""
+    from apps.jobs import diagnosis
+    from apps.runs.clock import database_now
+    from apps.runs.models import Run
+
+    wide = make_definition(team_a, "load.wide", queue="wide", concurrency=60)
+    ids = add_ready_runs(wide, 62)
+    assert len(claim_all(team_a, "wide")) == 60
+    alias = shards.alias_of_shard(wide.shard)
+    with shards.using(alias):
+        waiting = Run.objects.filter(pk__in=ids).exclude(state="leased").first()
+        reasons = diagnosis.why_run(waiting, database_now())
+    (held,) = [reason for reason in reasons if reason.code == "concurrency_limit"]
+    assert len(held.detail["heldBy"]) == 50 and held.message.endswith(" and 10 more.")
