@@ -88,15 +88,21 @@ def validate(entries: Any, parse) -> dict[str, services.DefinitionSpec]:
         raise SyncError({"jobs": ["Expected a list of job definitions."]})
     specs: dict[str, services.DefinitionSpec] = {}
     errors: dict[str, list[str]] = {}
+    named: set[str] = set()
     for index, entry in enumerate(entries):
+        # Named twice is said whatever else is wrong with either entry (it was said only once
+        # both parsed: a file fixed for one error then failed on the other).
+        name = entry.get("name") if isinstance(entry, dict) else getattr(entry, "name", None)
+        if isinstance(name, str) and name in named:
+            errors[f"jobs[{index}].name"] = [f"'{name}' appears twice."]
+        if isinstance(name, str):
+            named.add(name)
         try:
             spec = parse(entry)
         except InvalidEntry as exc:
             for path, reasons in exc.errors.items():
-                errors[f"jobs[{index}].{path}"] = reasons
+                errors.setdefault(f"jobs[{index}].{path}", []).extend(reasons)
             continue
-        if spec.name in specs:
-            errors[f"jobs[{index}].name"] = [f"'{spec.name}' appears twice."]
         specs[spec.name] = spec
     if errors:
         raise SyncError(errors)

@@ -1030,3 +1030,11 @@ def test_a_sync_sent_again_after_its_deletes_were_applied_is_answered(team_a):
         sync.apply_sync(plan, Actor.cli("deploy"))
     assert list(JobDefinition.objects.values_list("name", flat=True)) == ["ops.keep"]
     assert AuditEvent.objects.filter(action="job.delete").count() == 1
+
+
+def test_a_sync_naming_a_job_twice_is_refused_naming_the_second(api_a):
+    job = {"name": "ops.twice", "queue": "ops"}
+    answer = api_a.put("/api/v1/jobs", {"jobs": [job, {**job, "queue": "other"}]})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["errors"]["jobs[1].name"] == ["'ops.twice' appears twice."]
+    assert not JobDefinition.objects.filter(name="ops.twice").exists()

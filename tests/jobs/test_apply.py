@@ -227,3 +227,19 @@ def test_a_job_deleted_after_the_plan_was_made_changes_nothing(team_a):
     with pytest.raises(DefinitionGone):
         sync.apply_sync(plan, Actor.cli())
     assert not JobDefinition.objects.exists()
+
+
+def test_a_name_given_twice_is_said_with_the_other_entrys_errors(team_a):
+    """Said only once both entries parsed: a file fixed for its cron then failed for the name."""
+    from apps.api.shapes.jobs import parse_entry
+    from apps.jobs import sync
+
+    entries = [
+        {"name": "dd.x", "queue": "q"},
+        {"name": "dd.x", "queue": "q", "schedule": {"cron": "99 * * * *"}},
+    ]
+    with pytest.raises(sync.SyncError) as raised:
+        sync.validate(entries, parse_entry)
+    errors = raised.value.errors
+    assert errors["jobs[1].name"] == ["'dd.x' appears twice."]
+    assert any(path.startswith("jobs[1].schedule") for path in errors), errors
