@@ -45,12 +45,14 @@ def _due(written: dict, key: object, now: float) -> bool:
 
 def note_lease_activity(team_id: int, queues: Sequence[str], worker_id: str) -> None:
     """Record that a worker asked these queues for work, at most once per interval per process
-    for the queues, and once per interval per process for the worker."""
+    for the queues, and once per interval per process for the worker and the queues it asked
+    (a worker that asked others within the interval was listed with the queues it had asked
+    first: the list's `queues` are its latest request's)."""
     asked = tuple(sorted(set(queues)))
     now = time.monotonic()
     with _lock:
         queues_due = _due(_last_written, (team_id, asked), now)
-        worker_due = _due(_worker_written, (team_id, worker_id), now)
+        worker_due = _due(_worker_written, (team_id, worker_id, asked), now)
     if queues_due:
         record_lease_activity(team_id, asked, worker_id)
     if worker_due:

@@ -106,6 +106,15 @@ def test_lease_and_heartbeat_calls_write_at_most_once_per_interval(team_a):
     assert Worker.objects.get(team=team_a).last_heartbeat_at is not None
 
 
+def test_a_worker_asking_other_queues_within_the_interval_is_listed_with_them(api_a, team_a):
+    """Its row was written by the first lease call of the interval only: it was listed with the
+    queues it had asked first, not its latest request's."""
+    api_a.lease(["first"], 1, worker="host-a/1")
+    api_a.lease(["second"], 1, worker="host-a/1")
+    (listed,) = api_a.get("/api/v1/workers").json()["results"]
+    assert (listed["workerId"], listed["queues"]) == ("host-a/1", ["second"])
+
+
 def test_idle_workers_are_forgotten_after_a_day(team_a):
     activity.note_lease_activity(team_a.pk, ["q"], "old-process/1")
     activity.note_lease_activity(team_a.pk, ["q"], "new-process/2")
