@@ -197,8 +197,10 @@ def _missed(definition: JobDefinition, since: datetime, now: datetime) -> list[A
     if not isinstance(schedule, sched.CronSchedule) or definition.paused:
         return []
     grace = timedelta(seconds=definition.lateness_slo_seconds + definition.timeout_seconds)
-    # Only times whose grace has passed can be judged, and none before the definition existed.
-    start = max(since, definition.created_at)
+    # Only times whose grace has passed can be judged, and none before its schedule took
+    # effect: after a pause or a change of schedule, the times before it were reported missed
+    # (and paged), though the job restarts from the next fire time by design.
+    start = max(since, definition.created_at, definition.armed_at or definition.created_at)
     times = firetimes.fire_times_between(schedule, start, now - grace, MAX_TIMES_PER_DEFINITION)
     if not times:
         return []

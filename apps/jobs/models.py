@@ -103,6 +103,10 @@ class JobDefinition(models.Model):
     runbook_url = models.URLField(max_length=500, blank=True, default="")
     # Owned by the scheduler: when the next cron time falls due, and which shard materialises it.
     next_due_at = models.DateTimeField(null=True, blank=True)
+    # When its schedule last took effect: set when it is created, when its schedule changes and
+    # when it (or its queue) resumes. Cron times before it are not "missed" (a pause and a
+    # change restart from the next fire time; they were). None: since it was created.
+    armed_at = models.DateTimeField(null=True, blank=True)
     shard = models.PositiveSmallIntegerField(default=0)
     # Set when a run_all catch-up hit its cap, so the dashboard can say how many were dropped.
     missed_runs_note = models.CharField(max_length=300, blank=True, default="")

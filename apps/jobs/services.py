@@ -255,6 +255,7 @@ def _apply_spec(definition: JobDefinition, spec: DefinitionSpec, now: datetime) 
     definition.rate_blocked_until = None  # a changed rate limit is looked at afresh
     if schedule_changed:
         definition.next_due_at = initial_next_due_at(spec.schedule, now)
+        definition.armed_at = now
 
 
 def _locked(definition: JobDefinition, versions: Versions = None) -> JobDefinition:
@@ -342,6 +343,7 @@ def update_definition(
             made_ahead.append(replaced_key)
         if was_paused and not locked.paused:
             locked.next_due_at = _rearmed(locked, database_now())
+            locked.armed_at = database_now()
         locked.save()
         if locked.limited != was_limited:
             mark_limited(locked.pk, locked.limited)
@@ -472,8 +474,9 @@ def set_paused(
             made_ahead = retention.delete_made_ahead(locked.pk)
         else:
             locked.next_due_at = _rearmed(locked, database_now())
+            locked.armed_at = database_now()
             notify_ready([locked.queue])
-        locked.save(update_fields=["paused", "next_due_at", "updated_at"])
+        locked.save(update_fields=["paused", "next_due_at", "armed_at", "updated_at"])
         record(
             actor,
             "job.pause" if paused else "job.resume",
@@ -525,7 +528,8 @@ def _queue_schedules_resumed(team, queue_name: str) -> None:
                 team=team, queue=queue_name, paused=False, next_due_at__isnull=False
             ):
                 definition.next_due_at = _rearmed(definition, now)
-                definition.save(update_fields=["next_due_at"])
+                definition.armed_at = now
+                definition.save(update_fields=["next_due_at", "armed_at"])
 
     shards.gather(rearm, strict=True)
 

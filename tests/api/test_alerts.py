@@ -73,9 +73,9 @@ def _hourly_job_without_runs(api, *, hours: int) -> None:
     )
     with connection.cursor() as cursor:
         cursor.execute(
-            "UPDATE jobs_jobdefinition SET created_at = now() - make_interval(hours => %s) "
-            "WHERE name = 'slo.hourly'",
-            [hours],
+            "UPDATE jobs_jobdefinition SET created_at = now() - make_interval(hours => %s),"
+            " armed_at = now() - make_interval(hours => %s) WHERE name = 'slo.hourly'",
+            [hours, hours],
         )
 
 
@@ -127,6 +127,22 @@ def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
         a for a in api_a.get("/api/v1/alerts").json()["results"] if a["dueAt"] == min(again)
     )
     assert named["message"].endswith(f"({public_run_id(run.pk)} is ready).")
+
+
+@pytest.mark.parametrize("how", ["resume", "schedule"])
+def test_no_time_before_a_resume_or_a_new_schedule_is_missed(api_a, team_a, how):
+    """The missed times were rebuilt from the schedule as it is now, since the job was made:
+    after a resume (the pause is not back-filled, by design) every paused time was reported
+    missed and paged, and after a change of schedule, times of the new rule before it."""
+    _hourly_job_without_runs(api_a, hours=3)
+    if how == "resume":
+        assert api_a.post("/api/v1/jobs/slo.hourly/pause").status_code == 200
+        assert api_a.post("/api/v1/jobs/slo.hourly/resume").status_code == 200
+    else:
+        changed = {"schedule": {"cron": "30 * * * *", "jitterSeconds": 0}}
+        assert api_a.patch("/api/v1/jobs/slo.hourly", changed).status_code == 200
+    missed = [a for a in api_a.get("/api/v1/alerts").json()["results"] if a["kind"] == "missed"]
+    assert missed == []
 
 
 def test_definitions_without_an_slo_are_not_watched(api_a, team_a):
