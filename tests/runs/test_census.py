@@ -236,12 +236,33 @@ def test_the_gauges_and_readiness_read_the_census_above_the_limit(team_a, settin
     assert (ready, total) == (4, 4) and age is not None and age > 0
 
 
-def test_a_database_without_the_census_table_fails_no_tick(team_a, settings):
-    """A shard database not yet migrated (a deploy under way): the census waits, nothing else."""
-    job = make_definition(team_a, "census.unmigrated", queue="unmigrated")
+@pytest.mark.parametrize(
+    ("why", "breaking", "mending"),
+    [
+        # A shard database not yet migrated (a deploy under way).
+        (
+            "unmigrated",
+            "ALTER TABLE runs_census RENAME TO runs_census_away",
+            "ALTER TABLE runs_census_away RENAME TO runs_census",
+        ),
+        # A refused commit is an OperationalError, which the census took for its database
+        # being down: with one database the whole tick failed, every tick.
+        (
+            "refused",
+            "CREATE FUNCTION refuse_census() RETURNS trigger LANGUAGE plpgsql"
+            " AS $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$;"
+            " CREATE CONSTRAINT TRIGGER refuse_census AFTER INSERT OR UPDATE ON runs_census"
+            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_census()",
+            "DROP TRIGGER refuse_census ON runs_census; DROP FUNCTION refuse_census()",
+        ),
+    ],
+)
+def test_a_census_that_fails_fails_no_tick(team_a, settings, why, breaking, mending):
+    """The census waits, nothing else: the tick holds every shard, and the pages count live."""
+    job = make_definition(team_a, f"census.{why}", queue=why)
     add_ready_runs(job, 2)
-    node = Scheduler(node_id="census-unmigrated", lease_seconds=10)
-    everywhere("ALTER TABLE runs_census RENAME TO runs_census_away")
+    node = Scheduler(node_id=f"census-{why}", lease_seconds=10)
+    everywhere(breaking)
     try:
         report = node.tick()
         assert report.counted == [] and sorted(node.held) == list(
@@ -249,29 +270,6 @@ def test_a_database_without_the_census_table_fails_no_tick(team_a, settings):
         )
         assert node.tick().counted == []  # not tried again at once
     finally:
-        everywhere("ALTER TABLE runs_census_away RENAME TO runs_census")
+        everywhere(mending)
         node.leave()
     assert queries.overview([team_a.pk], db_now()).counts["ready"] == 2
-
-
-def test_a_census_whose_commit_is_refused_fails_no_tick(team_a, settings):
-    """A refused commit is an OperationalError, which the census took for its database being
-    down: with one database the whole tick failed, every tick."""
-    job = make_definition(team_a, "census.refused", queue="refused")
-    add_ready_runs(job, 2)
-    node = Scheduler(node_id="census-refused", lease_seconds=10)
-    everywhere(
-        "CREATE FUNCTION refuse_census() RETURNS trigger LANGUAGE plpgsql"
-        " AS $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$;"
-        " CREATE CONSTRAINT TRIGGER refuse_census AFTER INSERT OR UPDATE ON runs_census"
-        " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_census()"
-    )
-    try:
-        report = node.tick()
-        assert report.counted == [] and sorted(node.held) == list(
-            range(settings.SCHEDULER_SHARD_COUNT)
-        )
-        assert node.tick().counted == []  # not tried again at once
-    finally:
-        everywhere("DROP TRIGGER refuse_census ON runs_census; DROP FUNCTION refuse_census()")
-        node.leave()
