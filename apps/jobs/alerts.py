@@ -26,7 +26,7 @@ from apps.jobs.models import JobDefinition
 from apps.runs import filters, shards
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
-from apps.runs.models import SCHEDULED_TRIGGERS, Run, reported_state
+from apps.runs.models import SCHEDULED_TRIGGERS, Run, Trigger, reported_state
 
 WINDOW = timedelta(hours=24)
 MAX_TIMES_PER_DEFINITION = 1440
@@ -141,18 +141,24 @@ def _alerts_here(
         slo = definition.lateness_slo_seconds
         missed = _missed(definition, since, now)
         named = [alert.run_pk for alert in missed if alert.run_pk is not None]
+        # A backfilled run is never late: it was asked for past times on purpose (each was
+        # listed, and paged as job.late, its lateness counted from its past due time).
         late = Run.objects.filter(
             definition=definition, started_at__gte=since, late_seconds__gt=slo
-        )
+        ).exclude(trigger=Trigger.BACKFILL)
         # Not started yet, its SLO passed: late already (a missed time naming it says so).
         # Index run_waiting_by_def (definition, available_at) WHERE waiting.
-        waiting = Run.objects.filter(
-            definition=definition,
-            state="scheduled",
-            started_at__isnull=True,
-            available_at__gte=since,
-            available_at__lt=now - timedelta(seconds=slo),
-        ).exclude(pk__in=named)
+        waiting = (
+            Run.objects.filter(
+                definition=definition,
+                state="scheduled",
+                started_at__isnull=True,
+                available_at__gte=since,
+                available_at__lt=now - timedelta(seconds=slo),
+            )
+            .exclude(pk__in=named)
+            .exclude(trigger=Trigger.BACKFILL)
+        )
         total += late.count() + waiting.count() + len(missed)
         found += [
             Alert("late", definition, due, pk, late_by)

@@ -8,6 +8,7 @@ import pytest
 from django.db import connection
 
 from apps.jobs.models import JobDefinition
+from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
 from apps.runs.models import Run
 from tests.conftest import add_ready_runs, db_now, make_definition
@@ -229,3 +230,20 @@ def test_an_alerts_cursor_keeps_the_due_time_to_the_microsecond():
     here = Position(datetime(2026, 3, 29, 1, 0, 0, 123456, tzinfo=UTC), "a.b|c", "late", 5)
     assert Position.from_cursor(here.as_cursor()) == here
     assert Position.from_cursor(here.as_cursor().replace(".123456", ".123")) != here
+
+
+def test_a_backfilled_run_is_never_late(api_a, team_a):
+    """A backfill asks for past times on purpose: each of its runs was listed late (and paged
+    as job.late), its lateness counted from its past due time, waiting or started."""
+    assert api_a.post(
+        "/api/v1/jobs",
+        {"name": "slo.backfilled", "queue": "filled", "latenessSloSeconds": 5,
+         "schedule": {"cron": "*/10 * * * *", "jitterSeconds": 0}},
+    ).status_code == 201  # fmt: skip
+    now = db_now()
+    window = {"from": format_utc(now - timedelta(hours=2)), "to": format_utc(now), "confirm": True}
+    made = api_a.post("/api/v1/jobs/slo.backfilled/backfill", window)
+    assert made.status_code == 200 and made.json()["created"] >= 10, made.text
+    api_a.lease(["filled"], 3)  # some started, the rest waiting
+    late = [a for a in api_a.get("/api/v1/alerts").json()["results"] if a["kind"] == "late"]
+    assert late == []
