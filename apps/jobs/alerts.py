@@ -83,9 +83,9 @@ class Alert:
         """The alert in plain words."""
         slo = self.definition.lateness_slo_seconds
         if self.kind == "late" and self.state:
-            return f"{self.run_id} has not started {self.late_by:.1f} s after it was due (SLO {slo} s)."
+            return f"{self.run_id} has not started {self.late_by:.1f} s after it was due to start (SLO {slo} s)."
         if self.kind == "late":
-            return f"{self.run_id} started {self.late_by:.1f} s after it was due (SLO {slo} s)."
+            return f"{self.run_id} started {self.late_by:.1f} s after it was due to start (SLO {slo} s)."
         shown = self.shown_state or self.state
         why = f" ({self.run_id} is {shown})" if self.run_id else " (no run was made)"
         return f"No successful run for the cron time {format_utc(self.due_at)}{why}."

@@ -60,6 +60,18 @@ def test_a_run_still_waiting_past_its_slo_is_late_before_it_starts(api_a, team_a
     assert "has not started" in alert["message"]
 
 
+def test_lateness_counts_from_the_start_its_jitter_gave_the_run(api_a, team_a):
+    """Due 100 s ago, jittered to start 10 s ago: within a 30 s SLO. Its words say so."""
+    definition = make_definition(team_a, "slo.jittered", queue="jit", lateness_slo_seconds=30)
+    (jittered,) = add_ready_runs(definition, 1, age_seconds=10)
+    Run.objects.filter(pk=jittered).update(due_at=db_now() - timedelta(seconds=100))
+    assert api_a.get("/api/v1/alerts").json()["results"] == []
+    Run.objects.filter(pk=jittered).update(available_at=db_now() - timedelta(seconds=40))
+    (alert,) = api_a.get("/api/v1/alerts").json()["results"]
+    assert 40 <= alert["lateBySeconds"] < 100
+    assert "has not started" in alert["message"] and "after it was due to start" in alert["message"]
+
+
 def _hourly_job_without_runs(api, *, hours: int) -> None:
     """An hourly job with a 60 s SLO, made `hours` ago, whose cron times have had no run."""
     api.post(
