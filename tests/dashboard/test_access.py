@@ -8,8 +8,10 @@ from django.urls import reverse
 
 from apps.audit.models import AuditEvent
 from apps.jobs.models import JobDefinition, Queue
+from apps.notify.models import Channel
 from apps.runs.models import Run
-from tests.dashboard.conftest import XSS, client_for, failed_runs
+from apps.teams.models import ApiToken, Membership
+from tests.dashboard.conftest import XSS, client_for, failed_runs, make_user
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -163,6 +165,44 @@ def test_an_operator_of_team_a_cannot_see_team_b_runs(operator_a, job_a, job_b):
     ]
     assert denied.last().after["attempted"] == "POST /runs/bulk"
     assert denied.last().actor == operator_a.username
+
+
+def test_an_admin_acting_on_another_teams_members_tokens_and_channels_is_recorded(
+    admin_a, team_b
+):
+    """Forged POSTs at team B's people, tokens and channels: 404s, nothing changed, each
+    attempt in team B's trail (through team B's pages, or team A's with B's ids)."""
+    bob = make_user("bob-admin", team_b, "admin")
+    member = Membership.objects.get(user=bob, team=team_b)
+    token, _ = ApiToken.issue(team_b, ["manage"], name="deploy")
+    channel = Channel.objects.create(
+        team=team_b, name="pager", kind="email", target="b@example.com", events=["run.dead"]
+    )
+    client = client_for(admin_a)
+    before = {"members": 1, "tokens": 1, "channels": 1}
+    attempts = [
+        ("/teams/team-b", "team", "team-b"),
+        (f"/teams/team-b/members/{member.pk}/remove", "team", "team-b"),
+        (f"/teams/team-a/members/{member.pk}/remove", "member", "bob-admin"),
+        (f"/teams/team-a/tokens/{token.pk}/revoke", "token", token.prefix),
+        (f"/teams/team-a/channels/{channel.pk}/delete", "channel", str(channel.pk)),
+        (f"/teams/team-a/channels/{channel.pk}/enable", "channel", str(channel.pk)),
+        (f"/teams/team-a/members/{2**63}/remove", None, None),  # no such id, nothing recorded
+    ]
+    for path, _, _ in attempts:
+        response = client.get(path) if path == "/teams/team-b" else client.post(path)
+        assert response.status_code == 404, path
+    after = {
+        "members": Membership.objects.filter(team=team_b).count(),
+        "tokens": ApiToken.objects.filter(team=team_b, revoked_at__isnull=True).count(),
+        "channels": Channel.objects.filter(team=team_b, enabled=True).count(),
+    }
+    assert after == before
+    denied = AuditEvent.objects.filter(action="access.denied").order_by("pk")
+    assert [(e.team.slug, e.target_type, e.target) for e in denied] == [
+        ("team-b", kind, target) for _, kind, target in attempts if kind
+    ]
+    assert {e.actor for e in denied} == {admin_a.username}
 
 
 def test_an_operator_retries_and_the_audit_names_the_dashboard(operator_a, job_a):

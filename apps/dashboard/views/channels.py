@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from django.contrib import messages
-from django.http import Http404, HttpResponse
+from django.http import HttpResponse
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
@@ -21,7 +21,6 @@ from apps.teams.models import Team
 
 NEW_CHANNEL_KEY = "dashboard_new_channel"
 LOG_SIZE = 50
-BIGINT = 2**63 - 1
 
 
 def team_context(request: HtmxHttpRequest, team: Team, form: ChannelForm | None = None) -> dict:
@@ -38,13 +37,10 @@ def team_context(request: HtmxHttpRequest, team: Team, form: ChannelForm | None 
     }
 
 
-def _channel(team: Team, channel_id: int) -> Channel:
-    channel = None
-    if channel_id <= BIGINT:  # a larger number is no key of ours (and no bigint at all)
-        channel = Channel.objects.filter(team=team, pk=channel_id).select_related("team").first()
-    if channel is None:
-        raise Http404("No such channel.")
-    return channel
+def _channel(request: HtmxHttpRequest, team: Team, channel_id: int) -> Channel:
+    return team_views.owned(
+        request, team, Channel.objects, channel_id, "channel", lambda c: str(c.pk)
+    )
 
 
 def _team_page(slug: str) -> str:
@@ -85,7 +81,7 @@ def channel_create(request: HtmxHttpRequest, slug: str) -> HttpResponse:
 @signed_in
 def channel_detail(request: HtmxHttpRequest, slug: str, channel_id: int) -> HttpResponse:
     team = _admin_team(request, slug)
-    channel = _channel(team, channel_id)
+    channel = _channel(request, team, channel_id)
     log = list(
         Delivery.objects.filter(channel=channel)
         .order_by("-pk")
@@ -104,7 +100,7 @@ def channel_detail(request: HtmxHttpRequest, slug: str, channel_id: int) -> Http
 @signed_in
 def channel_test(request: HtmxHttpRequest, slug: str, channel_id: int) -> HttpResponse:
     team = _admin_team(request, slug)
-    channel = _channel(team, channel_id)
+    channel = _channel(request, team, channel_id)
     delivery = channels.send_test(channel, actor(request))
     if delivery.state == "sent":
         return done(
@@ -126,7 +122,7 @@ def channel_test(request: HtmxHttpRequest, slug: str, channel_id: int) -> HttpRe
 @signed_in
 def channel_enable(request: HtmxHttpRequest, slug: str, channel_id: int) -> HttpResponse:
     team = _admin_team(request, slug)
-    channel = _channel(team, channel_id)
+    channel = _channel(request, team, channel_id)
     enabled = request.POST.get("enabled") == "1"
     try:
         channels.update(channel, lambda now: replace(now, enabled=enabled), actor(request))
@@ -142,7 +138,7 @@ def channel_enable(request: HtmxHttpRequest, slug: str, channel_id: int) -> Http
 @signed_in
 def channel_delete(request: HtmxHttpRequest, slug: str, channel_id: int) -> HttpResponse:
     team = _admin_team(request, slug)
-    channel = _channel(team, channel_id)
+    channel = _channel(request, team, channel_id)
     try:
         channels.delete(channel, actor(request))
     except channels.ChannelGone:

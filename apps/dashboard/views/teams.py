@@ -6,15 +6,25 @@ from __future__ import annotations
 import secrets
 
 from django.contrib import messages
+from django.db.models import QuerySet
 from django.http import Http404, HttpResponse
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from apps.dashboard.forms import MemberForm, TokenForm
-from apps.dashboard.http import HtmxHttpRequest, actor, done, render_page, signed_in
+from apps.dashboard.http import (
+    HtmxHttpRequest,
+    actor,
+    done,
+    record_refused,
+    render_page,
+    signed_in,
+)
 from apps.dashboard.views import channels as channel_views
 from apps.teams import access, services
 from apps.teams.models import ApiToken, Membership, Role, Team
+
+BIGINT = 2**63 - 1  # a larger id is no key of ours (and no bigint at all)
 
 # The create-token forms already sent, by the one-time value each page gives its form: sent
 # again (a reload of the answer, Back), it makes no second token. The last few are enough.
@@ -32,7 +42,10 @@ def teams(request: HtmxHttpRequest) -> HttpResponse:
 def _team(request: HtmxHttpRequest, slug: str, role: str | None = Role.ADMIN) -> Team:
     """The team of the page if the user sees it (a 404 otherwise) and holds `role` in it (a
     403 otherwise; None: seeing it is enough)."""
-    team = Team.objects.filter(slug=slug, id__in=access.visible_team_ids(request.user)).first()
+    team = Team.objects.filter(slug=slug).first()
+    if team is not None and team.pk not in access.visible_team_ids(request.user):
+        record_refused(request, team, "team", slug)  # another team's: recorded, and a 404
+        team = None
     if team is None:
         raise Http404("No such team.")
     if role is not None:
@@ -45,6 +58,20 @@ def team_detail(request: HtmxHttpRequest, slug: str) -> HttpResponse:
     # Every member reads who is in the team, its tokens (never their secrets) and where it is
     # paged; only its admins change them.
     return team_detail_page(request, _team(request, slug, role=None))
+
+
+def owned(request: HtmxHttpRequest, team: Team, rows: QuerySet, pk: int, kind: str, name):
+    """The team's row `pk` of `rows` (a 404 otherwise). A row of a team the user does not see
+    is answered as a missing one, and the attempt recorded as on runs and jobs: `name(row)`
+    names it in the trail."""
+    found = rows.select_related("team").filter(pk=pk).first() if pk <= BIGINT else None
+    if found is not None and found.team_id != team.pk:
+        if found.team_id not in access.visible_team_ids(request.user):
+            record_refused(request, found.team, kind, name(found))
+        found = None
+    if found is None:
+        raise Http404(f"No such {kind}.")
+    return found
 
 
 def team_detail_page(
@@ -98,9 +125,8 @@ def member_set(request: HtmxHttpRequest, slug: str) -> HttpResponse:
 @signed_in
 def member_remove(request: HtmxHttpRequest, slug: str, member_id: int) -> HttpResponse:
     team = _team(request, slug)
-    membership = Membership.objects.filter(team=team, pk=member_id).select_related("user").first()
-    if membership is None:
-        raise Http404("No such member.")
+    members = Membership.objects.select_related("user")
+    membership = owned(request, team, members, member_id, "member", lambda m: m.user.get_username())
     try:
         services.remove_member(membership, actor(request))
     except services.TeamChangeError as exc:
@@ -153,9 +179,7 @@ def token_create(request: HtmxHttpRequest, slug: str) -> HttpResponse:
 @signed_in
 def token_revoke(request: HtmxHttpRequest, slug: str, token_id: int) -> HttpResponse:
     team = _team(request, slug)
-    token = ApiToken.objects.filter(team=team, pk=token_id).select_related("team").first()
-    if token is None:
-        raise Http404("No such token.")
+    token = owned(request, team, ApiToken.objects, token_id, "token", lambda t: t.prefix)
     try:
         services.revoke_token(token, actor(request))
     except services.TeamChangeError as exc:
