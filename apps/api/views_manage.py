@@ -502,7 +502,7 @@ class JobPauseView(ManageView):
         responses=doc.responses({200: job_shape.DefinitionAnswer}, 404, 412),
     )
     def post(self, request: Request, name: str) -> Response:
-        definition = services.set_paused(
+        definition, _ = services.set_paused(
             self.definition(request, name),
             self.paused,
             self.actor(request),

@@ -17,6 +17,7 @@ from django_htmx.http import HttpResponseClientRedirect
 from django_htmx.middleware import HtmxDetails
 
 from apps.audit.record import Actor, record_denied
+from apps.runs.clock import format_utc
 
 
 class HtmxHttpRequest(HttpRequest):
@@ -109,3 +110,13 @@ def done(
 
 def plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def already(what: str, state: str, event: Any) -> str:
+    """The words for an action a stale page asked for that someone had done already: who did
+    it and when, from its audit event (None: the trail has none, as for a pause made before
+    the trail was kept)."""
+    if event is None:
+        return f"{what} was {state} already: nothing changed."
+    at = format_utc(event.created_at.replace(microsecond=0))
+    return f"{what} was {state} already (by {event.actor} at {at}): nothing changed."

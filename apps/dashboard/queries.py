@@ -387,3 +387,15 @@ def audit_for_target(team_id: int, target_type: str, target: str, limit: int = 1
             "-created_at", "-pk"
         )[:limit]
     )
+
+
+def last_change(team_id: int, target_type: str, target: str, action: str) -> AuditEvent | None:
+    """The newest `action` event of the target (served by audit_target), to say who made a
+    change a stale page asked for again."""
+    return (
+        AuditEvent.objects.filter(
+            team_id=team_id, target_type=target_type, target=target, action=action
+        )
+        .order_by("-created_at", "-pk")
+        .first()
+    )

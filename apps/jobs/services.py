@@ -460,15 +460,16 @@ def finish_deletions() -> int:
 
 def set_paused(
     definition: JobDefinition, paused: bool, actor: Actor, *, versions: Versions = None
-) -> JobDefinition:
-    """Pause or resume a definition. Pausing deletes the runs its schedule made ahead of their
-    time that nobody has claimed; resuming restarts from the next fire time: no back-fill.
-    With `versions`, only a definition still at one of them is changed."""
+) -> tuple[JobDefinition, bool]:
+    """Pause or resume a definition, and say whether it changed (False: it was so already).
+    Pausing deletes the runs its schedule made ahead of their time that nobody has claimed;
+    resuming restarts from the next fire time: no back-fill. With `versions`, only a
+    definition still at one of them is changed."""
     made_ahead: list[str] = []
     with shards.writing(database_to_write(definition.name)):
         locked = _locked(definition, versions)
         if locked.paused == paused:
-            return locked
+            return locked, False
         locked.paused = paused
         if paused:
             made_ahead = retention.delete_made_ahead(locked.pk)
@@ -487,7 +488,7 @@ def set_paused(
             after={"paused": paused},
         )
     payloads.delete_unreferenced(made_ahead)
-    return locked
+    return locked, True
 
 
 def _rearmed(definition: JobDefinition, now: datetime) -> datetime | None:
@@ -579,10 +580,11 @@ def set_queue_settings(
     return queue
 
 
-def set_queue_paused(team, queue_name: str, paused: bool, actor: Actor) -> Queue:
-    """Pause or resume a queue: its runs are not leased, and its definitions make no runs while
-    it is paused (those made ahead are deleted); resuming restarts their next fire times from
-    now, as a definition's own resume does."""
+def set_queue_paused(team, queue_name: str, paused: bool, actor: Actor) -> tuple[Queue, bool]:
+    """Pause or resume a queue, and say whether it changed (False: it was so already): its runs
+    are not leased, and its definitions make no runs while it is paused (those made ahead are
+    deleted); resuming restarts their next fire times from now, as a definition's own resume
+    does."""
     if not paused and _queue_paused(team, queue_name):
         # First, while the queue still holds the materialiser off them: resumed the other way
         # round, it could meet their past fire times and back-fill the pause.
@@ -610,7 +612,7 @@ def set_queue_paused(team, queue_name: str, paused: bool, actor: Actor) -> Queue
     if changed and paused:
         # After the commit: from then on the materialiser passes them over, so none comes back.
         _queue_schedules_paused(team, queue_name)
-    return queue
+    return queue, changed
 
 
 def _queue_paused(team, queue_name: str) -> bool:

@@ -167,9 +167,7 @@ def test_an_operator_of_team_a_cannot_see_team_b_runs(operator_a, job_a, job_b):
     assert denied.last().actor == operator_a.username
 
 
-def test_an_admin_acting_on_another_teams_members_tokens_and_channels_is_recorded(
-    admin_a, team_b
-):
+def test_an_admin_acting_on_another_teams_members_tokens_and_channels_is_recorded(admin_a, team_b):
     """Forged POSTs at team B's people, tokens and channels: 404s, nothing changed, each
     attempt in team B's trail (through team B's pages, or team A's with B's ids)."""
     bob = make_user("bob-admin", team_b, "admin")
@@ -325,3 +323,27 @@ def test_a_filter_no_run_can_match_is_said_to_be_wrong(viewer_a, job_a):
         assert f"{field}: " in body.split('class="errorlist" role="alert">')[1], path
     workers = client.get("/workers?minutes=99999").content.decode()
     assert "minutes: A whole number of minutes from 1 to" in workers
+
+
+def test_a_stale_pause_or_resume_says_who_did_it_already(operator_a, admin_a, job_a):
+    """A page left open while someone else paused (resumed) the job or its queue: the second
+    click changes nothing, writes nothing, and says so, naming who did it."""
+    first, second = client_for(admin_a), client_for(operator_a)
+
+    def said(client: Client, path: str) -> str:
+        response = client.post(path, follow=True)
+        assert response.status_code == 200, path
+        return " ".join(str(m) for m in response.context["messages"])
+
+    queue = f"/queues/team-a/{job_a.queue}"
+    for path, verb, state, what in [
+        (f"/jobs/{job_a.name}/pause", "Paused", "paused", job_a.name),
+        (f"/jobs/{job_a.name}/resume", "Resumed", "running", job_a.name),
+        (f"{queue}/pause", "Paused", "paused", f"Queue {job_a.queue} of team-a"),
+        (f"{queue}/resume", "Resumed", "running", f"Queue {job_a.queue} of team-a"),
+    ]:
+        assert said(first, path).startswith(f"{verb} ")
+        events = AuditEvent.objects.count()
+        again = said(second, path)
+        assert again.startswith(f"{what} was {state} already (by {admin_a.username} at ")
+        assert again.endswith("nothing changed.") and AuditEvent.objects.count() == events

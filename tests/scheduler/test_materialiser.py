@@ -188,7 +188,8 @@ def test_resuming_a_delayed_job_that_already_ran_does_not_run_it_again():
     definition.refresh_from_db()
     assert definition.next_due_at is None
     actor = Actor.cli("test")
-    services.set_paused(services.set_paused(definition, True, actor), False, actor)
+    paused, _ = services.set_paused(definition, True, actor)
+    services.set_paused(paused, False, actor)
     a_scheduler().tick()
     assert Run.objects.filter(definition=definition).count() == 1
     assert JobDefinition.objects.get(pk=definition.pk).next_due_at is None

@@ -29,6 +29,7 @@ from apps.dashboard.forms import (
 from apps.dashboard.http import (
     HtmxHttpRequest,
     actor,
+    already,
     done,
     plural,
     record_refused,
@@ -365,9 +366,14 @@ def _changeable(request: HtmxHttpRequest, name: str, role: str) -> JobDefinition
 @signed_in
 def job_pause(request: HtmxHttpRequest, name: str, paused: bool) -> HttpResponse:
     definition = _changeable(request, name, Role.OPERATOR)
-    services.set_paused(definition, paused, actor(request))
+    _, changed = services.set_paused(definition, paused, actor(request))
+    back = reverse("dashboard:job", args=[name])
+    if not changed:  # a page left open while someone else paused or resumed it
+        action, state = ("job.pause", "paused") if paused else ("job.resume", "running")
+        event = queries.last_change(definition.team_id, "job", name, action)
+        return done(request, back, already(name, state, event), messages.INFO)
     verb = "Paused" if paused else "Resumed"
-    return done(request, reverse("dashboard:job", args=[name]), f"{verb} {name}.")
+    return done(request, back, f"{verb} {name}.")
 
 
 @require_POST

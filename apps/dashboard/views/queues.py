@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.contrib import messages
 from django.http import Http404, HttpResponse
 from django.urls import reverse
 from django.views.decorators.http import require_POST
@@ -11,6 +12,7 @@ from apps.dashboard import queries
 from apps.dashboard.http import (
     HtmxHttpRequest,
     actor,
+    already,
     done,
     record_refused,
     render_page,
@@ -54,6 +56,13 @@ def queue_pause(request: HtmxHttpRequest, team: str, queue: str, paused: bool) -
     # A name the team has no queue of (typed by hand) would make a new queue, paused.
     if limits.queue_name_problem(queue) is not None or not queries.queue_known(owner, queue):
         raise Http404("No such queue.")
-    services.set_queue_paused(owner, queue, paused, actor(request))
+    _, changed = services.set_queue_paused(owner, queue, paused, actor(request))
+    what = f"Queue {queue} of {owner.slug}"
+    if not changed:  # a page left open while someone else paused or resumed it
+        action, state = ("queue.pause", "paused") if paused else ("queue.resume", "running")
+        event = queries.last_change(owner.pk, "queue", queue, action)
+        return done(
+            request, reverse("dashboard:queues"), already(what, state, event), messages.INFO
+        )
     verb = "Paused" if paused else "Resumed"
     return done(request, reverse("dashboard:queues"), f"{verb} queue {queue} of {owner.slug}.")
