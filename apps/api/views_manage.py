@@ -636,9 +636,15 @@ def enqueue_items(
     refund = charge_enqueue(request.auth, len(wanted))
     # One clock for the request: what the items were checked against is what their delays
     # count from, and a run due now is shown ready.
-    batch = enqueue.enqueue_many(
-        view.team_ids(request), [w for _, w in wanted], view.actor(request), now=now, full=full
-    )
+    try:
+        batch = enqueue.enqueue_many(
+            view.team_ids(request), [w for _, w in wanted], view.actor(request), now=now, full=full
+        )
+    except BaseException:
+        # Raised, it created nothing (runs committed before a failure are answered, not
+        # raised): the whole charge is given back, or the client's retry of a 503 was a 429.
+        refund(len(wanted))
+        raise
     for (index, _), result in zip(wanted, batch.answers, strict=True):
         if result.status in (200, 201) and not full:
             answers[index] = run_shape.EnqueueNamed(status=result.status, runId=result.run.run_id)

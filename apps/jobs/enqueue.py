@@ -205,6 +205,7 @@ def enqueue_many(
     # committed with their events (they were written last, in the control database, and lost).
     by_database = _by_database(asked, by_id)
     committed: list[str] = []  # the shard databases of their own whose insert has committed
+    kept: set[tuple[int, str]] = set()  # the new runs committed (raised: none)
     try:
         with kept_with_rows(), transaction.atomic(using=shards.CONTROL):
             # With shards on databases of their own, the batch's large payloads' blobs are held
@@ -221,6 +222,7 @@ def enqueue_many(
                 runs.update(here)
                 if alias != shards.CONTROL:
                     committed.append(alias)
+        kept = set(rows)
     except DatabaseError as exc:
         # The control database's transaction commits last: when it fails (or a statement in it
         # did), the runs of databases that committed before stand, and are answered as such (a
@@ -234,6 +236,9 @@ def enqueue_many(
         for alias, asked_here in by_database.items():
             if alias not in committed:
                 failed.update(dict.fromkeys((new.definition_id for new in asked_here), why))
+        kept = {name for name in rows if name[0] not in failed}
+    finally:
+        _drop_unused_payloads(asked, kept)
     answers = []
     seen: set[tuple[int, str]] = set()
     for pair in wanted:
@@ -256,6 +261,32 @@ def enqueue_many(
             answers.append(_vanished(by_id[new.definition_id]))
         seen.add(name)
     return Batch(answers, now)
+
+
+def _drop_unused_payloads(asked: list[NewRun], made: set[tuple[int, str]]) -> None:
+    """Delete the stored blobs of the large payloads that made no run (their key named an
+    existing run, or their database failed), once the control database's transaction is over:
+    placed before the insert, nothing else would. A blob some row refers to (the same payload
+    as the existing run's) stays: payloads.delete_unreferenced looks. Only counted when an item
+    made no run: most batches make a run of each and pay nothing."""
+    if len(made) == len(asked):
+        return
+    unused = [
+        new.payload
+        for new in asked
+        if new.payload is not None and (new.definition_id, new.idempotency_key) not in made
+    ]
+    keys = payloads.keys_of(unused)
+    if not keys:
+        return
+
+    def drop() -> None:
+        try:
+            payloads.delete_unreferenced(keys)
+        except DatabaseError:  # the database the request failed on, say: the answer stands
+            log.warning("enqueue: %d unused payload blobs not deleted", len(keys), exc_info=True)
+
+    transaction.on_commit(drop, using=shards.CONTROL)
 
 
 def _insert_on(

@@ -153,6 +153,11 @@ def hold_all(values: Iterable[Any]) -> None:
         _hold(blobs)
 
 
+def keys_of(values: Iterable[Any]) -> list[str]:
+    """The storage keys the large ones of `values` are (or would be) kept under."""
+    return sorted({key for _, key, _ in map(_split, values) if key})
+
+
 def _split(value: Any) -> tuple[Any, str, bytes]:
     """(inline value, "", b"") for a small payload or none; (None, key, document) for a large."""
     if value is None:

@@ -301,3 +301,74 @@ def test_a_trigger_through_the_api_is_an_event_of_the_job(api_a, jobs):
     (event,) = AuditEvent.objects.filter(action="job.trigger")
     assert (event.target_type, event.target, event.after) == ("job", name, {"runIds": [run_id]})
     assert not AuditEvent.objects.filter(action="run.create").exists()
+
+
+def _big(fill: str) -> dict:
+    return {"rows": [fill * 100 for _ in range(60)]}  # 6 KB: kept in storage
+
+
+def _blobs(folder) -> set[str]:
+    return {path.name for path in folder.rglob("*.json")}
+
+
+def test_an_enqueue_that_makes_no_run_leaves_no_stored_payload(api_a, jobs, payload_folder):
+    """A key sent again with another large payload (409), alone or twice in a batch: its
+    payload was stored before the insert found the key taken, and stayed, referred to by
+    nothing, for ever. The run's own payload stays."""
+    from apps.runs.models import PayloadBlob
+
+    path = "/api/v1/jobs/billing.remind/runs"
+    made = api_a.post(path, {"idempotencyKey": "big", "payload": _big("a")})
+    assert made.status_code == 201, made.text
+    kept = _blobs(payload_folder)
+    assert len(kept) == 1
+    assert api_a.post(path, {"idempotencyKey": "big", "payload": _big("b")}).status_code == 409
+    assert api_a.post(path, {"idempotencyKey": "big", "payload": _big("a")}).status_code == 200
+    items = [{"job": "billing.remind", "idempotencyKey": "big", "payload": _big(f)} for f in "cd"]
+    answer = api_a.post("/api/v1/runs", {"runs": items})
+    assert [item["status"] for item in answer.json()["runs"]] == [409, 409]
+    assert _blobs(payload_folder) == kept
+    assert {key.split("/")[-1] for key in PayloadBlob.objects.values_list("key", flat=True)} <= kept
+    (run,) = stored(Run)
+    assert api_a.get(f"/api/v1/runs/{run.run_id}").json()["payload"] == _big("a")
+
+
+def test_a_refused_enqueue_gives_back_its_charge_and_its_stored_payloads(
+    api_a, jobs, settings, payload_folder
+):
+    """The database refused the batch (here at its commit; a lock waited out is the same): no
+    run was made, so the enqueue budget is as it was (the client's retry of the 503 was a 429
+    for the whole window) and the large payloads stored for it are gone."""
+    from django.db import connections
+
+    from apps.jobs.models import JobDefinition
+    from apps.runs import shards
+
+    settings.SCHEDULER_API_RATES = {"worker": "", "manage": "", "enqueue": "6/min"}
+    (job,) = stored(JobDefinition, name="billing.remind")
+    alias = shards.alias_of_shard(job.shard)
+    items = [{"job": "billing.remind", "payload": _big(str(n))} for n in range(6)]
+    minute = datetime.now(UTC).replace(second=1, microsecond=0) + timedelta(minutes=1)
+    with time_machine.travel(minute, tick=True):
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                "CREATE FUNCTION refuse_at_commit() RETURNS trigger LANGUAGE plpgsql"
+                " AS $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$;"
+                " CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER INSERT ON runs_run"
+                " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_at_commit()"
+            )
+        try:
+            refused = api_a.post("/api/v1/runs", {"runs": items})
+        finally:
+            with connections[alias].cursor() as cursor:
+                cursor.execute("DROP TRIGGER refuse_at_commit ON runs_run;"
+                               " DROP FUNCTION refuse_at_commit()")  # fmt: skip
+        # One database: the request is refused; shards on their own: each of its items.
+        if refused.status_code == 200:
+            assert [item["status"] for item in refused.json()["runs"]] == [503] * 6
+        else:
+            assert refused.status_code == 503, refused.text
+        assert not stored(Run) and not _blobs(payload_folder)
+        again = api_a.post("/api/v1/runs", {"runs": items})
+        assert [item["status"] for item in again.json()["runs"]] == [201] * 6, again.text
+    assert len(_blobs(payload_folder)) == 6
