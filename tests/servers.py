@@ -54,6 +54,24 @@ class Server:
             lock.unlink(missing_ok=True)
 
 
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """The server's processes stopped (SIGSTOP) for the block, then continued: its host's
+        kernel still takes what is sent to it, but nothing answers, as a server stuck on a disk
+        that hangs."""
+        folder = embedded_db.pg_dir(self.folder)
+        postmaster = psutil.Process(int((folder / "postmaster.pid").read_text().split()[0]))
+        processes = [postmaster, *postmaster.children()]
+        for process in processes:
+            process.suspend()
+        try:
+            yield
+        finally:
+            for process in processes:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.resume()
+
+
 def _running(process: psutil.Process) -> bool:
     try:
         return process.status() != psutil.STATUS_ZOMBIE

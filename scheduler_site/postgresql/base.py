@@ -44,6 +44,7 @@ from django.db.backends.postgresql import base
 from psycopg_pool import ConnectionPool
 
 from scheduler_site.database import CommitRefused
+from scheduler_site.postgresql import stalls
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,34 @@ def breaker(alias: str) -> Breaker:
     return found
 
 
+def _watched(execute: Any, sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
+    """Django's execute wrapper: the statement is noted while it waits (stalls.py)."""
+    wrapper = context["connection"]
+    key = stalls.begin(wrapper.alias, wrapper.connection)
+    try:
+        return execute(sql, params, many, context)
+    finally:
+        stalls.end(key)
+
+
+# A server found stopped by a stalled statement is refused at once, as one found down.
+stalls.when_stopped(lambda alias, failure: breaker(alias).open(failure))
+
+
 class DatabaseWrapper(base.DatabaseWrapper):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.execute_wrappers.append(_watched)
+
+    def _rollback(self) -> None:
+        key = stalls.begin(self.alias, self.connection)
+        try:
+            super()._rollback()
+        finally:
+            stalls.end(key)
+
     def _commit(self) -> None:
+        key = stalls.begin(self.alias, self.connection)
         try:
             super()._commit()
         except DatabaseError as exc:
@@ -131,8 +158,11 @@ class DatabaseWrapper(base.DatabaseWrapper):
             if isinstance(exc, OperationalError | InterfaceError):
                 raise
             raise CommitRefused(exc) from exc
+        finally:
+            stalls.end(key)
 
     def get_new_connection(self, conn_params: dict[str, Any]) -> Any:
+        stalls.know(self.alias, conn_params)
         if self.settings_dict["OPTIONS"].get("pool") is None:
             return super().get_new_connection(conn_params)
         state = breaker(self.alias)

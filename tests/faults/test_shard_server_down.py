@@ -70,3 +70,38 @@ def test_a_killed_shard_server_is_refused_at_once_and_taken_back_within_seconds(
     for name, answer in partial.items():
         assert answer.status_code == 200, (name, answer.text)
         assert answer.json().get("unavailableShards") == [shards.span(victim)], (name, answer.text)
+
+
+# A statement waits STALL_SECONDS before its server is tried, and the try waits up to
+# TRY_TIMEOUT_SECONDS (scheduler_site/postgresql/stalls.py): 5 s, and a loaded machine's slack.
+CUT_SECONDS = 10
+
+
+def test_a_shard_server_that_stops_answering_holds_back_its_own_shards_only(harness, layout):
+    """The victim's processes stopped (SIGSTOP), its sockets still open: a statement sent there
+    waited for as long as it stayed stopped, and so did every lease request (each claims on
+    every database), /readyz and /metrics. It is cut once the server does not answer a try."""
+    victim, other = layout.aliases[1], layout.aliases[0]
+    runs = {
+        alias: layout.new_runs(layout.job_on(alias, harness.team, f"frozen-{alias}"), 3, "f")
+        for alias in (victim, other)
+    }
+    path = f"/api/v1/runs/{public_run_id(runs[victim][0])}"
+    lease = {"queues": ["q"], "max": 1, "workerId": "w", "waitSeconds": 0}
+    with harness.http() as http:
+        assert http.get(path).status_code == 200  # the pool holds connections to the victim
+        with layout.servers[1].frozen():
+            stalled, stalled_took = timed(http, "GET", path)
+            leased, lease_took = timed(http, "POST", "/api/v1/leases", json=lease)
+            ready, ready_took = timed(http, "GET", "/readyz")
+        back_at = time.monotonic()
+        while (back := http.get(path)).status_code != 200 and time.monotonic() - back_at < 60:
+            time.sleep(0.1)
+        back_after = time.monotonic() - back_at
+
+    assert stalled.status_code == 503 and stalled_took < CUT_SECONDS, (stalled.text, stalled_took)
+    assert stalled.json()["type"].endswith("/shard-unavailable"), stalled.text
+    assert leased.status_code == 200 and lease_took < PROMPT_SECONDS, (leased.text, lease_took)
+    assert [item["runId"] for item in leased.json()["leases"]] == [public_run_id(runs[other][0])]
+    assert ready_took < PROMPT_SECONDS and ready.json()["status"] == "degraded", ready.text
+    assert back.status_code == 200 and back_after < PROMPT_SECONDS, back_after
