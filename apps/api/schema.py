@@ -114,11 +114,47 @@ BODY_REFUSED = {
     "400": "A body was sent: this call takes none (an empty object `{}` is accepted).",
     "415": "A body was sent, and not as `application/json`.",
 }
+ANY_CALL_REFUSED = {
+    "400": (
+        "A query parameter the call does not take, or one given twice; a path segment no name "
+        "can hold (an encoded `/`)."
+    ),
+    "413": "The request body is larger than the limit, whether or not the call reads one.",
+}
+# The headers that go with a status, whatever the call.
+STATUS_HEADERS = {
+    "401": {
+        "WWW-Authenticate": {
+            "description": "`Bearer`: how to authenticate.",
+            "schema": {"type": "string"},
+        }
+    },
+    "429": {
+        "Retry-After": {
+            "description": "Seconds to wait before trying again.",
+            "schema": {"type": "integer", "minimum": 0},
+        }
+    },
+    "412": {
+        "ETag": {
+            "description": "The job's version now (what `If-Match` must name).",
+            "schema": {"type": "string"},
+        }
+    },
+}
+PREFERENCE_APPLIED = {
+    "Preference-Applied": {
+        "description": "The `Prefer` preference the answer honours (`return=minimal`).",
+        "schema": {"type": "string"},
+    }
+}
 
 
 def declare_refusals(result: dict, generator: Any, request: Any, public: bool) -> dict:
-    """Every operation answers 406 to an `Accept` the API does not serve; a call that takes no
-    body (its view's `bodyless` methods) answers 400 or 415 to one sent all the same."""
+    """Every operation answers 406 to an `Accept` the API does not serve, 400 to a query
+    parameter it does not take and 413 to a body past the limit; a call that takes no body
+    (its view's `bodyless` methods) answers 400 or 415 to one sent all the same. The headers
+    of a status (`Retry-After` of a 429…) are declared wherever it is."""
     bodyless = {
         (path, method.lower())
         for path, _, method, view in generator.endpoints
@@ -136,6 +172,15 @@ def declare_refusals(result: dict, generator: Any, request: Any, public: bool) -
             if (path, method) in bodyless:
                 for code, description in BODY_REFUSED.items():
                     answers.setdefault(code, problem(description))
+            for code, description in ANY_CALL_REFUSED.items():
+                answers.setdefault(code, problem(description))
+            prefer = any(p.get("name") == "Prefer" for p in operation.get("parameters", ()))
+            for code, answer in answers.items():
+                headers = STATUS_HEADERS.get(code, {})
+                if prefer and code.startswith("2"):
+                    headers = {**headers, **PREFERENCE_APPLIED}
+                if headers:
+                    answer.setdefault("headers", {}).update(headers)
     return result
 
 

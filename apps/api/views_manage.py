@@ -16,7 +16,7 @@ from drf_spectacular.utils import (
 )
 from pydantic_core import PydanticCustomError
 from rest_framework import status
-from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
+from rest_framework.exceptions import MethodNotAllowed, NotFound, PermissionDenied, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.settings import api_settings
@@ -61,6 +61,11 @@ class ManageView(APIView):
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)
+        # A method the path does not take is a 405 before its query or body is judged: "takes
+        # no body" for a DELETE of a list said the call existed.
+        method = (request.method or "").lower()
+        if method not in self.http_method_names or not hasattr(self, method):
+            raise MethodNotAllowed(request.method)
         # A parameter given twice was read as its last value: `?state=dead&state=ready` listed
         # ready runs, and `?limit=600&limit=1` passed where `?limit=1&limit=600` did not.
         repeated = sorted(key for key, values in request.query_params.lists() if len(values) > 1)
@@ -180,6 +185,25 @@ def _named(data: Any, name: str) -> Any:
     if "name" in data and data["name"] != name:
         raise ValidationError({"name": [f"Does not match the name in the path ('{name}')."]})
     return {**data, "name": name}
+
+
+def _dropped_unknown(changes: dict[str, Any]) -> list[str]:
+    """The fields a PATCH drops (a null) that no definition has: dropped before the merged
+    definition is validated, a misspelt name meant to clear a field was accepted, and changed
+    nothing."""
+    found = [
+        key for key, value in changes.items()
+        if value is None and key not in job_shape.Definition.model_fields
+    ]  # fmt: skip
+    nested = {
+        "retry": job_shape.Retry.model_fields.keys(),
+        "schedule": sched.CRON_KEYS | sched.ONE_OFF_KEYS | sched.DELAYED_KEYS,
+    }
+    for key, fields in nested.items():
+        given = changes.get(key)
+        if isinstance(given, dict):
+            found += [f"{key}.{k}" for k, v in given.items() if v is None and k not in fields]
+    return found
 
 
 def _amends_cron(current: Any, given: Any) -> bool:
@@ -440,6 +464,8 @@ class JobDetailView(ManageView):
         if not isinstance(request.data, dict):
             raise ValidationError({"body": ["Expected a JSON object."]})
         changes = request.data
+        if unknown := _dropped_unknown(changes):
+            raise ValidationError(dict.fromkeys(unknown, ["Unknown field."]))
 
         def amended(current: dict[str, Any]) -> services.DefinitionSpec:
             # Merged into the fields as they are under the row's lock (services), so a pause
@@ -579,6 +605,8 @@ class JobRunsView(ManageView):
             },
             *doc.BODY_PROBLEMS,
             404,
+            409,
+            e409="The `idempotencyKey` names a run of this job made with another payload.",
         ),
     )
     def post(self, request: Request, name: str) -> Response:

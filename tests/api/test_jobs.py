@@ -134,6 +134,37 @@ def test_a_null_in_a_patch_drops_the_field_to_its_default_whatever_the_field(api
     }  # fmt: skip
 
 
+def test_a_null_for_a_field_no_job_has_is_a_400_not_a_quiet_200(api_a):
+    """Nulls were dropped before the merged job was validated: a misspelt field meant to be
+    cleared answered 200 and changed nothing."""
+    api_a.post("/api/v1/jobs", {**EXPORT, "owner": "ops"})
+    path = "/api/v1/jobs/billing.export-invoices"
+    before = api_a.get(path).json()
+    for body, field in [
+        ({"ownr": None}, "ownr"),
+        ({"": None}, "body"),  # a field without a name: the body is at fault
+        ({"retry": {"maxAttempt": None}}, "retry.maxAttempt"),
+        ({"schedule": {"timezone": None}}, "schedule.timezone"),
+    ]:
+        refused = api_a.patch(path, body)
+        assert refused.status_code == 400, (body, refused.text)
+        assert refused.json()["errors"] == {field: ["Unknown field."]}, refused.text
+    assert api_a.get(path).json() == before
+    assert api_a.patch(path, {"owner": None, "schedule": {"endAt": None}}).status_code == 200
+
+
+def test_a_method_the_path_does_not_take_is_a_405_whatever_its_query_or_body(api_a):
+    for method, path, kwargs in [
+        ("DELETE", "/api/v1/runs", {"json": {"a": 1}}),
+        ("PUT", "/api/v1/runs?limit=5", {}),
+        ("POST", "/api/v1/jobs/x/why?count=3", {}),
+    ]:
+        answer = api_a.http.request(method, path, **kwargs)
+        assert answer.status_code == 405, (method, path, answer.text)
+        assert answer.headers["content-type"].startswith("application/problem+json")
+        assert method not in answer.headers["Allow"]
+
+
 def test_patch_of_a_cron_schedule_keeps_its_zone_and_another_kind_replaces_it(api_a):
     api_a.post("/api/v1/jobs", EXPORT)
     path = "/api/v1/jobs/billing.export-invoices"

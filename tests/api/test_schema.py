@@ -155,12 +155,23 @@ def test_the_contract_codes_are_declared(schema):
     assert {"200", "201"} <= set(paths["/api/v1/jobs/{name}/runs"]["post"]["responses"])
     assert "204" in paths["/api/v1/jobs/{name}"]["delete"]["responses"]
     assert "201" in paths["/api/v1/jobs"]["post"]["responses"]
+    # The same idempotency key with another payload.
+    assert "409" in paths["/api/v1/jobs/{name}/runs"]["post"]["responses"]
+    outcomes = schema["components"]["schemas"]["AttemptOutcomeEnum"]["enum"]
+    assert "cancelled" in outcomes  # the run cancelled while the attempt held it
 
 
 def test_refusals_any_call_may_meet_are_declared(schema):
-    """406 everywhere; 400 and 415 where a call takes no body and gets one all the same."""
+    """406, 400 (a query parameter the call does not take) and 413 (a body past the limit)
+    everywhere, with the headers of 401 and 429; 400 and 415 where a call takes no body and
+    gets one all the same."""
     for path, method, operation in operations(schema):
-        assert "406" in operation["responses"], (path, method)
+        answers = operation["responses"]
+        assert {"400", "406", "413"} <= set(answers), (path, method)
+        assert "WWW-Authenticate" in answers["401"]["headers"], (path, method)
+        assert "Retry-After" in answers["429"]["headers"], (path, method)
+        if "412" in answers:
+            assert "ETag" in answers["412"]["headers"], (path, method)
     for path, method in [
         ("/api/v1/runs/{run_id}/cancel", "post"),
         ("/api/v1/runs/{run_id}/retry", "post"),

@@ -102,12 +102,14 @@ SCHEDULE_SCHEMA: dict[str, Any] = {
                 "startAt": {
                     "type": "string",
                     "format": "date-time",
+                    "nullable": True,
                     "description": "No fire time before this instant (with an offset or Z); "
                     "a fire time exactly at it runs.",
                 },
                 "endAt": {
                     "type": "string",
                     "format": "date-time",
+                    "nullable": True,
                     "description": "No fire time after this instant (with an offset or Z); "
                     "a fire time exactly at it runs. After startAt.",
                 },

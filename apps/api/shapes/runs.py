@@ -24,7 +24,9 @@ from apps.runs import filters, limits
 from apps.runs.clock import database_now
 
 Trigger = Literal["cron", "catch_up", "api", "manual", "backfill"]
-Outcome = Literal["succeeded", "failed", "lease_expired", "timed_out"]
+# `cancelled`: the run was cancelled while this attempt held it (its worker stopped, or its
+# lease ended).
+Outcome = Literal["succeeded", "failed", "lease_expired", "timed_out", "cancelled"]
 
 
 # --- requests ---------------------------------------------------------------------------------
