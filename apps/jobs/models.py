@@ -184,6 +184,11 @@ class Queue(models.Model):
     # the control database so that it holds across shard databases (apps/runs/leasing.py).
     rate_limit_count = models.PositiveIntegerField(null=True, blank=True)
     rate_limit_period_seconds = models.PositiveIntegerField(null=True, blank=True)
+    # The time of a resume that could not restart its definitions' schedules on every shard
+    # database (one was down): the scheduler restarts those it meets armed before it from this
+    # time, as the resume would have (apps/scheduler/materialiser.py). None once a pause or a
+    # resume that reached every database has passed.
+    rearm_from = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [

@@ -518,13 +518,15 @@ def _queue_schedules_paused(team, queue_name: str) -> None:
     payloads.delete_unreferenced([key for keys in made_ahead for key in keys])
 
 
-def _queue_schedules_resumed(team, queue_name: str) -> None:
-    """Restart the next fire times of a resuming queue's definitions from now, on every shard
-    database, before the queue resumes: a paused queue is not back-filled either."""
+def _queue_schedules_resumed(team, queue_name: str, now: datetime) -> bool:
+    """Restart the next fire times of a resuming queue's definitions from `now`, on every
+    shard database, before the queue resumes: a paused queue is not back-filled either. False
+    when a database could not be reached: the queue resumes all the same (its other shards'
+    runs would wait on that one), and keeps `now` as its `rearm_from` for the scheduler to
+    restart that database's definitions when it meets them."""
 
     def rearm() -> None:
         with transaction.atomic(using=shards.current()):
-            now = database_now()
             for definition in JobDefinition.objects.select_for_update().filter(
                 team=team, queue=queue_name, paused=False, next_due_at__isnull=False
             ):
@@ -532,7 +534,11 @@ def _queue_schedules_resumed(team, queue_name: str) -> None:
                 definition.armed_at = now
                 definition.save(update_fields=["next_due_at", "armed_at"])
 
-    shards.gather(rearm, strict=True)
+    _, unavailable = shards.gather(rearm)
+    if unavailable:
+        log.warning("queue %s of %s resumed with shards %s unavailable: their schedules restart "
+                    "when the scheduler meets them", queue_name, team.slug, unavailable)  # fmt: skip
+    return not unavailable
 
 
 def queue_settings(queue: Queue) -> dict[str, Any]:
@@ -550,13 +556,14 @@ def set_queue_settings(
 
     A new limit holds at once in this process and within a second in every other
     (apps/runs/leasing.py, CONTROL_STATE_SECONDS); the starts already in the window count."""
-    if paused is False and _queue_paused(team, queue_name):
-        _queue_schedules_resumed(team, queue_name)  # first: see set_queue_paused
+    rearm_from = _restarted(team, queue_name) if paused is False else None
     with transaction.atomic():
         queue, _ = Queue.objects.select_for_update().get_or_create(team=team, name=queue_name)
         before = queue_settings(queue)
         queue.rate_limit_count, queue.rate_limit_period_seconds = rate_limit or (None, None)
         if paused is not None:
+            if paused != queue.paused:
+                queue.rearm_from = rearm_from
             queue.paused = paused
         after = queue_settings(queue)
         if after != before:
@@ -585,17 +592,15 @@ def set_queue_paused(team, queue_name: str, paused: bool, actor: Actor) -> tuple
     are not leased, and its definitions make no runs while it is paused (those made ahead are
     deleted); resuming restarts their next fire times from now, as a definition's own resume
     does."""
-    if not paused and _queue_paused(team, queue_name):
-        # First, while the queue still holds the materialiser off them: resumed the other way
-        # round, it could meet their past fire times and back-fill the pause.
-        _queue_schedules_resumed(team, queue_name)
+    rearm_from = None if paused else _restarted(team, queue_name)
     changed = False
     with transaction.atomic():
         queue, _ = Queue.objects.select_for_update().get_or_create(team=team, name=queue_name)
         if queue.paused != paused:
             changed = True
             queue.paused = paused
-            queue.save(update_fields=["paused", "updated_at"])
+            queue.rearm_from = rearm_from
+            queue.save(update_fields=["paused", "rearm_from", "updated_at"])
             record(
                 actor,
                 "queue.pause" if paused else "queue.resume",
@@ -613,6 +618,17 @@ def set_queue_paused(team, queue_name: str, paused: bool, actor: Actor) -> tuple
         # After the commit: from then on the materialiser passes them over, so none comes back.
         _queue_schedules_paused(team, queue_name)
     return queue, changed
+
+
+def _restarted(team, queue_name: str) -> datetime | None:
+    """Restart a paused queue's definitions' schedules from now, before it resumes: first,
+    while the queue still holds the materialiser off them (resumed the other way round, it
+    could meet their past fire times and back-fill the pause). Return the queue's `rearm_from`
+    once resumed: now, when a shard database could not be reached; else None."""
+    if not _queue_paused(team, queue_name):
+        return None
+    now = database_now()
+    return None if _queue_schedules_resumed(team, queue_name, now) else now
 
 
 def _queue_paused(team, queue_name: str) -> bool:

@@ -37,6 +37,7 @@ from django.db.backends.utils import CursorWrapper
 from apps.audit.record import TARGETS_SHOWN, Actor, record
 from apps.jobs import firetimes
 from apps.jobs import schedule as sched
+from apps.jobs.services import initial_next_due_at
 from apps.runs import shards
 from apps.runs.clock import format_utc
 from apps.runs.ids import public_run_id
@@ -56,8 +57,10 @@ FOR SHARE
 """
 
 # The paused queues (control database; a handful of rows): their definitions make no runs.
+# And those resumed while a shard database was down (`rearm_from`; fewer still): a definition
+# of theirs armed before that time is restarted from it, as the resume would have done.
 PAUSED_QUEUES = """
-SELECT team_id, name FROM jobs_queue WHERE paused
+SELECT team_id, name, paused, rearm_from FROM jobs_queue WHERE paused OR rearm_from IS NOT NULL
 """
 
 # Served by the partial index job_due_by_shard (shard, next_due_at) WHERE NOT paused AND
@@ -70,14 +73,20 @@ SELECT team_id, name FROM jobs_queue WHERE paused
 # due at its fire time, not within the lookahead (module docstring); the test of its schedule
 # filters rows the index found.
 SELECT_DUE = """
-SELECT id, name, schedule::text, next_due_at FROM jobs_jobdefinition
-WHERE shard = %(shard)s AND NOT paused AND next_due_at IS NOT NULL AND next_due_at <= %(horizon)s
-  AND (next_due_at <= %(now)s OR coalesce(schedule ->> 'overlapPolicy', 'allow_all') = 'allow_all')
-  AND (team_id, queue) NOT IN (
+SELECT d.id, d.name, d.schedule::text, d.next_due_at, rearm.at AS rearm_from
+FROM jobs_jobdefinition d
+LEFT JOIN unnest(%(rearm_teams)s::bigint[], %(rearm_queues)s::text[],
+                 %(rearm_ats)s::timestamptz[]) AS rearm(team_id, queue, at)
+     ON rearm.team_id = d.team_id AND rearm.queue = d.queue
+    AND coalesce(d.armed_at, d.created_at) < rearm.at
+WHERE d.shard = %(shard)s AND NOT d.paused AND d.next_due_at IS NOT NULL
+  AND d.next_due_at <= %(horizon)s
+  AND (d.next_due_at <= %(now)s OR coalesce(d.schedule ->> 'overlapPolicy', 'allow_all') = 'allow_all')
+  AND (d.team_id, d.queue) NOT IN (
       SELECT * FROM unnest(%(paused_teams)s::bigint[], %(paused_queues)s::text[]))
-ORDER BY next_due_at
+ORDER BY d.next_due_at
 LIMIT %(batch)s
-FOR NO KEY UPDATE OF jobs_jobdefinition SKIP LOCKED
+FOR NO KEY UPDATE OF d SKIP LOCKED
 """
 
 # skip and buffer_one: does the definition have a waiting run, a leased one? Each EXISTS is one
@@ -139,9 +148,11 @@ FROM found f LEFT JOIN held h ON h.id = f.id
 # the whole table for the join, which it otherwise does for a few thousand ids.
 ADVANCE = """
 UPDATE jobs_jobdefinition d
-SET next_due_at = u.next_due_at, missed_runs_note = coalesce(u.note, d.missed_runs_note)
-FROM unnest(%(ids)s::bigint[], %(next_due_ats)s::timestamptz[], %(notes)s::text[])
-     AS u(id, next_due_at, note)
+SET next_due_at = u.next_due_at, missed_runs_note = coalesce(u.note, d.missed_runs_note),
+    armed_at = coalesce(u.armed_at, d.armed_at)
+FROM unnest(%(ids)s::bigint[], %(next_due_ats)s::timestamptz[], %(notes)s::text[],
+            %(armed_ats)s::timestamptz[])
+     AS u(id, next_due_at, note, armed_at)
 WHERE d.id = u.id AND d.id = ANY(%(ids)s::bigint[])
 """
 
@@ -578,7 +589,9 @@ def materialise_batch(
             result.lease_held = False
             return result
         control.execute(PAUSED_QUEUES)
-        paused = control.fetchall()
+        queues = control.fetchall()
+        paused = [(team, queue) for team, queue, held, _ in queues if held]
+        rearmed = [(team, queue, at) for team, queue, held, at in queues if at and not held]
         with (
             shards.using(shards.alias_of_shard(shard)),
             atomic(savepoint=False),
@@ -593,6 +606,9 @@ def materialise_batch(
                     "batch": batch,
                     "paused_teams": [team for team, _ in paused],
                     "paused_queues": [queue for _, queue in paused],
+                    "rearm_teams": [team for team, _, _ in rearmed],
+                    "rearm_queues": [queue for _, queue, _ in rearmed],
+                    "rearm_ats": [at for _, _, at in rearmed],
                 },
             )
             rows = cursor.fetchall()
@@ -605,9 +621,22 @@ def materialise_batch(
             ids: list[int] = []
             next_due: list[datetime | None] = []
             notes: list[str | None] = []
+            armed: list[datetime | None] = []
             retry_at = now + BAD_DEFINITION_RETRY
-            for definition_id, name, raw_schedule, due_at in rows:
+            due_of: dict[int, datetime] = {}
+            for definition_id, name, raw_schedule, due_at, rearm_from in rows:
+                armed.append(rearm_from)
                 try:
+                    if rearm_from is not None:
+                        # Its queue resumed while this database was down: restarted from then,
+                        # the pause not back-filled (apps/jobs/services.py, _restarted).
+                        due_at = initial_next_due_at(json.loads(raw_schedule), rearm_from)
+                        if due_at is None or due_at > horizon:
+                            ids.append(definition_id)
+                            next_due.append(due_at)
+                            notes.append(None)
+                            continue
+                    due_of[definition_id] = due_at
                     plan = plans.plan(name, raw_schedule, due_at)
                 except Exception:  # noqa: BLE001 - one bad definition must not stop the shard
                     log.exception(
@@ -652,7 +681,6 @@ def materialise_batch(
             postponed = _cancel_others(cursor, cancelling, result) if cancelling else set()
             if postponed:
                 groups = [group for group in groups if group[0] not in postponed]
-                due_of = {row[0]: row[3] for row in rows}
                 for index, definition_id in enumerate(ids):
                     if definition_id in postponed:
                         # Unchanged: the next tick judges this fire time again.
@@ -676,6 +704,7 @@ def materialise_batch(
                     "ids": array_literal(ids),
                     "next_due_ats": array_literal(next_due),
                     "notes": array_literal(notes),
+                    "armed_ats": array_literal(armed),
                 },
             )
     return result

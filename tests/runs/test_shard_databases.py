@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from functools import partial
 
 import httpx
@@ -23,6 +24,7 @@ from tests.conftest import (
     Layout,
     assert_invariants_everywhere,
     claim,
+    db_now,
     stored_run,
 )
 from tests.runs.test_claim_concurrency import run_in_threads
@@ -603,3 +605,50 @@ def _enqueue_closing(enqueue, *args):
         return exc
     finally:
         connections.close_all()
+
+
+def test_a_queue_resumed_with_one_shard_database_down_resumes_everywhere_without_backfill(
+    layout, team_a
+):
+    """The resume restarts the queue's schedules on every database first: with one down it was
+    refused (503) until that one returned, and the queue's runs on every other database stayed
+    unleased. It resumes now; the down database's schedules restart from the resume's time when
+    the scheduler next meets them, the pause not back-filled there either."""
+    from apps.scheduler.daemon import Scheduler
+
+    victim, alive = layout.aliases[1], layout.aliases[0]
+    jobs = {
+        alias: layout.job_on(alias, team_a, f"resume{n}") for n, alias in enumerate(layout.aliases)
+    }
+    oscar = Actor(label="oscar", source="dashboard")
+    services.set_queue_paused(team_a, "q", True, oscar)
+    # Paused for ten minutes: every-minute schedules whose fire times ten minutes ago are due.
+    for job in jobs.values():
+        with shards.using(shards.alias_of_shard(job.shard)):
+            JobDefinition.objects.filter(pk=job.pk).update(
+                schedule={"cron": "* * * * *", "jitterSeconds": 0, "missedRunPolicy": "run_all"},
+                next_due_at=db_now().replace(second=0, microsecond=0) - timedelta(minutes=10),
+                armed_at=db_now() - timedelta(minutes=20),
+            )
+    queued = layout.new_runs(jobs[alive], 1, "waiting")
+    with layout.down(layout.aliases.index(victim)):
+        queue, changed = services.set_queue_paused(team_a, "q", False, oscar)
+        assert changed and not queue.paused and queue.rearm_from is not None
+        # The other database's runs of the queue are leased again at once.
+        leased = claim(queues=["q"], max_runs=5, worker_id="w", team_ids=[team_a.pk])
+        assert [lease.id for lease in leased] == queued
+    resumed_at = Queue.objects.get(team=team_a, name="q").rearm_from
+    Scheduler(node_id="test-node").tick()
+    for alias, job in jobs.items():
+        with shards.using(alias):
+            made = Run.objects.filter(definition_id=job.pk).exclude(
+                idempotency_key__startswith="waiting"
+            )
+            definition = JobDefinition.objects.get(pk=job.pk)
+            # No run of a fire time before the resume: the ten paused minutes stay unfilled.
+            assert all(run.due_at > resumed_at for run in made), (alias, [r.due_at for r in made])
+            assert definition.next_due_at > resumed_at and definition.armed_at >= resumed_at
+    # A pause, then a resume that reaches every database, leaves nothing to restart.
+    services.set_queue_paused(team_a, "q", True, oscar)
+    services.set_queue_paused(team_a, "q", False, oscar)
+    assert Queue.objects.get(team=team_a, name="q").rearm_from is None
