@@ -6,6 +6,7 @@ import math
 import os
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
@@ -90,6 +91,30 @@ def env_rate(name: str, default: str) -> str:
             f"{name} must be a rate of at least 1 such as 20/s or 1000/min, or empty."
         )
     return value
+
+
+def env_folder(name: str, default: str, *, create: bool) -> Path:
+    """A folder this process writes to, made first when `create` says so (else it must exist),
+    refused at start-up (ImproperlyConfigured, naming it) when it cannot be used: found by
+    whatever wrote there first (prometheus_client at its import, the static files' folder), it
+    was a traceback that named no setting."""
+    folder = Path(os.environ.get(name) or default)
+    must = f"{name} must be {'a' if create else 'an existing'} folder this process can write to"
+    if create:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            if not folder.exists():  # else a file there, said below
+                raise ImproperlyConfigured(
+                    f"{must}; {folder} cannot be made: {exc.strerror}."
+                ) from None
+    if not folder.exists():
+        raise ImproperlyConfigured(f"{must}; {folder} does not exist.")
+    if not folder.is_dir():
+        raise ImproperlyConfigured(f"{must}; {folder} is not a folder.")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ImproperlyConfigured(f"{must}; {folder} is not writable.")
+    return folder
 
 
 def env_list(name: str, default: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ from scheduler_site.env import (
     env_bool,
     env_choice,
     env_float,
+    env_folder,
     env_int,
     env_list,
     env_rate,
@@ -24,7 +25,11 @@ from scheduler_site.env import (
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 # Local state: the embedded database, payload blobs, metrics files. Tests point it elsewhere.
-DATA_DIR = Path(env_str("SCHEDULER_DATA_DIR", str(BASE_DIR / ".data")))
+DATA_DIR = env_folder("SCHEDULER_DATA_DIR", str(BASE_DIR / ".data"), create=True)
+# prometheus_client reads this one itself, when apps/runs/metrics.py imports it, and raised there
+# (a traceback) on a folder that does not exist or a file: checked first, it is a setting's error.
+if env_str("PROMETHEUS_MULTIPROC_DIR"):
+    env_folder("PROMETHEUS_MULTIPROC_DIR", "", create=False)
 
 DEBUG = env_bool("DEBUG", False)
 # Served over HTTPS (production): secure cookies, HSTS, redirects to https, and no default key.

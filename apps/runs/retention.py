@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from django.conf import settings
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 
 from apps.audit.record import relay
 from apps.runs import counters, payloads, shards, workers
@@ -86,6 +86,24 @@ def delete_one_batch(team_id: int, days: int, batch: int) -> int:
     return len(keys)
 
 
+def _delete_isolating(team_id: int, days: int, batch: int) -> int:
+    """`delete_one_batch`, with an error of the team's own logged and passed over (0 deleted):
+    raised, it stopped the round, and so the retention of every other team, of the audit trail,
+    idle workers and stranded payloads, at every round. A database that is down (or a lock
+    waited on past its bound) is no team's error: it is raised, for the round's caller."""
+    try:
+        return delete_one_batch(team_id, days, batch)
+    except shards.DOWN:
+        raise
+    except DatabaseError:
+        log.exception(
+            "retention of team %s on shards %s failed; passed over until the next round",
+            team_id,
+            shards.span(shards.current()),
+        )
+        return 0
+
+
 def delete_made_ahead(definition_id: int) -> list[str]:
     """Delete the definition's unclaimed cron runs still ahead of their time from the current
     shard database, inside the caller's transaction; return their payload keys (for
@@ -124,19 +142,23 @@ def handle_one_round(*, batch: int | None = None) -> int:
     """Delete one batch per team on every shard database, and one of the audit trail and of
     idle workers; relay a batch of each shard database's kept audit events; return the rows
     deleted. A shard database that is down is passed over until the next round."""
-    from apps.teams.models import Team
+    from apps.teams.models import MAX_RETENTION_DAYS, Team
 
     batch = batch or settings.SCHEDULER_RETENTION_BATCH
-    teams = list(Team.objects.values_list("pk", "retention_days"))
+    # A team's own value is bounded as the site's is: the column holds what a database client or
+    # a shell put there (the model's validator guards forms only), and 2 000 000 000 days ago is
+    # no date PostgreSQL has.
+    teams = [
+        (
+            team_id,
+            min(settings.SCHEDULER_RETENTION_DAYS if days is None else days, MAX_RETENTION_DAYS),
+        )
+        for team_id, days in Team.objects.values_list("pk", "retention_days")
+    ]
 
     def one_database() -> int:
         alias = shards.current()
-        deleted = sum(
-            delete_one_batch(
-                team_id, settings.SCHEDULER_RETENTION_DAYS if days is None else days, batch
-            )
-            for team_id, days in teams
-        )
+        deleted = sum(_delete_isolating(team_id, days, batch) for team_id, days in teams)
         if alias != shards.CONTROL:
             relay(alias, batch)
         return deleted + counters.delete_old()

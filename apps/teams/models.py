@@ -5,15 +5,23 @@ import hmac
 import secrets
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator
 from django.db import models
 from django.utils import timezone
+
+# 100 years, the bound of SCHEDULER_RETENTION_DAYS too (settings.py): a date further back is past
+# PostgreSQL's range, and every retention round failed on it.
+MAX_RETENTION_DAYS = 36_600
 
 
 class Team(models.Model):
     slug = models.SlugField(max_length=64, unique=True)
     name = models.CharField(max_length=200)
-    # Finished runs older than this are deleted by the scheduler; None: the site's default.
-    retention_days = models.PositiveIntegerField(null=True, blank=True)
+    # Finished runs older than this are deleted by the scheduler; None: the site's default. A
+    # value past the bound, set in the database or a shell, counts as the bound (retention.py).
+    retention_days = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MaxValueValidator(MAX_RETENTION_DAYS)]
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:

@@ -65,18 +65,33 @@ def listed(api: httpx.Client, path: str, **params: str) -> list:
     return answer.json()["results"]
 
 
-def test_run_command_brings_the_demo_up_and_stops_cleanly(tmp_path):
-    port = free_port()
+def dev_environment(data: Path) -> dict[str, str]:
+    """This process's environment for `manage.py dev` with its own database in `data`."""
     env = {
         key: value
         for key, value in os.environ.items()
         if key not in {"DATABASE_URL", "TEST_DATABASE_NAME"}
     }
-    env.update({"SCHEDULER_DATA_DIR": str(tmp_path / "data"), "PYTHONUNBUFFERED": "1"})
+    env.update({"SCHEDULER_DATA_DIR": str(data), "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def token_printed(output: list[str]) -> str:
+    return wait_for(
+        lambda: next(
+            (m.group(1) for line in output if (m := re.search(r"Token:\s+(\S+)", line))), None
+        ),
+        120,
+        "the token line",
+    )
+
+
+def test_run_command_brings_the_demo_up_and_stops_cleanly(tmp_path):
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "manage.py", "dev", "--port", str(port)],
         cwd=ROOT,
-        env=env,
+        env=dev_environment(tmp_path / "data"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -84,13 +99,7 @@ def test_run_command_brings_the_demo_up_and_stops_cleanly(tmp_path):
     output: list[str] = []
     threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
     try:
-        token = wait_for(
-            lambda: next(
-                (m.group(1) for line in output if (m := re.search(r"Token:\s+(\S+)", line))), None
-            ),
-            120,
-            "the token line",
-        )
+        token = token_printed(output)
         base = f"http://127.0.0.1:{port}"
         wait_for(lambda: _get(f"{base}/healthz") == 200, 60, "the web process")
         api = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10)
@@ -140,6 +149,56 @@ def test_run_command_brings_the_demo_up_and_stops_cleanly(tmp_path):
         for pid in children_of(process.pid):
             os.kill(pid, signal.SIGKILL)
         embedded_db.stop(tmp_path / "data")
+
+
+def test_a_second_dev_on_the_data_folder_of_a_running_one_refuses_and_changes_nothing(tmp_path):
+    """A second `manage.py dev` (`make run` in another terminal) on the data folder of a running
+    one revoked the running demo worker's token and emptied the metrics folder its processes
+    count in, then stopped, finding the port taken: that worker was refused from then on, and
+    the running /metrics lost its counts for good."""
+    port = free_port()
+    data = tmp_path / "data"
+    command = [sys.executable, "manage.py", "dev", "--no-worker", "--port", str(port)]
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=dev_environment(data),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output: list[str] = []
+    threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
+    try:
+        token = token_printed(output)
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _get(f"{base}/metrics") == 200, 60, "the web process")
+        counts = {entry.name: entry.stat().st_ino for entry in (data / "prometheus").iterdir()}
+        assert counts, "the web and scheduler processes count in the folder"
+
+        again = subprocess.run(
+            command,
+            cwd=ROOT,
+            env=dev_environment(data),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert again.returncode == 1, again.stdout + again.stderr
+        assert "Another `manage.py dev` (or a process it started) runs on" in again.stderr
+        kept = {entry.name: entry.stat().st_ino for entry in (data / "prometheus").iterdir()}
+        assert counts.items() <= kept.items()  # the same files, not emptied and made again
+        headers = {"Authorization": f"Bearer {token}"}
+        assert httpx.get(f"{base}/api/v1/jobs", headers=headers, timeout=10).status_code == 200
+
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0, "".join(output[-40:])
+    finally:
+        if process.poll() is None:
+            process.kill()
+        for pid in children_of(process.pid):
+            os.kill(pid, signal.SIGKILL)
+        embedded_db.stop(data)
 
 
 def _get(url: str) -> int:

@@ -61,6 +61,33 @@ def test_a_bad_setting_refuses_to_start_naming_it(setting, value, says):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("setting", "folder", "kind", "says"),
+    [
+        ("PROMETHEUS_MULTIPROC_DIR", "missing", "an existing folder", "does not exist."),
+        ("PROMETHEUS_MULTIPROC_DIR", "a-file", "an existing folder", "is not a folder."),
+        ("SCHEDULER_DATA_DIR", "a-file", "a folder", "is not a folder."),
+        ("SCHEDULER_DATA_DIR", "a-file/data", "a folder", "cannot be made: Not a directory."),
+        # Absolute, so not under tmp_path: not even root makes a folder in /proc.
+        ("SCHEDULER_DATA_DIR", "/proc/cronlease", "a folder", "cannot be made:"),
+    ],
+)
+def test_a_folder_that_cannot_be_used_refuses_to_start_naming_it(
+    tmp_path, setting, folder, kind, says
+):
+    """prometheus_client (reading PROMETHEUS_MULTIPROC_DIR when the metrics module imports it)
+    and the static files' folder under SCHEDULER_DATA_DIR raised from deep inside: a long
+    traceback that named no setting."""
+    (tmp_path / "a-file").write_text("")
+    path = tmp_path / folder
+    done = manage("check", **{setting: str(path)})
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert (
+        f"Configuration error: {setting} must be {kind} this process can write to; {path} {says}"
+        in done.stderr
+    )
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("storages") is not None, reason="the s3 extra is installed"
 )

@@ -39,6 +39,14 @@ def test_accepted_connections_inherit_tcp_nodelay():
         assert not accepted_nodelay(plain)
 
 
+def web_environment(**env: str) -> dict[str, str]:
+    """This process's environment for `manage.py web`, with `env` over it."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    environment.pop("SCHEDULER_BEHIND_PROXY", None)
+    environment.setdefault("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    return environment
+
+
 @contextmanager
 def web_process(
     *args: str, output: int = subprocess.DEVNULL, **env: str
@@ -48,13 +56,10 @@ def web_process(
     with closing(socket.socket()) as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-    environment.pop("SCHEDULER_BEHIND_PROXY", None)
-    environment.setdefault("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     web = subprocess.Popen(
         [sys.executable, "manage.py", "web", "--port", str(port), *args],
         cwd=ROOT,
-        env=environment,
+        env=web_environment(**env),
         stdout=output,
         stderr=subprocess.STDOUT,
         text=True,
@@ -166,6 +171,33 @@ def test_several_workers_add_up_their_counters_without_a_folder_given(
         assert seen == {20.0}
         port = url.rsplit(":", 1)[1]
         assert (tmp_path / "prometheus" / f"web-{port}").is_dir()
+
+
+@pytest.mark.slow
+def test_a_second_start_on_a_port_in_use_leaves_the_running_servers_counts(tmp_path, monkeypatch):
+    """A second `manage.py web --workers 2` on the port of a running one (a deploy run twice)
+    emptied the metrics folder before it found the port taken, and exited: the running
+    server's /metrics lost every count its workers had made, for good."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    with web_process("--workers", "2", SCHEDULER_DATA_DIR=str(tmp_path)) as (web, url):
+        port = url.rsplit(":", 1)[1]
+        folder = tmp_path / "prometheus" / f"web-{port}"
+        assert httpx.get(f"{url}/metrics").status_code == 200
+        counts = {entry.name: entry.stat().st_ino for entry in folder.iterdir()}
+        assert counts, "the workers count in the folder"
+        again = subprocess.run(
+            [sys.executable, "manage.py", "web", "--workers", "2", "--port", port],
+            cwd=ROOT,
+            env=web_environment(SCHEDULER_DATA_DIR=str(tmp_path)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert again.returncode != 0
+        assert "address already in use" in again.stderr.lower(), again.stderr
+        kept = {entry.name: entry.stat().st_ino for entry in folder.iterdir()}
+        assert counts.items() <= kept.items()  # the same files, not emptied and made again
+        assert web.poll() is None
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -10,7 +11,8 @@ from django.db import connection, connections
 from apps.audit.models import AuditEvent
 from apps.runs import retention, store
 from apps.runs.models import Attempt, Run
-from tests.conftest import add_ready_runs, make_definition
+from apps.teams.models import Team
+from tests.conftest import add_ready_runs, everywhere, make_definition
 from tests.runs.test_claim_concurrency import run_in_threads
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -82,6 +84,61 @@ def test_a_team_retention_of_zero_days_is_zero_not_the_default(team_a):
     while retention.handle_one_round(batch=10):
         pass
     assert not Run.objects.exists()
+
+
+def old_audit_event() -> None:
+    AuditEvent.objects.create(
+        actor="x", source="system", action="old.event", target_type="t", target="1"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE audit_auditevent SET created_at = now() - interval '400 days'"
+            " WHERE action = 'old.event'"
+        )
+
+
+def test_a_team_retention_past_a_hundred_years_keeps_its_runs_and_holds_back_nothing(
+    team_a, team_b
+):
+    """A team's retention_days takes what the column holds (set in the database or a shell):
+    2 000 000 000 days ago is no date PostgreSQL has, and every round failed on it ("timestamp
+    out of range"), for every team, the audit trail and idle workers. It counts as 100 years,
+    the bound of the site's own setting."""
+    Team.objects.filter(pk=team_b.pk).update(retention_days=2_000_000_000)
+    for team, name in ((team_a, "a.job"), (team_b, "b.job")):
+        add_ready_runs(make_definition(team, name, queue=name), 3)
+        finish_all(team, name)
+    age_finished(40)
+    old_audit_event()
+    while retention.handle_one_round(batch=2):
+        pass
+    assert list(Run.objects.values_list("definition__name", flat=True).distinct()) == ["b.job"]
+    assert not AuditEvent.objects.filter(action="old.event").exists()
+
+
+def test_a_team_whose_batch_fails_is_logged_and_holds_back_no_other(team_a, team_b, caplog):
+    """An error deleting one team's runs stopped the round: no other team's runs, no audit
+    event, idle worker or stranded payload were deleted, round after round."""
+    for team, name in ((team_a, "a.job"), (team_b, "b.job")):
+        add_ready_runs(make_definition(team, name, queue=name), 3)
+        finish_all(team, name)
+    age_finished(40)
+    old_audit_event()
+    everywhere(
+        "CREATE FUNCTION refuse_delete() RETURNS trigger LANGUAGE plpgsql"
+        " AS $$ BEGIN RAISE EXCEPTION 'refused'; END $$;"
+        " CREATE TRIGGER refuse_delete BEFORE DELETE ON runs_run FOR EACH ROW"
+        f" WHEN (OLD.team_id = {team_a.pk}) EXECUTE FUNCTION refuse_delete()"
+    )
+    try:
+        with caplog.at_level(logging.ERROR, logger="apps.runs.retention"):
+            while retention.handle_one_round(batch=2):
+                pass
+    finally:
+        everywhere("DROP TRIGGER refuse_delete ON runs_run; DROP FUNCTION refuse_delete()")
+    assert list(Run.objects.values_list("definition__name", flat=True).distinct()) == ["a.job"]
+    assert not AuditEvent.objects.filter(action="old.event").exists()
+    assert f"retention of team {team_a.pk} on shards" in caplog.text
 
 
 def test_a_run_discarded_from_the_dlq_is_kept_for_the_retention_after_its_discard(team_a):

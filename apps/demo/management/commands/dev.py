@@ -10,6 +10,7 @@ on one machine.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import TextIO
 
 from django.conf import settings
 from django.core.management import call_command
@@ -54,6 +56,7 @@ class Command(BaseCommand):
         if shard_databases:
             self._restart_on_shard_servers(shard_databases, host, port, no_worker)
         self.shutdown = threading.Event()
+        self.lock = self._hold_data_dir()
         call_command("migrate", interactive=False, verbosity=0)
         demo = load_demo()
         url = f"http://{host}:{port}"
@@ -78,7 +81,9 @@ class Command(BaseCommand):
                 "EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend"
             ),
         }
-        # Web and scheduler count into one folder, so /metrics adds up both processes.
+        # Web and scheduler count into one folder, so /metrics adds up both processes. Emptied
+        # of the files of processes gone (their counts would be added in): under the data
+        # folder's lock, none of them still runs.
         metrics_dir = Path(settings.DATA_DIR) / "prometheus"
         shutil.rmtree(metrics_dir, ignore_errors=True)
         metrics_dir.mkdir(parents=True)
@@ -161,6 +166,25 @@ class Command(BaseCommand):
         sys.stdout.flush()
         os.execve(sys.executable, command, env)
 
+    def _hold_data_dir(self) -> TextIO:
+        """Lock the data folder for this command and the processes it starts, or refuse to run.
+
+        A second `dev` on the folder of a running one revoked the running demo worker's token
+        (`load_demo`) and emptied the metrics folder the running processes count in: their
+        counts were lost for good, even when the second then stopped, finding the port taken.
+        The lock is the open file's, and every child holds it too (`_spawn`), so it lasts while
+        any of them runs, this command killed with -9 included."""
+        lock = open(Path(settings.DATA_DIR) / "dev.lock", "a")  # open until this process exits
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise CommandError(
+                f"Another `manage.py dev` (or a process it started) runs on {settings.DATA_DIR}: "
+                "stop it first, or give this one a SCHEDULER_DATA_DIR of its own."
+            ) from None
+        return lock
+
     def _spawn(self, name: str, command: list[str], env: dict, cwd: Path) -> subprocess.Popen:
         # Each child gets its own process group, so a terminal's Ctrl-C reaches only this
         # command, which then stops the children in order.
@@ -173,6 +197,7 @@ class Command(BaseCommand):
             text=True,
             bufsize=1,
             start_new_session=True,
+            pass_fds=(self.lock.fileno(),),
         )
         threading.Thread(target=self._relay, args=(name, process), daemon=True).start()
         return process

@@ -122,14 +122,6 @@ class Command(BaseCommand):
     def handle(self, *, host: str, port: int, workers: int, **options) -> None:
         # The worker processes load the application afresh; this one only supervises them.
         os.environ.setdefault("SCHEDULER_DB_POOL", "true")
-        if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            # Each worker counts apart: /metrics, served by one of them, jumped between their
-            # counts from scrape to scrape (read as counter resets). A folder of their own adds
-            # them up (a host's scheduler joins only through a folder given to both).
-            folder = Path(settings.DATA_DIR) / "prometheus" / f"web-{port}"
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
         config = uvicorn.Config(
             APPLICATION,
             factory=True,
@@ -149,4 +141,17 @@ class Command(BaseCommand):
             # LOG_FORMAT=json is JSON lines throughout; its default config wrote them as text.
             log_config=None,
         )
-        Multiprocess(config, sockets=[listening_socket(config)]).run()
+        # The port before anything else: a second start on a port in use (a deploy run twice)
+        # stops here, having touched nothing of the process that holds it.
+        sock = listening_socket(config)
+        if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            # Each worker counts apart: /metrics, served by one of them, jumped between their
+            # counts from scrape to scrape (read as counter resets). A folder of their own adds
+            # them up (a host's scheduler joins only through a folder given to both). Emptied
+            # of a previous process's files only by the one that holds the port: emptied before
+            # the bind, a start that then failed on the port wiped the running server's counts.
+            folder = Path(settings.DATA_DIR) / "prometheus" / f"web-{sock.getsockname()[1]}"
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
+        Multiprocess(config, sockets=[sock]).run()
