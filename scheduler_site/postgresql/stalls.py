@@ -75,7 +75,8 @@ def when_stopped(call: Callable[[str, BaseException], None]) -> None:
 def begin(alias: str, connection: Any) -> int:
     """Note a statement (or commit) of `connection` to `alias` waiting from now; `end` it with
     the number returned. Two calls instead of a context manager: every statement pays them
-    (0.3 µs against 1.2 µs, measured here)."""
+    (0.6 µs against 2.5 µs, measured here; the whole execute wrapper about 1 µs a statement,
+    some 7 µs of a lease request's 2 ms)."""
     if _watcher is None:
         _start()
     waiting = _Waiting(alias, connection)
