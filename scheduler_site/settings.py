@@ -321,6 +321,11 @@ SCHEDULER_PAYLOAD_MAX_BYTES = env_int(
     "SCHEDULER_PAYLOAD_MAX_BYTES", 1024 * 1024, low=1, high=256 * 1024 * 1024
 )
 DATA_UPLOAD_MAX_MEMORY_SIZE = SCHEDULER_PAYLOAD_MAX_BYTES + 64 * 1024
+# A request's line and headers together (scheduler_site/http_protocol.py): past it, the HTTP
+# server answers a plain-text 400. Browsers' and proxies' heads are a few kilobytes.
+SCHEDULER_MAX_HEADER_BYTES = env_int(
+    "SCHEDULER_MAX_HEADER_BYTES", 64 * 1024, low=8 * 1024, high=16 * 1024 * 1024
+)
 # Objects and lists nested deeper than this in any JSON body, payload, result or file are a 400
 # (apps/runs/limits.py): what is accepted must be storable and renderable.
 SCHEDULER_JSON_MAX_DEPTH = env_int("SCHEDULER_JSON_MAX_DEPTH", 64, low=2, high=1000)

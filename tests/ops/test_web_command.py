@@ -329,3 +329,41 @@ def test_a_request_behind_a_held_lock_is_answered_503_and_does_not_hold_the_stop
             "SELECT timeout_seconds FROM jobs_jobdefinition WHERE name = 'held.job'"
         ).fetchone()
     assert timeout == 900
+
+
+def _exchange(url: str, request: bytes) -> bytes:
+    """Send raw bytes to the web process; its whole answer, once it closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    with closing(socket.create_connection((host, int(port)), timeout=30)) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.slow
+def test_a_request_head_past_the_bound_is_refused_by_the_http_server():
+    """httptools kept a header in memory whatever its size: 80 MB headers, sent without a
+    token, were read whole (a worker's memory to 600 MB with three) and answered 200."""
+    with web_process(SCHEDULER_MAX_HEADER_BYTES="65536") as (_, url):
+        big = b"X-Big: " + b"a" * 200_000 + b"\r\n"
+        refused = _exchange(url, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n" + big + b"\r\n")
+        assert refused.startswith(b"HTTP/1.1 400"), refused[:200]
+        assert refused.endswith(b"Request headers larger than 65536 bytes."), refused[-200:]
+        many = b"".join(b"X-H%d: v\r\n" % n for n in range(10_000))
+        assert _exchange(url, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n" + many + b"\r\n").startswith(
+            b"HTTP/1.1 400"
+        )
+        # Under the bound, two requests in one write, and a body far larger than the bound
+        # (its own limit is the application's) are served.
+        head = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Fill: " + b"f" * 40_000 + b"\r\n"
+        both = _exchange(url, head + b"\r\n" + head + b"Connection: close\r\n\r\n")
+        assert both.count(b"HTTP/1.1 200") == 2, both[:300]
+        body = b"{" + b" " * 900_000 + b"}"
+        post = _exchange(
+            url,
+            b"POST /api/v1/runs HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
+        )
+        assert post.startswith(b"HTTP/1.1 401"), post[:300]

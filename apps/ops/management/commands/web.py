@@ -28,6 +28,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 from uvicorn.supervisors import Multiprocess
 
+from scheduler_site.http_protocol import BoundedHeadProtocol
+
 # uvicorn calls this factory in each worker process (below).
 APPLICATION = "apps.ops.management.commands.web:application"
 # A stop cancels what is still running this long after SIGTERM. What could hold it longer is
@@ -125,6 +127,8 @@ class Command(BaseCommand):
         config = uvicorn.Config(
             APPLICATION,
             factory=True,
+            # httptools, with each request's head bounded (SCHEDULER_MAX_HEADER_BYTES).
+            http=BoundedHeadProtocol,
             timeout_graceful_shutdown=GRACEFUL_STOP_SECONDS,
             host=host,
             port=port,
