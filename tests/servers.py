@@ -53,7 +53,6 @@ class Server:
         for lock in [folder / "postmaster.pid", *folder.glob(".s.PGSQL.*.lock")]:
             lock.unlink(missing_ok=True)
 
-
     @contextmanager
     def frozen(self) -> Iterator[None]:
         """The server's processes stopped (SIGSTOP) for the block, then continued: its host's

@@ -155,7 +155,15 @@ def test_other_teams_bad_input_limits_and_private_targets_are_refused(
     assert answer.json()["errors"] == {"target": ["Not a valid email address."]}
     # A name is taken as sent: one of spaces, or padded with them, is refused, not trimmed; so
     # is one with a tab or a right-to-left override (it would read as another name).
-    for name in ("   ", " mail", "a\tb", "pager\u202eliam"):
+    for name in (
+        "   ",
+        " mail",
+        "a\tb",
+        "pager\u202eliam",
+        "pay\u200fslack",
+        "a\u061cb",
+        "a\u200eb",
+    ):
         answer = api_a.post("/api/v1/channels", {**mail, "name": name})
         assert answer.status_code == 400 and "name" in answer.json()["errors"], answer.text
 

@@ -352,9 +352,9 @@ def test_a_request_head_past_the_bound_is_refused_by_the_http_server():
         assert refused.startswith(b"HTTP/1.1 400"), refused[:200]
         assert refused.endswith(b"Request headers larger than 65536 bytes."), refused[-200:]
         many = b"".join(b"X-H%d: v\r\n" % n for n in range(10_000))
-        assert _exchange(url, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n" + many + b"\r\n").startswith(
-            b"HTTP/1.1 400"
-        )
+        assert _exchange(
+            url, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n" + many + b"\r\n"
+        ).startswith(b"HTTP/1.1 400")
         # Under the bound, two requests in one write, and a body far larger than the bound
         # (its own limit is the application's) are served.
         head = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Fill: " + b"f" * 40_000 + b"\r\n"
