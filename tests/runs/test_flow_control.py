@@ -14,7 +14,7 @@ from django.db import connections
 from apps.jobs.models import JobDefinition, Queue, QueueStart
 from apps.jobs.schedule import shard_for
 from apps.runs import leasing, shards, store
-from apps.runs.models import Run
+from apps.runs.models import Attempt, Run
 from tests.conftest import (
     add_ready_runs,
     claim,
@@ -240,6 +240,24 @@ def test_a_queue_rate_limit_holds_for_its_jobs_together_across_databases(team_a,
 
     time.sleep(2.1)  # the window slides past the first starts
     assert len(claim_all(team_a, ["bulk"])) == 9
+
+
+def test_a_queue_windows_starts_are_stamped_no_earlier_than_its_runs_started(team_a):
+    """With shard databases of their own, a queue's starts were stamped with the control
+    transaction's start, before its wait for the queue's lock and before the runs' own starts
+    (their shard transactions begin after it): back-dated, they left the window early, and a
+    window of the runs' start times let more through than the limit."""
+    Queue.objects.create(team=team_a, name="bulk", rate_limit_count=9, rate_limit_period_seconds=60)
+    leasing.control_state.forget()
+    for name in names_on_every_database("bulk", 2):
+        add_ready_runs(make_definition(team_a, name, queue="bulk"), 2)
+    leased = claim(queues=["bulk"], max_runs=9, worker_id="w", team_ids=[team_a.pk])
+    started = [attempt.leased_at for attempt in stored(Attempt)]
+    stamps = list(
+        QueueStart.objects.filter(queue__team=team_a).values_list("started_at", flat=True)
+    )
+    assert len(leased) == len(started) == len(stamps) >= 4
+    assert min(stamps) >= max(started), (stamps, started)
 
 
 def test_every_key_of_many_is_reached_in_turn_past_a_hot_one(team_a):
