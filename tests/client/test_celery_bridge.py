@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -105,17 +106,23 @@ def spawn(
         "CRONLEASE_TOKEN": worker_token_a,
     }
 
-    def start(name: str, command: list[str]) -> Process:
+    def start(name: str, command: list[str], broker_url: str | None = None) -> Process:
         log = tmp_path / f"{name}.log"
         with log.open("w") as out:
             popen = subprocess.Popen(
-                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+                command,
+                cwd=ROOT,
+                env={**env, "CELERY_BROKER_URL": broker_url or BROKER_URL},
+                stdout=out,
+                stderr=subprocess.STDOUT,
             )
         process = Process(popen, log)
         processes.append((name, process))
         return process
 
-    def celery_worker(name: str = "w1", heartbeat: bool = False) -> Process:
+    def celery_worker(
+        name: str = "w1", heartbeat: bool = False, broker_url: str | None = None
+    ) -> Process:
         # Celery's worker heartbeats are off unless a test is about them: less broker traffic.
         beats = ["--heartbeat-interval=1"] if heartbeat else ["--without-heartbeat"]
         return start(
@@ -138,9 +145,15 @@ def spawn(
                 "-n",
                 f"{name}@%h",
             ],
+            broker_url,
         )
 
-    def bridge(queue: str, *options: str, tasks: str = "examples.celery_worker.app") -> Process:
+    def bridge(
+        queue: str,
+        *options: str,
+        tasks: str = "examples.celery_worker.app",
+        broker_url: str | None = None,
+    ) -> Process:
         # The bridge's token also has the manage scope, for its check of the queue's jobs.
         return start(
             f"bridge-{len(processes)}",
@@ -162,6 +175,7 @@ def spawn(
                 "DEBUG",
                 *options,
             ],
+            broker_url,
         )
 
     yield {"celery_worker": celery_worker, "bridge": bridge}
@@ -637,3 +651,64 @@ def test_a_tasks_result_is_held_through_a_web_restart_longer_than_the_transports
     assert outcome and outcome[0]["outcome"] == "succeeded", outcome
     run = Run.objects.get(pk=pk)
     assert (run.state, run.attempt, run.result) == ("succeeded", 1, {"done": 1})
+
+
+@contextmanager
+def private_redis(port: int) -> Iterator[Callable[[], None]]:
+    """A Redis server of the test's own on `port` (it is stopped and started again: the
+    shared one is not); the function starts it again after the test stopped it."""
+    command = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"]
+
+    def started() -> subprocess.Popen:
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        wait_for(lambda: _answers(port), timeout=10, what="the private Redis to listen")
+        return server
+
+    servers = [started()]
+    try:
+        yield lambda: servers.append(started())
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait(10)
+
+
+def _answers(port: int) -> bool:
+    try:
+        with closing(socket.create_connection(("127.0.0.1", port), timeout=1)):
+            return True
+    except OSError:
+        return False
+
+
+def test_a_broker_down_spends_no_attempts_of_the_runs_the_bridge_would_lease(
+    team_a, spawn, ledger, broker
+):
+    """With the broker down, the bridge leased, failed each run unsent (retryable), and leased
+    it again after its backoff: a 30 s outage dead-lettered every run without one having run.
+    It now waits for the broker before leasing again: the run that met the failure spent one
+    attempt, the others none, and all run once the broker is back."""
+    with closing(socket.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"redis://127.0.0.1:{port}/0"
+    definition = make_definition(
+        team_a, "billing.send-invoice", queue="celery-down",
+        retry_max_attempts=3, retry_base_seconds=1, retry_max_seconds=1,
+    )  # fmt: skip
+    with private_redis(port) as start_again:
+        spawn["celery_worker"](broker_url=url)
+        spawn["bridge"]("celery-down", "--prefetch", "2", broker_url=url)
+        first = add_ready_runs(definition, 1, prefix="before")
+        wait_for(runs_when(first, "succeeded"), timeout=60, what="a run before the outage")
+        subprocess.run(["redis-cli", "-p", str(port), "shutdown", "nosave"], check=False)
+        pks = add_ready_runs(definition, 3)
+        time.sleep(8)  # eight backoffs of the runs' retries
+        spent = {pk: len(attempts(pk)) for pk in pks}
+        states = dict(Run.objects.filter(pk__in=pks).values_list("pk", "state"))
+        assert "dead" not in states.values(), (states, spent)
+        assert sum(spent.values()) <= 2, spent  # the batch that met the failure
+        start_again()
+        done = wait_for(runs_when(pks, "succeeded"), timeout=60, what="the runs to succeed")
+    assert len(done) == 3
+    assert all(attempts(pk)[-1][1] == "succeeded" for pk in pks)

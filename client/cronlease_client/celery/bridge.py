@@ -377,12 +377,9 @@ class Bridge(Daemon):
                     if not self._lease_failed(exc, failures):
                         return
                 except PublishFailed as exc:
-                    failures += 1
-                    delay = backoff_delay(failures, base=0.5, cap=30.0)
-                    logger.error(
-                        "the broker refused messages; leasing again in %.1fs: %s", delay, exc
-                    )
-                    self.shutdown.wait(delay)
+                    logger.error("the broker refused messages; leasing again once it answers: %s",
+                                 exc)  # fmt: skip
+                    failures = self._await_broker(failures)
                 else:
                     failures = 0
         except Exception as exc:
@@ -501,6 +498,29 @@ class Bridge(Daemon):
                 self._answer(answered)
         if failure is not None:
             raise PublishFailed(str(failure)) from failure
+
+    def _await_broker(self, failures: int) -> int:
+        """Wait, backing off, until the broker takes a connection again (or the bridge stops);
+        return the failures counted. Leased meanwhile, every run would be failed unsent and
+        leased again after its backoff, spending its attempts for nothing: a broker down for
+        30 s dead-lettered every run of the queue without one having run."""
+        while not self.shutdown.is_set():
+            failures += 1
+            delay = backoff_delay(failures, base=0.5, cap=30.0)
+            self.shutdown.wait(delay)
+            if self.shutdown.is_set() or self._broker_answers():
+                break
+            logger.warning("the broker still does not answer; trying it again")
+        return failures
+
+    def _broker_answers(self) -> bool:
+        try:
+            with self.app.connection_for_write() as connection:
+                connection.ensure_connection(max_retries=1, interval_start=0, timeout=5)
+        except Exception as exc:  # each transport raises its own
+            logger.debug("the broker does not answer: %s", exc)
+            return False
+        return True
 
     def _send(self, spec: TaskSpec, lease: Mapping[str, Any]) -> None:
         pending = _Pending(
