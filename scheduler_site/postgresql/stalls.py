@@ -11,9 +11,10 @@ schedulers' loops, whose shard leases then lapsed on every shard.
 
 So every statement, commit and rollback is noted while it waits (`begin`, `end`). A thread looks
 twice a second: when a statement has waited `STALL_SECONDS` on a database, it tries that server
-with a connection of its own (at most every `STALL_SECONDS` a database). A server that answers is
-working (a long statement, a lock wait: each has its own bound), and nothing is done. One that
-does not answer within `TRY_TIMEOUT_SECONDS` is taken as stopped: every statement waiting on it
+with a connection of its own (at most every `STALL_SECONDS` a database). A server that answers,
+even with an error (too many connections), is working (a long statement, a lock wait: each has
+its own bound), and nothing is done. One that does not answer within `TRY_TIMEOUT_SECONDS` (or
+refuses the connection) is taken as stopped: every statement waiting on it
 has its socket shut down, so it fails at once as if the connection had been lost (an
 OperationalError: a 503 naming its shards, the scheduler's tick for those shards failed), and
 the server's `Breaker` (web processes) refuses it at once until it answers again.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -41,6 +43,8 @@ STALL_SECONDS = 3.0
 # The try's wait for the server's answer (libpq's least connect_timeout).
 TRY_TIMEOUT_SECONDS = 2
 LOOK_EVERY_SECONDS = 0.5
+# The severities of the messages a server sends, as libpq writes them into a connection error.
+SERVER_SAID = re.compile(r"\b(FATAL|PANIC|ERROR):")
 
 
 class _Waiting:
@@ -133,11 +137,15 @@ def look(now: float | None = None) -> list[str]:
 
 
 def _try(alias: str) -> BaseException | None:
-    """None when the server answers a new connection, else why not."""
+    """None when the server answers a new connection, else why not. An error the server sent
+    (too many connections, starting up, a refused password) is an answer: a server at its
+    connection limit is busy, not stopped, and its statements are not cut. libpq gives a
+    connection's errors no SQLSTATE; the server's carry their severity (`FATAL:`), its own
+    (refused, timed out) none."""
     try:
         psycopg.connect(**{**_params[alias], "connect_timeout": TRY_TIMEOUT_SECONDS}).close()
     except psycopg.Error as exc:
-        return exc
+        return None if SERVER_SAID.search(str(exc)) else exc
     return None
 
 
@@ -146,14 +154,18 @@ def _cut(alias: str) -> int:
     waiting thread then reads the end of the stream: psycopg raises OperationalError, and the
     connection is discarded (pooled) or replaced at its next use."""
     cut = 0
-    for waiting in list(_waiting.values()):
-        if waiting.alias != alias:
+    for key, waiting in list(_waiting.items()):
+        if waiting.alias != alias or waiting.connection is None:
             continue
         try:
             descriptor = os.dup(waiting.connection.pgconn.socket)
-        except (OSError, psycopg.Error):  # closed meanwhile: nothing left to cut
+        except (OSError, AttributeError, psycopg.Error):  # closed meanwhile: nothing to cut
             continue
         with socket.socket(fileno=descriptor) as sock:
+            # Still waiting after the copy, its connection cannot have been closed (its thread
+            # is in the wait), so the descriptor copied is its socket, not a number reused.
+            if key not in _waiting:
+                continue
             try:
                 sock.shutdown(socket.SHUT_RDWR)
                 cut += 1
