@@ -331,11 +331,16 @@ def test_a_request_behind_a_held_lock_is_answered_503_and_does_not_hold_the_stop
     assert timeout == 900
 
 
-def _exchange(url: str, request: bytes) -> bytes:
-    """Send raw bytes to the web process; its whole answer, once it closes the connection."""
+def _exchange(url: str, *parts: bytes) -> bytes:
+    """Send raw bytes to the web process, each part in a write of its own a moment after the
+    last; its whole answer, once it closes the connection."""
     host, port = url.removeprefix("http://").split(":")
     with closing(socket.create_connection((host, int(port)), timeout=30)) as sock:
-        sock.sendall(request)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for n, part in enumerate(parts):
+            if n:
+                time.sleep(0.2)
+            sock.sendall(part)
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk
@@ -367,3 +372,16 @@ def test_a_request_head_past_the_bound_is_refused_by_the_http_server():
             b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
         )
         assert post.startswith(b"HTTP/1.1 401"), post[:300]
+        # The head's blank line split across two writes, the body behind it in the second:
+        # the body is not counted as head.
+        start = (
+            b"POST /api/v1/runs HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r" % len(body)
+        )
+        split = _exchange(url, start, b"\n" + body)
+        assert split.startswith(b"HTTP/1.1 401"), split[:300]
+        # Refused behind a request still answered on the connection: the answers in order.
+        first = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        late = _exchange(url, first + b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n" + big)
+        assert late.startswith(b"HTTP/1.1 200") and late.count(b"HTTP/1.1 400") == 1, late[:400]
+        assert late.index(b"HTTP/1.1 400") > late.index(b"HTTP/1.1 200")
