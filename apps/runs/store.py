@@ -1226,24 +1226,28 @@ def leased_targets(extra: str = "") -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Heartbeat: extend live leases held with the current token, never past the attempt's deadline.
-# A lease that has already expired is not revived: the reaper may be about to hand it on; nor
-# one whose run someone asked to cancel (its worker is told so: `_diagnose`).
+# A lease that has already expired is not revived: the reaper may be about to hand it on. One
+# whose run someone asked to cancel is extended too, but left out of the answer, so its worker
+# is told to stop (`_diagnose`): a handler that runs on to its end is still reported (the run
+# ends cancelled), and holds its run (its concurrency slot) while it runs. Not extended, it lost
+# the run at the lease's end, its result refused, and the run's error said its lease expired
+# "without a heartbeat".
 # Served by the primary key; the attempt by attempt_run_number (run, number).
 
 HEARTBEAT = f"""
 WITH input AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS i(id, token)
-), {leased_targets(" AND r.lease_expires_at > now() AND NOT r.cancel_requested")}, extended AS (
+), {leased_targets(" AND r.lease_expires_at > now()")}, extended AS (
     UPDATE runs_run r
     SET lease_expires_at = least(now() + make_interval(secs => r.lease_seconds), r.timeout_at)
     FROM target t
     WHERE r.id = t.id
-    RETURNING r.id, r.attempt, r.lease_expires_at
+    RETURNING r.id, r.attempt, r.lease_expires_at, r.cancel_requested
 ), beats AS (
     UPDATE runs_attempt a SET last_heartbeat_at = now()
     FROM extended e WHERE a.run_id = e.id AND a.number = e.attempt
 )
-SELECT id, lease_expires_at FROM extended
+SELECT id, lease_expires_at FROM extended WHERE NOT cancel_requested
 """
 
 # ---------------------------------------------------------------------------------------------

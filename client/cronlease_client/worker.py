@@ -687,18 +687,17 @@ class Worker(Daemon):
 
     def heartbeat_once(self) -> None:
         """Extend every held lease in one request; mark the ones the scheduler says are gone."""
+        # A cancelled run's lease is still extended (the answer keeps saying it is cancelled):
+        # a handler that runs on to its end is reported, and holds the run while it runs.
         with self._lock:
-            runs = [
-                r
-                for r in self._inflight.values()
-                if not r.lost and not r.abandoned and not r.cancelled
-            ]
+            runs = [r for r in self._inflight.values() if not r.lost and not r.abandoned]
         refused = self._extend([(run.run_id, run.token) for run in runs])
         for run in runs:
             if run.run_id not in refused:
                 continue
             if refused[run.run_id].cancelled:
-                self._mark_cancelled(run)
+                if not run.cancelled:
+                    self._mark_cancelled(run)
             elif refused[run.run_id].expired:
                 self._mark_expired(run, refused[run.run_id].detail)
             else:

@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+from django.db import connections
 
 from apps.audit.models import AuditEvent
-from apps.runs import store
+from apps.runs import shards, store
 from apps.runs.models import Attempt, Run
 from tests.conftest import (
     add_ready_runs,
+    db_now,
     expire_lease,
     make_definition,
     stored,
@@ -76,6 +80,31 @@ def test_whatever_the_worker_reports_the_run_ends_cancelled_with_its_attempt(api
     assert api_a.lease(["q"], 1) == []  # never retried
     listed = api_a.get("/api/v1/runs?state=cancelled").json()["results"]
     assert [item["runId"] for item in listed] == [leased["runId"]]
+
+
+def test_a_cancelled_runs_heartbeats_keep_its_lease_so_a_handler_that_runs_on_is_reported(
+    api_a, leased
+):
+    """A handler that checks for no cancel runs to its end and is reported: its heartbeats
+    were refused and the lease left to run out, so a handler longer than what was left of it
+    had its result refused, and the reaper said its lease expired "without a heartbeat"."""
+    _cancel(api_a, leased)
+    pk = stored_run().pk
+    with connections[shards.alias_of_run(pk)].cursor() as cursor:
+        cursor.execute(
+            "UPDATE runs_run SET lease_expires_at = now() + interval '1 second' WHERE id = %s",
+            [pk],
+        )
+    path = f"/api/v1/runs/{leased['runId']}"
+    beat = api_a.post(f"{path}/heartbeat", {"fencingToken": leased["fencingToken"]})
+    assert beat.status_code == 409 and beat.json()["type"].endswith("/cancelled")
+    extended = stored_run().lease_expires_at
+    assert extended > db_now() + timedelta(seconds=30), extended  # its lease's length again
+    done = api_a.post(
+        f"{path}/complete", {"fencingToken": leased["fencingToken"], "result": {"rows": 3}}
+    )
+    assert done.status_code == 200 and done.json()["state"] == "cancelled", done.text
+    assert stored_run().result == {"rows": 3}
 
 
 def test_a_cancelled_run_whose_worker_never_answers_ends_cancelled_when_its_lease_expires(

@@ -647,6 +647,41 @@ def test_cancelling_a_running_run_stops_its_handler_and_ends_it_cancelled(
     assert worker.stop(timeout=15)
 
 
+def test_a_handler_deaf_to_a_cancel_runs_past_its_lease_and_is_reported(
+    live_server, team_a, token_a, make_worker
+):
+    """The worker stopped heartbeating a run once told it was cancelled, and the server no
+    longer extended it: a handler that ran on past the lease's end had its result refused,
+    and the run's error said its lease expired "without a heartbeat"."""
+    definition = make_definition(team_a, "demo.deaf", queue="deaf", retry_max_attempts=5)
+    (pk,) = add_ready_runs(definition, 1)
+    started = threading.Event()
+
+    def deaf(ctx) -> dict:
+        started.set()
+        time.sleep(7)  # past two leases of 3 s after the cancel, checking nothing
+        return {"finished": True}
+
+    worker = make_worker(
+        ["deaf"], handlers={"demo.deaf": deaf}, concurrency=1, lease_seconds=3,
+        heartbeat_interval=0.5,
+    )  # fmt: skip
+    worker.start()
+    assert started.wait(30)
+    answer = Api(live_server.url, token_a).post(f"/api/v1/runs/{public_run_id(pk)}/cancel")
+    assert answer.status_code == 202, answer.text
+
+    def ended() -> bool:
+        store.reap()  # as the scheduler does: a lease left to run out is taken
+        return Run.objects.get(pk=pk).state == "cancelled"
+
+    wait_for(ended, what="the run to end", timeout=30)
+    run = Run.objects.get(pk=pk)
+    (attempt,) = Attempt.objects.filter(run_id=pk)
+    assert (attempt.outcome, run.result) == ("cancelled", {"finished": True}), run.last_error
+    assert worker.stop(timeout=15)
+
+
 def test_a_handlers_flag_is_an_event_whose_set_is_never_missed_by_a_waiter():
     """The flags behind ctx.lease_lost and ctx.cancelled make their Event only when a handler
     waits; a set racing that wait must still wake it."""

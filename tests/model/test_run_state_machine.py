@@ -392,10 +392,26 @@ class RunStateMachine(RuleBasedStateMachine):
         holder = run.state == "leased" and token == run.token
         expired = passed(run.lease_expires_at, before, after) if holder else True
         if holder and run.cancel_requested:
-            # The holder is told to stop, expired or not; nothing is extended.
+            # The holder is told to stop, expired or not; a live lease is still extended (its
+            # handler may run on to its end, and is reported), an expired one is not revived.
             assert (outcome.status, outcome.code) == (409, "cancelled"), outcome
+            now_expires = Run.objects.get(pk=run.pk).lease_expires_at
+            if expired is False:
+                low = min(before + timedelta(seconds=LEASE_SECONDS), run.timeout_at)
+                high = min(after + timedelta(seconds=LEASE_SECONDS), run.timeout_at)
+                assert low <= now_expires <= high, (now_expires, low, high)
+            elif expired is True:
+                assert now_expires == run.lease_expires_at
+            run.lease_expires_at = now_expires
             return
-        assert outcome.code == "", outcome  # only the holder of a cancelled run is told
+        # Only the holder is told why: its run was cancelled (above), or its lease ran out (its
+        # result is still taken until the run is reaped).
+        if holder and expired is True:
+            assert outcome.code == "lease-expired", outcome
+        elif holder and expired is None:
+            assert outcome.code in ("", "lease-expired"), outcome
+        else:
+            assert outcome.code == "", outcome
         if holder and expired is False:
             assert outcome.status == 200, outcome
         elif expired is True:

@@ -398,15 +398,16 @@ class _LeaseKeeper(threading.Thread):
                     self.extended_at = time.monotonic()
                 except ApiError as exc:
                     if exc.status == 409 and exc.type.endswith("/cancelled"):
-                        # The lease is not extended any more: the function has until it runs
-                        # out to stop and be reported.
-                        self.cancelled.set()
-                        logger.info(
-                            "run cancelled run_id=%s: asking its task to stop",
-                            self.run_id,
-                            extra=self.fields,
-                        )
-                        return
+                        # The lease is still extended (each answer says it is cancelled): a
+                        # function that runs on to its end is reported, the run ending cancelled.
+                        if not self.cancelled.is_set():
+                            self.cancelled.set()
+                            logger.info(
+                                "run cancelled run_id=%s: asking its task to stop",
+                                self.run_id,
+                                extra=self.fields,
+                            )
+                        continue
                     if exc.status == 409 and exc.type.endswith("/lease-expired"):
                         if not expired:
                             logger.warning(
