@@ -389,12 +389,14 @@ def audit_for_target(team_id: int, target_type: str, target: str, limit: int = 1
     )
 
 
-def last_change(team_id: int, target_type: str, target: str, action: str) -> AuditEvent | None:
-    """The newest `action` event of the target (served by audit_target), to say who made a
-    change a stale page asked for again."""
+def paused_by(team_id: int, target_type: str, target: str, paused: bool) -> AuditEvent | None:
+    """The newest event of the target that left it paused (or running) as it is, whatever made
+    it (a pause, an edit, a sync, a queue's settings): to say who did what a stale page asked
+    for again. Served by audit_target (target_type, target)."""
+    changed = Q(before__isnull=True) | ~Q(before__has_key="paused") | Q(before__paused=not paused)
     return (
         AuditEvent.objects.filter(
-            team_id=team_id, target_type=target_type, target=target, action=action
+            changed, team_id=team_id, target_type=target_type, target=target, after__paused=paused
         )
         .order_by("-created_at", "-pk")
         .first()

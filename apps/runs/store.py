@@ -569,43 +569,34 @@ WHERE rate_limit_count IS NOT NULL
 """
 LOCK_QUEUES = "SELECT id FROM jobs_queue WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE"
 # The starts within each window of these (definitions or queues), and when the oldest leaves it
-# (an instant, and seconds from `{now}` on this server's clock); the starts past the window are
+# (an instant, and seconds from now() on this server's clock); the starts past the window are
 # deleted first.
 _COUNT_WINDOW = """
 WITH window_of AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(periods)s::int[]) AS w({key}, period)
 ), forgotten AS (
     DELETE FROM {starts} s USING window_of w
-    WHERE s.{key} = w.{key} AND s.started_at <= {now} - make_interval(secs => w.period)
+    WHERE s.{key} = w.{key} AND s.started_at <= now() - make_interval(secs => w.period)
 )
 SELECT w.{key}, count(s.id), min(s.started_at) + make_interval(secs => w.period),
-       extract(epoch FROM min(s.started_at) + make_interval(secs => w.period) - {now})::float8
+       extract(epoch FROM min(s.started_at) + make_interval(secs => w.period) - now())::float8
 FROM window_of w
 LEFT JOIN {starts} s ON s.{key} = w.{key}
- AND s.started_at > {now} - make_interval(secs => w.period)
+ AND s.started_at > now() - make_interval(secs => w.period)
 GROUP BY w.{key}, w.period
 """
-# A queue's window is counted, and its starts stamped, on the clock its runs' starts are read
-# from. With one database the claims run in this transaction, and a run starts at its now():
-# counted and stamped with it, the window is exact. With shard databases of their own a run
-# starts at its shard transaction's now(), which begins after the count; this transaction's
-# now() (its start, before the wait for the queue's lock) back-dated the stamps, and a window
-# of real starts let more through (13 in 1.97 s for a limit of 10 in 2 s). There the count is
-# taken when made, after the lock and before any claim it lets through, and the stamps after
-# the claims began: never before the starts they stand for.
-QUEUE_CLOCK = {False: "now()", True: "clock_timestamp()"}
-# Served by queuestart_window (queue_id, started_at). By `physical()`.
-COUNT_QUEUE_WINDOW = {
-    physical: _COUNT_WINDOW.format(starts="jobs_queuestart", key="queue_id", now=clock)
-    for physical, clock in QUEUE_CLOCK.items()
-}
-RECORD_QUEUE_STARTS = {
-    physical: f"""
+# A queue's window is counted at this transaction's now(), and its starts stamped when recorded
+# (clock_timestamp()): now() is no later than any start this request makes (its claims begin
+# after it, in this transaction or, with shard databases of their own, in theirs), the record
+# no earlier than any of them (made after the claims). Stamped with now() too, a start with
+# shard databases of their own was back-dated by the wait for the queue's lock and the claims
+# before it, left the window early, and a window of the runs' start times let more through (13
+# in 1.97 s for a limit of 10 in 2 s). Served by queuestart_window (queue_id, started_at).
+COUNT_QUEUE_WINDOW = _COUNT_WINDOW.format(starts="jobs_queuestart", key="queue_id")
+RECORD_QUEUE_STARTS = """
 INSERT INTO jobs_queuestart (queue_id, started_at)
-SELECT q, {clock} FROM unnest(%(ids)s::bigint[]) AS q
+SELECT q, clock_timestamp() FROM unnest(%(ids)s::bigint[]) AS q
 """
-    for physical, clock in QUEUE_CLOCK.items()
-}
 
 
 @dataclass(frozen=True)
@@ -634,7 +625,7 @@ def queue_rooms(queues: Sequence[LimitedQueue]) -> dict[int, tuple[int, float | 
     with placement.using(placement.CONTROL), server_cursor() as cursor:
         cursor.execute(LOCK_QUEUES, {"ids": _bigints(ids)})
         cursor.execute(
-            COUNT_QUEUE_WINDOW[placement.physical()],
+            COUNT_QUEUE_WINDOW,
             {"ids": _bigints(ids), "periods": _bigints(periods[i] for i in ids)},
         )
         started = {i: (n, frees_in) for i, n, _, frees_in in cursor.fetchall()}
@@ -647,7 +638,7 @@ def record_queue_starts(queue_ids: Sequence[int]) -> None:
     """One start per lease of a rate-limited queue, in the transaction that locked it."""
     if queue_ids:
         with placement.using(placement.CONTROL), server_cursor() as cursor:
-            cursor.execute(RECORD_QUEUE_STARTS[placement.physical()], {"ids": _bigints(queue_ids)})
+            cursor.execute(RECORD_QUEUE_STARTS, {"ids": _bigints(queue_ids)})
 
 
 # A definition's limits came or went: its unfinished runs' `limited` follows, in the transaction
@@ -714,7 +705,7 @@ JOIN runs_run r ON r.definition_id = k.definition_id AND r.concurrency_key = k.c
 WHERE r.state = 'leased'
 GROUP BY r.definition_id, r.concurrency_key
 """
-COUNT_RATE_WINDOW = _COUNT_WINDOW.format(starts="runs_ratestart", key="definition_id", now="now()")
+COUNT_RATE_WINDOW = _COUNT_WINDOW.format(starts="runs_ratestart", key="definition_id")
 # A window this claim fills (or found full): no claim looks at the definition again before its
 # oldest start leaves the window (its claim lock is this claim's). A hint, so a row an edit has
 # locked is left as it is: waiting for it while holding runs would be the deadlock above.

@@ -58,7 +58,8 @@ FOR SHARE
 
 # The paused queues (control database; a handful of rows): their definitions make no runs.
 # And those resumed while a shard database was down (`rearm_from`; fewer still): a definition
-# of theirs armed before that time is restarted from it, as the resume would have done.
+# of theirs armed before that time and still due before it is restarted from it, as the resume
+# would have done (one due after it was armed since, or came into the queue since: its own).
 PAUSED_QUEUES = """
 SELECT team_id, name, paused, rearm_from FROM jobs_queue WHERE paused OR rearm_from IS NOT NULL
 """
@@ -78,7 +79,7 @@ FROM jobs_jobdefinition d
 LEFT JOIN unnest(%(rearm_teams)s::bigint[], %(rearm_queues)s::text[],
                  %(rearm_ats)s::timestamptz[]) AS rearm(team_id, queue, at)
      ON rearm.team_id = d.team_id AND rearm.queue = d.queue
-    AND coalesce(d.armed_at, d.created_at) < rearm.at
+    AND coalesce(d.armed_at, d.created_at) < rearm.at AND d.next_due_at < rearm.at
 WHERE d.shard = %(shard)s AND NOT d.paused AND d.next_due_at IS NOT NULL
   AND d.next_due_at <= %(horizon)s
   AND (d.next_due_at <= %(now)s OR coalesce(d.schedule ->> 'overlapPolicy', 'allow_all') = 'allow_all')

@@ -347,3 +347,19 @@ def test_a_stale_pause_or_resume_says_who_did_it_already(operator_a, admin_a, jo
         again = said(second, path)
         assert again.startswith(f"{what} was {state} already (by {admin_a.username} at ")
         assert again.endswith("nothing changed.") and AuditEvent.objects.count() == events
+
+
+def test_a_stale_pause_names_who_paused_by_any_means(operator_a, job_a):
+    """The queue paused through its settings (an edit of its rate limit too), then its rate
+    limit edited by another: a stale pause names the one who paused it."""
+    from apps.audit.record import Actor
+    from apps.jobs import services
+
+    team, queue = job_a.team, job_a.queue
+    services.set_queue_settings(
+        team, queue, Actor.cli("deploy-bot"), rate_limit=(5, 60), paused=True
+    )
+    services.set_queue_settings(team, queue, Actor.cli("tuner"), rate_limit=(9, 60), paused=None)
+    response = client_for(operator_a).post(f"/queues/team-a/{queue}/pause", follow=True)
+    said = " ".join(str(m) for m in response.context["messages"])
+    assert "was paused already (by deploy-bot at " in said, said

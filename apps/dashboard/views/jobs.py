@@ -369,8 +369,8 @@ def job_pause(request: HtmxHttpRequest, name: str, paused: bool) -> HttpResponse
     _, changed = services.set_paused(definition, paused, actor(request))
     back = reverse("dashboard:job", args=[name])
     if not changed:  # a page left open while someone else paused or resumed it
-        action, state = ("job.pause", "paused") if paused else ("job.resume", "running")
-        event = queries.last_change(definition.team_id, "job", name, action)
+        event = queries.paused_by(definition.team_id, "job", name, paused)
+        state = "paused" if paused else "running"
         return done(request, back, already(name, state, event), messages.INFO)
     verb = "Paused" if paused else "Resumed"
     return done(request, back, f"{verb} {name}.")

@@ -59,8 +59,8 @@ def queue_pause(request: HtmxHttpRequest, team: str, queue: str, paused: bool) -
     _, changed = services.set_queue_paused(owner, queue, paused, actor(request))
     what = f"Queue {queue} of {owner.slug}"
     if not changed:  # a page left open while someone else paused or resumed it
-        action, state = ("queue.pause", "paused") if paused else ("queue.resume", "running")
-        event = queries.last_change(owner.pk, "queue", queue, action)
+        event = queries.paused_by(owner.pk, "queue", queue, paused)
+        state = "paused" if paused else "running"
         return done(
             request, reverse("dashboard:queues"), already(what, state, event), messages.INFO
         )
