@@ -10,6 +10,9 @@ from urllib.parse import parse_qs, unquote, urlparse
 from django.core.exceptions import ImproperlyConfigured
 from django.db import OperationalError
 
+# How long a new connection waits for its server (a `connect_timeout` in the URL replaces it).
+CONNECT_TIMEOUT_SECONDS = 5
+
 
 def config_from_url(
     url: str,
@@ -57,6 +60,9 @@ def config_from_url(
         "application_name": application_name,
         "prepare_threshold": 5,
         "options": settings,
+        # libpq waits for a connection without limit by default: a daemon reconnecting to a
+        # server whose processes had stopped waited as long as they stayed stopped.
+        "connect_timeout": CONNECT_TIMEOUT_SECONDS,
     }
     if "options" in query:
         query["options"] = f"{options['options']} {query['options']}"

@@ -140,6 +140,18 @@ class DatabaseWrapper(base.DatabaseWrapper):
         super().__init__(*args, **kwargs)
         self.execute_wrappers.append(_watched)
 
+    def is_usable(self) -> bool:
+        # Django's health check (the daemons' persistent connections) runs its SELECT 1 on the
+        # psycopg connection itself, past the execute wrappers: noted here, or a scheduler
+        # waited on a stopped server for as long as it stayed stopped.
+        if self.connection is None:
+            return False
+        key = stalls.begin(self.alias, self.connection)
+        try:
+            return super().is_usable()
+        finally:
+            stalls.end(key)
+
     def _rollback(self) -> None:
         key = stalls.begin(self.alias, self.connection)
         try:
@@ -191,7 +203,7 @@ class DatabaseWrapper(base.DatabaseWrapper):
     def _try_server(self, conn_params: dict[str, Any], state: Breaker) -> None:
         """Connect outside the pool; a server that does not answer opens the breaker."""
         try:
-            psycopg.connect(**conn_params, connect_timeout=TRY_TIMEOUT_SECONDS).close()
+            psycopg.connect(**{**conn_params, "connect_timeout": TRY_TIMEOUT_SECONDS}).close()
         except psycopg.Error as exc:
             state.open(exc)
             raise

@@ -19,7 +19,9 @@ has its socket shut down, so it fails at once as if the connection had been lost
 OperationalError: a 503 naming its shards, the scheduler's tick for those shards failed), and
 the server's `Breaker` (web processes) refuses it at once until it answers again.
 
-A connection that fails to connect at all is not this module's: `connect_timeout` bounds it.
+A connection that cannot be made is not this module's: `connect_timeout` bounds it
+(scheduler_site/database.py). Django's health check of a daemon's connection (`is_usable`),
+which runs its statement past the execute wrappers, is noted too (base.py).
 """
 
 from __future__ import annotations

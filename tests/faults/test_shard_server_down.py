@@ -5,10 +5,12 @@ pool's minute of back-off (scheduler_site/postgresql/base.py, `Breaker`)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
 import pytest
+from django.db import OperationalError
 
 from apps.runs import shards
 from apps.runs.ids import public_run_id
@@ -105,3 +107,45 @@ def test_a_shard_server_that_stops_answering_holds_back_its_own_shards_only(harn
     assert [item["runId"] for item in leased.json()["leases"]] == [public_run_id(runs[other][0])]
     assert ready_took < PROMPT_SECONDS and ready.json()["status"] == "degraded", ready.text
     assert back.status_code == 200 and back_after < PROMPT_SECONDS, back_after
+
+
+def test_a_daemons_health_check_and_new_connection_to_a_stopped_server_give_up(layout):
+    """A scheduler's connection is checked by Django before use (`is_usable`, a SELECT 1 past
+    the execute wrappers, so not watched) and made again at least once a minute (libpq's
+    connect waited without a limit): on a stopped server either held the scheduler, and its
+    leases on every shard lapsed."""
+    from django.db import connections
+
+    alias = layout.aliases[1]
+    connected, frozen = threading.Event(), threading.Event()
+    took: dict[str, object] = {}
+
+    def daemon() -> None:  # a thread's own connection, as a daemon's
+        victim = connections[alias]
+        try:
+            victim.ensure_connection()
+            connected.set()
+            frozen.wait(30)
+            started = time.monotonic()
+            took["usable"] = victim.is_usable()
+            took["check"] = time.monotonic() - started
+            victim.close()
+            started = time.monotonic()
+            try:
+                victim.ensure_connection()
+            except OperationalError:
+                took["connect"] = time.monotonic() - started
+        finally:
+            victim.close()
+
+    thread = threading.Thread(target=daemon)
+    thread.start()
+    assert connected.wait(30)
+    with layout.servers[1].frozen():
+        frozen.set()
+        thread.join(2 * CUT_SECONDS + 5)  # held for good before: bounded here, then let go
+        held = thread.is_alive()
+    thread.join(30)
+    assert not held, took
+    assert took["usable"] is False and took["check"] < CUT_SECONDS, took
+    assert took["connect"] < CUT_SECONDS, took
