@@ -47,7 +47,14 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             # Up to the blank line that ends the head, found across the last read's end too.
             joined = self._tail + data
             end = joined.find(END_OF_HEAD)
-            self._head_bytes += len(data) if end < 0 else max(0, end - len(self._tail))
+            if end < 0:
+                # Not the bytes that may begin the blank line: a head is counted the same
+                # however its writes were split.
+                begun = next((n for n in (3, 2, 1) if joined.endswith(END_OF_HEAD[:n])), 0)
+                counted = len(data) - min(begun, len(data))
+            else:
+                counted = max(0, end - len(self._tail))
+            self._head_bytes += counted
             self._tail = joined[-3:]
             if self._head_bytes > self._limit:
                 self._refuse(f"Request headers larger than {self._limit} bytes.")

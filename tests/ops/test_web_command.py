@@ -385,3 +385,11 @@ def test_a_request_head_past_the_bound_is_refused_by_the_http_server():
         late = _exchange(url, first + b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n" + big)
         assert late.startswith(b"HTTP/1.1 200") and late.count(b"HTTP/1.1 400") == 1, late[:400]
         assert late.index(b"HTTP/1.1 400") > late.index(b"HTTP/1.1 200")
+        # At the bound and one past it, the same answer however the blank line is split.
+        line = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nX-Pad: "
+        for size, status in [(65_536, b"HTTP/1.1 200"), (65_537, b"HTTP/1.1 400")]:
+            request = line + b"p" * (size - len(line)) + b"\r\n\r\n"
+            for cut in (0, 1, 2, 3, 4):
+                parts = (request,) if not cut else (request[:-cut], request[-cut:])
+                answer = _exchange(url, *parts)
+                assert answer.startswith(status), (size, cut, answer[:100])
