@@ -86,18 +86,25 @@ def token_printed(output: list[str]) -> str:
     )
 
 
-def test_run_command_brings_the_demo_up_and_stops_cleanly(tmp_path):
-    port = free_port()
+def started_dev(args: list[str], data: Path) -> tuple[subprocess.Popen, list[str]]:
+    """`manage.py dev` with `args` on the data folder `data`: its process, and the lines it
+    prints (read by a thread as they come)."""
     process = subprocess.Popen(
-        [sys.executable, "manage.py", "dev", "--port", str(port)],
+        [sys.executable, "manage.py", "dev", *args],
         cwd=ROOT,
-        env=dev_environment(tmp_path / "data"),
+        env=dev_environment(data),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     output: list[str] = []
     threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
+    return process, output
+
+
+def test_run_command_brings_the_demo_up_and_stops_cleanly(tmp_path):
+    port = free_port()
+    process, output = started_dev(["--port", str(port)], tmp_path / "data")
     try:
         token = token_printed(output)
         base = f"http://127.0.0.1:{port}"
@@ -159,16 +166,7 @@ def test_a_second_dev_on_the_data_folder_of_a_running_one_refuses_and_changes_no
     port = free_port()
     data = tmp_path / "data"
     command = [sys.executable, "manage.py", "dev", "--no-worker", "--port", str(port)]
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=dev_environment(data),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    output: list[str] = []
-    threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
+    process, output = started_dev(command[3:], data)
     try:
         token = token_printed(output)
         base = f"http://127.0.0.1:{port}"
