@@ -327,6 +327,7 @@ def update_definition(
         if callable(spec):
             spec = spec(before if UNREADABLE not in before else snapshot_to_edit(locked))
         was_paused, was_limited = locked.paused, locked.limited
+        copied = _copied_to_runs(locked)
         spec = as_stored(held(spec, locked), locked.schedule)
         schedule_changed = spec.schedule is not locked.schedule
         replaced_key = locked.payload_key
@@ -338,6 +339,13 @@ def update_definition(
         # by them (a PUT, a PATCH or a sync stating `paused` left them waiting).
         if schedule_changed or (locked.paused and not was_paused):
             made_ahead = retention.delete_made_ahead(locked.pk)
+        elif _copied_to_runs(locked) != copied and not locked.paused:
+            # The runs made ahead carry what they were made with: switched to a dry run, or to
+            # another queue, the next fire ran for real where it had been. Made again, from
+            # the first of their fire times, as the job is now.
+            made_ahead, first = retention.made_ahead_deleted(locked.pk)
+            if first is not None and (locked.next_due_at is None or first < locked.next_due_at):
+                locked.next_due_at = first
         if replaced_key != locked.payload_key:
             # The payload it replaced, kept for good once no row referred to it.
             made_ahead.append(replaced_key)
@@ -489,6 +497,17 @@ def set_paused(
         )
     payloads.delete_unreferenced(made_ahead)
     return locked, True
+
+
+def _copied_to_runs(definition: JobDefinition) -> tuple[Any, ...]:
+    """What a run takes from its definition when it is made (its own copy)."""
+    return (
+        definition.queue,
+        definition.priority,
+        definition.dry_run,
+        definition.payload,
+        definition.payload_key,
+    )
 
 
 def _rearmed(definition: JobDefinition, now: datetime) -> datetime | None:

@@ -9,6 +9,7 @@ Dead runs stay until someone handles them (requeue or discard), whatever their a
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 
 from django.conf import settings
 from django.db import DatabaseError, connections, transaction
@@ -58,7 +59,7 @@ DELETE_MADE_AHEAD = """
 DELETE FROM runs_run
 WHERE definition_id = %(definition)s AND due_at > now() AND trigger IN ('cron', 'catch_up')
   AND state IN ('scheduled', 'ready') AND attempt = 0
-RETURNING payload_key
+RETURNING payload_key, due_at
 """
 
 DELETE_AUDIT = """
@@ -109,9 +110,16 @@ def delete_made_ahead(definition_id: int) -> list[str]:
     shard database, inside the caller's transaction; return their payload keys (for
     `payloads.delete_unreferenced` once it commits). At most the materialiser's lookahead of
     fire times."""
+    return made_ahead_deleted(definition_id)[0]
+
+
+def made_ahead_deleted(definition_id: int) -> tuple[list[str], datetime | None]:
+    """`delete_made_ahead`, with the first fire time deleted (None: none was): to make them
+    again from there."""
     with shards.cursor() as cursor:
         cursor.execute(DELETE_MADE_AHEAD, {"definition": definition_id})
-        return [row[0] for row in cursor.fetchall() if row[0]]
+        rows = cursor.fetchall()
+    return [key for key, _ in rows if key], min((due for _, due in rows), default=None)
 
 
 def delete_runs_of(definition_id: int, batch: int = 5000) -> int:

@@ -618,10 +618,10 @@ def test_a_changed_schedule_drops_the_runs_made_ahead_by_the_old_one(api_a):
         due,
     }
     assert ahead not in Run.objects.values_list("pk", flat=True)
-    # A change that leaves the schedule as it was drops nothing: another field, or the same
-    # schedule with its defaults written out (as the dashboard's form writes them).
+    # A change that leaves the schedule as it was drops nothing: a field runs do not take a
+    # copy of, or the same schedule with its defaults written out (as the dashboard's form).
     kept = run("cron", 55)
-    assert api_a.patch("/api/v1/jobs/ops.ending", {"queue": "other"}).status_code == 200
+    assert api_a.patch("/api/v1/jobs/ops.ending", {"owner": "ops"}).status_code == 200
     stored = JobDefinition.objects.get(pk=job.pk).schedule
     terse = {key: stored[key] for key in ("cron", "endAt")}  # as older rows hold it
     JobDefinition.objects.filter(pk=job.pk).update(schedule=terse)
@@ -633,6 +633,36 @@ def test_a_changed_schedule_drops_the_runs_made_ahead_by_the_old_one(api_a):
     # Nor is it a change: the stored JSON stays as it was and no update is audited.
     assert JobDefinition.objects.get(pk=job.pk).schedule == terse
     assert AuditEvent.objects.filter(action="job.update").count() == updates
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"dryRun": True}, {"queue": "elsewhere"}, {"priority": "critical"}, {"payload": {"v": 2}}],
+)
+def test_runs_made_ahead_are_made_again_as_the_job_now_is(api_a, change):
+    """A run keeps what it was made with: switched to a dry run (or another queue, priority,
+    payload) a minute before its fire, the job's next run ran for real, where it had been."""
+    made = api_a.post(
+        "/api/v1/jobs",
+        {
+            "name": "ops.every",
+            "queue": "here",
+            "schedule": {"cron": "* * * * *", "jitterSeconds": 0},
+        },
+    )
+    assert made.status_code == 201, made.text
+    job = JobDefinition.objects.get(name="ops.every")
+    due = db_now().replace(second=0, microsecond=0) + timedelta(minutes=1)
+    with shards.using(shards.alias_of_shard(job.shard)):
+        (ahead,) = store.insert_runs([store.NewRun(job.pk, "cron", due, due, "ops.every@m")])
+    JobDefinition.objects.filter(pk=job.pk).update(next_due_at=due + timedelta(minutes=1))
+    changed = api_a.patch("/api/v1/jobs/ops.every", change)
+    assert changed.status_code == 200, changed.text
+    assert not Run.objects.filter(pk=ahead).exists()
+    assert JobDefinition.objects.get(pk=job.pk).next_due_at == due  # made again from its time
+    # Another change of the kind, with nothing made ahead, leaves the next fire time alone.
+    api_a.patch("/api/v1/jobs/ops.every", {"owner": "ops"})
+    assert JobDefinition.objects.get(pk=job.pk).next_due_at == due
 
 
 @pytest.mark.parametrize(
