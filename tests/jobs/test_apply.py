@@ -188,6 +188,13 @@ def test_a_number_written_with_an_exponent_and_no_dot_is_a_number(tmp_path, team
         (b"\xff\xfe\x00garbage", "not UTF-8"),
         (b"jobs: &a [{name: a.r, queue: q, payload: *a}]\nteam: team-a\n", "contains itself"),
         (b"team: team-a\nteam: team-b\njobs: []\n", "given twice"),
+        # Spelt two ways, one key once JSON holds it: one of them was dropped without a word.
+        (b"team: team-a\njobs: [{name: a.r, queue: q, payload: {1: x, '1': y}}]\n", "given twice"),
+        (b"team: team-a\njobs: [{name: a.r, queue: q, payload: {on: x, 'true': y}}]\n", "twice"),
+        # A list or a mapping as a key was a TypeError's traceback.
+        (b"team: team-a\njobs:\n  - ? [a, b]\n    : 1\n", "is no JSON key"),
+        (b"team: team-a\njobs: [{name: a.r, queue: q, payload: {? {k: 1} : 2}}]\n", "no JSON"),
+        (b"team: team-a\nbase: &b {queue: q}\njobs:\n  - <<: *b\n    name: a.r\n", "merge keys"),
         (
             b"team: team-a\na: &a [x, x, x, x, x, x, x, x, x, x]\n"
             + b"".join(
@@ -198,7 +205,17 @@ def test_a_number_written_with_an_exponent_and_no_dot_is_a_number(tmp_path, team
             "more than 2000000 values",
         ),
     ],
-    ids=["not-utf8", "self-reference", "duplicate-key", "billion-laughs"],
+    ids=[
+        "not-utf8",
+        "self-reference",
+        "duplicate-key",
+        "duplicate-key-as-json",
+        "duplicate-bool-key-as-json",
+        "list-key",
+        "mapping-key",
+        "merge-key",
+        "billion-laughs",
+    ],
 )
 def test_a_hostile_file_is_an_error_not_a_traceback(tmp_path, team_a, content, reason):
     path = tmp_path / "jobs.yaml"

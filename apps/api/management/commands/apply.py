@@ -124,12 +124,23 @@ class _Loader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
+            if key_node.tag == "tag:yaml.org,2002:merge":
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} is given twice", key_node.start_mark
+                    None, None, "merge keys (<<) are not supported: write the fields out",
+                    key_node.start_mark,
+                )  # fmt: skip
+            key = self.construct_object(key_node, deep=True)
+            # Compared as JSON will hold them: `1` and `"1"`, `on` and `"true"` are one key.
+            text = _json_key(key)
+            if text is None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r:.40} is no JSON key", key_node.start_mark
                 )
-            seen.add(key)
+            if text in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {text!r} is given twice", key_node.start_mark
+                )
+            seen.add(text)
         return super().construct_mapping(node, deep=deep)
 
 
@@ -226,7 +237,15 @@ def _as_json(document: Any, path: Path) -> Any:
 
 
 def _key_text(key: Any, path: Path) -> str:
-    """A mapping key as JSON writes it: YAML reads `on:` as true and `1:` as 1."""
+    text = _json_key(key)
+    if text is None:
+        raise CommandError(f"{path}: the key {key!r:.40} is no JSON key.")
+    return text
+
+
+def _json_key(key: Any) -> str | None:
+    """A mapping key as JSON writes it (YAML reads `on:` as true and `1:` as 1); None for one
+    JSON has no key for (a list, a mapping)."""
     if isinstance(key, str):
         return key
     if isinstance(key, bool) or key is None:
@@ -235,4 +254,4 @@ def _key_text(key: Any, path: Path) -> str:
         return json.dumps(key)
     if isinstance(key, datetime | date):
         return key.isoformat()
-    raise CommandError(f"{path}: the key {key!r:.40} is no JSON key.")
+    return None
