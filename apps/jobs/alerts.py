@@ -202,7 +202,11 @@ def _missed(definition: JobDefinition, since: datetime, now: datetime) -> list[A
     schedule = sched.parse_schedule(definition.schedule)
     if not isinstance(schedule, sched.CronSchedule) or definition.paused:
         return []
-    grace = timedelta(seconds=definition.lateness_slo_seconds + definition.timeout_seconds)
+    # Counted from when its run may start, as lateness is: its cron time plus its jitter. From
+    # the cron time alone, a job whose jitter passed its SLO and timeout was paged missed (then
+    # recovered) at every fire time, though each of its runs started on time.
+    jitter = sched.jitter_offset(definition.name, schedule.jitter_seconds)
+    grace = timedelta(seconds=jitter + definition.lateness_slo_seconds + definition.timeout_seconds)
     # Only times whose grace has passed can be judged, and none before its schedule took
     # effect: after a pause or a change of schedule, the times before it were reported missed
     # (and paged), though the job restarts from the next fire time by design.

@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.utils.dateparse import parse_datetime
 
 from apps.jobs.models import JobDefinition
 from apps.runs.clock import format_utc
@@ -92,6 +93,30 @@ def _hourly_job_without_runs(api, *, hours: int) -> None:
         )
 
 
+def test_a_cron_time_is_missed_only_once_its_jittered_start_is_past_its_slo(team_a):
+    """A job whose jitter put its start past its SLO plus timeout was paged `job.missed` at
+    every fire time, and recovered a little later, though each run started on time."""
+    from apps.jobs import alerts
+    from apps.jobs.schedule import jitter_offset
+
+    name = next(f"slo.j{n}" for n in range(1000) if jitter_offset(f"slo.j{n}", 60) >= 40)
+    offset = jitter_offset(name, 60)
+    definition = make_definition(
+        team_a, name, queue="slo", schedule={"cron": "* * * * *", "jitterSeconds": 60},
+        lateness_slo_seconds=5, timeout_seconds=10,
+    )  # fmt: skip
+    fire = db_now().replace(second=0, microsecond=0) - timedelta(minutes=5)
+    made = fire - timedelta(seconds=1)
+    JobDefinition.objects.filter(pk=definition.pk).update(created_at=made, armed_at=made)
+    definition.refresh_from_db()
+    since = fire - timedelta(hours=1)
+    # Its run may start `offset` s after the cron time: not missed before that and its SLO
+    # and timeout have passed, missed after.
+    assert alerts._missed(definition, since, fire + timedelta(seconds=offset + 14)) == []
+    (missed,) = alerts._missed(definition, since, fire + timedelta(seconds=offset + 15))
+    assert (missed.kind, missed.due_at) == ("missed", fire)
+
+
 def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
     # The definition has existed for three hours and no scheduler ran: nothing was inserted.
     _hourly_job_without_runs(api_a, hours=3)
@@ -101,7 +126,6 @@ def test_a_cron_time_without_any_run_is_missed(api_a, team_a):
     # A successful run for one of those times clears it.
     definition = JobDefinition.objects.get()
     latest = max(a["dueAt"] for a in missed)
-    from django.utils.dateparse import parse_datetime
 
     def cron_run(due_at: str, state: str, **fields) -> Run:
         due = parse_datetime(due_at)
