@@ -1087,41 +1087,59 @@ class DlqActionView(ManageView):
             asked: dict[str, list[int] | None] = dict(shards.runs_by_database(pks))
         else:
             asked = dict.fromkeys(shards.databases())
-        # One selection per shard database (all of them for a filter, where one that is down
-        # makes the request a 503 rather than a partial requeue); the transition itself is one
-        # transaction per database.
-        runs: list[Run] = []
-        foreign: dict = {}
-        for alias, ids in asked.items():
-            with shards.reaching(alias):
-                dead = Run.objects.filter(team_id__in=team_ids, state=State.DEAD)
-                if ids is None:
-                    dead = filters.apply(dead, body.filter)
-                else:
-                    dead = dead.filter(pk__in=ids)
-                    others = Run.objects.filter(pk__in=ids).exclude(team_id__in=team_ids)
-                    for run in shards.with_teams(others):
-                        foreign.setdefault(run.team, []).append(run.run_id)
-                runs += shards.with_teams(dead.order_by("pk")[:DLQ_ACTION_MAX])
-        for team, run_ids in foreign.items():
-            self._deny(request, team, "run", run_ids)
-        runs = sorted(runs, key=lambda run: run.pk)[:DLQ_ACTION_MAX]
         action = transitions.requeue if self.action_name == "requeue" else transitions.discard
-        try:
-            changed = action(runs, self.actor(request))
-        except transitions.PartlyTransitioned as exc:  # not a 5xx over runs that changed
-            return Response(
-                run_shape.DlqActionAnswer(
-                    count=len(exc.changed),
-                    runIds=[run.run_id for run in exc.changed],
-                    unavailableShards=exc.spans,
-                ),
-                status=status.HTTP_207_MULTI_STATUS,
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            )
+        changed: list[Run] = []
+        after = 0  # the runs up to this id were selected (a filter's next batch starts above)
+        while True:
+            wanted = DLQ_ACTION_MAX - len(changed)
+            runs, foreign = _dead_selected(asked, team_ids, body, after, wanted)
+            for team, run_ids in foreign.items():
+                self._deny(request, team, "run", run_ids)
+            try:
+                changed += action(runs, self.actor(request))
+            except transitions.PartlyTransitioned as exc:  # not a 5xx over runs that changed
+                done = changed + list(exc.changed)
+                return Response(
+                    run_shape.DlqActionAnswer(
+                        count=len(done),
+                        runIds=[run.run_id for run in done],
+                        unavailableShards=exc.spans,
+                    ),
+                    status=status.HTTP_207_MULTI_STATUS,
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                )
+            # A filter's runs taken meanwhile by another call (a requeue and a discard of
+            # everything at once): the next ones that match, up to the cap. Taken alone, the
+            # call that came second answered `count: 0` over thousands still dead.
+            if body.runIds is not None or len(runs) < wanted or len(changed) >= DLQ_ACTION_MAX:
+                break
+            after = runs[-1].pk
         return Response(
             run_shape.DlqActionAnswer(count=len(changed), runIds=[run.run_id for run in changed])
         )
+
+
+def _dead_selected(
+    asked: dict[str, list[int] | None], team_ids: list[int], body: Any, after: int, limit: int
+) -> tuple[list[Run], dict[Any, list[str]]]:
+    """The team's dead runs a DLQ action names, lowest ids first, above `after`, at most
+    `limit`; and the runs of other teams it named, by team. One selection per shard database
+    (all of them for a filter, where one that is down makes the request a 503 rather than a
+    partial requeue)."""
+    runs: list[Run] = []
+    foreign: dict[Any, list[str]] = {}
+    for alias, ids in asked.items():
+        with shards.reaching(alias):
+            dead = Run.objects.filter(team_id__in=team_ids, state=State.DEAD, pk__gt=after)
+            if ids is None:
+                dead = filters.apply(dead, body.filter)
+            else:
+                dead = dead.filter(pk__in=ids)
+                others = Run.objects.filter(pk__in=ids).exclude(team_id__in=team_ids)
+                for run in shards.with_teams(others):
+                    foreign.setdefault(run.team, []).append(run.run_id)
+            runs += shards.with_teams(dead.order_by("pk")[:limit])
+    return sorted(runs, key=lambda run: run.pk)[:limit], foreign
 
 
 @extend_schema_view(

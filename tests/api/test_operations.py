@@ -124,3 +124,30 @@ def test_bad_queue_settings_are_refused_and_change_nothing(api_a, team_a, body, 
     assert field in answer.json()["errors"]
     assert not Queue.objects.filter(name="rq").exists()
     assert not AuditEvent.objects.filter(target_type="queue").exists()
+
+
+def test_a_capped_dlq_action_whose_runs_another_took_takes_the_next_ones(
+    api_a, team_a, monkeypatch
+):
+    """A requeue and a discard of everything at once chose the same lowest runs: the one that
+    came second changed none of them and answered `count: 0` over thousands still dead. It
+    takes the next runs that match, up to the cap."""
+    from apps.api import views_manage
+    from apps.runs.models import Run
+    from tests.conftest import sent_behind_a_change
+
+    monkeypatch.setattr(views_manage, "DLQ_ACTION_MAX", 4)
+    definition = make_definition(team_a, "jobs.dead", queue="q")
+    ids = add_ready_runs(definition, 10)
+    Run.objects.filter(pk__in=ids).update(state="dead", attempt=1)
+    # Another session discards the first four (the lowest, which this call chooses too) and
+    # commits once the call waits on them.
+    answer = sent_behind_a_change(
+        ids[3],
+        "UPDATE runs_run SET state = 'cancelled' WHERE state = 'dead' AND id <= %s",
+        lambda: api_a.post("/api/v1/dlq/requeue", {"filter": {"all": True}}),
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["count"] == 4
+    states = dict(Run.objects.filter(pk__in=ids).values_list("pk", "state"))
+    assert [states[pk] for pk in ids] == ["cancelled"] * 4 + ["ready"] * 4 + ["dead"] * 2

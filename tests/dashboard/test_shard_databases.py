@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from apps.runs import shards
-from tests.conftest import Layout
+from tests.conftest import Layout, stored_run
 from tests.dashboard.conftest import client_for
 
 pytestmark = [
@@ -45,6 +45,12 @@ def test_every_page_shows_each_database_and_names_one_that_is_down(
         run_page = client.get(f"/runs/{dead[down].run_id}")
         job_page = client.get(f"/jobs/{jobs[down].name}")
         other_run = client.get(f"/runs/{dead[layout.aliases[0]].run_id}")
+        # An action is refused whole, and the page says so, not "this page cannot be shown".
+        pause = client.post(f"/jobs/{jobs[down].name}/pause")
+        requeue = client.post(
+            "/runs/bulk",
+            {"action": "requeue", "ids": [run.run_id for run in dead.values()], "confirm": "yes"},
+        )
     for page, answer in shown.items():
         assert answer.status_code == 200, page
         text = answer.content.decode()
@@ -57,6 +63,12 @@ def test_every_page_shows_each_database_and_names_one_that_is_down(
         assert (answer.status_code, answer["Retry-After"]) == (503, "1")
         assert f"Shards {span} are unavailable" in answer.content.decode()
     assert other_run.status_code == 200
+    for answer in (pause, requeue):
+        text = answer.content.decode()
+        assert answer.status_code == 503 and f"Shards {span} are unavailable" in text
+        assert "this action was refused and nothing was changed" in text
+        assert "this page cannot be shown" not in text
+    assert all(stored_run(run.pk).state == "dead" for run in dead.values())
 
 
 def test_a_job_saved_on_a_database_that_is_down_keeps_the_form_and_says_why(
