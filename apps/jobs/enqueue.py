@@ -286,7 +286,10 @@ def _drop_unused_payloads(asked: list[NewRun], made: set[tuple[int, str]]) -> No
         except DatabaseError:  # the database the request failed on, say: the answer stands
             log.warning("enqueue: %d unused payload blobs not deleted", len(keys), exc_info=True)
 
-    transaction.on_commit(drop, using=shards.CONTROL)
+    try:
+        transaction.on_commit(drop, using=shards.CONTROL)  # at once outside a transaction
+    except DatabaseError:  # asking whether it is in one needs the database: as in drop()
+        log.warning("enqueue: %d unused payload blobs not deleted", len(keys), exc_info=True)
 
 
 def _insert_on(

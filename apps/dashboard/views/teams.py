@@ -4,6 +4,8 @@ channels (apps/dashboard/views/channels.py)."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
+from typing import Any
 
 from django.contrib import messages
 from django.db.models import QuerySet
@@ -60,7 +62,14 @@ def team_detail(request: HtmxHttpRequest, slug: str) -> HttpResponse:
     return team_detail_page(request, _team(request, slug, role=None))
 
 
-def owned(request: HtmxHttpRequest, team: Team, rows: QuerySet, pk: int, kind: str, name):
+def owned(
+    request: HtmxHttpRequest,
+    team: Team,
+    rows: QuerySet,
+    pk: int,
+    kind: str,
+    name: Callable[[Any], str],
+) -> Any:
     """The team's row `pk` of `rows` (a 404 otherwise). A row of a team the user does not see
     is answered as a missing one, and the attempt recorded as on runs and jobs: `name(row)`
     names it in the trail."""
