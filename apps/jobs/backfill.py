@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -66,7 +66,11 @@ def plan(definition: JobDefinition, start: datetime, end: datetime) -> BackfillP
             schedule, start - timedelta(microseconds=1), end, cap + 1
         )
     except OverflowError as exc:  # a bound at the very ends of datetime's range
-        raise BackfillError({"from": "The range reaches past the years 1 to 9999."}) from exc
+        raise BackfillError(
+            {
+                "from": "The range reaches the first or last instants a time can hold (in 0001-01-01 or 9999-12-31, in the zone of the schedule): fire times cannot be computed there."
+            }
+        ) from exc
     capped = len(times) > cap
     times = times[:cap]
     if capped:
@@ -111,6 +115,9 @@ def run_backfill(
     ]
     with shards.writing(database_to_write(definition.name)):
         created = len(insert_runs(runs))
+        # What the insert found, not what the plan counted before it: the same backfill sent
+        # twice at once answered "5 473 new" over none created (the other had made them).
+        backfill = replace(backfill, existing=len(backfill.times) - created)
         record(
             actor,
             "job.backfill",

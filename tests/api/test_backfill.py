@@ -92,7 +92,11 @@ def test_backfill_refuses_bad_ranges_and_non_cron_jobs(api_a):
             "/api/v1/jobs/etl.cron/backfill", {"from": start, "to": "9999-12-31T23:59:00Z"}
         )
         assert ends.status_code == 400, ends.text
-        assert ends.json()["errors"] == {"from": ["The range reaches past the years 1 to 9999."]}
+        assert ends.json()["errors"] == {
+            "from": [
+                "The range reaches the first or last instants a time can hold (in 0001-01-01 or 9999-12-31, in the zone of the schedule): fire times cannot be computed there."
+            ]
+        }
     now = db_now()
     across = api_a.post(
         "/api/v1/jobs/etl.cron/backfill",
@@ -185,3 +189,43 @@ def test_a_range_past_the_cap_creates_only_the_cap(api_a, settings):
         {"from": "2026-01-01T03:30:01Z", "to": "2026-01-02T00:00:00Z", "confirm": True},
     )
     assert rest.json()["created"] == 4 and rest.json()["until"] == "2026-01-01T07:30:00Z"
+
+
+def test_the_same_backfill_sent_at_once_answers_what_each_made(api_a, live_server, token_a):
+    """Four copies of one confirmed backfill at once: the runs are made once, and each answer
+    counts as new what it made (the others' are existing). Counted before the insert, the
+    losers answered "5 473 new" over none created."""
+    import threading
+
+    from tests.conftest import Api
+
+    api_a.post(
+        "/api/v1/jobs",
+        {
+            "name": "etl.five",
+            "queue": "etl",
+            "schedule": {"cron": "*/5 * * * *", "jitterSeconds": 0},
+        },
+    )
+    body = {"from": "2026-06-01T00:00:00Z", "to": "2026-06-10T00:00:00Z", "confirm": True}
+    start = threading.Barrier(4)
+    answers: list[dict] = []
+
+    def send() -> None:
+        client = Api(live_server.url, token_a)
+        start.wait()
+        answers.append(client.post("/api/v1/jobs/etl.five/backfill", body).json())
+        client.http.close()
+
+    threads = [threading.Thread(target=send) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    count = answers[0]["count"]
+    assert len(answers) == 4 and sum(a["created"] for a in answers) == count == Run.objects.count()
+    for answer in answers:
+        assert (answer["new"], answer["existing"]) == (
+            answer["created"],
+            count - answer["created"],
+        ), answer
