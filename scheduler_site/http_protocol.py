@@ -11,10 +11,10 @@ Each read is counted before the parser sees it, up to the blank line that ends t
 across two reads too), so a body is not counted (its own limit is the application's). Counting
 starts again after each request; a read that holds the end of one request and the head of the
 next is counted from the next read on, so a pipelined head may pass the bound by one read
-(256 KB). A refused connection is read and
-dropped for a moment before it is closed (closed with bytes unread, it is reset under the
-answer, which the client then never reads), and the 400 waits for the answers to the requests
-before it on the connection (pipelined), which it would otherwise overtake.
+(256 KB). A refused connection is read and dropped for a moment before it is closed (closed
+with bytes unread, it is reset under the answer, which the client then never reads), and the
+400 waits for the answers to the requests before it on the connection (pipelined), which it
+would otherwise overtake.
 """
 
 from __future__ import annotations

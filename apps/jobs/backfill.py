@@ -23,6 +23,13 @@ class BackfillError(ValueError):
         self.errors = errors
 
 
+# A bound at the very ends of what a datetime holds, where fire times cannot be computed.
+AT_THE_ENDS_OF_TIME = (
+    "The range reaches the first or last instants a time can hold (in 0001-01-01 or "
+    "9999-12-31, in the zone of the schedule): fire times cannot be computed there."
+)
+
+
 @dataclass(frozen=True)
 class BackfillPlan:
     times: list[firetimes.FireTime]
@@ -66,11 +73,7 @@ def plan(definition: JobDefinition, start: datetime, end: datetime) -> BackfillP
             schedule, start - timedelta(microseconds=1), end, cap + 1
         )
     except OverflowError as exc:  # a bound at the very ends of datetime's range
-        raise BackfillError(
-            {
-                "from": "The range reaches the first or last instants a time can hold (in 0001-01-01 or 9999-12-31, in the zone of the schedule): fire times cannot be computed there."
-            }
-        ) from exc
+        raise BackfillError({"from": AT_THE_ENDS_OF_TIME}) from exc
     capped = len(times) > cap
     times = times[:cap]
     if capped:
